@@ -1,0 +1,4 @@
+//! gRPC definitions shared by Baton's services
+//!
+//! Not built yet: this crate is filled by issue 4. It exports nothing so
+//! that nothing can depend on behaviour that does not exist.

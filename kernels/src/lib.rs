@@ -1,1 +1,21 @@
-//! Compute kernels.
+//! Compute kernels for a Llama-family forward pass behind one backend trait.
+//!
+//! The CPU backend (always built) runs quantized matrix products with 8-bit
+//! activations, RMSNorm, rotary embeddings, the SiLU-gated MLP and attention
+//! over a paged KV arena. Reduction orders are fixed per output element, so
+//! results are bit-identical whether a row runs alone or in a batch, in one
+//! prefill chunk or many, and on any x86-64 or portable code path.
+
+pub mod attention;
+pub mod backend;
+pub mod kv;
+pub mod matmul;
+pub mod ops;
+pub mod quant;
+
+pub use attention::AttnRow;
+pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError};
+pub use kv::{KvDtype, KvLayout, KvStorage};
+pub use matmul::QMatrix;
+pub use ops::RopeTable;
+pub use quant::WeightFormat;

@@ -1,0 +1,249 @@
+//! The backend trait: every tensor operation of a Llama-family forward pass,
+//! over tensors, weight matrices and a KV arena that the backend owns (host
+//! memory for the CPU backend, device memory for an accelerator backend).
+//!
+//! The engine drives a forward pass only through this trait, so a backend
+//! swaps in without touching the model code. Contract for every backend:
+//! row results must not depend on how many rows are batched together.
+
+use crate::attention::{attention, AttnRow};
+use crate::kv::{KvLayout, KvStorage};
+use crate::matmul::{matmul, MatrixError, QMatrix};
+use crate::ops::{self, RopeTable};
+use crate::quant::{QuantizedActs, WeightFormat};
+
+/// Errors of the kernels crate.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Matrix(#[from] MatrixError),
+    #[error("backend {backend} is unavailable: {reason}")]
+    BackendUnavailable { backend: &'static str, reason: String },
+    #[error("could not start {threads} compute threads: {reason}")]
+    Threads { threads: usize, reason: String },
+}
+
+impl KernelError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KernelError::Matrix(_) => "matrix",
+            KernelError::BackendUnavailable { .. } => "backend_unavailable",
+            KernelError::Threads { .. } => "threads",
+        }
+    }
+}
+
+/// Which backend to run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+/// The operations of a forward pass. Tensors are flat row-major f32 arrays
+/// from the caller's point of view; their storage is the backend's.
+pub trait Backend: Send + Sync {
+    type Tensor: Send;
+    type Matrix: Send + Sync;
+    type Kv: Send + Sync;
+    type Rope: Send + Sync;
+
+    /// A human-readable name ("cpu (avx512-vnni, 2 threads)").
+    fn describe(&self) -> String;
+    /// Runs `f` with the backend's threads available to it.
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
+
+    fn matrix(&self, format: WeightFormat, n: usize, k: usize, bytes: &[u8]) -> Result<Self::Matrix, KernelError>;
+    fn matrix_from_f32(&self, n: usize, k: usize, w: Vec<f32>) -> Result<Self::Matrix, KernelError>;
+    fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
+    fn kv(&self, layout: KvLayout, blocks: usize) -> Result<Self::Kv, KernelError>;
+    fn rope(&self, head_dim: usize, base: f32, max_pos: usize) -> Self::Rope;
+
+    fn tensor(&self, len: usize) -> Self::Tensor;
+    fn upload(&self, data: &[f32]) -> Self::Tensor;
+    fn download(&self, t: &Self::Tensor, out: &mut [f32]);
+    /// Grows `t` to at least `len` elements (contents unspecified).
+    fn ensure_len(&self, t: &mut Self::Tensor, len: usize);
+
+    /// `out[i] = row tokens[i] of the embedding table`.
+    fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Tensor);
+    fn rmsnorm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32, rows: usize, dim: usize, out: &mut Self::Tensor);
+    /// For each `(w, out)`: `out = x · wᵀ` over `rows` rows of `x`.
+    fn matmul(&self, x: &Self::Tensor, rows: usize, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
+    fn apply_rope(&self, rope: &Self::Rope, x: &mut Self::Tensor, positions: &[u32], heads: usize);
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor, len: usize, out: &mut Self::Tensor);
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor, len: usize);
+    /// `out[i] = x[rows[i]]` for rows of `width` elements.
+    fn gather_rows(&self, x: &Self::Tensor, width: usize, rows: &[usize], out: &mut Self::Tensor);
+    /// Stores row `i` of `k` and `v` into `(block, slot) = slots[i]` of `layer`.
+    fn kv_write(&self, kv: &mut Self::Kv, layer: usize, k: &Self::Tensor, v: &Self::Tensor, slots: &[(u32, u32)]);
+    fn attention(&self, kv: &Self::Kv, layer: usize, q: &Self::Tensor, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut Self::Tensor);
+    /// Bytes of one block (all layers), for the second tier and transport.
+    fn kv_copy_block_out(&self, kv: &Self::Kv, block: usize, out: &mut [u8]);
+    fn kv_copy_block_in(&self, kv: &mut Self::Kv, block: usize, data: &[u8]);
+    fn kv_block_layer_out(&self, kv: &Self::Kv, block: usize, layer: usize, out: &mut [u8]);
+    fn kv_block_layer_in(&self, kv: &mut Self::Kv, block: usize, layer: usize, data: &[u8]);
+}
+
+/// The CPU backend: host memory, rayon threads, SIMD kernels chosen at run
+/// time (AVX-512 VNNI, AVX2, or portable code, all bit-identical).
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    threads: usize,
+}
+
+impl CpuBackend {
+    pub fn new(threads: usize) -> Result<Self, KernelError> {
+        let threads = threads.max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("baton-cpu-{i}"))
+            .build()
+            .map_err(|e| KernelError::Threads { threads, reason: e.to_string() })?;
+        Ok(CpuBackend { pool, threads })
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = Vec<f32>;
+    type Matrix = QMatrix;
+    type Kv = KvStorage;
+    type Rope = RopeTable;
+
+    fn describe(&self) -> String {
+        let isa = match crate::matmul::isa() {
+            crate::matmul::Isa::Avx512Vnni => "avx512-vnni",
+            crate::matmul::Isa::Avx2 => "avx2",
+            crate::matmul::Isa::Scalar => "portable",
+        };
+        format!("cpu ({isa}, {} threads)", self.threads)
+    }
+
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    fn matrix(&self, format: WeightFormat, n: usize, k: usize, bytes: &[u8]) -> Result<QMatrix, KernelError> {
+        Ok(QMatrix::from_ggml(format, n, k, bytes)?)
+    }
+
+    fn matrix_from_f32(&self, n: usize, k: usize, w: Vec<f32>) -> Result<QMatrix, KernelError> {
+        Ok(QMatrix::from_f32(n, k, w)?)
+    }
+
+    fn matrix_bytes(&self, m: &QMatrix) -> usize {
+        m.size_bytes()
+    }
+
+    fn kv(&self, layout: KvLayout, blocks: usize) -> Result<KvStorage, KernelError> {
+        Ok(KvStorage::new(layout, blocks))
+    }
+
+    fn rope(&self, head_dim: usize, base: f32, max_pos: usize) -> RopeTable {
+        RopeTable::new(head_dim, base, max_pos)
+    }
+
+    fn tensor(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn download(&self, t: &Vec<f32>, out: &mut [f32]) {
+        let n = out.len();
+        out.copy_from_slice(&t[..n]);
+    }
+
+    fn ensure_len(&self, t: &mut Vec<f32>, len: usize) {
+        if t.len() < len {
+            t.resize(len, 0.0);
+        }
+    }
+
+    fn embed(&self, table: &QMatrix, tokens: &[u32], out: &mut Vec<f32>) {
+        let k = table.k;
+        self.ensure_len(out, tokens.len() * k);
+        for (i, &t) in tokens.iter().enumerate() {
+            table.row_f32(t as usize, &mut out[i * k..(i + 1) * k]);
+        }
+    }
+
+    fn rmsnorm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, rows: usize, dim: usize, out: &mut Vec<f32>) {
+        self.ensure_len(out, rows * dim);
+        ops::rmsnorm(&x[..rows * dim], weight, eps, dim, &mut out[..rows * dim]);
+    }
+
+    fn matmul(&self, x: &Vec<f32>, rows: usize, outs: &mut [(&QMatrix, &mut Vec<f32>)]) {
+        let mut xq = QuantizedActs::default();
+        let mut quantized_k = 0;
+        for (w, out) in outs.iter_mut() {
+            if out.len() < rows * w.n {
+                out.resize(rows * w.n, 0.0);
+            }
+            if w.wants_quantized_acts() && quantized_k != w.k {
+                xq.quantize(x, rows, w.k);
+                quantized_k = w.k;
+            }
+            matmul(x, &xq, rows, w, out);
+        }
+    }
+
+    fn apply_rope(&self, rope: &RopeTable, x: &mut Vec<f32>, positions: &[u32], heads: usize) {
+        rope.apply(x, positions, heads);
+    }
+
+    fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        self.ensure_len(out, len);
+        ops::silu_mul(&gate[..len], &up[..len], &mut out[..len]);
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
+        ops::add_inplace(&mut x[..len], &y[..len]);
+    }
+
+    fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {
+        self.ensure_len(out, rows.len() * width);
+        for (i, &r) in rows.iter().enumerate() {
+            out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
+        }
+    }
+
+    fn kv_write(&self, kv: &mut KvStorage, layer: usize, k: &Vec<f32>, v: &Vec<f32>, slots: &[(u32, u32)]) {
+        let te = kv.layout.token_elems();
+        for (i, &(block, slot)) in slots.iter().enumerate() {
+            kv.write_token(layer, block as usize, slot as usize, &k[i * te..(i + 1) * te], &v[i * te..(i + 1) * te]);
+        }
+    }
+
+    fn attention(&self, kv: &KvStorage, layer: usize, q: &Vec<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut Vec<f32>) {
+        self.ensure_len(out, rows.len() * n_heads * kv.layout.head_dim);
+        attention(kv, layer, q, rows, n_heads, scale, out);
+    }
+
+    fn kv_copy_block_out(&self, kv: &KvStorage, block: usize, out: &mut [u8]) {
+        kv.copy_block_out(block, out);
+    }
+
+    fn kv_copy_block_in(&self, kv: &mut KvStorage, block: usize, data: &[u8]) {
+        kv.copy_block_in(block, data);
+    }
+
+    fn kv_block_layer_out(&self, kv: &KvStorage, block: usize, layer: usize, out: &mut [u8]) {
+        out.copy_from_slice(kv.block_layer_bytes(block, layer));
+    }
+
+    fn kv_block_layer_in(&self, kv: &mut KvStorage, block: usize, layer: usize, data: &[u8]) {
+        kv.set_block_layer_bytes(block, layer, data);
+    }
+}
+
+/// Says why the CUDA backend cannot be used in this build. The `cuda`
+/// feature (a later addition) swaps in the real backend.
+pub fn cuda_unavailable() -> KernelError {
+    KernelError::BackendUnavailable {
+        backend: "cuda",
+        reason: "this binary was built without the `cuda` feature".to_string(),
+    }
+}

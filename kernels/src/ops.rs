@@ -1,0 +1,148 @@
+//! Element-wise and row-wise operations of a Llama-family layer: RMSNorm,
+//! rotary position embedding, the SiLU-gated MLP glue and residual adds.
+//!
+//! Every function treats rows independently, with a fixed order of floating
+//! point operations per row, so a row's result never depends on its batch.
+
+use rayon::prelude::*;
+
+/// Rows shorter than this many elements in total run without rayon.
+const PAR_MIN: usize = 1 << 14;
+
+/// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight`, row by row.
+pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, dim: usize, out: &mut [f32]) {
+    let f = |(xr, or): (&[f32], &mut [f32])| {
+        let mut acc = [0f32; 8];
+        for c in xr.chunks_exact(8) {
+            for l in 0..8 {
+                acc[l] += c[l] * c[l];
+            }
+        }
+        let mut ss = crate::matmul::hsum8(acc);
+        for &v in &xr[dim / 8 * 8..] {
+            ss += v * v;
+        }
+        let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    };
+    let n = x.len() / dim;
+    if x.len() >= PAR_MIN {
+        x[..n * dim].par_chunks_exact(dim).zip(out.par_chunks_exact_mut(dim)).for_each(f);
+    } else {
+        x[..n * dim].chunks_exact(dim).zip(out.chunks_exact_mut(dim)).for_each(f);
+    }
+}
+
+/// `x += y`.
+pub fn add_inplace(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// `out = silu(gate) * up`, with `silu(g) = g / (1 + e^-g)`.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let f = |((o, g), u): ((&mut f32, &f32), &f32)| *o = *g / (1.0 + (-*g).exp()) * *u;
+    if gate.len() >= PAR_MIN {
+        out.par_iter_mut().zip(gate.par_iter()).zip(up.par_iter()).for_each(f);
+    } else {
+        out.iter_mut().zip(gate).zip(up).for_each(f);
+    }
+}
+
+/// Precomputed cos/sin of rotary angles for positions `0..max_pos`.
+///
+/// Angles follow GGML's recurrence (`theta *= base^(-2/d)` in f32), the
+/// convention of the GGUF files Baton loads, in "normal" mode: element pairs
+/// `(2i, 2i + 1)` rotate together (weights from Hugging Face checkpoints are
+/// permuted at load time to this convention).
+pub struct RopeTable {
+    pub head_dim: usize,
+    pub max_pos: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(head_dim: usize, base: f32, max_pos: usize) -> Self {
+        let half = head_dim / 2;
+        let theta_scale = base.powf(-2.0 / head_dim as f32);
+        let mut cos = vec![0f32; max_pos * half];
+        let mut sin = vec![0f32; max_pos * half];
+        for p in 0..max_pos {
+            let mut theta = p as f32;
+            for i in 0..half {
+                cos[p * half + i] = theta.cos();
+                sin[p * half + i] = theta.sin();
+                theta *= theta_scale;
+            }
+        }
+        RopeTable { head_dim, max_pos, cos, sin }
+    }
+
+    /// Rotates each head of each row of `x` (`rows x heads x head_dim`) by
+    /// the angle of that row's position.
+    pub fn apply(&self, x: &mut [f32], positions: &[u32], heads: usize) {
+        let hd = self.head_dim;
+        let half = hd / 2;
+        for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
+            let p = p as usize;
+            assert!(p < self.max_pos, "position {p} beyond the rope table ({})", self.max_pos);
+            let (c, s) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);
+            for head in row.chunks_exact_mut(hd) {
+                for i in 0..half {
+                    let (a, b) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = a * c[i] - b * s[i];
+                    head[2 * i + 1] = a * s[i] + b * c[i];
+                }
+            }
+        }
+    }
+}
+
+/// Index of the largest value (ties to the lowest index).
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rmsnorm_unit_rows() {
+        let x = vec![3.0, 4.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+        let mut out = vec![0.0; 8];
+        rmsnorm(&x, &[1.0; 4], 0.0, 4, &mut out);
+        let r = (25.0f32 / 4.0).sqrt();
+        assert!((out[0] - 3.0 / r).abs() < 1e-6);
+        assert!((out[4] - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_preserves_norm_and_position_zero_is_identity() {
+        let t = RopeTable::new(8, 10000.0, 16);
+        let mut x: Vec<f32> = (0..16).map(|i| i as f32 * 0.3 - 1.0).collect();
+        let orig = x.clone();
+        t.apply(&mut x, &[0, 5], 1);
+        assert_eq!(&x[..8], &orig[..8]);
+        let n0: f32 = orig[8..].iter().map(|v| v * v).sum();
+        let n1: f32 = x[8..].iter().map(|v| v * v).sum();
+        assert!((n0 - n1).abs() < 1e-4);
+    }
+
+    #[test]
+    fn silu_mul_matches_formula() {
+        let mut out = [0.0];
+        silu_mul(&[1.0], &[2.0], &mut out);
+        assert!((out[0] - 2.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,520 @@
+//! Test bodies of the conformance suite. Each takes the transport kind, builds a [`Rig`],
+//! and ends by checking the pools are exactly as they started.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::{Kind, Rig};
+use crate::error::{Error, Side};
+use crate::pool::BlockSink;
+use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
+use crate::transport::Link;
+use crate::types::{Epoch, KvDtype, KvLayout, ReservationId};
+
+/// 1 KiB per block-layer: many blocks per frame, several frames per layer.
+const SMALL: KvLayout = KvLayout {
+    layers: 4,
+    block_tokens: 16,
+    kv_heads: 2,
+    head_dim: 8,
+    dtype: KvDtype::F16,
+};
+
+/// Slack for scheduling on a loaded 2-core machine when checking "by the deadline".
+const SLACK: Duration = Duration::from_millis(1500);
+const LONG: Option<Duration> = Some(Duration::from_secs(20));
+
+async fn within<T>(limit: Duration, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(limit, f)
+        .await
+        .expect("did not finish in time")
+}
+
+fn kind_of<T: std::fmt::Debug>(r: crate::Result<T>) -> &'static str {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.kind(),
+    }
+}
+
+pub async fn round_trip_bit_exact(kind: Kind) {
+    let cases = [
+        (SMALL, 150),
+        (KvLayout::smollm2_135m(KvDtype::F16), 23),
+        (KvLayout::smollm2_135m(KvDtype::F32), 3),
+        (KvLayout::smollm2_135m(KvDtype::Bf16), 1),
+    ];
+    for (i, (layout, n)) in cases.into_iter().enumerate() {
+        let rig = Rig::new(kind, layout).await;
+        let seed = i as u64 ^ Instant::now().elapsed().as_nanos() as u64 ^ 0x5eed;
+        let src = rig.source_blocks(n, seed);
+        let res = rig.receiver.reserve(n, LONG).unwrap();
+        within(
+            Duration::from_secs(20),
+            rig.sender.send(&rig.peer, res.grant(), rig.src.clone(), src.clone()),
+        )
+        .await
+        .unwrap();
+        let dst = res.finished().await.unwrap();
+        rig.assert_same(&src, &dst);
+        let rs = rig.receiver.stats().snapshot();
+        assert_eq!(rs.reservations_completed, 1);
+        assert_eq!(rs.block_layers, (n * layout.layers as usize) as u64);
+        let ss = rig.sender.stats().snapshot();
+        assert_eq!(ss.transfers, 1);
+        assert_eq!(ss.transport, rig.connector.transport());
+        assert!(ss.bytes >= (n * layout.bytes_per_block()) as u64);
+        rig.finish(&src, &dst);
+    }
+}
+
+pub async fn layer_by_layer_arrival(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(70, 1);
+    let mut res = rig.receiver.reserve(70, LONG).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    for layer in 0..SMALL.layers {
+        assert_eq!(res.ready_layers(), layer);
+        t.send_layer(layer).await.unwrap();
+        // The receiver installs layer L before the sender has produced layer L+1.
+        within(Duration::from_secs(10), res.wait_ready_layers(layer + 1))
+            .await
+            .unwrap();
+        assert_eq!(res.ready_layers(), layer + 1);
+    }
+    t.finish().await.unwrap();
+    let dst = res.finished().await.unwrap();
+    rig.assert_same(&src, &dst);
+    rig.finish(&src, &dst);
+}
+
+pub async fn partial_layer_range(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(5, 2);
+    let mut res = rig.receiver.reserve_layers(5, 1..3, LONG).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    assert_eq!(kind_of(t.send_layer(0).await), "out_of_range");
+    t.send_layer(2).await.unwrap();
+    t.send_layer(1).await.unwrap();
+    within(Duration::from_secs(10), res.wait_ready_layers(2))
+        .await
+        .unwrap();
+    t.finish().await.unwrap();
+    let dst = res.finished().await.unwrap();
+    for (s, d) in src.iter().zip(&dst) {
+        for layer in 1..3 {
+            let bl = SMALL.bytes_per_block_layer();
+            let (mut a, mut b) = (vec![0; bl], vec![0; bl]);
+            crate::pool::BlockSource::read_layer(&*rig.src, *s, layer, &mut a).unwrap();
+            crate::pool::BlockSource::read_layer(&*rig.dst, *d, layer, &mut b).unwrap();
+            assert_eq!(a, b);
+        }
+    }
+    rig.finish(&src, &dst);
+}
+
+pub async fn corrupted_payload_is_detected_and_not_installed(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(8, 3);
+    let mut res = rig.receiver.reserve(8, LONG).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    within(Duration::from_secs(10), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+    let writes = rig.dst.layer_writes();
+    t.corrupt_layer = Some(1);
+    let sent = t.send_layer(1).await;
+    let outcome = match sent {
+        Err(e) => Err(e),
+        Ok(()) => within(Duration::from_secs(10), t.finish()).await,
+    };
+    assert_eq!(kind_of(outcome), "frame_checksum");
+    match res.finished().await {
+        Err(Error::FrameChecksum { layer: 1, .. }) => {}
+        other => panic!("expected a checksum failure on layer 1, got {other:?}"),
+    }
+    assert_eq!(rig.dst.layer_writes(), writes, "a corrupted block-layer was written");
+    let rs = rig.receiver.stats();
+    assert!(rs.snapshot().rejected_frames >= 1);
+    assert_eq!(rs.failures_of("frame_checksum"), 1);
+    rig.finish(&src, &[]);
+}
+
+pub async fn unknown_or_stale_reservation_is_rejected(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(4, 4);
+    let res = rig.receiver.reserve(4, LONG).unwrap();
+    let mut unknown = res.grant().clone();
+    unknown.reservation = ReservationId(res.id().0 + 1000);
+    let r = rig
+        .sender
+        .send(&rig.peer, &unknown, rig.src.clone(), src.clone())
+        .await;
+    assert!(matches!(r, Err(Error::UnknownReservation { .. })), "{r:?}");
+    let mut stale = res.grant().clone();
+    stale.epoch = Epoch(stale.epoch.0 ^ 0x8000);
+    let r = rig
+        .sender
+        .send(&rig.peer, &stale, rig.src.clone(), src.clone())
+        .await;
+    assert_eq!(kind_of(r), "stale_epoch");
+    assert_eq!(rig.dst.layer_writes(), 0, "a rejected link wrote into the pool");
+    // The foreign attempts did not disturb the real reservation.
+    rig.sender
+        .send(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    let dst = res.finished().await.unwrap();
+    rig.assert_same(&src, &dst);
+    assert_eq!(rig.receiver.stats().snapshot().rejected_frames, 2);
+    rig.finish(&src, &dst);
+}
+
+pub async fn expired_reservation_is_released_once_and_rejects_late_frames(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(4, 5);
+    let deadline = Duration::from_millis(200);
+    let started = Instant::now();
+    let res = rig.receiver.reserve(4, Some(deadline)).unwrap();
+    let grant = res.grant().clone();
+    let r = within(deadline + SLACK, res.finished()).await;
+    assert!(matches!(r, Err(Error::ReservationExpired { .. })), "{r:?}");
+    assert!(started.elapsed() >= deadline);
+    rig.assert_receiver_restored();
+    // A late sender (its own deadline still running) is told the reservation expired.
+    let mut late = grant;
+    late.deadline = Duration::from_secs(10);
+    late.issued_at = Instant::now();
+    let r = rig.sender.send(&rig.peer, &late, rig.src.clone(), src.clone()).await;
+    assert_eq!(kind_of(r), "reservation_expired");
+    let s = rig.receiver.stats().snapshot();
+    assert_eq!((s.reservations_expired, s.reservations_released), (1, 1));
+    assert_eq!(rig.dst.layer_writes(), 0);
+    rig.finish(&src, &[]);
+}
+
+pub async fn silent_sender_is_released_at_deadline(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(6, 6);
+    let deadline = Duration::from_millis(500);
+    let res = rig.receiver.reserve(6, Some(deadline)).unwrap();
+    let started = Instant::now();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    // The sender now stalls (a hung prefill node): the receiver's timer must act.
+    let r = within(deadline + SLACK, res.finished()).await;
+    assert!(matches!(r, Err(Error::ReservationExpired { .. })), "{r:?}");
+    let took = started.elapsed();
+    assert!(took >= deadline && took < deadline + SLACK, "{took:?}");
+    rig.assert_receiver_restored();
+    // Whichever timer the sender sees first, it fails too.
+    let k = kind_of(within(SLACK, t.finish()).await);
+    assert!(k == "reservation_expired" || k == "deadline_exceeded", "{k}");
+    rig.finish(&src, &[]);
+}
+
+pub async fn sender_dropped_mid_transfer_releases(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(6, 7);
+    let deadline = Duration::from_secs(10);
+    let mut res = rig.receiver.reserve(6, Some(deadline)).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    within(Duration::from_secs(5), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+    let dropped = Instant::now();
+    drop(t);
+    let r = within(deadline, res.finished()).await;
+    assert_eq!(kind_of(r), "peer_gone");
+    // Well within the deadline: the closed link is noticed at once.
+    assert!(dropped.elapsed() < Duration::from_secs(3));
+    rig.finish(&src, &[]);
+}
+
+pub async fn sender_task_aborted_mid_transfer_releases(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(6, 8);
+    let deadline = Duration::from_secs(3);
+    let mut res = rig.receiver.reserve(6, Some(deadline)).unwrap();
+    let (sender, peer, grant, source, blocks) = (
+        rig.sender.clone(),
+        rig.peer.clone(),
+        res.grant().clone(),
+        rig.src.clone(),
+        src.clone(),
+    );
+    let task = tokio::spawn(async move {
+        let mut t = sender.start(&peer, &grant, source, blocks).await.unwrap();
+        t.send_layer(0).await.unwrap();
+        std::future::pending::<()>().await;
+    });
+    within(Duration::from_secs(5), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+    task.abort();
+    let r = within(deadline + SLACK, res.finished()).await;
+    assert!(r.is_err(), "{r:?}");
+    rig.finish(&src, &[]);
+}
+
+pub async fn receiver_gone_sender_fails_within_deadline(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(6, 9);
+    let deadline = Duration::from_secs(2);
+    let mut res = rig.receiver.reserve(6, Some(deadline)).unwrap();
+    let started = Instant::now();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    within(Duration::from_secs(5), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+    rig.listener.shutdown();
+    let r = within(deadline + SLACK, async {
+        for layer in 1..SMALL.layers {
+            t.send_layer(layer).await?;
+        }
+        t.finish().await
+    })
+    .await;
+    assert!(r.is_err(), "{r:?}");
+    assert!(started.elapsed() < deadline + SLACK);
+    // The receiver's side of the link died with the listener: the reservation is released.
+    assert!(res.finished().await.is_err());
+    rig.finish(&src, &[]);
+}
+
+pub async fn silent_receiver_sender_fails_by_deadline(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(6, 10);
+    let (silent, _guard) = rig.silent_peer().await;
+    let deadline = Duration::from_millis(700);
+    let res = rig.receiver.reserve(6, Some(deadline)).unwrap();
+    let started = Instant::now();
+    let r = within(
+        deadline + SLACK,
+        rig.sender.send(&silent, res.grant(), rig.src.clone(), src.clone()),
+    )
+    .await;
+    assert_eq!(kind_of(r), "deadline_exceeded");
+    let took = started.elapsed();
+    assert!(took >= deadline - Duration::from_millis(50), "{took:?}");
+    drop(res);
+    rig.finish(&src, &[]);
+}
+
+pub async fn cancel_from_receiver(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(6, 11);
+    let mut res = rig.receiver.reserve(6, LONG).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    within(Duration::from_secs(5), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+    res.cancel();
+    // Released at once, not when the sender notices.
+    rig.assert_receiver_restored();
+    let r = within(Duration::from_secs(5), async {
+        for layer in 1..SMALL.layers {
+            t.send_layer(layer).await?;
+        }
+        t.finish().await
+    })
+    .await;
+    assert!(
+        matches!(r, Err(Error::Cancelled { by: Side::Receiver, .. })),
+        "{r:?}"
+    );
+    rig.finish(&src, &[]);
+}
+
+pub async fn cancel_from_sender(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(6, 12);
+    let mut res = rig.receiver.reserve(6, LONG).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    within(Duration::from_secs(5), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+    t.cancel().await;
+    let r = within(Duration::from_secs(5), res.finished()).await;
+    assert!(
+        matches!(r, Err(Error::Cancelled { by: Side::Sender, .. })),
+        "{r:?}"
+    );
+    rig.finish(&src, &[]);
+}
+
+pub async fn incomplete_transfer_is_rejected(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let src = rig.source_blocks(3, 13);
+    let res = rig.receiver.reserve(3, LONG).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    assert_eq!(kind_of(t.finish().await), "incomplete");
+    assert_eq!(kind_of(res.finished().await), "incomplete");
+    rig.finish(&src, &[]);
+}
+
+/// Opens a raw link and sends `frames`; returns the receiver's reply.
+async fn raw_exchange(rig: &Rig, frames: Vec<Frame>) -> Option<Frame> {
+    let Link { mut tx, mut rx } = rig.connector.open(&rig.peer).await.unwrap();
+    for f in frames {
+        if tx.send(f).await.is_err() {
+            break;
+        }
+    }
+    within(Duration::from_secs(10), rx.recv()).await.ok().flatten()
+}
+
+fn data(res: &crate::Reservation, layer: u32, first: u32, count: u32, bl: usize) -> Frame {
+    let mut h = FrameHeader::new(FrameKind::Data, res.id(), res.grant().epoch);
+    h.layer = layer;
+    h.first_block = first;
+    h.block_count = count;
+    Frame::new(h, Bytes::from(vec![7u8; count as usize * bl]))
+}
+
+fn open(res: &crate::Reservation) -> Frame {
+    let g = res.grant();
+    Frame::open(g.reservation, g.epoch, &g.layout, g.layers.clone(), g.blocks.len() as u32)
+}
+
+fn failure_kind(reply: Option<Frame>) -> &'static str {
+    let f = reply.expect("the receiver replied");
+    assert_eq!(f.header.kind, FrameKind::Failed);
+    crate::error::KINDS[f.failure().code as usize]
+}
+
+pub async fn hostile_frames_are_rejected(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let bl = SMALL.bytes_per_block_layer();
+
+    // Data before Open: the link is refused and the reservation untouched.
+    let res = rig.receiver.reserve(4, LONG).unwrap();
+    let reply = raw_exchange(&rig, vec![data(&res, 0, 0, 1, bl)]).await;
+    assert_eq!(failure_kind(reply), "unexpected_frame");
+    assert_eq!(rig.receiver.live_reservations(), 1);
+
+    // A block index past the reservation.
+    let reply = raw_exchange(&rig, vec![open(&res), data(&res, 0, 3, 2, bl)]).await;
+    assert_eq!(failure_kind(reply), "out_of_range");
+    assert_eq!(kind_of(res.finished().await), "out_of_range");
+
+    // The same block-layer twice.
+    let res = rig.receiver.reserve(4, LONG).unwrap();
+    let reply = raw_exchange(
+        &rig,
+        vec![open(&res), data(&res, 0, 0, 2, bl), data(&res, 0, 1, 1, bl)],
+    )
+    .await;
+    assert_eq!(failure_kind(reply), "duplicate_block");
+    assert_eq!(kind_of(res.finished().await), "duplicate_block");
+
+    // A payload that does not match the block count.
+    let res = rig.receiver.reserve(4, LONG).unwrap();
+    let mut short = data(&res, 0, 0, 2, bl);
+    short = Frame::new(short.header, short.payload.slice(..bl));
+    let reply = raw_exchange(&rig, vec![open(&res), short]).await;
+    assert_eq!(failure_kind(reply), "layout_mismatch");
+    drop(res);
+
+    // A sender whose layout disagrees fails the reservation before any data.
+    let res = rig.receiver.reserve(4, LONG).unwrap();
+    let g = res.grant();
+    let other = KvLayout { head_dim: 16, ..SMALL };
+    let bad_open = Frame::open(g.reservation, g.epoch, &other, g.layers.clone(), 4);
+    let reply = raw_exchange(&rig, vec![bad_open]).await;
+    assert_eq!(failure_kind(reply), "layout_mismatch");
+    assert_eq!(kind_of(res.finished().await), "layout_mismatch");
+
+    // A second link for a reservation that already has one is refused, the first goes on.
+    let src = rig.source_blocks(4, 14);
+    let res = rig.receiver.reserve(4, LONG).unwrap();
+    let mut t = rig
+        .sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
+        .await
+        .unwrap();
+    t.send_layer(0).await.unwrap();
+    let mut res = res;
+    within(Duration::from_secs(5), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+    let reply = raw_exchange(&rig, vec![open(&res), data(&res, 1, 0, 1, bl)]).await;
+    assert_eq!(failure_kind(reply), "already_attached");
+    for layer in 1..SMALL.layers {
+        t.send_layer(layer).await.unwrap();
+    }
+    t.finish().await.unwrap();
+    let dst = res.finished().await.unwrap();
+    rig.assert_same(&src, &dst);
+    rig.finish(&src, &dst);
+}
+
+pub async fn concurrent_transfers_are_isolated(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let sizes = [1usize, 17, 64, 90];
+    let mut jobs = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let src = rig.source_blocks(n, 100 + i as u64);
+        let res = rig.receiver.reserve(n, LONG).unwrap();
+        let (sender, peer, grant, source, blocks) = (
+            rig.sender.clone(),
+            rig.peer.clone(),
+            res.grant().clone(),
+            rig.src.clone(),
+            src.clone(),
+        );
+        let job = tokio::spawn(async move { sender.send(&peer, &grant, source, blocks).await });
+        jobs.push((src, res, job));
+    }
+    for (src, res, job) in jobs {
+        within(Duration::from_secs(20), job).await.unwrap().unwrap();
+        let dst = res.finished().await.unwrap();
+        rig.assert_same(&src, &dst);
+        rig.src.release(&src);
+        rig.dst.release(&dst);
+    }
+    rig.assert_restored();
+}

@@ -1,0 +1,817 @@
+//! The receiving end of a handoff: reservations, their deadlines, and installing frames.
+//!
+//! Owns: [`KvReceiver`] (one per node and pool), the table of live reservations, one timer
+//! per reservation, and the per-link task body [`KvReceiver::serve_link`] that every
+//! transport's listener runs.
+//! Invariants:
+//! - A reservation's blocks go back to the sink exactly once, by whichever comes first:
+//!   deadline, cancel (either side), a rejected frame, the link closing early, receiver
+//!   shutdown, or the [`Reservation`] handle being dropped. The only other way out is
+//!   [`Reservation::finished`], which hands the blocks to the caller.
+//! - A block-layer is written only while its reservation is open, under the reservation's
+//!   lock, and after the frame's checksum and coordinates were checked; release takes the
+//!   same lock, so no write can land in a block after it was released.
+//! - A frame for an unknown, ended or stale-epoch reservation never touches the sink.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+
+use crate::error::{Error, Result, Side, WireFailure};
+use crate::handoff::frame::{Frame, FrameKind, FrameLimits};
+use crate::handoff::grant::{Grant, MAX_GRANT_BLOCKS};
+use crate::handoff::progress::Progress;
+use crate::metrics::TransportStats;
+use crate::pool::BlockSink;
+use crate::transport::Link;
+use crate::types::{BlockId, Epoch, KvLayout, ReservationId};
+
+/// How a receiver treats reservations and links.
+#[derive(Clone, Debug)]
+pub struct ReceiverConfig {
+    /// Deadline of a reservation when the caller names none.
+    pub default_deadline: Duration,
+    /// Longest deadline a caller may ask for.
+    pub max_deadline: Duration,
+    /// A link that does not say which reservation it is for within this time is dropped.
+    pub open_timeout: Duration,
+    /// How long a link keeps reading (and discarding) after a failure was reported, so a
+    /// byte-stream transport does not reset the connection before the sender read why.
+    pub linger: Duration,
+    /// Caps on incoming frames.
+    pub limits: FrameLimits,
+    /// How many ended reservations are remembered to explain late frames.
+    pub remember_ended: usize,
+}
+
+impl Default for ReceiverConfig {
+    fn default() -> Self {
+        ReceiverConfig {
+            default_deadline: Duration::from_secs(30),
+            max_deadline: Duration::from_secs(600),
+            open_timeout: Duration::from_secs(10),
+            linger: Duration::from_secs(2),
+            limits: FrameLimits::default(),
+            remember_ended: 4096,
+        }
+    }
+}
+
+/// Terminal or ongoing state visible to the handle and the link task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Phase {
+    pub ready_layers: u32,
+    pub outcome: Option<Outcome>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Completed,
+    Failed(WireFailure),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Open,
+    /// Everything installed; blocks still owned by the reservation until taken.
+    Completed,
+    /// Blocks handed to the caller.
+    Taken,
+    /// Blocks released.
+    Ended(WireFailure),
+}
+
+struct EntryState {
+    status: Status,
+    progress: Progress,
+    attached: bool,
+}
+
+pub(crate) struct Entry {
+    id: ReservationId,
+    blocks: Vec<BlockId>,
+    layers: Range<u32>,
+    created: Instant,
+    state: Mutex<EntryState>,
+    phase: watch::Sender<Phase>,
+    timer: Mutex<Option<AbortHandle>>,
+}
+
+impl Entry {
+    fn lock(&self) -> MutexGuard<'_, EntryState> {
+        // Every critical section leaves the state consistent before it can panic.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    live: HashMap<ReservationId, Arc<Entry>>,
+    ended: HashMap<ReservationId, WireFailure>,
+    ended_order: VecDeque<ReservationId>,
+}
+
+struct Inner {
+    sink: Arc<dyn BlockSink>,
+    layout: KvLayout,
+    epoch: Epoch,
+    config: ReceiverConfig,
+    next_id: AtomicU64,
+    table: Mutex<Table>,
+    stats: Arc<TransportStats>,
+}
+
+/// The receiving end for one pool. Cheap to clone; clones share everything.
+#[derive(Clone)]
+pub struct KvReceiver {
+    inner: Arc<Inner>,
+}
+
+/// A live reservation. Dropping it before [`Reservation::finished`] returned the blocks
+/// releases them.
+pub struct Reservation {
+    inner: Arc<Inner>,
+    entry: Arc<Entry>,
+    grant: Grant,
+    phase: watch::Receiver<Phase>,
+    settled: bool,
+}
+
+enum Step {
+    Continue,
+    Completed,
+    Failed(WireFailure),
+    CancelledBySender,
+}
+
+fn random_epoch() -> Epoch {
+    use std::hash::{BuildHasher, Hasher};
+    // RandomState is seeded from the OS per process; mix in the time for extra spread.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    Epoch(h.finish() | 1)
+}
+
+impl KvReceiver {
+    /// A receiver that installs into `sink`, with the transport label used in its stats.
+    pub fn new(sink: Arc<dyn BlockSink>, config: ReceiverConfig) -> Result<Self> {
+        let layout = sink.layout();
+        layout.validate()?;
+        let bl = layout.bytes_per_block_layer() as u64;
+        if u64::from(config.limits.max_payload) < bl {
+            return Err(Error::InvalidArgument {
+                what: "frame limit is smaller than one block-layer",
+            });
+        }
+        Ok(KvReceiver {
+            inner: Arc::new(Inner {
+                sink,
+                layout,
+                epoch: random_epoch(),
+                config,
+                next_id: AtomicU64::new(1),
+                table: Mutex::new(Table::default()),
+                stats: Arc::new(TransportStats::new("receiver", Side::Receiver)),
+            }),
+        })
+    }
+
+    /// This incarnation's epoch.
+    pub fn epoch(&self) -> Epoch {
+        self.inner.epoch
+    }
+
+    /// The pool's layout.
+    pub fn layout(&self) -> KvLayout {
+        self.inner.layout
+    }
+
+    /// Caps a transport applies to frames it reads for this receiver.
+    pub fn frame_limits(&self) -> FrameLimits {
+        self.inner.config.limits
+    }
+
+    /// Counters of this receiver.
+    pub fn stats(&self) -> &Arc<TransportStats> {
+        &self.inner.stats
+    }
+
+    /// Reservations granted and not yet completed or released.
+    pub fn live_reservations(&self) -> usize {
+        self.inner.table().live.len()
+    }
+
+    /// Reserves `blocks` blocks for all layers. `deadline`: `None` for the configured default.
+    /// Must be called inside a Tokio runtime (the deadline is a Tokio timer).
+    pub fn reserve(&self, blocks: usize, deadline: Option<Duration>) -> Result<Reservation> {
+        self.reserve_layers(blocks, 0..self.inner.layout.layers, deadline)
+    }
+
+    /// Reserves `blocks` blocks to be filled for `layers` only.
+    pub fn reserve_layers(
+        &self,
+        blocks: usize,
+        layers: Range<u32>,
+        deadline: Option<Duration>,
+    ) -> Result<Reservation> {
+        let inner = &self.inner;
+        let deadline = deadline.unwrap_or(inner.config.default_deadline);
+        if deadline.is_zero() || deadline > inner.config.max_deadline {
+            return Err(Error::InvalidArgument {
+                what: "deadline is zero or above the configured maximum",
+            });
+        }
+        if blocks == 0 || blocks > MAX_GRANT_BLOCKS {
+            return Err(Error::InvalidArgument {
+                what: "block count is zero or above the grant limit",
+            });
+        }
+        if layers.start >= layers.end || layers.end > inner.layout.layers {
+            return Err(Error::InvalidArgument {
+                what: "layer range is empty or outside the layout",
+            });
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::InvalidArgument {
+            what: "reserve must be called inside a Tokio runtime",
+        })?;
+        let block_ids = inner.sink.reserve(blocks)?;
+        let id = ReservationId(inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let created = Instant::now();
+        let (phase_tx, phase_rx) = watch::channel(Phase {
+            ready_layers: 0,
+            outcome: None,
+        });
+        let entry = Arc::new(Entry {
+            id,
+            blocks: block_ids.clone(),
+            layers: layers.clone(),
+            created,
+            state: Mutex::new(EntryState {
+                status: Status::Open,
+                progress: Progress::new(blocks as u32, layers.clone()),
+                attached: false,
+            }),
+            phase: phase_tx,
+            timer: Mutex::new(None),
+        });
+        inner.table().live.insert(id, entry.clone());
+        inner.stats.add(&inner.stats.reservations_created, 1);
+        inner.stats.reservations_live.fetch_add(1, Ordering::Relaxed);
+
+        let weak_inner: Weak<Inner> = Arc::downgrade(inner);
+        let weak_entry = Arc::downgrade(&entry);
+        let at = tokio::time::Instant::from_std(created + deadline);
+        let timer = runtime.spawn(async move {
+            tokio::time::sleep_until(at).await;
+            if let (Some(inner), Some(entry)) = (weak_inner.upgrade(), weak_entry.upgrade()) {
+                inner.end(&entry, &Error::ReservationExpired { reservation: entry.id });
+            }
+        });
+        *entry.timer.lock().unwrap_or_else(|p| p.into_inner()) = Some(timer.abort_handle());
+        tracing::debug!(reservation = id.0, blocks, ?deadline, "reserved");
+        Ok(Reservation {
+            inner: inner.clone(),
+            grant: Grant {
+                reservation: id,
+                epoch: inner.epoch,
+                layout: inner.layout,
+                layers,
+                blocks: block_ids,
+                deadline,
+                issued_at: created,
+            },
+            entry,
+            phase: phase_rx,
+            settled: false,
+        })
+    }
+
+    /// Ends every live reservation (node shutdown). Later frames for them are rejected.
+    pub fn shutdown(&self) {
+        self.inner.end_all();
+    }
+
+    /// Runs one link to completion: binds it to a reservation with its `Open` frame, installs
+    /// its data, and reports the outcome back. Transports spawn one of these per link.
+    pub async fn serve_link(&self, link: Link) {
+        let inner = &self.inner;
+        let Link { mut tx, mut rx } = link;
+        let first = match tokio::time::timeout(inner.config.open_timeout, rx.recv()).await {
+            Ok(Ok(Some(f))) => f,
+            Ok(Ok(None)) => return,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "link failed before opening");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!("link did not open in time");
+                return;
+            }
+        };
+        inner.stats.add_frame(first.wire_len());
+        let (reservation, epoch) = (first.header.reservation, first.header.epoch);
+        let entry = match inner.accept_open(&first) {
+            Ok(entry) => entry,
+            Err(e) => {
+                inner.stats.add(&inner.stats.rejected_frames, 1);
+                inner.stats.record_failure(&e);
+                tracing::info!(reservation = reservation.0, kind = e.kind(), "link rejected");
+                let _ = send_bounded(&mut *tx, Frame::failed(reservation, epoch, e.to_wire())).await;
+                linger(&mut *rx, inner.config.linger).await;
+                return;
+            }
+        };
+        // Whatever ends this task (return, panic, abort by a listener shutdown) ends the
+        // reservation if it is still open.
+        let _guard = LinkGuard {
+            inner: inner.clone(),
+            entry: entry.clone(),
+        };
+        let mut phase = entry.phase.subscribe();
+        let step = loop {
+            tokio::select! {
+                biased;
+                changed = phase.changed() => {
+                    if changed.is_err() {
+                        break Step::Failed(Error::PeerGone { reservation }.to_wire());
+                    }
+                    let outcome = phase.borrow_and_update().outcome;
+                    if let Some(Outcome::Failed(w)) = outcome {
+                        break Step::Failed(w);
+                    }
+                }
+                msg = rx.recv() => match msg {
+                    Ok(Some(frame)) => match inner.on_frame(&entry, frame) {
+                        Step::Continue => {}
+                        other => break other,
+                    },
+                    Ok(None) | Err(_) => {
+                        let w = inner.end(&entry, &Error::PeerGone { reservation });
+                        break Step::Failed(w);
+                    }
+                },
+            }
+        };
+        match step {
+            Step::Completed => {
+                let _ = send_bounded(&mut *tx, Frame::control(FrameKind::Completed, reservation, epoch))
+                    .await;
+            }
+            Step::Failed(w) => {
+                let _ = send_bounded(&mut *tx, Frame::failed(reservation, epoch, w)).await;
+                linger(&mut *rx, inner.config.linger).await;
+            }
+            Step::CancelledBySender | Step::Continue => {}
+        }
+    }
+}
+
+async fn send_bounded(tx: &mut dyn crate::transport::LinkTx, frame: Frame) -> Result<()> {
+    match tokio::time::timeout(Duration::from_secs(1), tx.send(frame)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Link {
+            transport: "any",
+            detail: "peer did not take a status frame in time".into(),
+        }),
+    }
+}
+
+/// Reads and drops frames until the peer closes or `limit` passes.
+async fn linger(rx: &mut dyn crate::transport::LinkRx, limit: Duration) {
+    let _ = tokio::time::timeout(limit, async {
+        while let Ok(Some(_)) = rx.recv().await {}
+    })
+    .await;
+}
+
+struct LinkGuard {
+    inner: Arc<Inner>,
+    entry: Arc<Entry>,
+}
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        let open = self.entry.lock().status == Status::Open;
+        if open {
+            self.inner.end(
+                &self.entry,
+                &Error::PeerGone {
+                    reservation: self.entry.id,
+                },
+            );
+        }
+    }
+}
+
+impl Inner {
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Finds a live reservation or says why there is none.
+    fn lookup(&self, reservation: ReservationId, epoch: Epoch) -> Result<Arc<Entry>> {
+        if epoch != self.epoch {
+            return Err(Error::StaleEpoch {
+                reservation,
+                expected: self.epoch,
+                got: epoch,
+            });
+        }
+        let table = self.table();
+        if let Some(e) = table.live.get(&reservation) {
+            return Ok(e.clone());
+        }
+        match table.ended.get(&reservation) {
+            Some(&w) => Err(Error::from_wire(reservation, w)),
+            None => Err(Error::UnknownReservation { reservation }),
+        }
+    }
+
+    fn accept_open(&self, f: &Frame) -> Result<Arc<Entry>> {
+        let h = f.header;
+        if !f.verify() {
+            return Err(Error::FrameChecksum {
+                reservation: h.reservation,
+                layer: h.layer,
+                block: h.first_block,
+            });
+        }
+        if h.kind != FrameKind::Open {
+            return Err(Error::UnexpectedFrame {
+                reservation: h.reservation,
+                what: h.kind.name(),
+            });
+        }
+        let entry = self.lookup(h.reservation, h.epoch)?;
+        let mismatch = match f.open_layout() {
+            Ok(l) if l != self.layout => Some("layout"),
+            Err(_) => Some("layout"),
+            Ok(_) if h.layer != entry.layers.start || h.aux != entry.layers.end => {
+                Some("layer range")
+            }
+            Ok(_) if h.block_count as usize != entry.blocks.len() => Some("block count"),
+            Ok(_) => None,
+        };
+        let mut st = entry.lock();
+        match st.status {
+            Status::Open => {}
+            Status::Ended(w) => return Err(Error::from_wire(h.reservation, w)),
+            Status::Completed | Status::Taken => {
+                return Err(Error::ReservationEnded {
+                    reservation: h.reservation,
+                })
+            }
+        }
+        if st.attached {
+            // Another link owns it; this one must not disturb it.
+            return Err(Error::AlreadyAttached {
+                reservation: h.reservation,
+            });
+        }
+        if let Some(what) = mismatch {
+            drop(st);
+            let e = Error::LayoutMismatch {
+                reservation: h.reservation,
+                what,
+            };
+            self.end(&entry, &e);
+            return Err(e);
+        }
+        st.attached = true;
+        drop(st);
+        Ok(entry)
+    }
+
+    fn on_frame(&self, entry: &Entry, frame: Frame) -> Step {
+        self.stats.add_frame(frame.wire_len());
+        let h = frame.header;
+        if !frame.verify() {
+            return self.reject(
+                entry,
+                Error::FrameChecksum {
+                    reservation: entry.id,
+                    layer: h.layer,
+                    block: h.first_block,
+                },
+            );
+        }
+        if h.reservation != entry.id || h.epoch != self.epoch {
+            return self.reject(
+                entry,
+                Error::UnexpectedFrame {
+                    reservation: entry.id,
+                    what: "frame naming another reservation",
+                },
+            );
+        }
+        match h.kind {
+            FrameKind::Data => self.install(entry, &frame),
+            FrameKind::Done => self.complete(entry),
+            FrameKind::Cancel => {
+                self.end(
+                    entry,
+                    &Error::Cancelled {
+                        reservation: entry.id,
+                        by: Side::Sender,
+                    },
+                );
+                Step::CancelledBySender
+            }
+            other => self.reject(
+                entry,
+                Error::UnexpectedFrame {
+                    reservation: entry.id,
+                    what: other.name(),
+                },
+            ),
+        }
+    }
+
+    fn reject(&self, entry: &Entry, e: Error) -> Step {
+        self.stats.add(&self.stats.rejected_frames, 1);
+        tracing::info!(reservation = entry.id.0, kind = e.kind(), error = %e, "frame rejected");
+        Step::Failed(self.end(entry, &e))
+    }
+
+    fn install(&self, entry: &Entry, frame: &Frame) -> Step {
+        let h = frame.header;
+        let mut st = entry.lock();
+        match st.status {
+            Status::Open => {}
+            Status::Ended(w) => {
+                self.stats.add(&self.stats.rejected_frames, 1);
+                return Step::Failed(w);
+            }
+            Status::Completed | Status::Taken => {
+                drop(st);
+                return self.reject(
+                    entry,
+                    Error::UnexpectedFrame {
+                        reservation: entry.id,
+                        what: "data after done",
+                    },
+                );
+            }
+        }
+        if let Err(e) = st.progress.admit(entry.id, h.layer, h.first_block, h.block_count) {
+            drop(st);
+            return self.reject(entry, e);
+        }
+        let bl = self.layout.bytes_per_block_layer();
+        if frame.payload.len() != h.block_count as usize * bl {
+            drop(st);
+            return self.reject(
+                entry,
+                Error::LayoutMismatch {
+                    reservation: entry.id,
+                    what: "payload length",
+                },
+            );
+        }
+        let first = h.first_block as usize;
+        for (i, bytes) in frame.payload.chunks_exact(bl).enumerate() {
+            if let Err(e) = self.sink.write_layer(entry.blocks[first + i], h.layer, bytes) {
+                drop(st);
+                return self.reject(entry, e);
+            }
+        }
+        st.progress.record(h.layer, h.first_block, h.block_count);
+        let ready = st.progress.ready_layers();
+        drop(st);
+        self.stats.add(&self.stats.block_layers, u64::from(h.block_count));
+        entry.phase.send_if_modified(|p| {
+            let changed = p.ready_layers != ready;
+            p.ready_layers = ready;
+            changed
+        });
+        Step::Continue
+    }
+
+    fn complete(&self, entry: &Entry) -> Step {
+        let mut st = entry.lock();
+        match st.status {
+            Status::Open => {}
+            Status::Ended(w) => return Step::Failed(w),
+            Status::Completed | Status::Taken => {
+                drop(st);
+                return self.reject(
+                    entry,
+                    Error::UnexpectedFrame {
+                        reservation: entry.id,
+                        what: "second done",
+                    },
+                );
+            }
+        }
+        let missing = st.progress.missing();
+        if missing > 0 {
+            drop(st);
+            return self.reject(
+                entry,
+                Error::Incomplete {
+                    reservation: entry.id,
+                    missing,
+                },
+            );
+        }
+        st.status = Status::Completed;
+        drop(st);
+        self.abort_timer(entry);
+        self.stats.record_transfer(entry.created.elapsed());
+        entry.phase.send_modify(|p| p.outcome = Some(Outcome::Completed));
+        tracing::debug!(reservation = entry.id.0, "reservation completed");
+        Step::Completed
+    }
+
+    /// Ends a reservation that is open or completed-but-not-taken, releasing its blocks.
+    /// Returns the reason the reservation ended (this one or an earlier one).
+    fn end(&self, entry: &Entry, why: &Error) -> WireFailure {
+        let w = why.to_wire();
+        let mut st = entry.lock();
+        match st.status {
+            Status::Open | Status::Completed => {}
+            Status::Ended(earlier) => return earlier,
+            Status::Taken => return Error::ReservationEnded { reservation: entry.id }.to_wire(),
+        }
+        st.status = Status::Ended(w);
+        // Under the entry lock: no install can be writing into these blocks.
+        self.sink.release(&entry.blocks);
+        drop(st);
+        self.abort_timer(entry);
+        self.retire(entry.id, w);
+        let s = &self.stats;
+        s.reservations_live.fetch_sub(1, Ordering::Relaxed);
+        s.add(&s.reservations_released, 1);
+        if matches!(why, Error::ReservationExpired { .. }) {
+            s.add(&s.reservations_expired, 1);
+        }
+        s.record_failure(why);
+        entry.phase.send_modify(|p| p.outcome = Some(Outcome::Failed(w)));
+        tracing::info!(reservation = entry.id.0, kind = why.kind(), "reservation released");
+        w
+    }
+
+    /// Hands a completed reservation's blocks to the caller.
+    fn take(&self, entry: &Entry) -> Result<Vec<BlockId>> {
+        let mut st = entry.lock();
+        match st.status {
+            Status::Completed => {}
+            Status::Ended(w) => return Err(Error::from_wire(entry.id, w)),
+            Status::Open | Status::Taken => {
+                return Err(Error::ReservationEnded {
+                    reservation: entry.id,
+                })
+            }
+        }
+        st.status = Status::Taken;
+        drop(st);
+        self.retire(entry.id, Error::ReservationEnded { reservation: entry.id }.to_wire());
+        let s = &self.stats;
+        s.reservations_live.fetch_sub(1, Ordering::Relaxed);
+        s.add(&s.reservations_completed, 1);
+        Ok(entry.blocks.clone())
+    }
+
+    fn retire(&self, id: ReservationId, w: WireFailure) {
+        let mut t = self.table();
+        t.live.remove(&id);
+        t.ended.insert(id, w);
+        t.ended_order.push_back(id);
+        while t.ended_order.len() > self.config.remember_ended {
+            if let Some(old) = t.ended_order.pop_front() {
+                t.ended.remove(&old);
+            }
+        }
+    }
+
+    fn abort_timer(&self, entry: &Entry) {
+        if let Some(h) = entry.timer.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            h.abort();
+        }
+    }
+
+    fn end_all(&self) {
+        let live: Vec<Arc<Entry>> = self.table().live.values().cloned().collect();
+        for e in live {
+            self.end(
+                &e,
+                &Error::Cancelled {
+                    reservation: e.id,
+                    by: Side::Receiver,
+                },
+            );
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.end_all();
+    }
+}
+
+impl Reservation {
+    /// What the sender needs: give it to the prefill node (see [`Grant::to_bytes`]).
+    pub fn grant(&self) -> &Grant {
+        &self.grant
+    }
+
+    pub fn id(&self) -> ReservationId {
+        self.grant.reservation
+    }
+
+    /// The reserved blocks, in reservation order.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.grant.blocks
+    }
+
+    /// Layers fully installed, counted from the first reserved layer without gaps.
+    pub fn ready_layers(&self) -> u32 {
+        self.phase.borrow().ready_layers
+    }
+
+    /// Waits until at least `n` layers are ready; fails if the reservation ends first.
+    pub async fn wait_ready_layers(&mut self, n: u32) -> Result<()> {
+        loop {
+            let p = *self.phase.borrow_and_update();
+            match p.outcome {
+                Some(Outcome::Failed(w)) => return Err(Error::from_wire(self.id(), w)),
+                Some(Outcome::Completed) => return Ok(()),
+                None if p.ready_layers >= n => return Ok(()),
+                None => {}
+            }
+            self.changed().await?;
+        }
+    }
+
+    /// Waits for the transfer to end. `Ok`: every block-layer was installed and the blocks
+    /// now belong to the caller. `Err`: the blocks were already released.
+    pub async fn finished(mut self) -> Result<Vec<BlockId>> {
+        loop {
+            let outcome = self.phase.borrow_and_update().outcome;
+            match outcome {
+                Some(Outcome::Completed) => {
+                    let r = self.inner.take(&self.entry);
+                    self.settled = r.is_ok();
+                    return r;
+                }
+                Some(Outcome::Failed(w)) => {
+                    self.settled = true;
+                    return Err(Error::from_wire(self.id(), w));
+                }
+                None => self.changed().await?,
+            }
+        }
+    }
+
+    /// Gives up: releases the blocks now and tells the sender.
+    pub fn cancel(mut self) {
+        self.cancel_now();
+    }
+
+    fn cancel_now(&mut self) {
+        if !self.settled {
+            self.settled = true;
+            self.inner.end(
+                &self.entry,
+                &Error::Cancelled {
+                    reservation: self.id(),
+                    by: Side::Receiver,
+                },
+            );
+        }
+    }
+
+    async fn changed(&mut self) -> Result<()> {
+        // The entry (which owns the sender half) lives as long as this handle.
+        self.phase
+            .changed()
+            .await
+            .map_err(|_| Error::ReservationEnded { reservation: self.grant.reservation })
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.cancel_now();
+    }
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("id", &self.grant.reservation)
+            .field("blocks", &self.grant.blocks.len())
+            .field("layers", &self.grant.layers)
+            .finish()
+    }
+}

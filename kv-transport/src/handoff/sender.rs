@@ -1,0 +1,375 @@
+//! The sending end of a handoff: streams a grant's blocks, layer by layer, over a link.
+//!
+//! Owns: [`KvSender`] (one per node and transport) and [`Transfer`] (one per grant), which
+//! batches the blocks of a layer into frames of about `frame_bytes`, checksums them, and
+//! watches the receiver's replies while it sends.
+//! Invariants: every await of a transfer is bounded by the grant's deadline, measured on this
+//! node's clock from when the grant arrived, so a dead or silent receiver fails the transfer
+//! by then at the latest; a failure the receiver reports wins over the local symptom it
+//! causes (a reset stream); dropping a [`Transfer`] closes its link, which the receiver
+//! treats as the sender going away.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, Result, Side};
+use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
+use crate::handoff::grant::Grant;
+use crate::metrics::TransportStats;
+use crate::pool::BlockSource;
+use crate::transport::{Connector, LinkTx, Peer};
+use crate::types::BlockId;
+
+/// How a sender cuts layers into frames.
+#[derive(Clone, Debug)]
+pub struct SenderConfig {
+    /// Target payload size of one frame; blocks of a layer are batched up to it.
+    pub frame_bytes: usize,
+}
+
+impl Default for SenderConfig {
+    fn default() -> Self {
+        SenderConfig {
+            frame_bytes: 1 << 20,
+        }
+    }
+}
+
+/// The sending end for one transport. Cheap to clone.
+#[derive(Clone)]
+pub struct KvSender {
+    connector: Arc<dyn Connector>,
+    config: SenderConfig,
+    stats: Arc<TransportStats>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Remote {
+    Pending,
+    Completed,
+    Failed(crate::error::WireFailure),
+    Gone,
+}
+
+/// One grant being filled. Send layers in any order, then [`Transfer::finish`].
+pub struct Transfer {
+    grant: Grant,
+    src_blocks: Vec<BlockId>,
+    source: Arc<dyn BlockSource>,
+    tx: Box<dyn LinkTx>,
+    remote: watch::Receiver<Remote>,
+    reader: JoinHandle<()>,
+    stats: Arc<TransportStats>,
+    frame_blocks: usize,
+    sent_layers: Vec<bool>,
+    started: Instant,
+    #[cfg(test)]
+    pub(crate) corrupt_layer: Option<u32>,
+}
+
+impl KvSender {
+    pub fn new(connector: Arc<dyn Connector>) -> Self {
+        Self::with_config(connector, SenderConfig::default())
+    }
+
+    pub fn with_config(connector: Arc<dyn Connector>, config: SenderConfig) -> Self {
+        let stats = Arc::new(TransportStats::new(connector.transport(), Side::Sender));
+        KvSender {
+            connector,
+            config,
+            stats,
+        }
+    }
+
+    /// Counters of this sender.
+    pub fn stats(&self) -> &Arc<TransportStats> {
+        &self.stats
+    }
+
+    /// Opens a link to `peer` for `grant`. `src_blocks[i]` (in `source`) fills the grant's
+    /// i-th block.
+    pub async fn start(
+        &self,
+        peer: &Peer,
+        grant: &Grant,
+        source: Arc<dyn BlockSource>,
+        src_blocks: Vec<BlockId>,
+    ) -> Result<Transfer> {
+        let r = self.start_inner(peer, grant, source, src_blocks).await;
+        if let Err(e) = &r {
+            self.stats.record_failure(e);
+        }
+        r
+    }
+
+    async fn start_inner(
+        &self,
+        peer: &Peer,
+        grant: &Grant,
+        source: Arc<dyn BlockSource>,
+        src_blocks: Vec<BlockId>,
+    ) -> Result<Transfer> {
+        let reservation = grant.reservation;
+        if source.layout() != grant.layout {
+            return Err(Error::LayoutMismatch {
+                reservation,
+                what: "source layout",
+            });
+        }
+        if src_blocks.len() != grant.blocks.len() {
+            return Err(Error::LayoutMismatch {
+                reservation,
+                what: "block count",
+            });
+        }
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(grant.deadline_at());
+        let link = match tokio::time::timeout_at(deadline, self.connector.open(peer)).await {
+            Ok(link) => link?,
+            Err(_) => {
+                return Err(Error::DeadlineExceeded {
+                    reservation,
+                    deadline: grant.deadline,
+                    during: "connecting",
+                })
+            }
+        };
+        let (remote_tx, remote_rx) = watch::channel(Remote::Pending);
+        let mut rx = link.rx;
+        let reader = tokio::spawn(async move {
+            let state = loop {
+                match rx.recv().await {
+                    Ok(Some(f)) if f.verify() => match f.header.kind {
+                        FrameKind::Completed => break Remote::Completed,
+                        FrameKind::Failed => break Remote::Failed(f.failure()),
+                        _ => break Remote::Gone,
+                    },
+                    Ok(Some(_)) | Ok(None) | Err(_) => break Remote::Gone,
+                }
+            };
+            let _ = remote_tx.send(state);
+            // Keep the receive half open until the transfer ends, so the peer's last
+            // frames are not answered with a reset.
+            while let Ok(Some(_)) = rx.recv().await {}
+        });
+        let bl = grant.layout.bytes_per_block_layer();
+        let mut t = Transfer {
+            grant: grant.clone(),
+            src_blocks,
+            source,
+            tx: link.tx,
+            remote: remote_rx,
+            reader,
+            stats: self.stats.clone(),
+            frame_blocks: (self.config.frame_bytes / bl).max(1),
+            sent_layers: vec![false; grant.layout.layers as usize],
+            started,
+            #[cfg(test)]
+            corrupt_layer: None,
+        };
+        let open = Frame::open(
+            reservation,
+            grant.epoch,
+            &grant.layout,
+            grant.layers.clone(),
+            grant.blocks.len() as u32,
+        );
+        t.send_frame(open, "opening").await?;
+        Ok(t)
+    }
+
+    /// Ships every layer of `grant` and waits for the receiver to confirm.
+    pub async fn send(
+        &self,
+        peer: &Peer,
+        grant: &Grant,
+        source: Arc<dyn BlockSource>,
+        src_blocks: Vec<BlockId>,
+    ) -> Result<()> {
+        let mut t = self.start(peer, grant, source, src_blocks).await?;
+        for layer in grant.layers.clone() {
+            t.send_layer(layer).await?;
+        }
+        t.finish().await
+    }
+}
+
+impl Transfer {
+    pub fn grant(&self) -> &Grant {
+        &self.grant
+    }
+
+    /// Sends one layer of every block. Call as soon as the layer is computed.
+    pub async fn send_layer(&mut self, layer: u32) -> Result<()> {
+        let r = self.send_layer_inner(layer).await;
+        self.note(r)
+    }
+
+    async fn send_layer_inner(&mut self, layer: u32) -> Result<()> {
+        let reservation = self.grant.reservation;
+        if !self.grant.layers.contains(&layer) || self.sent_layers[layer as usize] {
+            return Err(Error::OutOfRange {
+                reservation,
+                layer,
+                block: 0,
+            });
+        }
+        self.sent_layers[layer as usize] = true;
+        let bl = self.grant.layout.bytes_per_block_layer();
+        let n = self.src_blocks.len();
+        let mut first = 0;
+        while first < n {
+            let count = self.frame_blocks.min(n - first);
+            let mut buf = BytesMut::zeroed(count * bl);
+            for (i, out) in buf.chunks_exact_mut(bl).enumerate() {
+                self.source
+                    .read_layer(self.src_blocks[first + i], layer, out)
+                    .inspect_err(|e| tracing::warn!(error = %e, "reading a source block"))?;
+            }
+            let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);
+            h.layer = layer;
+            h.first_block = first as u32;
+            h.block_count = count as u32;
+            #[allow(unused_mut)]
+            let mut frame = Frame::new(h, buf.freeze());
+            #[cfg(test)]
+            if self.corrupt_layer == Some(layer) {
+                let mut p = frame.payload.to_vec();
+                let mid = p.len() / 2;
+                p[mid] ^= 0x40;
+                frame.payload = bytes::Bytes::from(p);
+            }
+            self.send_frame(frame, "sending data").await?;
+            self.stats.add(&self.stats.block_layers, count as u64);
+            first += count;
+        }
+        Ok(())
+    }
+
+    /// Says every layer was sent and waits for the receiver to confirm it installed them.
+    pub async fn finish(mut self) -> Result<()> {
+        let r = self.finish_inner().await;
+        if r.is_ok() {
+            self.stats.record_transfer(self.started.elapsed());
+        }
+        self.note(r)
+    }
+
+    async fn finish_inner(&mut self) -> Result<()> {
+        let done = Frame::control(FrameKind::Done, self.grant.reservation, self.grant.epoch);
+        self.send_frame(done, "finishing").await?;
+        let deadline = tokio::time::Instant::from_std(self.grant.deadline_at());
+        let wait = self.remote.wait_for(|r| *r != Remote::Pending);
+        let state = match tokio::time::timeout_at(deadline, wait).await {
+            Ok(Ok(r)) => Some(*r),
+            Ok(Err(_)) => Some(Remote::Gone),
+            Err(_) => None,
+        };
+        match state {
+            Some(s) => self.remote_result(s),
+            None => Err(self.deadline_error("waiting for the receiver to confirm")),
+        }
+    }
+
+    /// Gives up: tells the receiver to release everything, without waiting for it.
+    pub async fn cancel(mut self) {
+        let cancel = Frame::control(FrameKind::Cancel, self.grant.reservation, self.grant.epoch);
+        let limit = tokio::time::Instant::from_std(self.grant.deadline_at())
+            .min(tokio::time::Instant::now() + Duration::from_secs(1));
+        let _ = tokio::time::timeout_at(limit, self.tx.send(cancel)).await;
+        self.stats.record_failure(&Error::Cancelled {
+            reservation: self.grant.reservation,
+            by: Side::Sender,
+        });
+    }
+
+    fn note(&self, r: Result<()>) -> Result<()> {
+        if let Err(e) = &r {
+            self.stats.record_failure(e);
+        }
+        r
+    }
+
+    fn deadline_error(&self, during: &'static str) -> Error {
+        Error::DeadlineExceeded {
+            reservation: self.grant.reservation,
+            deadline: self.grant.deadline,
+            during,
+        }
+    }
+
+    fn remote_result(&self, state: Remote) -> Result<()> {
+        let reservation = self.grant.reservation;
+        match state {
+            Remote::Completed => Ok(()),
+            Remote::Failed(w) => Err(Error::from_wire(reservation, w)),
+            Remote::Gone => Err(Error::PeerGone { reservation }),
+            Remote::Pending => Ok(()),
+        }
+    }
+
+    /// Sends a frame unless the receiver already failed the transfer, bounded by the deadline.
+    async fn send_frame(&mut self, frame: Frame, during: &'static str) -> Result<()> {
+        let state = *self.remote.borrow();
+        if state != Remote::Pending {
+            // Completed before we finished sending cannot happen with a correct receiver.
+            return match state {
+                Remote::Completed => Err(Error::UnexpectedFrame {
+                    reservation: self.grant.reservation,
+                    what: "completed before done",
+                }),
+                s => self.remote_result(s),
+            };
+        }
+        let deadline = tokio::time::Instant::from_std(self.grant.deadline_at());
+        let len = frame.wire_len();
+        enum Sent {
+            Link(std::result::Result<Result<()>, tokio::time::error::Elapsed>),
+            Remote(Remote),
+        }
+        let sent = {
+            let tx = &mut self.tx;
+            let failed = self
+                .remote
+                .wait_for(|r| matches!(r, Remote::Failed(_) | Remote::Gone));
+            tokio::select! {
+                r = tokio::time::timeout_at(deadline, tx.send(frame)) => Sent::Link(r),
+                s = failed => Sent::Remote(s.map(|s| *s).unwrap_or(Remote::Gone)),
+            }
+        };
+        let result = match sent {
+            Sent::Link(r) => r,
+            Sent::Remote(s) => return self.remote_result(s),
+        };
+        match result {
+            Ok(Ok(())) => {
+                self.stats.add_frame(len);
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                // The link broke; if the receiver said why, report that instead.
+                let grace = deadline.min(tokio::time::Instant::now() + Duration::from_millis(200));
+                let wait = self.remote.wait_for(|r| *r != Remote::Pending);
+                let state = match tokio::time::timeout_at(grace, wait).await {
+                    Ok(Ok(s)) => Some(*s),
+                    _ => None,
+                };
+                match state {
+                    Some(s @ Remote::Failed(_)) => self.remote_result(s),
+                    _ => Err(e),
+                }
+            }
+            Err(_) => Err(self.deadline_error(during)),
+        }
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}

@@ -1,4 +1,26 @@
-//! Baton load generator, capacity planner and fleet simulator
+//! Baton's bench crate: the capacity planner and the fleet simulator.
 //!
-//! Not built yet: this crate is filled by issue 6. It exports nothing so
-//! that nothing can depend on behaviour that does not exist.
+//! - [`capacity`] sizes a chat fleet from a model shape (flags, an HF `config.json` or a
+//!   GGUF header), a GPU profile and a workload, reproducing the seed design's part-1
+//!   arithmetic; measured per-node rates can replace the roofline estimates.
+//! - [`simulate`] replays conversations over replicas that each hold an LRU prefix cache
+//!   (the seed's part 2) and goes beyond it: bounded-load consistent hashing, a host-memory
+//!   tier, prefill/decode pools with local-vs-remote prefill, node failure and join.
+//! - [`ring`] is the consistent-hash ring with bounded loads, a pure synchronous struct the
+//!   coordinator can reuse; [`lru`] is the O(1) prefix-length LRU the simulator runs on.
+//!
+//! The main binary wires `baton capacity` to [`capacity::run`] with [`CapacityArgs`] and
+//! `baton simulate` to [`simulate::run`] with [`SimulateArgs`].
+
+pub mod capacity;
+pub mod error;
+pub mod gguf;
+pub mod hardware;
+pub mod lru;
+pub mod ring;
+pub mod rng;
+pub mod simulate;
+
+pub use capacity::CapacityArgs;
+pub use error::BenchError;
+pub use simulate::SimulateArgs;

@@ -338,7 +338,7 @@ mod tests {
                 prop_assert!(r.contains(n));
                 loads.inc(n);
             }
-            let mean = 1000.0 / 4.0;
+            let mean: f64 = 1000.0 / 4.0;
             let max = ids.iter().map(|&n| loads.get(NodeId(n))).max().unwrap();
             prop_assert_eq!(loads.total(), 1000);
             prop_assert!(max as f64 <= (1.25 * mean).ceil(), "max {} mean {}", max, mean);

@@ -3,8 +3,8 @@
 //! optional prefill pool and node failures and joins.
 //!
 //! Event-driven: turn arrivals come from the time-sorted trace; turn completions (prefill
-//! then `reply` decode steps) from a min-heap, which frees in-flight load; failures and
-//! joins from a sorted list. Each turn: route, look up the conversation's prefix (HBM, then
+//! then `reply` decode steps) from a timing wheel (effective at the end of their 1/128 s
+//! tick), which frees in-flight load; failures and joins from a sorted list. Each turn: route, look up the conversation's prefix (HBM, then
 //! host), count cached tokens (the shared system prompt is always warm, as in the seed),
 //! place the uncached tail (on the decode node if shorter than the threshold or if there is
 //! no prefill pool, else on the least-busy prefill node, FIFO), and store the new prefix

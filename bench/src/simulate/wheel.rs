@@ -6,7 +6,7 @@
 //! draining whole buckets, with no sorting or scanning. Completions are released in no
 //! particular order; the simulator only needs all of them applied before the next
 //! arrival. Times must be pushed at or after the last release time (turns finish after
-//! they arrive). Entries beyond the wheel's 8 s horizon wait in an overflow heap.
+//! they arrive). Entries beyond the wheel's 32 s horizon wait in an overflow heap.
 //!
 //! Invariant: every bucket before `cursor` is empty; an entry in the wheel has
 //! `cursor <= tick(time) < cursor + BUCKETS`.
@@ -14,9 +14,10 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-const BUCKETS: usize = 1 << 10;
-/// Ticks per simulated second: 1,024 buckets of 1/128 s cover 8 s, more than a turn's
-/// prefill plus decode, and small enough to stay in the CPU cache.
+const BUCKETS: usize = 1 << 12;
+/// Ticks per simulated second: 4,096 buckets of 1/128 s cover 32 s, more than a turn's
+/// prefill (queueing included, unless the prefill pool is badly overloaded) plus decode,
+/// and small enough to stay in the CPU cache.
 pub const TICKS_PER_S: f64 = 128.0;
 
 /// Pending completions, by tick, as the node each one frees.
@@ -121,7 +122,7 @@ mod tests {
         let mut heap: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
         let mut t = 5.0;
         for i in 0..20_000u32 {
-            // Mostly a few seconds ahead, sometimes far beyond the 8 s horizon, sometimes
+            // Mostly a few seconds ahead, sometimes far beyond the 32 s horizon, sometimes
             // exactly now; sometimes the clock jumps far ahead.
             let ahead = match i % 50 {
                 0 => 100.0 + rng.uniform(0.0, 500.0),

@@ -1,0 +1,487 @@
+//! [`KvCache`]: the block pool, the prefix index and the second tier kept consistent.
+//!
+//! Invariants, on top of those of the pool and the tier (all checked after every step
+//! of the property tests):
+//! - `index[h] == b` iff block `b` is `Used` or `Cached` and recorded with hash `h`;
+//!   a `Cached` block is always indexed;
+//! - a hash is in at most one of the primary index and the second tier's cache (a
+//!   promotion moves it, a spill happens only after it left the index);
+//! - every hash with a recorded publisher is in the index or the second tier, so
+//!   deleting a conversation finds every copy of its data;
+//! - a failing operation changes nothing.
+//!
+//! The scheduler drives it: `match_prefix` the prompt's block hashes, `allocate` the
+//! rest, `register` each block once its KV is written and it is full, `release` the
+//! sequence's blocks (in sequence order) when it ends.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::ids::{BlockHash, BlockId, BlockOwner, ConversationId, UserId};
+use super::owners::Owners;
+use super::pool::{BlockPool, BlockState, Released};
+use super::tier::Tier2;
+use super::{BlockStore, KvError, KvStats};
+
+/// Swap IDs are unique in the process, so a handle from another cache is detected
+/// rather than misread as one of ours.
+static NEXT_SWAP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The result of [`KvCache::match_prefix`]: the blocks of the longest cached prefix,
+/// each pinned once for the caller.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Blocks for the leading hashes, in order; release them like allocated blocks.
+    pub blocks: Vec<BlockId>,
+    /// How many came from the primary pool.
+    pub primary_hits: usize,
+    /// How many were promoted from the second tier (one copy each).
+    pub tier2_hits: usize,
+}
+
+/// The result of [`KvCache::peek_prefix`]: how long a match would be, without
+/// pinning, promoting or touching recency.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixPeek {
+    /// Leading hashes found in the primary index.
+    pub primary: usize,
+    /// Leading hashes found in the second tier (a promotion each).
+    pub tier2: usize,
+}
+
+/// What [`KvCache::register`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registered {
+    /// The block is now published under the hash.
+    Published,
+    /// The block was already published under this hash; nothing changed.
+    Unchanged,
+    /// Another block already holds this hash. This block stays private to its
+    /// sequence and is freed on its last release; the caller may switch to
+    /// `existing` to save memory.
+    Duplicate {
+        /// The block that holds the hash.
+        existing: BlockId,
+    },
+}
+
+/// A swapped-out sequence's blocks, held in the second tier until [`KvCache::swap_in`]
+/// or [`KvCache::drop_swap`] consumes the handle. Not `Clone`: one owner, one use.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a swap holds second-tier memory until swapped in or dropped"]
+pub struct SwapHandle {
+    id: u64,
+    blocks: usize,
+}
+
+impl SwapHandle {
+    /// Number of blocks in the swap.
+    pub fn len(&self) -> usize {
+        self.blocks
+    }
+
+    /// Whether the swap holds no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.blocks == 0
+    }
+
+    /// The swap's process-unique ID (for logs).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+/// The paged KV block pool with its owner-scoped prefix cache and second tier.
+#[derive(Debug)]
+pub struct KvCache {
+    pool: BlockPool,
+    index: HashMap<BlockHash, BlockId>,
+    tier2: Tier2,
+    owners: Owners,
+    stats: KvStats,
+    /// Scratch for hashes the second tier dropped (reused to avoid allocating).
+    dropped: Vec<BlockHash>,
+}
+
+impl KvCache {
+    /// A cache of `num_blocks` primary blocks, all free, and a second tier of
+    /// `tier2_capacity_blocks` blocks (0 disables spilling and swapping).
+    pub fn new(num_blocks: u32, tier2_capacity_blocks: usize) -> Self {
+        Self {
+            pool: BlockPool::new(num_blocks),
+            index: HashMap::new(),
+            tier2: Tier2::new(tier2_capacity_blocks),
+            owners: Owners::default(),
+            stats: KvStats::default(),
+            dropped: Vec::new(),
+        }
+    }
+
+    /// Current counts and cumulative counters.
+    pub fn stats(&self) -> KvStats {
+        KvStats {
+            total: self.pool.total(),
+            free: self.pool.free_count(),
+            used: self.pool.used_count(),
+            cached: self.pool.cached_count(),
+            tier2_blocks: self.tier2.cached_len(),
+            tier2_capacity: self.tier2.capacity(),
+            swapped: self.tier2.swapped(),
+            indexed: self.index.len(),
+            ..self.stats
+        }
+    }
+
+    /// Blocks an `allocate` could get now: free plus cached (evictable).
+    pub fn available_for_allocation(&self) -> usize {
+        self.pool.free_count() + self.pool.cached_count()
+    }
+
+    /// The state of a block, `None` if it is outside the pool.
+    pub fn block_state(&self, block: BlockId) -> Option<BlockState> {
+        self.pool.state(block)
+    }
+
+    /// Number of sequences pinning a block (0 for free, cached or unknown blocks).
+    pub fn refcount(&self, block: BlockId) -> u32 {
+        self.pool.refcount(block)
+    }
+
+    /// The hash a block is published under, if any.
+    pub fn block_hash_of(&self, block: BlockId) -> Option<BlockHash> {
+        self.pool.hash(block)
+    }
+
+    /// Number of live publisher groups (user, conversation) with cached blocks.
+    pub fn owner_groups(&self) -> usize {
+        self.owners.group_count()
+    }
+
+    /// How many leading `hashes` are cached, by tier, without changing anything.
+    /// Cheap enough for admission and routing decisions.
+    pub fn peek_prefix(&self, hashes: &[BlockHash]) -> PrefixPeek {
+        let mut peek = PrefixPeek::default();
+        for h in hashes {
+            if self.index.contains_key(h) {
+                peek.primary += 1;
+            } else if self.tier2.contains(*h) {
+                peek.tier2 += 1;
+            } else {
+                break;
+            }
+        }
+        peek
+    }
+
+    /// Pins the blocks of the longest run of leading `hashes` that is cached.
+    ///
+    /// Primary hits are pinned in place (`Cached -> Used`, or one more holder for a
+    /// block in use). A second-tier hit is promoted into a freshly allocated primary
+    /// block with `copy_in`; if no primary block can be had (everything pinned) the
+    /// match stops there. Hashes are owner-scoped, so a match never crosses users.
+    pub fn match_prefix(&mut self, hashes: &[BlockHash], store: &mut dyn BlockStore) -> PrefixMatch {
+        let mut out = PrefixMatch::default();
+        for &h in hashes {
+            if let Some(&b) = self.index.get(&h) {
+                if !self.pool.acquire(b) {
+                    break; // unreachable while the invariants hold
+                }
+                out.blocks.push(b);
+                out.primary_hits += 1;
+                continue;
+            }
+            if !self.tier2.contains(h) || self.available_for_allocation() == 0 {
+                break;
+            }
+            // Take the bytes out first: that frees the room the eviction below may
+            // need to spill its victim.
+            let Some(data) = self.tier2.take(h) else { break };
+            if data.len() != store.block_bytes() {
+                // Written by a store of another shape: useless, drop it.
+                self.owners.forget(h);
+                break;
+            }
+            let Some(b) = self.grab_block(store) else {
+                self.reinsert(h, data);
+                break;
+            };
+            store.copy_in(b, &data);
+            self.pool.set_hash(b, h);
+            self.index.insert(h, b);
+            out.blocks.push(b);
+            out.tier2_hits += 1;
+        }
+        self.stats.primary_hits += out.primary_hits as u64;
+        self.stats.tier2_hits += out.tier2_hits as u64;
+        out
+    }
+
+    /// Puts a taken tier-2 entry back (a promotion that could not complete).
+    fn reinsert(&mut self, hash: BlockHash, data: Box<[u8]>) {
+        if !self.tier2.insert(hash, data, &mut self.dropped) {
+            self.owners.forget(hash);
+        }
+        self.forget_dropped();
+    }
+
+    fn forget_dropped(&mut self) {
+        for h in self.dropped.drain(..) {
+            self.owners.forget(h);
+            self.stats.tier2_dropped += 1;
+        }
+    }
+
+    /// One block for a new owner: a free one, else the least recently used cached
+    /// one, whose bytes are spilled to the second tier when it has room.
+    fn grab_block(&mut self, store: &dyn BlockStore) -> Option<BlockId> {
+        if let Some(b) = self.pool.pop_free() {
+            return Some(b);
+        }
+        let (b, old) = self.pool.pop_lru()?;
+        self.index.remove(&old);
+        self.stats.evicted += 1;
+        if self.tier2.swap_room() == 0 {
+            self.owners.forget(old);
+            return Some(b);
+        }
+        let mut data = vec![0u8; store.block_bytes()].into_boxed_slice();
+        store.copy_out(b, &mut data);
+        if self.tier2.insert(old, data, &mut self.dropped) {
+            self.stats.spilled += 1;
+        } else {
+            self.owners.forget(old);
+        }
+        self.forget_dropped();
+        Some(b)
+    }
+
+    /// Pins `n` new blocks (free first, then evicting least recently used cached
+    /// blocks, spilling them to the second tier). All or nothing: on
+    /// [`KvError::OutOfBlocks`] nothing changed. The blocks' contents are undefined.
+    pub fn allocate(&mut self, n: usize, store: &mut dyn BlockStore) -> Result<Vec<BlockId>, KvError> {
+        let available = self.available_for_allocation();
+        if n > available {
+            return Err(KvError::OutOfBlocks { requested: n, available });
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            match self.grab_block(store) {
+                Some(b) => out.push(b),
+                None => {
+                    // Unreachable given the check above; undo rather than leak.
+                    self.release_unchecked(&out);
+                    return Err(KvError::OutOfBlocks { requested: n, available });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Publishes a pinned, full block under `hash` so that later sequences can match
+    /// it. Call only once the block's KV is written. If another block already holds
+    /// `hash`, this one stays private (see [`Registered::Duplicate`]). `owner` is
+    /// recorded for deletion; pass [`BlockOwner::Platform`] for platform-scope blocks
+    /// so that deleting a conversation never drops the shared system prompt.
+    pub fn register(&mut self, block: BlockId, hash: BlockHash, owner: &BlockOwner) -> Result<Registered, KvError> {
+        match self.pool.state(block) {
+            None => return Err(self.unknown(block)),
+            Some(BlockState::Used { .. }) => {}
+            Some(_) => return Err(KvError::NotInUse { block }),
+        }
+        if let Some(published) = self.pool.hash(block) {
+            if published == hash {
+                return Ok(Registered::Unchanged);
+            }
+            return Err(KvError::HashConflict { block, published, requested: hash });
+        }
+        if let Some(&existing) = self.index.get(&hash) {
+            return Ok(Registered::Duplicate { existing });
+        }
+        // A spilled copy of the same hash is now redundant: the primary copy wins.
+        self.tier2.remove(hash);
+        self.pool.set_hash(block, hash);
+        self.index.insert(hash, block);
+        self.owners.record(hash, owner);
+        Ok(Registered::Published)
+    }
+
+    fn unknown(&self, block: BlockId) -> KvError {
+        KvError::UnknownBlock { block, total: self.pool.total() }
+    }
+
+    /// Checks that every block can lose one holder per occurrence in `blocks`;
+    /// returns the first that cannot.
+    fn check_pinned(&self, blocks: &[BlockId]) -> Result<(), (BlockId, bool)> {
+        let mut sorted: Vec<BlockId> = blocks.to_vec();
+        sorted.sort_unstable();
+        for run in sorted.chunk_by(|a, b| a == b) {
+            let b = run[0];
+            match self.pool.state(b) {
+                None => return Err((b, false)),
+                Some(BlockState::Used { refcount }) if refcount as usize >= run.len() => {}
+                Some(_) => return Err((b, true)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops one holder of each block (a block listed twice loses two). At zero a
+    /// published block becomes cached, an unpublished one free. Pass a sequence's
+    /// blocks in sequence order: the tail becomes least recently used, so eviction
+    /// takes it before the prefix it depends on. All or nothing: releasing a block
+    /// that is not in use is [`KvError::DoubleRelease`] and changes nothing.
+    pub fn release(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        match self.check_pinned(blocks) {
+            Ok(()) => {
+                self.release_unchecked(blocks);
+                Ok(())
+            }
+            Err((block, true)) => Err(KvError::DoubleRelease { block }),
+            Err((block, false)) => Err(self.unknown(block)),
+        }
+    }
+
+    fn release_unchecked(&mut self, blocks: &[BlockId]) {
+        for &b in blocks.iter().rev() {
+            let _: Released = self.pool.release(b);
+        }
+    }
+
+    /// Deletes everything a conversation published: its blocks leave the index and
+    /// the second tier. Cached blocks become free at once; pinned ones stay with
+    /// their sequences, unpublished, and become free on their last release. Returns
+    /// the number of blocks removed (both tiers). Swaps are not touched: the scheduler
+    /// drops the swaps of the conversation's sequences itself.
+    pub fn evict_conversation(&mut self, conversation: &ConversationId) -> usize {
+        let hashes = self.owners.take_conversation(conversation);
+        self.evict_hashes(&hashes)
+    }
+
+    /// Deletes everything a user published, in every conversation (see
+    /// [`KvCache::evict_conversation`]).
+    pub fn evict_owner(&mut self, user: &UserId) -> usize {
+        let hashes = self.owners.take_user(user);
+        self.evict_hashes(&hashes)
+    }
+
+    fn evict_hashes(&mut self, hashes: &[BlockHash]) -> usize {
+        let mut n = 0;
+        for &h in hashes {
+            let mut found = false;
+            if let Some(b) = self.index.remove(&h) {
+                self.pool.unpublish(b);
+                found = true;
+            }
+            found |= self.tier2.remove(h);
+            n += usize::from(found);
+        }
+        n
+    }
+
+    /// Preempts a sequence: copies its blocks' bytes to the second tier (never
+    /// dropped by the LRU while swapped) and releases them like [`KvCache::release`].
+    /// All or nothing: [`KvError::Tier2Full`] if other swaps leave too little room,
+    /// [`KvError::NotInUse`] for a block that is not pinned.
+    pub fn swap_out(&mut self, blocks: &[BlockId], store: &mut dyn BlockStore) -> Result<SwapHandle, KvError> {
+        match self.check_pinned(blocks) {
+            Ok(()) => {}
+            Err((block, true)) => return Err(KvError::NotInUse { block }),
+            Err((block, false)) => return Err(self.unknown(block)),
+        }
+        let room = self.tier2.swap_room();
+        if blocks.len() > room {
+            return Err(KvError::Tier2Full { requested: blocks.len(), available: room });
+        }
+        let bytes = store.block_bytes();
+        let data: Vec<Box<[u8]>> = blocks
+            .iter()
+            .map(|&b| {
+                let mut d = vec![0u8; bytes].into_boxed_slice();
+                store.copy_out(b, &mut d);
+                d
+            })
+            .collect();
+        let id = NEXT_SWAP_ID.fetch_add(1, Ordering::Relaxed);
+        if self.tier2.insert_swap(id, data, &mut self.dropped).is_err() {
+            return Err(KvError::Tier2Full { requested: blocks.len(), available: room });
+        }
+        self.forget_dropped();
+        self.release_unchecked(blocks);
+        Ok(SwapHandle { id, blocks: blocks.len() })
+    }
+
+    /// Resumes a swapped-out sequence: allocates blocks (like `allocate`) and copies
+    /// its bytes back, returning the blocks in the order they were swapped out. All
+    /// or nothing: on failure the swap is intact and the error ([`KvError::SwapIn`])
+    /// carries the handle back.
+    pub fn swap_in(&mut self, handle: SwapHandle, store: &mut dyn BlockStore) -> Result<Vec<BlockId>, KvError> {
+        let fail = |handle, source| Err(KvError::SwapIn { handle, source: Box::new(source) });
+        let Some(data) = self.tier2.swap_data(handle.id) else {
+            let id = handle.id;
+            return fail(handle, KvError::UnknownSwap { id });
+        };
+        if let Some(d) = data.iter().find(|d| d.len() != store.block_bytes()) {
+            let source = KvError::BlockBytesMismatch { stored: d.len(), store: store.block_bytes() };
+            return fail(handle, source);
+        }
+        let n = data.len();
+        let available = self.available_for_allocation();
+        if n > available {
+            return fail(handle, KvError::OutOfBlocks { requested: n, available });
+        }
+        // Drop the swap's reservation first, so that blocks evicted to make room can
+        // spill into it instead of pushing out other cached entries.
+        let Some(data) = self.tier2.take_swap(handle.id) else {
+            let id = handle.id;
+            return fail(handle, KvError::UnknownSwap { id });
+        };
+        let blocks = match self.allocate(n, store) {
+            Ok(blocks) => blocks,
+            Err(source) => {
+                // Unreachable given the check above. Restoring cannot fail: the
+                // room was ours a moment ago and cached entries yield to swaps.
+                let _ = self.tier2.insert_swap(handle.id, data, &mut self.dropped);
+                self.forget_dropped();
+                return fail(handle, source);
+            }
+        };
+        for (&b, d) in blocks.iter().zip(&data) {
+            store.copy_in(b, d);
+        }
+        Ok(blocks)
+    }
+
+    /// Discards a swap (its sequence was cancelled). Returns the blocks freed in the
+    /// second tier (0 for a handle of another cache).
+    pub fn drop_swap(&mut self, handle: SwapHandle) -> usize {
+        let n = self.tier2.swap_len(handle.id).unwrap_or(0);
+        self.tier2.drop_swap(handle.id);
+        n
+    }
+
+    /// Audits every invariant of the cache; panics with the first violation.
+    #[cfg(test)]
+    pub(crate) fn assert_consistent(&self) {
+        self.pool.assert_consistent();
+        self.tier2.assert_consistent();
+        self.owners.assert_consistent();
+        let s = self.stats();
+        assert_eq!(s.free + s.used + s.cached, s.total);
+        for (&h, &b) in &self.index {
+            assert_eq!(self.pool.hash(b), Some(h), "index {h} -> {b} disagrees with the pool");
+            assert_ne!(self.pool.state(b), Some(BlockState::Free));
+            assert!(!self.tier2.contains(h), "{h} is in both tiers");
+        }
+        let published = (0..s.total as u32).filter(|&b| self.pool.hash(BlockId(b)).is_some()).count();
+        assert_eq!(published, self.index.len());
+        for h in self.owners.hashes() {
+            assert!(self.index.contains_key(&h) || self.tier2.contains(h), "owner of {h} outlived its data");
+        }
+    }
+
+    /// Second-tier cached hashes, least recently used first (tests only).
+    #[cfg(test)]
+    pub(crate) fn tier2_hashes(&self) -> Vec<BlockHash> {
+        self.tier2.cached_hashes()
+    }
+}

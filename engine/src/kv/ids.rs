@@ -1,0 +1,115 @@
+//! Identifier newtypes of the KV layer and the owner scope of a block.
+//!
+//! Every ID is a distinct type so that a block index can never be passed where a
+//! hash is expected, nor a user ID where a conversation ID is (Dynamo does the same
+//! for its block hashes). The string IDs come from the gateway, which takes the user
+//! from the API key or session, never from a request body.
+
+use std::fmt;
+
+/// Index of a block in the primary (device) KV pool, `0..num_blocks`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockId(pub u32);
+
+impl BlockId {
+    /// The index as a `usize`, for slicing per-block tables.
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "block {}", self.0)
+    }
+}
+
+/// Identity of a full block's contents: the hash of its parent block's hash, its
+/// owner scope and its token IDs (see [`super::block_hash`]). Equal hashes mean
+/// equal KV bytes, so a block can be reused by any sequence that produces the same
+/// hash, on any node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockHash(pub u64);
+
+impl fmt::Display for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// The authenticated user a request runs for.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct UserId(pub String);
+
+impl UserId {
+    /// Builds a user ID from anything string-like.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self(id.into())
+    }
+
+    /// The ID as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A conversation (the routing key of the decode ring and the unit of deletion).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConversationId(pub String);
+
+impl ConversationId {
+    /// Builds a conversation ID from anything string-like.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self(id.into())
+    }
+
+    /// The ID as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A running sequence inside one engine (one turn being prefilled or decoded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeqId(pub u64);
+
+/// Who may reuse a block: everyone (a platform-supplied prefix such as the system
+/// prompt) or only the user whose tokens produced it. The scope is hashed into the
+/// block identity, so scoping is enforced by the hash itself rather than by a check
+/// that could be forgotten.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum OwnerScope {
+    /// Shared by every user: the block lies entirely inside the platform prefix.
+    Platform,
+    /// Private to one user.
+    User(UserId),
+}
+
+/// Who published a block into the prefix index, so that deleting a conversation or
+/// a user removes exactly their blocks. Passed to [`super::KvCache::register`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum BlockOwner {
+    /// A platform-scope block (system prompt): survives conversation and user
+    /// deletion, since it holds no user data.
+    Platform,
+    /// A user-scope block, tagged with the conversation it came from when there is
+    /// one (a plain OpenAI request may have none: it is then deleted only with the
+    /// user).
+    User {
+        /// The owner of the block's data.
+        user: UserId,
+        /// The conversation that produced it.
+        conversation: Option<ConversationId>,
+    },
+}
+
+impl BlockOwner {
+    /// A user block of a conversation.
+    pub fn conversation(user: UserId, conversation: ConversationId) -> Self {
+        Self::User {
+            user,
+            conversation: Some(conversation),
+        }
+    }
+}

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Build llama.cpp tooling (an independent reference implementation) for Baton,
+# without committing any build output. Idempotent: re-running skips finished steps.
+#
+#   (a) venv at .cache/llamacpp/venv with llama-cpp-python compiled from the
+#       PyPI sdist (CPU only), plus jinja2/numpy for scripts/llamacpp/golden.py
+#   (b) llama-bench and llama-server built with cmake from the llama.cpp source
+#       vendored in that same sdist, installed to .cache/llamacpp/bin/
+#
+# Usage: bash scripts/llamacpp/build.sh
+# Env:   LLAMACPP_PY_VERSION (default below), JOBS (default 2),
+#        LLAMACPP_SKIP_SERVER=1 to build llama-bench only.
+set -euo pipefail
+
+VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
+JOBS="${JOBS:-2}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+CACHE="$ROOT/.cache/llamacpp"
+VENV="$CACHE/venv"
+SRC="$CACHE/src"
+BUILD="$CACHE/build"
+BIN="$CACHE/bin"
+mkdir -p "$CACHE" "$SRC" "$BIN"
+
+log() { echo "[llamacpp/build] $*" >&2; }
+
+# --- system tools -----------------------------------------------------------
+need=()
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v g++ >/dev/null 2>&1 || need+=(build-essential)
+command -v git >/dev/null 2>&1 || need+=(git)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+if [ "${#need[@]}" -gt 0 ]; then
+    log "installing with apt: ${need[*]}"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq >"$CACHE/apt.log" 2>&1
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >>"$CACHE/apt.log" 2>&1 \
+        || { tail -20 "$CACHE/apt.log" >&2; exit 1; }
+fi
+
+# --- sdist ------------------------------------------------------------------
+SDIST="$(ls "$SRC"/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)"
+if [ -z "$SDIST" ]; then
+    log "downloading llama-cpp-python==$VERSION sdist"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps \
+        --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$SRC"
+    SDIST="$(ls "$SRC"/llama_cpp_python-"$VERSION".tar.gz)"
+fi
+UNPACKED="$SRC/llama_cpp_python-$VERSION"
+if [ ! -f "$UNPACKED/vendor/llama.cpp/CMakeLists.txt" ]; then
+    log "unpacking $SDIST"
+    tar -xzf "$SDIST" -C "$SRC"
+fi
+LLAMA_SRC="$UNPACKED/vendor/llama.cpp"
+LLAMA_COMMIT=unknown
+[ -e "$LLAMA_SRC/.git" ] && LLAMA_COMMIT="$(git -C "$LLAMA_SRC" rev-parse HEAD 2>/dev/null || echo unknown)"
+
+# --- (a) venv + llama-cpp-python --------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating venv $VENV"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+fi
+have="$("$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)"
+if [ "$have" != "$VERSION" ]; then
+    log "building llama-cpp-python $VERSION from sdist (CPU only, takes a while)"
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+    FORCE_CMAKE=1 \
+        "$VENV/bin/python" -m pip install --disable-pip-version-check --no-cache-dir \
+        --verbose "$SDIST" > "$CACHE/pip-install.log" 2>&1 \
+        || { tail -50 "$CACHE/pip-install.log" >&2; exit 1; }
+else
+    log "llama-cpp-python $VERSION already installed"
+fi
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check jinja2 numpy
+
+# --- (b) llama-bench / llama-server -----------------------------------------
+targets=(llama-bench)
+[ "${LLAMACPP_SKIP_SERVER:-0}" = "1" ] || targets+=(llama-server)
+missing=0
+for t in "${targets[@]}"; do [ -x "$BIN/$t" ] || missing=1; done
+if [ "$missing" = 1 ]; then
+    log "configuring cmake build in $BUILD"
+    cmake -S "$LLAMA_SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
+        > "$CACHE/cmake-configure.log" 2>&1 \
+        || { tail -50 "$CACHE/cmake-configure.log" >&2; exit 1; }
+    log "building ${targets[*]} with -j$JOBS"
+    cmake --build "$BUILD" --config Release -j"$JOBS" --target "${targets[@]}" \
+        > "$CACHE/cmake-build.log" 2>&1 \
+        || { tail -50 "$CACHE/cmake-build.log" >&2; exit 1; }
+    for t in "${targets[@]}"; do
+        install -m 0755 "$BUILD/bin/$t" "$BIN/$t"
+    done
+else
+    log "binaries already in $BIN"
+fi
+
+# --- report -----------------------------------------------------------------
+echo "llama-cpp-python $VERSION (sdist: $SDIST)"
+echo "llama.cpp source:  $LLAMA_SRC (commit $LLAMA_COMMIT)"
+echo "venv python:       $VENV/bin/python"
+for t in "${targets[@]}"; do echo "$t: $BIN/$t"; done
+echo "logs:              $CACHE/{pip-install,cmake-configure,cmake-build}.log"

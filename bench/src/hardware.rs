@@ -61,6 +61,13 @@ impl Dtype {
         }
     }
 
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Fp8 => "FP8",
+            Dtype::Bf16 => "BF16",
+        }
+    }
+
     /// Dense tensor-core FLOP/s of `gpu` when computing in this type.
     pub fn dense_flops(self, gpu: &GpuProfile) -> f64 {
         match self {

@@ -344,7 +344,8 @@ mod tests {
             prop_assert!(max as f64 <= (1.25 * mean).ceil(), "max {} mean {}", max, mean);
         }
 
-        /// Adding a fifth node moves about a fifth of the keys, and only to the new node.
+        /// Adding a fifth node moves about a fifth of the keys (0.2 +- 5 standard deviations
+        /// of vnode placement and key sampling), and only to the new node.
         #[test]
         fn adding_fifth_node_moves_about_a_fifth(
             seed in any::<u64>(),
@@ -364,7 +365,7 @@ mod tests {
                 }
             }
             let share = moved as f64 / keys.len() as f64;
-            prop_assert!((0.12..=0.28).contains(&share), "moved share {}", share);
+            prop_assert!((0.10..=0.30).contains(&share), "moved share {}", share);
         }
 
         /// Removing a node moves exactly its keys, and every node stays a member.

@@ -308,8 +308,11 @@ pub fn render(i: &Inputs, p: &Plan) -> String {
             i.model.params_source
         ),
         format!(
-            "  hardware                    {} x {} per node, weights {:?}, KV {:?}",
-            i.gpus_per_node, i.gpu.name, i.weight_dtype, i.kv_dtype
+            "  hardware                    {} x {} per node, weights {}, KV {}",
+            i.gpus_per_node,
+            i.gpu.name,
+            i.weight_dtype.name(),
+            i.kv_dtype.name()
         ),
         format!(
             "  rates                       decode {}, prefill {}",

@@ -24,3 +24,14 @@ pub mod simulate;
 pub use capacity::CapacityArgs;
 pub use error::BenchError;
 pub use simulate::SimulateArgs;
+
+/// Write a command's output to stdout. A closed pipe (`baton simulate | head`) ends the
+/// output quietly instead of panicking as `print!` would.
+pub(crate) fn emit(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}

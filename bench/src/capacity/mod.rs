@@ -210,11 +210,10 @@ pub fn run(args: CapacityArgs) -> anyhow::Result<()> {
     let p = plan(&inputs)?;
     if args.json {
         let out = serde_json::json!({ "inputs": inputs, "plan": p });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        crate::emit(&(serde_json::to_string_pretty(&out)? + "\n"))
     } else {
-        print!("{}", render(&inputs, &p));
+        crate::emit(&render(&inputs, &p))
     }
-    Ok(())
 }
 
 #[cfg(test)]

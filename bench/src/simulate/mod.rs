@@ -543,11 +543,10 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let cfg = SimulateConfig::try_from(&args)?;
     let report = execute(&cfg)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        crate::emit(&(serde_json::to_string_pretty(&report)? + "\n"))
     } else {
-        print!("{}", render(&report));
+        crate::emit(&render(&report))
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@
 //!   (the seed's part 2) and goes beyond it: bounded-load consistent hashing, a host-memory
 //!   tier, prefill/decode pools with local-vs-remote prefill, node failure and join.
 //! - [`ring`] is the consistent-hash ring with bounded loads, a pure synchronous struct the
-//!   coordinator can reuse; [`lru`] is the O(1) prefix-length LRU the simulator runs on.
+//!   coordinator can reuse; [`lru`] is a plain O(1) token-bounded LRU (slab + intrusive
+//!   list) that defines, and tests, the cache semantics of the simulator's faster
+//!   per-conversation store ([`simulate::store`]).
 //!
 //! The main binary wires `baton capacity` to [`capacity::run`] with [`CapacityArgs`] and
 //! `baton simulate` to [`simulate::run`] with [`SimulateArgs`].

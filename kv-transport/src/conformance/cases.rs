@@ -65,6 +65,13 @@ pub async fn round_trip_bit_exact(kind: Kind) {
         assert_eq!(ss.transfers, 1);
         assert_eq!(ss.transport, rig.connector.transport());
         assert!(ss.bytes >= (n * layout.bytes_per_block()) as u64);
+        let per = rig.receiver.transport_stats();
+        let ls = per
+            .iter()
+            .find(|s| s.transport == rig.connector.transport())
+            .expect("stats for the transport");
+        let ls = ls.snapshot();
+        assert_eq!((ls.transfers, ls.block_layers), (1, rs.block_layers));
         rig.finish(&src, &dst);
     }
 }
@@ -398,7 +405,7 @@ pub async fn incomplete_transfer_is_rejected(kind: Kind) {
 
 /// Opens a raw link and sends `frames`; returns the receiver's reply.
 async fn raw_exchange(rig: &Rig, frames: Vec<Frame>) -> Option<Frame> {
-    let Link { mut tx, mut rx } = rig.connector.open(&rig.peer).await.unwrap();
+    let Link { mut tx, mut rx, .. } = rig.connector.open(&rig.peer).await.unwrap();
     for f in frames {
         if tx.send(f).await.is_err() {
             break;

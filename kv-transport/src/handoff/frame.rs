@@ -213,6 +213,16 @@ impl Frame {
         }
     }
 
+    /// A frame whose checksum the caller computed (over the encoded header, then the
+    /// payload), so the payload is hashed while it is still in cache.
+    pub(crate) fn from_parts(header: FrameHeader, payload: Bytes, checksum: u32) -> Self {
+        Frame {
+            header,
+            payload,
+            checksum,
+        }
+    }
+
     /// A control frame with no payload.
     pub fn control(kind: FrameKind, reservation: ReservationId, epoch: Epoch) -> Self {
         Frame::new(FrameHeader::new(kind, reservation, epoch), Bytes::new())
@@ -366,11 +376,21 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         got += n;
     }
     let header = FrameHeader::decode(&head, limits)?;
-    // Bounded by `limits` in `FrameHeader::decode`.
-    let mut payload = BytesMut::zeroed(header.payload_len as usize);
-    r.read_exact(&mut payload)
-        .await
-        .map_err(|e| Error::io("reading a frame payload", e))?;
+    // Bounded by `limits` in `FrameHeader::decode`. Read into spare capacity: no zeroing.
+    let len = header.payload_len as usize;
+    let mut payload = BytesMut::with_capacity(len);
+    while payload.len() < len {
+        let want = len - payload.len();
+        let n = r
+            .read_buf(&mut (&mut payload).limit(want))
+            .await
+            .map_err(|e| Error::io("reading a frame payload", e))?;
+        if n == 0 {
+            return Err(Error::FrameMalformed {
+                what: "stream ended inside a frame payload",
+            });
+        }
+    }
     let mut c = [0u8; 4];
     r.read_exact(&mut c)
         .await

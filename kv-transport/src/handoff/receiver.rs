@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
-use crate::error::{Error, Result, Side, WireFailure};
+use crate::error::{Error, Result, Side, WireFailure, KINDS};
 use crate::handoff::frame::{Frame, FrameKind, FrameLimits};
 use crate::handoff::grant::{Grant, MAX_GRANT_BLOCKS};
 use crate::handoff::progress::Progress;
@@ -123,7 +123,10 @@ struct Inner {
     config: ReceiverConfig,
     next_id: AtomicU64,
     table: Mutex<Table>,
+    /// Receiver-wide: reservations, and every frame whatever carried it.
     stats: Arc<TransportStats>,
+    /// Per transport: what arrived over its links.
+    link_stats: Mutex<Vec<Arc<TransportStats>>>,
 }
 
 /// The receiving end for one pool. Cheap to clone; clones share everything.
@@ -180,7 +183,8 @@ impl KvReceiver {
                 config,
                 next_id: AtomicU64::new(1),
                 table: Mutex::new(Table::default()),
-                stats: Arc::new(TransportStats::new("receiver", Side::Receiver)),
+                stats: Arc::new(TransportStats::new("all", Side::Receiver)),
+                link_stats: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -200,9 +204,20 @@ impl KvReceiver {
         self.inner.config.limits
     }
 
-    /// Counters of this receiver.
+    /// Counters of this receiver across all transports (transport label `all`), including
+    /// the reservation counters.
     pub fn stats(&self) -> &Arc<TransportStats> {
         &self.inner.stats
+    }
+
+    /// Counters of what arrived over each transport's links (bytes, frames, block-layers,
+    /// rejected frames, completed transfers, link failures by kind).
+    pub fn transport_stats(&self) -> Vec<Arc<TransportStats>> {
+        self.inner
+            .link_stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Reservations granted and not yet completed or released.
@@ -304,7 +319,12 @@ impl KvReceiver {
     /// its data, and reports the outcome back. Transports spawn one of these per link.
     pub async fn serve_link(&self, link: Link) {
         let inner = &self.inner;
-        let Link { mut tx, mut rx } = link;
+        let Link {
+            mut tx,
+            mut rx,
+            transport,
+        } = link;
+        let ls = inner.link_stats(transport);
         let first = match tokio::time::timeout(inner.config.open_timeout, rx.recv()).await {
             Ok(Ok(Some(f))) => f,
             Ok(Ok(None)) => return,
@@ -318,12 +338,15 @@ impl KvReceiver {
             }
         };
         inner.stats.add_frame(first.wire_len());
+        ls.add_frame(first.wire_len());
         let (reservation, epoch) = (first.header.reservation, first.header.epoch);
         let entry = match inner.accept_open(&first) {
             Ok(entry) => entry,
             Err(e) => {
-                inner.stats.add(&inner.stats.rejected_frames, 1);
-                inner.stats.record_failure(&e);
+                for s in [&inner.stats, &ls] {
+                    s.add(&s.rejected_frames, 1);
+                    s.record_failure(&e);
+                }
                 tracing::info!(reservation = reservation.0, kind = e.kind(), "link rejected");
                 let _ = send_bounded(&mut *tx, Frame::failed(reservation, epoch, e.to_wire())).await;
                 linger(&mut *rx, inner.config.linger).await;
@@ -350,7 +373,7 @@ impl KvReceiver {
                     }
                 }
                 msg = rx.recv() => match msg {
-                    Ok(Some(frame)) => match inner.on_frame(&entry, frame) {
+                    Ok(Some(frame)) => match inner.on_frame(&entry, frame, &ls) {
                         Step::Continue => {}
                         other => break other,
                     },
@@ -491,8 +514,33 @@ impl Inner {
         Ok(entry)
     }
 
-    fn on_frame(&self, entry: &Entry, frame: Frame) -> Step {
+    fn link_stats(&self, transport: &'static str) -> Arc<TransportStats> {
+        let mut all = self.link_stats.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = all.iter().find(|s| s.transport == transport) {
+            return s.clone();
+        }
+        let s = Arc::new(TransportStats::new(transport, Side::Receiver));
+        all.push(s.clone());
+        s
+    }
+
+    fn on_frame(&self, entry: &Entry, frame: Frame, ls: &TransportStats) -> Step {
         self.stats.add_frame(frame.wire_len());
+        ls.add_frame(frame.wire_len());
+        let step = self.on_verified_frame(entry, frame, ls);
+        match step {
+            Step::Failed(w) => {
+                ls.add(&ls.rejected_frames, 1);
+                let kind = KINDS.get(usize::from(w.code)).map_or(0, |_| usize::from(w.code));
+                ls.add(&ls.failures[kind], 1);
+            }
+            Step::Completed => ls.record_transfer(entry.created.elapsed()),
+            Step::Continue | Step::CancelledBySender => {}
+        }
+        step
+    }
+
+    fn on_verified_frame(&self, entry: &Entry, frame: Frame, ls: &TransportStats) -> Step {
         let h = frame.header;
         if !frame.verify() {
             return self.reject(
@@ -514,7 +562,13 @@ impl Inner {
             );
         }
         match h.kind {
-            FrameKind::Data => self.install(entry, &frame),
+            FrameKind::Data => {
+                let step = self.install(entry, &frame);
+                if matches!(step, Step::Continue) {
+                    ls.add(&ls.block_layers, u64::from(h.block_count));
+                }
+                step
+            }
             FrameKind::Done => self.complete(entry),
             FrameKind::Cancel => {
                 self.end(

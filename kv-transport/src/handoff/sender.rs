@@ -224,18 +224,24 @@ impl Transfer {
         let mut first = 0;
         while first < n {
             let count = self.frame_blocks.min(n - first);
+            let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);
+            h.layer = layer;
+            h.first_block = first as u32;
+            h.block_count = count as u32;
+            h.payload_len = (count * bl) as u32;
+            // Checksum each block-layer right after copying it, while it is in cache.
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(&h.encode());
             let mut buf = BytesMut::zeroed(count * bl);
             for (i, out) in buf.chunks_exact_mut(bl).enumerate() {
                 self.source
                     .read_layer(self.src_blocks[first + i], layer, out)
                     .inspect_err(|e| tracing::warn!(error = %e, "reading a source block"))?;
+                crc.update(out);
             }
-            let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);
-            h.layer = layer;
-            h.first_block = first as u32;
-            h.block_count = count as u32;
             #[allow(unused_mut)]
-            let mut frame = Frame::new(h, buf.freeze());
+            let mut frame = Frame::from_parts(h, buf.freeze(), crc.finalize());
+            debug_assert!(frame.verify());
             #[cfg(test)]
             if self.corrupt_layer == Some(layer) {
                 let mut p = frame.payload.to_vec();

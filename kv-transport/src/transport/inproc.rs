@@ -57,10 +57,12 @@ fn link_pair() -> (Link, Link) {
         Link {
             tx: Box::new(ChanTx(a_tx)),
             rx: Box::new(ChanRx(b_rx)),
+            transport: NAME,
         },
         Link {
             tx: Box::new(ChanTx(b_tx)),
             rx: Box::new(ChanRx(a_rx)),
+            transport: NAME,
         },
     )
 }

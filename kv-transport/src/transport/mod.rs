@@ -41,6 +41,8 @@ pub trait LinkRx: Send {
 pub struct Link {
     pub tx: Box<dyn LinkTx>,
     pub rx: Box<dyn LinkRx>,
+    /// Name of the transport that carries it (metric label).
+    pub transport: &'static str,
 }
 
 /// Where a receiver listens.

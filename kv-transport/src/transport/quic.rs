@@ -36,6 +36,10 @@ const NAME: &str = "quic";
 pub struct QuicTuning {
     /// MTU used before discovery; 1200 is safe on any path.
     pub initial_mtu: u16,
+    /// MTU the path is known to carry: loss never makes the connection go below it. Raise it
+    /// only where every path is known (loopback, a jumbo-frame fabric); on a shared machine
+    /// a burst of loss otherwise looks like a black hole and drops the MTU to 1200.
+    pub min_mtu: u16,
     /// Largest UDP payload MTU discovery may try.
     pub max_udp_payload: u16,
     /// Bytes a peer may send on one stream before it is read.
@@ -50,12 +54,46 @@ pub struct QuicTuning {
     pub idle_timeout: Duration,
     /// Keep-alive interval, well under `idle_timeout`.
     pub keep_alive: Duration,
+    /// Congestion controller.
+    pub congestion: QuicCongestion,
+}
+
+/// Which congestion controller quinn runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuicCongestion {
+    Cubic,
+    NewReno,
+    /// quinn's BBR (v1, marked experimental upstream): does not back off on every loss.
+    Bbr,
+}
+
+impl QuicTuning {
+    /// For paths whose MTU is known, e.g. 9000 on a jumbo-frame fabric or 65536 on loopback:
+    /// start at the largest UDP payload it carries instead of discovering it.
+    pub fn for_path_mtu(mtu: u32) -> Self {
+        // IPv6 + UDP headers, the larger of the two families.
+        let payload = mtu.saturating_sub(48).clamp(1200, 65_527) as u16;
+        QuicTuning {
+            initial_mtu: payload,
+            // Initial datagrams are padded to `min_mtu`; quinn's handshake did not complete
+            // here with a larger one, so the floor stays at the safe 1200.
+            min_mtu: 1200,
+            max_udp_payload: payload,
+            ..QuicTuning::default()
+        }
+    }
+
+    /// Both ends on one machine (single-machine clusters, tests, the benchmark).
+    pub fn loopback() -> Self {
+        Self::for_path_mtu(65_536)
+    }
 }
 
 impl Default for QuicTuning {
     fn default() -> Self {
         QuicTuning {
             initial_mtu: 1200,
+            min_mtu: 1200,
             max_udp_payload: 65_527,
             stream_receive_window: 64 << 20,
             receive_window: 256 << 20,
@@ -63,6 +101,7 @@ impl Default for QuicTuning {
             socket_buffer_bytes: 4 << 20,
             idle_timeout: Duration::from_secs(10),
             keep_alive: Duration::from_secs(2),
+            congestion: QuicCongestion::Cubic,
         }
     }
 }
@@ -83,9 +122,23 @@ pub(crate) fn transport_config(t: &QuicTuning) -> Result<quinn::TransportConfig>
     );
     c.send_window(t.send_window);
     c.initial_mtu(t.initial_mtu);
-    let mut mtu = MtuDiscoveryConfig::default();
-    mtu.upper_bound(t.max_udp_payload);
-    c.mtu_discovery_config(Some(mtu));
+    c.min_mtu(t.min_mtu);
+    if t.max_udp_payload > t.initial_mtu {
+        let mut mtu = MtuDiscoveryConfig::default();
+        mtu.upper_bound(t.max_udp_payload);
+        c.mtu_discovery_config(Some(mtu));
+    } else {
+        c.mtu_discovery_config(None);
+    }
+    match t.congestion {
+        QuicCongestion::Cubic => {}
+        QuicCongestion::NewReno => {
+            c.congestion_controller_factory(Arc::new(quinn::congestion::NewRenoConfig::default()));
+        }
+        QuicCongestion::Bbr => {
+            c.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+        }
+    }
     c.max_idle_timeout(Some(
         IdleTimeout::try_from(t.idle_timeout).map_err(|e| quic_err("idle timeout")(e.to_string()))?,
     ));
@@ -147,6 +200,7 @@ fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits) -
     Link {
         tx: Box::new(QuicTx(send)),
         rx: Box::new(QuicRx { recv, limits }),
+        transport: NAME,
     }
 }
 
@@ -280,6 +334,15 @@ impl QuicConnector {
             endpoint,
             conns: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// quinn's statistics of every cached connection (path MTU, RTT, losses, congestion
+    /// events): what to look at when QUIC throughput disappoints.
+    pub fn connection_stats(&self) -> Vec<(SocketAddr, quinn::ConnectionStats)> {
+        self.cache()
+            .iter()
+            .map(|((addr, _), c)| (*addr, c.stats()))
+            .collect()
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<(SocketAddr, String), quinn::Connection>> {

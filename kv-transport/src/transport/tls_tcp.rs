@@ -57,6 +57,7 @@ where
     Link {
         tx: Box::new(StreamTx(w)),
         rx: Box::new(StreamRx { r, limits }),
+        transport: NAME,
     }
 }
 

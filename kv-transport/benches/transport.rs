@@ -4,7 +4,8 @@
 //! the default model (SmolLM2-135M, f16).
 //!
 //! Run: `cargo bench -p baton-kv-transport --bench transport`
-//! Env: `BATON_KVT_BENCH_MIB` (default 1024), `BATON_KVT_BENCH_ROUNDS` (default 3).
+//! Env: `BATON_KVT_BENCH_MIB` (default 1024), `BATON_KVT_BENCH_ROUNDS` (default 3),
+//! `BATON_KVT_BENCH_QUIC_CC` (`cubic`, default; `bbr`; `newreno`).
 //!
 //! Every number goes through the full handoff: reserve, grant, frames with checksums,
 //! verification, install into the receiver's pool, completion both ways.
@@ -113,10 +114,7 @@ async fn main() {
     let server = certs.node_tls("decode-0").expect("tls");
     let client = certs.node_tls("prefill-0").expect("tls");
     let loopback = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-    let mut tuning = match std::env::var("BATON_KVT_BENCH_QUIC_MTU") {
-        Ok(v) => QuicTuning::for_path_mtu(v.parse().expect("BATON_KVT_BENCH_QUIC_MTU")),
-        Err(_) => QuicTuning::loopback(),
-    };
+    let mut tuning = QuicTuning::loopback();
     tuning.congestion = match std::env::var("BATON_KVT_BENCH_QUIC_CC").as_deref() {
         Ok("bbr") => QuicCongestion::Bbr,
         Ok("newreno") => QuicCongestion::NewReno,

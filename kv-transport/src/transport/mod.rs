@@ -83,3 +83,6 @@ pub trait Listener: Send + Sync {
     /// Stops accepting and drops every open link.
     fn shutdown(&self);
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,108 @@
+//! Transport-specific tests that the conformance suite does not cover: mutual TLS refuses
+//! peers outside the cluster CA, and the tuned QUIC presets carry a transfer.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::certs::{generate_dev_certs, NodeTls};
+use crate::handoff::{KvReceiver, KvSender, ReceiverConfig};
+use crate::pool::{ArenaPool, BlockSink};
+use crate::transport::quic::{QuicCongestion, QuicConnector, QuicListener, QuicTuning};
+use crate::transport::tls_tcp::{TlsTcpConnector, TlsTcpListener};
+use crate::transport::{Connector, Listener};
+use crate::types::{KvDtype, KvLayout};
+
+const LAYOUT: KvLayout = KvLayout {
+    layers: 2,
+    block_tokens: 16,
+    kv_heads: 1,
+    head_dim: 8,
+    dtype: KvDtype::Bf16,
+};
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+/// A client that trusts the cluster CA but presents a certificate from another CA.
+fn impostor(cluster_ca_pem: &str) -> NodeTls {
+    let other = generate_dev_certs("other", &["prefill-0"]).unwrap();
+    let n = &other.nodes[0];
+    NodeTls::from_pem(cluster_ca_pem, &n.cert_pem, &n.key_pem).unwrap()
+}
+
+async fn attempt(connector: Arc<dyn Connector>, listener: &dyn Listener, receiver: &KvReceiver, src: Arc<ArenaPool>) -> crate::Result<()> {
+    let res = receiver.reserve(2, Some(Duration::from_secs(3))).unwrap();
+    let blocks = src.reserve(2).unwrap();
+    let r = KvSender::new(connector)
+        .send(&listener.peer(), res.grant(), src.clone(), blocks.clone())
+        .await;
+    src.release(&blocks);
+    if r.is_ok() {
+        res.finished().await.map(|b| receiver_release(receiver, b))
+    } else {
+        drop(res);
+        r
+    }
+}
+
+fn receiver_release(_r: &KvReceiver, _b: Vec<crate::BlockId>) {}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_refuses_clients_outside_the_cluster() {
+    let certs = generate_dev_certs("test", &["decode-0", "prefill-0"]).unwrap();
+    let server = certs.node_tls("decode-0").unwrap();
+    let bad_client = impostor(&certs.ca_cert_pem);
+    let untrusting = generate_dev_certs("other", &["prefill-0"]).unwrap().node_tls("prefill-0").unwrap();
+    let dst = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
+    let src = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
+    let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).unwrap();
+
+    let tuning = QuicTuning::default();
+    let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
+    let tcp = TlsTcpListener::bind(loopback(), "decode-0", &server, receiver.clone()).await.unwrap();
+    for client in [&bad_client, &untrusting] {
+        let qc: Arc<dyn Connector> = Arc::new(QuicConnector::new(client, &tuning).unwrap());
+        assert!(attempt(qc, &quic, &receiver, src.clone()).await.is_err());
+        let tc: Arc<dyn Connector> = Arc::new(TlsTcpConnector::new(client).unwrap());
+        assert!(attempt(tc, &tcp, &receiver, src.clone()).await.is_err());
+    }
+    assert_eq!(dst.layer_writes(), 0, "an unauthenticated peer wrote into the pool");
+    assert_eq!(dst.free_blocks(), 8);
+    assert_eq!(src.free_blocks(), 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tuned_quic_presets_carry_a_transfer() {
+    let certs = generate_dev_certs("test", &["decode-0", "prefill-0"]).unwrap();
+    let server = certs.node_tls("decode-0").unwrap();
+    let client = certs.node_tls("prefill-0").unwrap();
+    let mut bbr = QuicTuning::default();
+    bbr.congestion = QuicCongestion::Bbr;
+    let mut reno = QuicTuning::default();
+    reno.congestion = QuicCongestion::NewReno;
+    for tuning in [QuicTuning::loopback(), bbr, reno] {
+        let dst = Arc::new(ArenaPool::new(LAYOUT, 64).unwrap());
+        let src = Arc::new(ArenaPool::new(LAYOUT, 64).unwrap());
+        let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).unwrap();
+        let l = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
+        let c: Arc<dyn Connector> = Arc::new(QuicConnector::new(&client, &tuning).unwrap());
+        let res = receiver.reserve(64, Some(Duration::from_secs(20))).unwrap();
+        let blocks = src.reserve(64).unwrap();
+        for b in &blocks {
+            src.fill_block(*b, u64::from(b.0)).unwrap();
+        }
+        KvSender::new(c)
+            .send(&l.peer(), res.grant(), src.clone(), blocks.clone())
+            .await
+            .unwrap();
+        let got = res.finished().await.unwrap();
+        for (s, d) in blocks.iter().zip(&got) {
+            assert_eq!(src.read_block(*s).unwrap(), dst.read_block(*d).unwrap());
+        }
+        dst.release(&got);
+        src.release(&blocks);
+        assert_eq!(dst.free_blocks(), 64);
+    }
+}

@@ -1,1 +1,47 @@
-fn main() {}
+//! `baton`: one binary for every role of the Baton serving cluster.
+
+mod bench_engine;
+mod engine_args;
+mod generate;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "baton", version, about = "Disaggregated prefill/decode serving for chat models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt or chat messages, streaming to stdout.
+    Generate(generate::GenerateArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode throughput of the engine on this machine, beside
+    /// llama.cpp's llama-bench when a build is present.
+    Engine(bench_engine::BenchEngineArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("BATON_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result: Result<()> = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Bench(BenchCommand::Engine(a)) => bench_engine::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

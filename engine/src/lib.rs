@@ -3,7 +3,11 @@
 //! sampling. Kernels live in `baton-kernels`; this crate decides what to run.
 
 pub mod chat_template;
+pub mod engine;
 pub mod gguf;
 pub mod kv;
+pub mod model;
 pub mod sampling;
 pub mod tokenizer;
+
+pub use engine::{Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, PreemptionMode, Request, RequestStream, TokenOut, Usage};

@@ -62,65 +62,99 @@ fn dot8(a: &[f32], b: &[f32]) -> f32 {
     crate::matmul::hsum8(acc)
 }
 
+/// Consecutive query rows of one sequence processed together, so each key
+/// and value block is read (and converted) once for all of them.
+const ROW_GROUP: usize = 16;
+
 /// `out[r]` = attention of query row `r` (`n_heads x head_dim`, already
 /// rotated) over its sequence's keys and values at positions `0..=pos`.
+///
+/// Rows of one sequence are grouped to share KV reads; the arithmetic of
+/// each row is the same whatever its group: scores in position order, a
+/// two-pass softmax, values accumulated in position order.
 pub fn attention(kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut [f32]) {
     let l = &kv.layout;
     let (hd, kvh, bt) = (l.head_dim, l.kv_heads, l.block_tokens);
     let group = n_heads / kvh;
     let width = n_heads * hd;
     assert!(q.len() >= rows.len() * width && out.len() >= rows.len() * width);
+    // Split rows into runs that share a block table, at most ROW_GROUP long.
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    let mut i = 0;
+    while i < rows.len() {
+        let mut j = i + 1;
+        while j < rows.len() && j - i < ROW_GROUP && std::ptr::eq(rows[j].block_table, rows[i].block_table) {
+            j += 1;
+        }
+        runs.push((i, j));
+        i = j;
+    }
     let ptr = OutPtr(out.as_mut_ptr());
-    (0..rows.len() * kvh).into_par_iter().for_each(|task| {
+    (0..runs.len() * kvh).into_par_iter().for_each(|task| {
         let p = ptr;
-        let (r, h) = (task / kvh, task % kvh);
-        let row = rows[r];
-        let ctx = row.pos + 1;
-        let mut scores = vec![0f32; group * ctx];
+        let ((r0, r1), h) = (runs[task / kvh], task % kvh);
+        let max_ctx = rows[r0..r1].iter().map(|r| r.pos + 1).max().unwrap_or(0);
+        let table = rows[r0].block_table;
+        let nr = r1 - r0;
+        let mut scores = vec![0f32; nr * group * max_ctx];
         let mut buf = vec![0f32; bt * hd];
-        let qrow = &q[r * width..(r + 1) * width];
-        for (bi, &block) in row.block_table.iter().enumerate().take(ctx.div_ceil(bt)) {
-            let n = bt.min(ctx - bi * bt);
+        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)) {
+            let n = bt.min(max_ctx - bi * bt);
             kv.read_head_slots(layer, block as usize, 0, h, n, &mut buf);
-            for g in 0..group {
-                let qh = &qrow[(h * group + g) * hd..(h * group + g + 1) * hd];
-                for j in 0..n {
-                    scores[g * ctx + bi * bt + j] = dot8(qh, &buf[j * hd..(j + 1) * hd]) * scale;
-                }
-            }
-        }
-        let mut sums = vec![0f32; group];
-        for g in 0..group {
-            let s = &mut scores[g * ctx..(g + 1) * ctx];
-            let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut sum = 0f32;
-            for v in s.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            sums[g] = sum;
-        }
-        let mut acc = vec![0f32; group * hd];
-        for (bi, &block) in row.block_table.iter().enumerate().take(ctx.div_ceil(bt)) {
-            let n = bt.min(ctx - bi * bt);
-            kv.read_head_slots(layer, block as usize, 1, h, n, &mut buf);
-            for g in 0..group {
-                let a = &mut acc[g * hd..(g + 1) * hd];
-                for j in 0..n {
-                    let p = scores[g * ctx + bi * bt + j];
-                    for (x, &v) in a.iter_mut().zip(&buf[j * hd..(j + 1) * hd]) {
-                        *x += p * v;
+            for (ri, row) in rows[r0..r1].iter().enumerate() {
+                let ctx = row.pos + 1;
+                let m = n.min(ctx.saturating_sub(bi * bt));
+                let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
+                for g in 0..group {
+                    let qh = &qrow[(h * group + g) * hd..(h * group + g + 1) * hd];
+                    let srow = &mut scores[(ri * group + g) * max_ctx..];
+                    for j in 0..m {
+                        srow[bi * bt + j] = dot8(qh, &buf[j * hd..(j + 1) * hd]) * scale;
                     }
                 }
             }
         }
-        for g in 0..group {
-            let inv = 1.0 / sums[g];
-            let head = h * group + g;
-            for d in 0..hd {
-                // SAFETY: task (r, h) alone writes heads h*group..(h+1)*group
-                // of row r, inside `out` (asserted above).
-                unsafe { *p.0.add(r * width + head * hd + d) = acc[g * hd + d] * inv };
+        let mut sums = vec![0f32; nr * group];
+        for (ri, row) in rows[r0..r1].iter().enumerate() {
+            let ctx = row.pos + 1;
+            for g in 0..group {
+                let s = &mut scores[(ri * group + g) * max_ctx..(ri * group + g) * max_ctx + ctx];
+                let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let mut sum = 0f32;
+                for v in s.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                sums[ri * group + g] = sum;
+            }
+        }
+        let mut acc = vec![0f32; nr * group * hd];
+        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)) {
+            let n = bt.min(max_ctx - bi * bt);
+            kv.read_head_slots(layer, block as usize, 1, h, n, &mut buf);
+            for (ri, row) in rows[r0..r1].iter().enumerate() {
+                let m = n.min((row.pos + 1).saturating_sub(bi * bt));
+                for g in 0..group {
+                    let a = &mut acc[(ri * group + g) * hd..(ri * group + g + 1) * hd];
+                    let srow = &scores[(ri * group + g) * max_ctx..];
+                    for j in 0..m {
+                        let pj = srow[bi * bt + j];
+                        for (x, &v) in a.iter_mut().zip(&buf[j * hd..(j + 1) * hd]) {
+                            *x += pj * v;
+                        }
+                    }
+                }
+            }
+        }
+        for ri in 0..nr {
+            for g in 0..group {
+                let inv = 1.0 / sums[ri * group + g];
+                let head = h * group + g;
+                for d in 0..hd {
+                    // SAFETY: task (run, h) alone writes heads h*group..(h+1)*group
+                    // of the run's rows, inside `out` (asserted above).
+                    unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = acc[(ri * group + g) * hd + d] * inv };
+                }
             }
         }
     });

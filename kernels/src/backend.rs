@@ -43,7 +43,7 @@ pub enum BackendKind {
 /// The operations of a forward pass. Tensors are flat row-major f32 arrays
 /// from the caller's point of view; their storage is the backend's.
 pub trait Backend: Send + Sync {
-    type Tensor: Send;
+    type Tensor: Send + Sync;
     type Matrix: Send + Sync;
     type Kv: Send + Sync;
     type Rope: Send + Sync;

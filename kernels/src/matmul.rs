@@ -199,6 +199,13 @@ pub fn matmul(x: &[f32], xq: &QuantizedActs, rows: usize, w: &QMatrix, out: &mut
         let o0 = task * ROWS_PER_TASK;
         let o1 = (o0 + ROWS_PER_TASK).min(n);
         let p = ptr;
+        #[cfg(target_arch = "x86_64")]
+        if let (Prepared::Q4 { qs, d, m }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
+            // SAFETY: the tile writes only (t, o) for o in o0..o1, which this
+            // task owns; `out` holds rows * n elements.
+            unsafe { simd::q4_task(qs, d, m, w.k, xq, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
+            return;
+        }
         for t in 0..rows {
             for o in o0..o1 {
                 let v = dot(w, o, x, xq, t);
@@ -311,6 +318,7 @@ pub(crate) mod scalar {
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use super::QK;
+    use crate::quant::QuantizedActs;
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -322,6 +330,129 @@ mod simd {
         let s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s3 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
         _mm_cvtss_f32(s3)
+    }
+
+
+    /// Integer dot products of one Q4 block against 32 activation bytes:
+    /// 8 lanes of 4 products each.
+    #[inline(always)]
+    unsafe fn isum(w: __m256i, x: __m256i, vnni: bool) -> __m256i {
+        if vnni {
+            dpbusd(w, x)
+        } else {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dpbusd(w: __m256i, x: __m256i) -> __m256i {
+        #[cfg(target_feature = "avx512vnni")]
+        {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+        }
+        #[cfg(not(target_feature = "avx512vnni"))]
+        {
+            dpbusd_vnni(w, x)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn dpbusd_vnni(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+    }
+
+    /// An R x C tile: weight rows `o..o+R` against activation rows
+    /// `t..t+C`. Per output element the arithmetic is exactly that of
+    /// `dot_q4_*` (and of `scalar::dot_q4`): the tile only shares loads.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q4_tile<const R: usize, const C: usize>(
+        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut macc = [[0f32; C]; R];
+        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
+        let xdp: [&[f32]; C] = std::array::from_fn(|c| xq.row_d(t + c));
+        let xsp: [&[f32]; C] = std::array::from_fn(|c| xq.row_s(t + c));
+        for b in 0..nb {
+            let mut xs = [_mm256_setzero_si256(); C];
+            for c in 0..C {
+                xs[c] = _mm256_loadu_si256(xqp[c].add(b * QK) as *const __m256i);
+            }
+            for r in 0..R {
+                let rb = (o + r) * nb + b;
+                let wv = unpack_q4(qs.as_ptr().add(rb * 16));
+                let (dw, mw) = (*d.get_unchecked(rb), *m.get_unchecked(rb));
+                for c in 0..C {
+                    let s = isum(wv, xs[c], vnni);
+                    let scale = _mm256_set1_ps(dw * *xdp[c].get_unchecked(b));
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][c]);
+                    macc[r][c] = mw.mul_add(*xsp[c].get_unchecked(b), macc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                *out.add((t + c) * n + o + r) = hsum(acc[r][c]) + macc[r][c];
+            }
+        }
+    }
+
+    /// All rows `t` and weight rows `o0..o1` of a Q4 product, in tiles.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_task(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+        if vnni {
+            q4_task_vnni(qs, d, m, k, xq, rows, o0, o1, out, n)
+        } else {
+            q4_task_impl(qs, d, m, k, xq, rows, o0, o1, out, n, false)
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn q4_task_vnni(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
+        q4_task_impl(qs, d, m, k, xq, rows, o0, o1, out, n, true)
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q4_task_impl(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+        let nb = k / QK;
+        let mut t = 0;
+        while t < rows {
+            let left = rows - t;
+            let mut o = o0;
+            if left >= 4 {
+                while o + 2 <= o1 {
+                    q4_tile::<2, 4>(qs, d, m, nb, xq, o, t, out, n, vnni);
+                    o += 2;
+                }
+                while o < o1 {
+                    q4_tile::<1, 4>(qs, d, m, nb, xq, o, t, out, n, vnni);
+                    o += 1;
+                }
+                t += 4;
+                continue;
+            }
+            while o + 4 <= o1 {
+                match left {
+                    1 => q4_tile::<4, 1>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                    2 => q4_tile::<4, 2>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                    _ => q4_tile::<4, 3>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                }
+                o += 4;
+            }
+            while o < o1 {
+                match left {
+                    1 => q4_tile::<1, 1>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                    2 => q4_tile::<1, 2>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                    _ => q4_tile::<1, 3>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                }
+                o += 1;
+            }
+            t = rows;
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]

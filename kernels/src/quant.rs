@@ -204,8 +204,11 @@ impl QuantizedActs {
                 self.q[b * QK + j] = q;
                 sum += q as i32;
             }
-            self.d[b] = d;
-            self.s[b] = d * sum as f32;
+            // Scales are kept at f16 precision, as GGML's Q8_0/Q8_1
+            // activation blocks store them: this keeps Baton's products
+            // within rounding of llama.cpp's on the same weights.
+            self.d[b] = f16::from_f32(d).to_f32();
+            self.s[b] = f16::from_f32(d * sum as f32).to_f32();
         }
     }
 

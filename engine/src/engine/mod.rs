@@ -1,0 +1,422 @@
+//! The serving engine: a worker thread that owns the model, the KV arena and
+//! the block cache, and runs continuous batching with chunked prefill; and
+//! [`Engine`], the thread-safe handle callers submit requests through.
+//!
+//! Callers give token IDs plus an owner scope and the length of the
+//! platform-shared prefix; tokens stream back with per-token timings.
+//! Dropping a [`RequestStream`] cancels its sequence at the next step, and
+//! every path out of a sequence (finish, stop, error, cancel, preemption)
+//! returns its blocks exactly once.
+
+mod scheduler;
+mod sequence;
+
+use crate::chat_template::ChatTemplate;
+use crate::kv::{ConversationId, KvError, KvStats, SeqId, UserId};
+use crate::model::LoadedModel;
+use crate::sampling::{SamplingError, ValidSamplingParams};
+use crate::tokenizer::Tokenizer;
+use baton_kernels::{Backend, KvDtype, KvLayout};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+pub use scheduler::PreemptionMode;
+
+/// How the engine uses memory and schedules work.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Bytes of KV memory in the primary pool.
+    pub kv_memory_bytes: usize,
+    pub kv_dtype: KvDtype,
+    /// Tokens per KV block.
+    pub block_tokens: usize,
+    /// Most tokens (prompt plus reply) of one sequence; `None` = the model's.
+    pub max_context: Option<usize>,
+    /// Bytes of the second (host memory) tier; 0 disables it.
+    pub tier2_bytes: usize,
+    /// Tokens one step may process (decode rows first, then prefill chunks).
+    pub step_token_budget: usize,
+    /// Most sequences in a batch.
+    pub max_running: usize,
+    /// Most requests waiting for admission; more are refused.
+    pub max_waiting: usize,
+    pub preemption: PreemptionMode,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            kv_memory_bytes: 512 << 20,
+            kv_dtype: KvDtype::F16,
+            block_tokens: crate::kv::DEFAULT_BLOCK_TOKENS,
+            max_context: None,
+            tier2_bytes: 1 << 30,
+            step_token_budget: 512,
+            max_running: 64,
+            max_waiting: 1024,
+            preemption: PreemptionMode::Recompute,
+        }
+    }
+}
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(
+        "max context of {max_context} tokens needs {needed_blocks} KV blocks ({needed_bytes} bytes at {dtype}), \
+         but the KV memory budget of {budget_bytes} bytes holds only {blocks} blocks ({tokens} tokens); \
+         raise the KV memory or lower the max context"
+    )]
+    KvTooSmall {
+        max_context: usize,
+        needed_blocks: usize,
+        needed_bytes: usize,
+        dtype: &'static str,
+        budget_bytes: usize,
+        blocks: usize,
+        tokens: usize,
+    },
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    #[error("request queue is full ({waiting} waiting); retry later")]
+    Overloaded { waiting: usize },
+    #[error("prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the max context of {max_context} tokens")]
+    ContextTooLong { prompt: usize, max_tokens: usize, max_context: usize },
+    #[error("empty prompt")]
+    EmptyPrompt,
+    #[error("token {token} is outside the vocabulary of {vocab}")]
+    BadToken { token: u32, vocab: usize },
+    #[error("platform prefix of {platform} tokens is longer than the prompt of {prompt}")]
+    BadPlatformPrefix { platform: usize, prompt: usize },
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+impl EngineError {
+    /// Stable label for metrics and API error types.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EngineError::KvTooSmall { .. } => "kv_too_small",
+            EngineError::Config(_) => "config",
+            EngineError::Overloaded { .. } => "overloaded",
+            EngineError::ContextTooLong { .. } => "context_too_long",
+            EngineError::EmptyPrompt => "empty_prompt",
+            EngineError::BadToken { .. } => "bad_token",
+            EngineError::BadPlatformPrefix { .. } => "bad_platform_prefix",
+            EngineError::Sampling(_) => "sampling",
+            EngineError::Kv(_) => "kv",
+            EngineError::Stopped => "stopped",
+        }
+    }
+}
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub owner: UserId,
+    /// Leading prompt tokens supplied by the platform (the system prompt):
+    /// their full blocks are shared across users.
+    pub platform_prefix_len: usize,
+    /// Tags the blocks this request publishes, for deletion.
+    pub conversation: Option<ConversationId>,
+    pub sampling: ValidSamplingParams,
+    /// Keep generating past the end-of-sequence token (benchmarks).
+    pub ignore_eos: bool,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+    /// The caller cancelled (or went away).
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache (both tiers).
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// One generated token.
+#[derive(Clone, Debug)]
+pub struct TokenOut {
+    pub id: u32,
+    /// Text this token completes (may be empty while a multi-byte character
+    /// or a possible stop string is held back).
+    pub text: String,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+    /// Time since the request was submitted.
+    pub elapsed: Duration,
+}
+
+/// What a request stream yields.
+#[derive(Debug)]
+pub enum Event {
+    Token(TokenOut),
+    Finished { reason: FinishReason, usage: Usage, ttft: Option<Duration>, total: Duration, trailing_text: String },
+    Failed(EngineError),
+}
+
+/// Counters and gauges of the engine, refreshed every step.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    pub kv: KvStats,
+    pub running: usize,
+    pub waiting: usize,
+    pub swapped: usize,
+    pub steps: u64,
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub preemptions: u64,
+    pub finished: u64,
+    pub cancelled: u64,
+    pub busy_seconds: f64,
+}
+
+pub(crate) enum Command {
+    Submit { id: SeqId, request: Box<Request>, events: tokio::sync::mpsc::UnboundedSender<Event> },
+    Cancel(SeqId),
+    EvictConversation(ConversationId, mpsc::Sender<usize>),
+    EvictOwner(UserId, mpsc::Sender<usize>),
+    Shutdown,
+}
+
+struct Shared {
+    stats: Mutex<EngineStats>,
+    /// Requests submitted and not yet finished.
+    in_flight: AtomicUsize,
+}
+
+/// Facts about the loaded model and memory, fixed at start.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub backend: String,
+    pub model_source: String,
+    pub vocab: usize,
+    pub max_context: usize,
+    pub kv_layout: KvLayout,
+    pub kv_blocks: usize,
+    pub tier2_blocks: usize,
+    pub weight_bytes: usize,
+    pub eos: Option<u32>,
+}
+
+/// Handle to a running engine. Cheap to share behind an `Arc`.
+pub struct Engine {
+    tx: Mutex<mpsc::Sender<Command>>,
+    shared: Arc<Shared>,
+    next_id: AtomicU64,
+    max_waiting: usize,
+    pub info: EngineInfo,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// The stream of one request's events. Dropping it cancels the request.
+pub struct RequestStream {
+    pub id: SeqId,
+    events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    cancel: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// Next event, blocking the thread (for synchronous callers).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        let e = self.events.blocking_recv();
+        self.note(&e);
+        e
+    }
+
+    /// Next event (for async callers).
+    pub async fn next(&mut self) -> Option<Event> {
+        let e = self.events.recv().await;
+        self.note(&e);
+        e
+    }
+
+    fn note(&mut self, e: &Option<Event>) {
+        if matches!(e, None | Some(Event::Finished { .. }) | Some(Event::Failed(_))) {
+            self.done = true;
+        }
+    }
+
+    /// Asks the engine to stop this request at its next step.
+    pub fn cancel(&self) {
+        let _ = self.cancel.send(Command::Cancel(self.id));
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            self.cancel();
+        }
+    }
+}
+
+impl Engine {
+    /// Sizes the KV pool, checks the configuration and starts the worker.
+    pub fn start<B: Backend + 'static>(backend: B, loaded: LoadedModel<B>, config: EngineConfig) -> Result<Engine, EngineError> {
+        let LoadedModel { model, tokenizer, template, source } = loaded;
+        let mc = &model.config;
+        if config.block_tokens == 0 || config.step_token_budget == 0 || config.max_running == 0 {
+            return Err(EngineError::Config("block tokens, step token budget and max running must be positive".into()));
+        }
+        let layout = KvLayout {
+            layers: mc.n_layers,
+            block_tokens: config.block_tokens,
+            kv_heads: mc.n_kv_heads,
+            head_dim: mc.head_dim,
+            dtype: config.kv_dtype,
+        };
+        let max_context = config.max_context.unwrap_or(mc.context_length);
+        if max_context > mc.context_length {
+            return Err(EngineError::Config(format!(
+                "max context {max_context} is longer than the model's context length {}",
+                mc.context_length
+            )));
+        }
+        let blocks = config.kv_memory_bytes / layout.block_bytes();
+        let needed_blocks = max_context.div_ceil(config.block_tokens);
+        if blocks < needed_blocks {
+            return Err(EngineError::KvTooSmall {
+                max_context,
+                needed_blocks,
+                needed_bytes: needed_blocks * layout.block_bytes(),
+                dtype: config.kv_dtype.name(),
+                budget_bytes: config.kv_memory_bytes,
+                blocks,
+                tokens: blocks * config.block_tokens,
+            });
+        }
+        if blocks > u32::MAX as usize {
+            return Err(EngineError::Config(format!("{blocks} KV blocks is more than one pool can address")));
+        }
+        let tier2_blocks = config.tier2_bytes / layout.block_bytes();
+        let info = EngineInfo {
+            backend: backend.describe(),
+            model_source: source.display().to_string(),
+            vocab: mc.vocab,
+            max_context,
+            kv_layout: layout,
+            kv_blocks: blocks,
+            tier2_blocks,
+            weight_bytes: model.weight_bytes,
+            eos: tokenizer.eos_id(),
+        };
+        let tokenizer = Arc::new(tokenizer);
+        let template = Arc::new(template);
+        let shared = Arc::new(Shared { stats: Mutex::new(EngineStats::default()), in_flight: AtomicUsize::new(0) });
+        let (tx, rx) = mpsc::channel();
+        let kv = backend.kv(layout, blocks).map_err(|e| EngineError::Config(e.to_string()))?;
+        let worker = scheduler::Worker::new(backend, model, kv, layout, blocks, tier2_blocks, max_context, config.clone(), tokenizer.clone(), shared.clone(), rx);
+        let thread = std::thread::Builder::new()
+            .name("baton-engine".into())
+            .spawn(move || worker.run())
+            .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
+        Ok(Engine {
+            tx: Mutex::new(tx),
+            shared,
+            next_id: AtomicU64::new(1),
+            max_waiting: config.max_waiting,
+            info,
+            tokenizer,
+            template,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    fn sender(&self) -> mpsc::Sender<Command> {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Queues a request. Fails at once when the queue is full or the request
+    /// cannot fit the context; otherwise its events arrive on the stream.
+    pub fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
+        if request.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if let Some(&token) = request.prompt.iter().find(|&&t| t as usize >= self.info.vocab) {
+            return Err(EngineError::BadToken { token, vocab: self.info.vocab });
+        }
+        if request.platform_prefix_len > request.prompt.len() {
+            return Err(EngineError::BadPlatformPrefix { platform: request.platform_prefix_len, prompt: request.prompt.len() });
+        }
+        if request.prompt.len() >= self.info.max_context {
+            return Err(EngineError::ContextTooLong {
+                prompt: request.prompt.len(),
+                max_tokens: request.sampling.max_tokens,
+                max_context: self.info.max_context,
+            });
+        }
+        let in_flight = self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
+        if in_flight >= self.max_waiting {
+            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::Overloaded { waiting: in_flight });
+        }
+        let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        let tx = self.sender();
+        if tx.send(Command::Submit { id, request: Box::new(request), events: etx }).is_err() {
+            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::Stopped);
+        }
+        Ok(RequestStream { id, events: erx, cancel: tx, done: false })
+    }
+
+    /// Removes every block one conversation published, from both tiers.
+    pub fn evict_conversation(&self, conversation: ConversationId) -> Result<usize, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.sender().send(Command::EvictConversation(conversation, tx)).map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// Removes every block of one user, from both tiers.
+    pub fn evict_owner(&self, user: UserId) -> Result<usize, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.sender().send(Command::EvictOwner(user, tx)).map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// A snapshot of the engine's counters (as of the last step).
+    pub fn stats(&self) -> EngineStats {
+        self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Cancels every request and stops the worker.
+    pub fn shutdown(&self) {
+        let _ = self.sender().send(Command::Shutdown);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,582 @@
+//! The engine's worker: continuous batching with chunked prefill.
+//!
+//! Each step: apply commands (submit, cancel, evict); plan a batch under the
+//! token budget — decode rows of running sequences first, then prefill
+//! chunks of running sequences, then newly admitted ones (admission needs
+//! blocks for the whole prompt, net of prefix-cache hits); run one forward
+//! pass; sample where a sequence's pending tokens are done; register newly
+//! full blocks in the prefix index; finish what is finished. When a decode
+//! row needs a block and none can be had, the most recently admitted
+//! sequence is preempted (recompute, or swap to the second tier).
+
+use super::sequence::{Parked, Sequence};
+use super::{Command, EngineConfig, EngineError, Event, FinishReason, Request, Shared, TokenOut};
+use crate::kv::{BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, SeqId};
+use crate::model::{Model, Scratch, StepInput};
+use crate::sampling::{Sampler, StopMatcher};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+use baton_kernels::{AttnRow, Backend, KvLayout};
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+/// What to do with a running sequence when memory runs out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreemptionMode {
+    /// Release its blocks; it recomputes later (its full blocks stay in the
+    /// prefix cache, so little is lost unless they are evicted meanwhile).
+    Recompute,
+    /// Copy its blocks to the second tier; fall back to recompute when the
+    /// tier is full.
+    Swap,
+}
+
+/// The backend's KV arena seen as a [`BlockStore`].
+pub(crate) struct ArenaStore<'a, B: Backend> {
+    pub backend: &'a B,
+    pub kv: &'a mut B::Kv,
+    pub block_bytes: usize,
+}
+
+impl<B: Backend> BlockStore for ArenaStore<'_, B> {
+    fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+    fn copy_out(&self, block: BlockId, out: &mut [u8]) {
+        self.backend.kv_copy_block_out(self.kv, block.index(), out);
+    }
+    fn copy_in(&mut self, block: BlockId, data: &[u8]) {
+        self.backend.kv_copy_block_in(self.kv, block.index(), data);
+    }
+}
+
+pub(crate) struct Worker<B: Backend> {
+    backend: B,
+    model: Model<B>,
+    kv: B::Kv,
+    layout: KvLayout,
+    cache: KvCache,
+    config: EngineConfig,
+    max_context: usize,
+    tokenizer: Arc<Tokenizer>,
+    shared: Arc<Shared>,
+    rx: mpsc::Receiver<Command>,
+    /// Running sequences in admission order (the last is preempted first).
+    running: Vec<Sequence>,
+    waiting: VecDeque<Sequence>,
+    scratch: Scratch<B>,
+}
+
+/// One sequence's share of a step.
+struct Slice {
+    seq: usize,
+    start: usize,
+    len: usize,
+    wants_logits: bool,
+}
+
+impl<B: Backend> Worker<B> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        backend: B,
+        model: Model<B>,
+        kv: B::Kv,
+        layout: KvLayout,
+        blocks: usize,
+        tier2_blocks: usize,
+        max_context: usize,
+        config: EngineConfig,
+        tokenizer: Arc<Tokenizer>,
+        shared: Arc<Shared>,
+        rx: mpsc::Receiver<Command>,
+    ) -> Self {
+        let scratch = Scratch::new(&backend);
+        Worker {
+            backend,
+            model,
+            kv,
+            layout,
+            cache: KvCache::new(blocks as u32, tier2_blocks),
+            config,
+            max_context,
+            tokenizer,
+            shared,
+            rx,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            scratch,
+        }
+    }
+
+    pub fn run(mut self) {
+        let backend = std::ptr::addr_of!(self.backend);
+        // SAFETY: `run` on the backend only borrows it for the duration of
+        // the closure, which owns `self` exclusively otherwise; the backend
+        // is never moved or dropped while the closure runs.
+        let backend: &B = unsafe { &*backend };
+        backend.run(move || self.main_loop());
+    }
+
+    fn main_loop(&mut self) {
+        loop {
+            let idle = self.running.is_empty() && self.waiting.is_empty();
+            if idle {
+                self.publish_stats(0.0);
+                match self.rx.recv() {
+                    Ok(cmd) => {
+                        if !self.apply(cmd) {
+                            return self.shutdown();
+                        }
+                    }
+                    Err(_) => return self.shutdown(),
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => {
+                        if !self.apply(cmd) {
+                            return self.shutdown();
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return self.shutdown(),
+                }
+            }
+            let t0 = Instant::now();
+            self.step();
+            self.publish_stats(t0.elapsed().as_secs_f64());
+        }
+    }
+
+    fn shutdown(&mut self) {
+        let ids: Vec<SeqId> = self.running.iter().chain(self.waiting.iter()).map(|s| s.id).collect();
+        for id in ids {
+            self.cancel(id);
+        }
+        self.publish_stats(0.0);
+    }
+
+    /// Applies one command; false means stop.
+    fn apply(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit { id, request, events } => self.admit_to_queue(id, *request, events),
+            Command::Cancel(id) => self.cancel(id),
+            Command::EvictConversation(conv, reply) => {
+                let _ = reply.send(self.cache.evict_conversation(&conv));
+            }
+            Command::EvictOwner(user, reply) => {
+                let _ = reply.send(self.cache.evict_owner(&user));
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn admit_to_queue(&mut self, id: SeqId, request: Request, events: tokio::sync::mpsc::UnboundedSender<Event>) {
+        let prompt_len = request.prompt.len();
+        let mut sampling = request.sampling.clone();
+        // Never generate past the context.
+        let room = self.max_context.saturating_sub(prompt_len);
+        if room == 0 {
+            let _ = events.send(Event::Failed(EngineError::ContextTooLong {
+                prompt: prompt_len,
+                max_tokens: sampling.max_tokens,
+                max_context: self.max_context,
+            }));
+            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        if sampling.max_tokens > room {
+            let mut p = sampling.into_inner();
+            p.max_tokens = room;
+            sampling = match p.validate() {
+                Ok(v) => v,
+                Err(e) => {
+                    let _ = events.send(Event::Failed(e.into()));
+                    self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    return;
+                }
+            };
+        }
+        let chain = HashChain::new(self.layout.block_tokens, request.platform_prefix_len, request.owner.clone());
+        let seq = Sequence {
+            id,
+            tokens: request.prompt.clone(),
+            prompt_len,
+            computed: 0,
+            blocks: Vec::new(),
+            chain,
+            registered: 0,
+            cached_tokens: None,
+            generated: 0,
+            sampler: Sampler::new(&sampling),
+            decoder: IncrementalDecoder::new(self.tokenizer.clone()),
+            stop: StopMatcher::new(&sampling.stop_strings),
+            events,
+            submitted: Instant::now(),
+            first_token: None,
+            parked: None,
+            request: Request { sampling, ..request },
+        };
+        self.waiting.push_back(seq);
+    }
+
+    fn cancel(&mut self, id: SeqId) {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.finish(seq, FinishReason::Cancelled);
+        } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            if let Some(seq) = self.waiting.remove(i) {
+                self.finish(seq, FinishReason::Cancelled);
+            }
+        }
+    }
+
+    /// Returns every block of `seq` (publishing its full ones first) or its
+    /// swap, and sends the final event.
+    fn finish(&mut self, mut seq: Sequence, reason: FinishReason) {
+        register_full_blocks(&mut self.cache, self.layout.block_tokens, &mut seq);
+        self.release_blocks(&mut seq);
+        if let Some(Parked::Swapped(h)) = seq.parked.take() {
+            self.cache.drop_swap(h);
+        }
+        let event = seq.finish_event(reason);
+        let _ = seq.events.send(event);
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+        st.finished += 1;
+        if reason == FinishReason::Cancelled {
+            st.cancelled += 1;
+        }
+    }
+
+    fn release_blocks(&mut self, seq: &mut Sequence) {
+        let blocks = std::mem::take(&mut seq.blocks);
+        if let Err(e) = self.cache.release(&blocks) {
+            // A double release is a scheduler bug; the cache refused it and
+            // its accounting is intact, so report and carry on.
+            tracing::error!(seq = seq.id.0, error = %e, "block release refused");
+        }
+        seq.computed = 0;
+        seq.registered = 0;
+    }
+
+    /// Tries to give `seq` blocks for its first `upto` tokens.
+    fn grow(&mut self, seq_idx: usize, upto: usize) -> bool {
+        let bt = self.layout.block_tokens;
+        let need = upto.div_ceil(bt).saturating_sub(self.running[seq_idx].blocks.len());
+        if need == 0 {
+            return true;
+        }
+        let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
+        match self.cache.allocate(need, &mut store) {
+            Ok(b) => {
+                self.running[seq_idx].blocks.extend(b);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Parks the most recently admitted running sequence, other than those
+    /// in `keep`, back at the front of the queue. False if none can be.
+    fn preempt_one(&mut self, keep: &[SeqId]) -> bool {
+        let Some(i) = self.running.iter().rposition(|s| !keep.contains(&s.id)) else { return false };
+        let mut seq = self.running.remove(i);
+        register_full_blocks(&mut self.cache, self.layout.block_tokens, &mut seq);
+        let mut parked = Parked::Recompute;
+        if self.config.preemption == super::PreemptionMode::Swap && !seq.blocks.is_empty() {
+            let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
+            if let Ok(h) = self.cache.swap_out(&seq.blocks, &mut store) {
+                seq.blocks.clear();
+                parked = Parked::Swapped(h);
+            }
+        }
+        if matches!(parked, Parked::Recompute) {
+            self.release_blocks(&mut seq);
+        }
+        seq.parked = Some(parked);
+        self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).preemptions += 1;
+        tracing::debug!(seq = seq.id.0, "preempted");
+        self.waiting.push_front(seq);
+        true
+    }
+
+    /// Moves waiting sequences into the batch while blocks and budget allow.
+    fn admit(&mut self, budget: &mut usize, slices: &mut Vec<Slice>) {
+        let bt = self.layout.block_tokens;
+        while *budget > 0 && self.running.len() < self.config.max_running {
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            let ok = match seq.parked.take() {
+                Some(Parked::Swapped(h)) => {
+                    let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
+                    match self.cache.swap_in(h, &mut store) {
+                        Ok(blocks) => {
+                            seq.computed = seq.tokens.len() - 1;
+                            seq.computed = seq.computed.min(blocks.len() * bt);
+                            seq.registered = seq.computed / bt;
+                            seq.blocks = blocks;
+                            true
+                        }
+                        Err(KvError::SwapIn { handle, source }) => {
+                            tracing::debug!(error = %source, "swap-in deferred");
+                            seq.parked = Some(Parked::Swapped(handle));
+                            false
+                        }
+                        Err(e) => {
+                            // The handle is gone (not ours): recompute instead.
+                            tracing::error!(error = %e, "swap-in failed");
+                            seq.parked = Some(Parked::Recompute);
+                            false
+                        }
+                    }
+                }
+                _ => self.start_fresh(&mut seq),
+            };
+            if !ok {
+                self.waiting.push_front(seq);
+                break;
+            }
+            self.running.push(seq);
+            let idx = self.running.len() - 1;
+            let s = &self.running[idx];
+            let len = s.pending().min(*budget);
+            if !self.grow(idx, s.computed + len) {
+                // Blocks for the whole prompt were taken at admission; only
+                // a swapped-in sequence can get here. Preempt it again.
+                let seq = self.running.pop().expect("just pushed");
+                self.waiting.push_front(seq);
+                break;
+            }
+            let s = &self.running[idx];
+            slices.push(Slice { seq: idx, start: s.computed, len, wants_logits: s.computed + len == s.tokens.len() });
+            *budget -= len;
+        }
+    }
+
+    /// Matches the prefix cache and reserves blocks for the rest of the
+    /// sequence's tokens. All or nothing.
+    fn start_fresh(&mut self, seq: &mut Sequence) -> bool {
+        let bt = self.layout.block_tokens;
+        // At least one token must be computed to get logits.
+        let matchable = (seq.tokens.len() - 1) / bt;
+        seq.chain.update(&seq.tokens[..matchable * bt]);
+        let hashes: Vec<_> = seq.chain.hashes()[..matchable].to_vec();
+        let need_total = (seq.tokens.len() + 1).div_ceil(bt);
+        let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
+        let m = self.cache.match_prefix(&hashes, &mut store);
+        let rest = need_total - m.blocks.len();
+        match self.cache.allocate(rest, &mut store) {
+            Ok(more) => {
+                let cached = m.blocks.len() * bt;
+                seq.blocks = m.blocks;
+                seq.blocks.extend(more);
+                seq.computed = cached;
+                seq.registered = cached / bt;
+                if seq.cached_tokens.is_none() {
+                    seq.cached_tokens = Some(cached.min(seq.prompt_len));
+                    let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+                    st.prompt_tokens += seq.prompt_len as u64;
+                    st.cached_prompt_tokens += cached.min(seq.prompt_len) as u64;
+                }
+                true
+            }
+            Err(_) => {
+                if let Err(e) = self.cache.release(&m.blocks) {
+                    tracing::error!(error = %e, "release of matched blocks refused");
+                }
+                false
+            }
+        }
+    }
+
+    fn plan(&mut self) -> Vec<Slice> {
+        let mut budget = self.config.step_token_budget;
+        let mut slices = Vec::new();
+        // Decode rows first: every running sequence with one pending token.
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].pending() != 1 || budget == 0 {
+                i += 1;
+                continue;
+            }
+            let upto = self.running[i].computed + 1;
+            if self.grow(i, upto) {
+                slices.push(Slice { seq: i, start: self.running[i].computed, len: 1, wants_logits: true });
+                budget -= 1;
+                i += 1;
+                continue;
+            }
+            let keep: Vec<SeqId> = slices.iter().map(|s| self.running[s.seq].id).chain([self.running[i].id]).collect();
+            if !self.preempt_one(&keep) {
+                // Nothing else to preempt: park this one.
+                let _ = self.preempt_one(&keep[..keep.len() - 1]);
+            }
+            // Indices after a removal shifted; replan from scratch.
+            return self.plan();
+        }
+        // Prefill chunks of running sequences.
+        for (i, s) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if s.pending() > 1 {
+                let len = s.pending().min(budget);
+                // Blocks for the whole prompt were reserved at admission.
+                if (s.computed + len).div_ceil(self.layout.block_tokens) <= s.blocks.len() {
+                    slices.push(Slice { seq: i, start: s.computed, len, wants_logits: s.computed + len == s.tokens.len() });
+                    budget -= len;
+                }
+            }
+        }
+        self.admit(&mut budget, &mut slices);
+        slices
+    }
+
+    fn step(&mut self) {
+        let slices = self.plan();
+        if slices.is_empty() {
+            if !self.waiting.is_empty() && self.running.is_empty() {
+                // The head of the queue can never fit: fail it rather than spin.
+                if let Some(mut seq) = self.waiting.pop_front() {
+                    let err = EngineError::Config(format!(
+                        "a sequence of {} tokens cannot get KV blocks ({} free)",
+                        seq.tokens.len(),
+                        self.cache.available_for_allocation()
+                    ));
+                    let _ = seq.events.send(Event::Failed(err));
+                    seq.events = tokio::sync::mpsc::unbounded_channel().0;
+                    self.finish(seq, FinishReason::Cancelled);
+                }
+            }
+            return;
+        }
+        let bt = self.layout.block_tokens;
+        let rows: usize = slices.iter().map(|s| s.len).sum();
+        let tables: Vec<Vec<u32>> = slices.iter().map(|sl| self.running[sl.seq].blocks.iter().map(|b| b.0).collect()).collect();
+        let mut tokens = Vec::with_capacity(rows);
+        let mut positions = Vec::with_capacity(rows);
+        let mut slots = Vec::with_capacity(rows);
+        let mut attn = Vec::with_capacity(rows);
+        let mut logit_rows = Vec::new();
+        for (sl, table) in slices.iter().zip(&tables) {
+            let s = &self.running[sl.seq];
+            for p in sl.start..sl.start + sl.len {
+                tokens.push(s.tokens[p]);
+                positions.push(p as u32);
+                slots.push((table[p / bt], (p % bt) as u32));
+                attn.push(AttnRow { block_table: table, pos: p });
+            }
+            if sl.wants_logits {
+                logit_rows.push(tokens.len() - 1);
+            }
+        }
+        let input = StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
+        let logits = self.model.forward(&self.backend, &mut self.kv, &input, &mut self.scratch);
+        {
+            let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+            st.steps += 1;
+            for sl in &slices {
+                if sl.len == 1 && self.running[sl.seq].computed + 1 == self.running[sl.seq].tokens.len() && self.running[sl.seq].generated > 0 {
+                    st.decode_tokens += 1;
+                } else {
+                    st.prefill_tokens += sl.len as u64;
+                }
+            }
+        }
+        let vocab = self.model.config.vocab;
+        let mut done: Vec<(SeqId, FinishReason)> = Vec::new();
+        let mut li = 0;
+        for sl in &slices {
+            let seq = &mut self.running[sl.seq];
+            seq.computed += sl.len;
+            register_full_blocks(&mut self.cache, bt, seq);
+            if sl.wants_logits {
+                let row = &logits[li * vocab..(li + 1) * vocab];
+                li += 1;
+                if let Some(reason) = sample_into(seq, row, &self.tokenizer, self.max_context, &self.shared) {
+                    done.push((seq.id, reason));
+                }
+            }
+        }
+        for (id, reason) in done {
+            if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                let seq = self.running.remove(i);
+                self.finish(seq, reason);
+            }
+        }
+    }
+
+    fn publish_stats(&mut self, busy: f64) {
+        let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+        st.kv = self.cache.stats();
+        st.running = self.running.len();
+        st.waiting = self.waiting.len();
+        st.swapped = self.waiting.iter().filter(|s| matches!(s.parked, Some(Parked::Swapped(_)))).count();
+        st.busy_seconds += busy;
+    }
+}
+
+/// Samples the next token of `seq` from `logits`; returns why it ends,
+/// if it does.
+fn sample_into(seq: &mut Sequence, logits: &[f32], tokenizer: &Tokenizer, max_context: usize, shared: &Shared) -> Option<FinishReason> {
+    let sampled = match seq.sampler.sample(logits) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = seq.events.send(Event::Failed(e.into()));
+            return Some(FinishReason::Cancelled);
+        }
+    };
+    let id = sampled.token;
+    seq.tokens.push(id);
+    seq.generated += 1;
+    shared.stats.lock().unwrap_or_else(|p| p.into_inner()).generated_tokens += 1;
+    let params = &seq.request.sampling;
+    let is_stop = params.is_stop_token(id) || (!seq.request.ignore_eos && Some(id) == tokenizer.eos_id());
+    let mut text = String::new();
+    let mut stopped = is_stop;
+    if !is_stop && !tokenizer.is_special(id) {
+        let chunk = seq.decoder.push(id);
+        let check = seq.stop.push(&chunk);
+        text = check.text;
+        stopped = check.stopped;
+    }
+    let out = TokenOut {
+        id,
+        text,
+        logprob: params.logprobs.then_some(sampled.logprob),
+        top_logprobs: sampled.top_logprobs,
+        elapsed: seq.submitted.elapsed(),
+    };
+    if !seq.emit(out) {
+        return Some(FinishReason::Cancelled);
+    }
+    if stopped {
+        Some(FinishReason::Stop)
+    } else if seq.generated >= seq.request.sampling.max_tokens || seq.tokens.len() >= max_context {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
+/// Publishes the full blocks of `seq` that hold computed tokens.
+fn register_full_blocks(cache: &mut KvCache, bt: usize, seq: &mut Sequence) {
+    let full = seq.computed / bt;
+    if full <= seq.registered {
+        return;
+    }
+    seq.chain.update(&seq.tokens[..full * bt]);
+    for i in seq.registered..full {
+        let owner = if (i + 1) * bt <= seq.request.platform_prefix_len {
+            BlockOwner::Platform
+        } else {
+            BlockOwner::User { user: seq.request.owner.clone(), conversation: seq.request.conversation.clone() }
+        };
+        if let Err(e) = cache.register(seq.blocks[i], seq.chain.hashes()[i], &owner) {
+            tracing::error!(seq = seq.id.0, error = %e, "block register refused");
+        }
+    }
+    seq.registered = full;
+}

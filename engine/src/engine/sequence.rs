@@ -1,0 +1,78 @@
+//! One sequence in the engine: its tokens, its KV blocks and where it stands.
+
+use super::{Event, FinishReason, Request, TokenOut, Usage};
+use crate::kv::{BlockId, HashChain, SeqId, SwapHandle};
+use crate::sampling::{Sampler, StopMatcher};
+use crate::tokenizer::IncrementalDecoder;
+use std::time::{Duration, Instant};
+
+/// Where a sequence's KV lives while it is not running.
+pub(crate) enum Parked {
+    /// Its blocks were released; it recomputes (with prefix-cache help).
+    Recompute,
+    /// Its blocks sit in the second tier.
+    Swapped(SwapHandle),
+}
+
+pub(crate) struct Sequence {
+    pub id: SeqId,
+    pub request: Request,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose keys and values are in `blocks`.
+    pub computed: usize,
+    pub blocks: Vec<BlockId>,
+    /// Hashes of the full blocks of `tokens`.
+    pub chain: HashChain,
+    /// Full blocks already offered to the prefix index.
+    pub registered: usize,
+    /// Prompt tokens that came from the prefix cache at first admission.
+    pub cached_tokens: Option<usize>,
+    pub generated: usize,
+    pub sampler: Sampler,
+    pub decoder: IncrementalDecoder,
+    pub stop: StopMatcher,
+    pub events: tokio::sync::mpsc::UnboundedSender<Event>,
+    pub submitted: Instant,
+    pub first_token: Option<Duration>,
+    pub parked: Option<Parked>,
+}
+
+impl Sequence {
+    /// Tokens still to feed through the model before the next sample.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage { prompt_tokens: self.prompt_len, cached_tokens: self.cached_tokens.unwrap_or(0), completion_tokens: self.generated }
+    }
+
+    /// Sends a token; false when the receiver is gone.
+    pub fn emit(&mut self, out: TokenOut) -> bool {
+        if self.first_token.is_none() {
+            self.first_token = Some(out.elapsed);
+        }
+        self.events.send(Event::Token(out)).is_ok()
+    }
+
+    pub fn finish_event(&mut self, reason: FinishReason) -> Event {
+        let mut trailing_text = String::new();
+        if reason != FinishReason::Cancelled && !self.stop.is_stopped() {
+            let tail = self.decoder.finish();
+            let check = self.stop.push(&tail);
+            trailing_text.push_str(&check.text);
+            if !check.stopped {
+                trailing_text.push_str(&self.stop.finish());
+            }
+        }
+        Event::Finished {
+            reason,
+            usage: self.usage(),
+            ttft: self.first_token,
+            total: self.submitted.elapsed(),
+            trailing_text,
+        }
+    }
+}

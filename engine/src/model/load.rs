@@ -1,0 +1,393 @@
+//! Loading weights from GGUF files and Hugging Face folders (config.json,
+//! safetensors, tokenizer.json), and exporting a GGUF model to such a folder.
+//!
+//! Every failure names the file, the tensor when there is one, and what is
+//! wrong; nothing here panics on a bad file.
+//!
+//! Rotary embeddings run in GGML's "normal" (interleaved pairs) convention.
+//! Hugging Face checkpoints use the "rotate half" convention, so their query
+//! and key rows are permuted at load time, exactly as llama.cpp's converter
+//! does, and permuted back on export.
+
+use super::{Layer, Model, ModelConfig};
+use crate::chat_template::{ChatTemplate, TemplateError};
+use crate::gguf::{GgmlType, GgufError, GgufFile};
+use crate::model::HfConfig;
+use crate::tokenizer::{Tokenizer, TokenizerError};
+use baton_kernels::{Backend, KernelError, WeightFormat};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Errors loading a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("{path}: tensor {tensor}: {reason}")]
+    Tensor { path: PathBuf, tensor: String, reason: String },
+    #[error("{path}: missing tensor {tensor}")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: {reason}")]
+    Config { path: PathBuf, reason: String },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: tokenizer: {source}")]
+    Tokenizer { path: PathBuf, source: TokenizerError },
+    #[error("{path}: chat template: {source}")]
+    Template { path: PathBuf, source: TemplateError },
+}
+
+impl ModelError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ModelError::Gguf(e) => e.kind(),
+            ModelError::Tensor { .. } => "model_tensor",
+            ModelError::MissingTensor { .. } => "model_missing_tensor",
+            ModelError::Config { .. } => "model_config",
+            ModelError::Io { .. } => "model_io",
+            ModelError::Tokenizer { .. } => "model_tokenizer",
+            ModelError::Template { .. } => "model_template",
+        }
+    }
+}
+
+/// A model with the tokenizer and chat template that came with it.
+pub struct LoadedModel<B: Backend> {
+    pub model: Model<B>,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub source: PathBuf,
+}
+
+fn kernel_err(path: &Path, tensor: &str, e: KernelError) -> ModelError {
+    ModelError::Tensor { path: path.to_path_buf(), tensor: tensor.to_string(), reason: e.to_string() }
+}
+
+/// Loads a Llama-family GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors).
+pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>, ModelError> {
+    let f = GgufFile::open(path)?;
+    let arch = f.get_str("general.architecture")?.to_string();
+    if arch != "llama" {
+        return Err(ModelError::Config { path: path.into(), reason: format!("architecture {arch:?} is not supported (llama only)") });
+    }
+    let g = |k: &str| f.get_u32(&format!("llama.{k}")).map(|v| v as usize);
+    let hidden = g("embedding_length")?;
+    let n_heads = g("attention.head_count")?;
+    let embd = f.tensor("token_embd.weight").ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })?;
+    let vocab = match f.opt_u32("llama.vocab_size") {
+        Some(v) => v as usize,
+        None => embd.dims.get(1).copied().unwrap_or(0) as usize,
+    };
+    let config = ModelConfig {
+        n_layers: g("block_count")?,
+        hidden,
+        n_heads,
+        n_kv_heads: f.opt_u32("llama.attention.head_count_kv").map(|v| v as usize).unwrap_or(n_heads),
+        head_dim: f.opt_u32("llama.rope.dimension_count").map(|v| v as usize).unwrap_or(hidden / n_heads.max(1)),
+        ffn: g("feed_forward_length")?,
+        vocab,
+        rope_base: f.opt_f32("llama.rope.freq_base").unwrap_or(10000.0),
+        rms_eps: f.get_f32("llama.attention.layer_norm_rms_epsilon")?,
+        context_length: g("context_length")?,
+    };
+    config.check().map_err(|reason| ModelError::Config { path: path.into(), reason })?;
+
+    let matrix = |name: &str, k: usize, n: usize| -> Result<B::Matrix, ModelError> {
+        let t = f.tensor(name).ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: name.into() })?;
+        let dims: Vec<u64> = t.dims.clone();
+        if dims != [k as u64, n as u64] {
+            return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {dims:?}, expected [{k}, {n}]") });
+        }
+        let format = weight_format(t.ggml_type).ok_or_else(|| ModelError::Tensor {
+            path: path.into(),
+            tensor: name.into(),
+            reason: format!("tensor type {:?} is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)", t.ggml_type),
+        })?;
+        backend.matrix(format, n, k, f.tensor_data(t)).map_err(|e| kernel_err(path, name, e))
+    };
+    let vector = |name: &str, n: usize| -> Result<B::Tensor, ModelError> {
+        let t = f.tensor(name).ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: name.into() })?;
+        if t.dims != [n as u64] {
+            return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {:?}, expected [{n}]", t.dims) });
+        }
+        let format = weight_format(t.ggml_type).filter(|f| f.block_len() == 1).ok_or_else(|| ModelError::Tensor {
+            path: path.into(),
+            tensor: name.into(),
+            reason: format!("norm weights must be F32, F16 or BF16, found {:?}", t.ggml_type),
+        })?;
+        let mut v = vec![0f32; n];
+        baton_kernels::quant::dequantize_row(format, f.tensor_data(t), &mut v);
+        Ok(backend.upload(&v))
+    };
+    let c = &config;
+    let kvw = c.n_kv_heads * c.head_dim;
+    let mut layers = Vec::with_capacity(c.n_layers);
+    for i in 0..c.n_layers {
+        let p = |s: &str| format!("blk.{i}.{s}.weight");
+        layers.push(Layer {
+            attn_norm: vector(&p("attn_norm"), c.hidden)?,
+            wq: matrix(&p("attn_q"), c.hidden, c.n_heads * c.head_dim)?,
+            wk: matrix(&p("attn_k"), c.hidden, kvw)?,
+            wv: matrix(&p("attn_v"), c.hidden, kvw)?,
+            wo: matrix(&p("attn_output"), c.n_heads * c.head_dim, c.hidden)?,
+            ffn_norm: vector(&p("ffn_norm"), c.hidden)?,
+            w_gate: matrix(&p("ffn_gate"), c.hidden, c.ffn)?,
+            w_up: matrix(&p("ffn_up"), c.hidden, c.ffn)?,
+            w_down: matrix(&p("ffn_down"), c.ffn, c.hidden)?,
+        });
+    }
+    let embed = matrix("token_embd.weight", c.hidden, c.vocab)?;
+    let output = match f.tensor("output.weight") {
+        Some(_) => Some(matrix("output.weight", c.hidden, c.vocab)?),
+        None => None,
+    };
+    let out_norm = vector("output_norm.weight", c.hidden)?;
+    let tokenizer = Tokenizer::from_gguf(&f).map_err(|source| ModelError::Tokenizer { path: path.into(), source })?;
+    let template = ChatTemplate::from_gguf(&f).map_err(|source| ModelError::Template { path: path.into(), source })?;
+    let model = assemble(backend, config, embed, output, out_norm, layers);
+    Ok(LoadedModel { model, tokenizer, template, source: path.to_path_buf() })
+}
+
+fn assemble<B: Backend>(backend: &B, config: ModelConfig, embed: B::Matrix, output: Option<B::Matrix>, out_norm: B::Tensor, layers: Vec<Layer<B>>) -> Model<B> {
+    let mut weight_bytes = backend.matrix_bytes(&embed) + output.as_ref().map_or(0, |m| backend.matrix_bytes(m));
+    for l in &layers {
+        for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            weight_bytes += backend.matrix_bytes(m);
+        }
+    }
+    let rope = backend.rope(config.head_dim, config.rope_base, config.context_length);
+    Model { config, embed, output, out_norm, layers, rope, weight_bytes }
+}
+
+fn weight_format(t: GgmlType) -> Option<WeightFormat> {
+    Some(match t {
+        GgmlType::F32 => WeightFormat::F32,
+        GgmlType::F16 => WeightFormat::F16,
+        GgmlType::BF16 => WeightFormat::BF16,
+        GgmlType::Q4_0 => WeightFormat::Q4_0,
+        GgmlType::Q4_1 => WeightFormat::Q4_1,
+        GgmlType::Q8_0 => WeightFormat::Q8_0,
+        _ => return None,
+    })
+}
+
+/// Reorders the rows of a query or key projection between the Hugging Face
+/// ("rotate half") and GGML ("interleaved pairs") rotary conventions.
+/// `to_ggml` picks the direction. Rows are opaque byte strings.
+fn permute_rows(bytes: &[u8], rows: usize, heads: usize, to_ggml: bool) -> Vec<u8> {
+    let row = bytes.len() / rows;
+    let hd = rows / heads;
+    let half = hd / 2;
+    let mut out = vec![0u8; bytes.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let ggml = h * hd + 2 * i + j;
+                let hf = h * hd + j * half + i;
+                let (dst, src) = if to_ggml { (ggml, hf) } else { (hf, ggml) };
+                out[dst * row..(dst + 1) * row].copy_from_slice(&bytes[src * row..(src + 1) * row]);
+            }
+        }
+    }
+    out
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.into(), source })?;
+    serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.into(), reason: e.to_string() })
+}
+
+/// Loads a Hugging Face model folder: `config.json`, `*.safetensors` (F32,
+/// F16 or BF16), `tokenizer.json` and the chat template from
+/// `tokenizer_config.json`.
+pub fn load_hf_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LoadedModel<B>, ModelError> {
+    use safetensors::{tensor::Dtype, SafeTensors};
+    let hf: HfConfig = read_json(&dir.join("config.json"))?;
+    let config = ModelConfig::from(&hf);
+    config.check().map_err(|reason| ModelError::Config { path: dir.join("config.json"), reason })?;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| ModelError::Io { path: dir.into(), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Config { path: dir.into(), reason: "no .safetensors file".into() });
+    }
+    let mut maps = Vec::new();
+    for p in &files {
+        let file = std::fs::File::open(p).map_err(|source| ModelError::Io { path: p.clone(), source })?;
+        // SAFETY: the file is opened read-only; Baton does not modify model
+        // files while serving them.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io { path: p.clone(), source })?;
+        maps.push((p.clone(), map));
+    }
+    let mut parsed = Vec::new();
+    for (p, m) in &maps {
+        let st = SafeTensors::deserialize(m).map_err(|e| ModelError::Config { path: p.clone(), reason: format!("safetensors: {e}") })?;
+        parsed.push((p.clone(), st));
+    }
+    let find = |name: &str| -> Result<(PathBuf, Dtype, Vec<usize>, &[u8]), ModelError> {
+        for (p, st) in &parsed {
+            if let Ok(v) = st.tensor(name) {
+                return Ok((p.clone(), v.dtype(), v.shape().to_vec(), v.data()));
+            }
+        }
+        Err(ModelError::MissingTensor { path: dir.into(), tensor: name.into() })
+    };
+    let format_of = |p: &Path, name: &str, d: Dtype| -> Result<WeightFormat, ModelError> {
+        match d {
+            Dtype::F32 => Ok(WeightFormat::F32),
+            Dtype::F16 => Ok(WeightFormat::F16),
+            Dtype::BF16 => Ok(WeightFormat::BF16),
+            other => Err(ModelError::Tensor { path: p.into(), tensor: name.into(), reason: format!("dtype {other:?} is not supported (F32, F16, BF16 are)") }),
+        }
+    };
+    let matrix = |name: &str, n: usize, k: usize, permute_heads: Option<usize>| -> Result<B::Matrix, ModelError> {
+        let (p, dtype, shape, data) = find(name)?;
+        if shape != [n, k] {
+            return Err(ModelError::Tensor { path: p, tensor: name.into(), reason: format!("shape {shape:?}, expected [{n}, {k}]") });
+        }
+        let format = format_of(&p, name, dtype)?;
+        let owned;
+        let bytes = match permute_heads {
+            Some(h) => {
+                owned = permute_rows(data, n, h, true);
+                &owned[..]
+            }
+            None => data,
+        };
+        backend.matrix(format, n, k, bytes).map_err(|e| kernel_err(&p, name, e))
+    };
+    let vector = |name: &str, n: usize| -> Result<B::Tensor, ModelError> {
+        let (p, dtype, shape, data) = find(name)?;
+        if shape != [n] {
+            return Err(ModelError::Tensor { path: p, tensor: name.into(), reason: format!("shape {shape:?}, expected [{n}]") });
+        }
+        let mut v = vec![0f32; n];
+        baton_kernels::quant::dequantize_row(format_of(&p, name, dtype)?, data, &mut v);
+        Ok(backend.upload(&v))
+    };
+    let c = &config;
+    let kvw = c.n_kv_heads * c.head_dim;
+    let mut layers = Vec::with_capacity(c.n_layers);
+    for i in 0..c.n_layers {
+        let p = |s: &str| format!("model.layers.{i}.{s}.weight");
+        layers.push(Layer {
+            attn_norm: vector(&p("input_layernorm"), c.hidden)?,
+            wq: matrix(&p("self_attn.q_proj"), c.n_heads * c.head_dim, c.hidden, Some(c.n_heads))?,
+            wk: matrix(&p("self_attn.k_proj"), kvw, c.hidden, Some(c.n_kv_heads))?,
+            wv: matrix(&p("self_attn.v_proj"), kvw, c.hidden, None)?,
+            wo: matrix(&p("self_attn.o_proj"), c.hidden, c.n_heads * c.head_dim, None)?,
+            ffn_norm: vector(&p("post_attention_layernorm"), c.hidden)?,
+            w_gate: matrix(&p("mlp.gate_proj"), c.ffn, c.hidden, None)?,
+            w_up: matrix(&p("mlp.up_proj"), c.ffn, c.hidden, None)?,
+            w_down: matrix(&p("mlp.down_proj"), c.hidden, c.ffn, None)?,
+        });
+    }
+    let embed = matrix("model.embed_tokens.weight", c.vocab, c.hidden, None)?;
+    let output = if hf.tie_word_embeddings { None } else { Some(matrix("lm_head.weight", c.vocab, c.hidden, None)?) };
+    let out_norm = vector("model.norm.weight", c.hidden)?;
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_tokenizer_json(&tok_path).map_err(|source| ModelError::Tokenizer { path: tok_path.clone(), source })?;
+    let tc_path = dir.join("tokenizer_config.json");
+    let tc: serde_json::Value = read_json(&tc_path)?;
+    let template_src = tc.get("chat_template").and_then(|v| v.as_str()).ok_or_else(|| ModelError::Config { path: tc_path.clone(), reason: "no chat_template".into() })?;
+    let tok_str = |k: &str| tc.get(k).and_then(|v| v.as_str()).unwrap_or("").to_string();
+    let template = ChatTemplate::from_str(template_src, &tok_str("bos_token"), &tok_str("eos_token")).map_err(|source| ModelError::Template { path: tc_path, source })?;
+    let model = assemble(backend, config, embed, output, out_norm, layers);
+    Ok(LoadedModel { model, tokenizer, template, source: dir.to_path_buf() })
+}
+
+/// Writes a GGUF model as a Hugging Face folder with F32 safetensors (the
+/// dequantized values of the GGUF weights, so both load to the same model).
+pub fn export_hf(gguf_path: &Path, out: &Path) -> Result<(), ModelError> {
+    use safetensors::tensor::{Dtype, TensorView};
+    let f = GgufFile::open(gguf_path)?;
+    let io = |path: &Path, source| ModelError::Io { path: path.into(), source };
+    std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    let g = |k: &str| f.get_u32(&format!("llama.{k}")).map(|v| v as usize);
+    let (hidden, n_heads) = (g("embedding_length")?, g("attention.head_count")?);
+    let n_kv = f.opt_u32("llama.attention.head_count_kv").map(|v| v as usize).unwrap_or(n_heads);
+    let n_layers = g("block_count")?;
+    let vocab = f.tensor("token_embd.weight").and_then(|t| t.dims.get(1).copied()).unwrap_or(0) as usize;
+    let tied = f.tensor("output.weight").is_none();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": g("feed_forward_length")?,
+        "num_attention_heads": n_heads,
+        "num_hidden_layers": n_layers,
+        "num_key_value_heads": n_kv,
+        "rms_norm_eps": f.get_f32("llama.attention.layer_norm_rms_epsilon")?,
+        "rope_theta": f.opt_f32("llama.rope.freq_base").unwrap_or(10000.0),
+        "vocab_size": vocab,
+        "max_position_embeddings": g("context_length")?,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "float32",
+    });
+    let write = |name: &str, text: String| std::fs::write(out.join(name), text).map_err(|e| io(&out.join(name), e));
+    write("config.json", serde_json::to_string_pretty(&config).unwrap_or_default())?;
+    let tokenizer = Tokenizer::from_gguf(&f).map_err(|source| ModelError::Tokenizer { path: gguf_path.into(), source })?;
+    write("tokenizer.json", tokenizer.to_tokenizer_json().map_err(|source| ModelError::Tokenizer { path: gguf_path.into(), source })?)?;
+    let tok_text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+    let tc = serde_json::json!({
+        "chat_template": f.get_str("tokenizer.chat_template")?,
+        "bos_token": tok_text(f.opt_u32("tokenizer.ggml.bos_token_id")),
+        "eos_token": tok_text(f.opt_u32("tokenizer.ggml.eos_token_id")),
+    });
+    write("tokenizer_config.json", serde_json::to_string_pretty(&tc).unwrap_or_default())?;
+
+    let mut names: HashMap<String, String> = HashMap::new();
+    names.insert("token_embd.weight".into(), "model.embed_tokens.weight".into());
+    names.insert("output_norm.weight".into(), "model.norm.weight".into());
+    names.insert("output.weight".into(), "lm_head.weight".into());
+    for i in 0..n_layers {
+        for (g, h) in [
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_q", "self_attn.q_proj"),
+            ("attn_k", "self_attn.k_proj"),
+            ("attn_v", "self_attn.v_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ] {
+            names.insert(format!("blk.{i}.{g}.weight"), format!("model.layers.{i}.{h}.weight"));
+        }
+    }
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for t in &f.tensors {
+        let Some(hf_name) = names.get(&t.name) else { continue };
+        let format = weight_format(t.ggml_type).ok_or_else(|| ModelError::Tensor { path: gguf_path.into(), tensor: t.name.clone(), reason: format!("cannot export type {:?}", t.ggml_type) })?;
+        let k = t.dims[0] as usize;
+        let n = t.dims.get(1).copied().unwrap_or(1) as usize;
+        let data = f.tensor_data(t);
+        let row_bytes = format.row_bytes(k).ok_or_else(|| ModelError::Tensor { path: gguf_path.into(), tensor: t.name.clone(), reason: "row not block aligned".into() })?;
+        let mut vals = vec![0f32; n * k];
+        for (r, o) in data.chunks_exact(row_bytes).zip(vals.chunks_exact_mut(k)) {
+            baton_kernels::quant::dequantize_row(format, r, o);
+        }
+        let mut bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        if t.name.ends_with("attn_q.weight") {
+            bytes = permute_rows(&bytes, n, n_heads, false);
+        } else if t.name.ends_with("attn_k.weight") {
+            bytes = permute_rows(&bytes, n, n_kv, false);
+        }
+        let shape = if t.dims.len() == 1 { vec![k] } else { vec![n, k] };
+        tensors.push((hf_name.clone(), shape, bytes));
+    }
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| ModelError::Tensor { path: out.into(), tensor: name.clone(), reason: e.to_string() })
+        })
+        .collect::<Result<_, _>>()?;
+    let st_path = out.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &st_path).map_err(|e| ModelError::Config { path: st_path.clone(), reason: e.to_string() })?;
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! Shared helpers of the engine's integration tests.
+#![allow(dead_code)]
+
+use baton_engine::kv::UserId;
+use baton_engine::model::{load_gguf, LoadedModel};
+use baton_engine::sampling::SamplingParams;
+use baton_engine::{Engine, EngineConfig, Event, FinishReason, Request, Usage};
+use baton_kernels::CpuBackend;
+use std::path::PathBuf;
+
+/// The default model, or `None` (the test then says it is skipped). CI
+/// always fetches it first (scripts/fetch-model.sh).
+pub fn model_path() -> Option<PathBuf> {
+    let p = std::env::var_os("BATON_MODEL").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+        home.join(".cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: model not found at {}; run scripts/fetch-model.sh", p.display());
+        None
+    }
+}
+
+pub fn load(threads: usize) -> Option<(CpuBackend, LoadedModel<CpuBackend>)> {
+    let path = model_path()?;
+    let backend = CpuBackend::new(threads).expect("threads");
+    let loaded = load_gguf(&backend, &path).expect("load model");
+    Some((backend, loaded))
+}
+
+pub fn engine(config: EngineConfig) -> Option<Engine> {
+    let (backend, loaded) = load(2)?;
+    Some(Engine::start(backend, loaded, config).expect("engine start"))
+}
+
+pub fn greedy(max_tokens: usize) -> baton_engine::sampling::ValidSamplingParams {
+    SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() }.validate().unwrap()
+}
+
+pub fn request(prompt: Vec<u32>, user: &str, max_tokens: usize) -> Request {
+    Request { prompt, owner: UserId::new(user), platform_prefix_len: 0, conversation: None, sampling: greedy(max_tokens), ignore_eos: true }
+}
+
+/// Everything a finished request produced.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub reason: FinishReason,
+    pub usage: Usage,
+}
+
+pub fn collect(mut s: baton_engine::RequestStream) -> Outcome {
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    loop {
+        match s.blocking_next().expect("stream ended without a final event") {
+            Event::Token(t) => {
+                tokens.push(t.id);
+                text.push_str(&t.text);
+            }
+            Event::Finished { reason, usage, trailing_text, .. } => {
+                text.push_str(&trailing_text);
+                return Outcome { tokens, text, reason, usage };
+            }
+            Event::Failed(e) => panic!("request failed: {e}"),
+        }
+    }
+}
+
+pub fn chat_prompt(engine: &Engine, system: &str, user: &str) -> Vec<u32> {
+    use baton_engine::chat_template::ChatMessage;
+    let text = engine.template.render(&[ChatMessage::new("system", system), ChatMessage::new("user", user)], true).unwrap();
+    engine.tokenizer.encode(&text, true).unwrap()
+}
+
+/// Waits until the engine has no sequence left and returns its stats.
+pub fn settled(engine: &Engine) -> baton_engine::EngineStats {
+    for _ in 0..2000 {
+        let st = engine.stats();
+        if st.running == 0 && st.waiting == 0 {
+            return st;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("engine did not settle: {:?}", engine.stats());
+}
+
+/// Asserts no block is pinned and the accounting adds up.
+pub fn assert_no_leaks(engine: &Engine) {
+    let st = settled(engine);
+    assert_eq!(st.kv.used, 0, "blocks still pinned: {:?}", st.kv);
+    assert_eq!(st.kv.free + st.kv.cached, st.kv.total, "{:?}", st.kv);
+    assert_eq!(st.kv.swapped, 0, "{:?}", st.kv);
+}

@@ -1,0 +1,153 @@
+//! Every path out of a sequence returns its blocks exactly once: finish,
+//! stop, cancel (explicit or by dropping the stream), preemption and errors.
+//! Plus the engine's admission errors and owner-scoped prefix sharing.
+
+mod common;
+
+use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::sampling::SamplingParams;
+use baton_engine::{EngineConfig, EngineError, Event, FinishReason, PreemptionMode, Request};
+use baton_kernels::KvDtype;
+use common::*;
+
+#[test]
+fn finish_and_cancel_return_every_block() {
+    let Some(e) = engine(EngineConfig { kv_memory_bytes: 64 << 20, max_context: Some(2048), ..EngineConfig::default() }) else { return };
+    let prompt = chat_prompt(&e, "Be brief.", "Count from one to fifty in words.");
+    let done = collect(e.submit(request(prompt.clone(), "a", 8)).unwrap());
+    assert_eq!(done.reason, FinishReason::Length);
+    assert_no_leaks(&e);
+
+    // Dropping a stream mid-generation cancels at the next step.
+    let mut s = e.submit(request(prompt.clone(), "b", 200)).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(s.blocking_next(), Some(Event::Token(_))));
+    }
+    drop(s);
+    assert_no_leaks(&e);
+
+    // Explicit cancel is reported as such.
+    let mut s = e.submit(request(prompt.clone(), "c", 200)).unwrap();
+    assert!(matches!(s.blocking_next(), Some(Event::Token(_))));
+    s.cancel();
+    loop {
+        match s.blocking_next() {
+            Some(Event::Finished { reason, .. }) => {
+                assert_eq!(reason, FinishReason::Cancelled);
+                break;
+            }
+            Some(Event::Token(_)) => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_no_leaks(&e);
+
+    // Stop strings end the reply without emitting the stop string.
+    let sampling = SamplingParams { max_tokens: 64, stop_strings: vec!["three".into()], ..Default::default() }.validate().unwrap();
+    let out = collect(e.submit(Request { sampling, ..request(prompt, "d", 64) }).unwrap());
+    if out.reason == FinishReason::Stop {
+        assert!(!out.text.contains("three"));
+    }
+    assert_no_leaks(&e);
+    e.shutdown();
+}
+
+fn preemption_run(mode: PreemptionMode) {
+    // Room for 24 blocks: four sequences of ~150 tokens (10 blocks each)
+    // cannot all decode at once, so some must be preempted.
+    let layout_bytes_per_token = 2 * 30 * 3 * 64 * 4;
+    let config = EngineConfig {
+        kv_memory_bytes: 24 * 16 * layout_bytes_per_token,
+        kv_dtype: KvDtype::F32,
+        max_context: Some(300),
+        tier2_bytes: 16 << 20,
+        step_token_budget: 256,
+        preemption: mode,
+        ..EngineConfig::default()
+    };
+    let Some(e) = engine(config) else { return };
+    let reference = engine(EngineConfig { kv_dtype: KvDtype::F32, ..EngineConfig::default() }).unwrap();
+    let mut streams = Vec::new();
+    let mut prompts = Vec::new();
+    for i in 0..4 {
+        let p = chat_prompt(&e, "You are a poet.", &format!("Write a long poem number {i} about the sea and ships."));
+        prompts.push(p.clone());
+        streams.push(e.submit(request(p, &format!("user{i}"), 120)).unwrap());
+    }
+    let outs: Vec<_> = streams.into_iter().map(collect).collect();
+    assert!(e.stats().preemptions > 0, "the test must force preemption: {:?}", e.stats());
+    for (p, o) in prompts.into_iter().zip(outs) {
+        assert_eq!(o.tokens.len(), 120);
+        let alone = collect(reference.submit(request(p, "solo", 120)).unwrap());
+        assert_eq!(o.tokens, alone.tokens, "preempted sequence ({mode:?}) must give the same tokens");
+    }
+    assert_no_leaks(&e);
+    e.shutdown();
+    reference.shutdown();
+}
+
+#[test]
+fn preemption_by_recompute_keeps_tokens_and_blocks() {
+    preemption_run(PreemptionMode::Recompute);
+}
+
+#[test]
+fn preemption_by_swap_keeps_tokens_and_blocks() {
+    preemption_run(PreemptionMode::Swap);
+}
+
+#[test]
+fn kv_budget_too_small_for_max_context_is_refused_with_numbers() {
+    let Some((backend, loaded)) = load(1) else { return };
+    let err = baton_engine::Engine::start(backend, loaded, EngineConfig { kv_memory_bytes: 8 << 20, max_context: Some(8192), ..EngineConfig::default() }).err().expect("must refuse");
+    let msg = err.to_string();
+    assert!(matches!(err, EngineError::KvTooSmall { .. }), "{msg}");
+    assert!(msg.contains("8192") && msg.contains("8388608"), "{msg}");
+}
+
+#[test]
+fn bad_requests_are_refused_and_queue_overflow_is_an_error() {
+    let Some(e) = engine(EngineConfig { max_waiting: 2, max_context: Some(512), kv_memory_bytes: 64 << 20, ..EngineConfig::default() }) else { return };
+    assert!(matches!(e.submit(request(vec![], "a", 4)), Err(EngineError::EmptyPrompt)));
+    assert!(matches!(e.submit(request(vec![999_999], "a", 4)), Err(EngineError::BadToken { .. })));
+    assert!(matches!(e.submit(request(vec![5; 600], "a", 4)), Err(EngineError::ContextTooLong { .. })));
+    let a = e.submit(request(vec![100; 40], "a", 50)).unwrap();
+    let b = e.submit(request(vec![101; 40], "b", 50)).unwrap();
+    assert!(matches!(e.submit(request(vec![102; 40], "c", 50)), Err(EngineError::Overloaded { .. })));
+    drop(a);
+    drop(b);
+    assert_no_leaks(&e);
+    e.shutdown();
+}
+
+#[test]
+fn users_share_platform_blocks_only_and_deletion_evicts() {
+    let Some(e) = engine(EngineConfig { kv_memory_bytes: 64 << 20, max_context: Some(2048), ..EngineConfig::default() }) else { return };
+    let system = "You are Baton's helpful assistant. Follow the house rules: be accurate, be kind, cite sources when you can, and keep answers short unless asked for detail.";
+    let sys_prompt = e.template.render(&[baton_engine::chat_template::ChatMessage::new("system", system)], false).unwrap();
+    let platform = e.tokenizer.encode(&sys_prompt, true).unwrap().len();
+    let alice = chat_prompt(&e, system, "What is the capital of France?");
+    let req = |p: &Vec<u32>, user: &str, conv: &str| Request {
+        prompt: p.clone(),
+        owner: UserId::new(user),
+        platform_prefix_len: platform,
+        conversation: Some(ConversationId::new(conv)),
+        sampling: greedy(8),
+        ignore_eos: true,
+    };
+    let a1 = collect(e.submit(req(&alice, "alice", "c1")).unwrap());
+    assert_eq!(a1.usage.cached_tokens, 0);
+    // Bob sends Alice's exact history: only the platform blocks are shared.
+    let b1 = collect(e.submit(req(&alice, "bob", "c2")).unwrap());
+    assert_eq!(b1.usage.cached_tokens, platform / 16 * 16, "bob may reuse only platform blocks");
+    // Alice again: everything but the last partial block is cached.
+    let a2 = collect(e.submit(req(&alice, "alice", "c1")).unwrap());
+    assert_eq!(a2.usage.cached_tokens, (alice.len() - 1) / 16 * 16);
+    // Deleting Alice's conversation removes her blocks, not the platform's.
+    assert!(e.evict_conversation(ConversationId::new("c1")).unwrap() > 0);
+    let a3 = collect(e.submit(req(&alice, "alice", "c1")).unwrap());
+    assert_eq!(a3.usage.cached_tokens, platform / 16 * 16);
+    assert_eq!(a3.tokens, a1.tokens);
+    assert_no_leaks(&e);
+    e.shutdown();
+}

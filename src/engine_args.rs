@@ -1,0 +1,138 @@
+//! Flags shared by every command that runs the engine, and loading the model
+//! into a started engine.
+
+use anyhow::{Context, Result};
+use baton_engine::{model, Engine, EngineConfig, PreemptionMode};
+use baton_kernels::{Backend, BackendKind, CpuBackend, KvDtype};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum KvDtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum BackendArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PreemptionArg {
+    Recompute,
+    Swap,
+}
+
+/// Where the model is and how the engine runs it.
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// A GGUF file or a Hugging Face model folder (config.json, safetensors,
+    /// tokenizer.json). Default: the model fetched by scripts/fetch-model.sh.
+    #[arg(long, env = "BATON_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Compute backend.
+    #[arg(long, env = "BATON_BACKEND", value_enum, default_value = "cpu")]
+    pub backend: BackendArg,
+    /// Compute threads (CPU backend).
+    #[arg(long, env = "BATON_THREADS", default_value_t = default_threads())]
+    pub threads: usize,
+    /// KV cache memory of the primary pool, in MiB.
+    #[arg(long, env = "BATON_KV_MEMORY_MIB", default_value_t = 512)]
+    pub kv_memory_mib: usize,
+    /// Second-tier (host) memory for evicted prefix blocks, in MiB.
+    #[arg(long, env = "BATON_KV_TIER2_MIB", default_value_t = 1024)]
+    pub kv_tier2_mib: usize,
+    #[arg(long, env = "BATON_KV_DTYPE", value_enum, default_value = "f16")]
+    pub kv_dtype: KvDtypeArg,
+    /// Tokens per KV block.
+    #[arg(long, env = "BATON_BLOCK_TOKENS", default_value_t = 16)]
+    pub block_tokens: usize,
+    /// Most tokens (prompt plus reply) per sequence; default: the model's.
+    #[arg(long, env = "BATON_MAX_CONTEXT")]
+    pub max_context: Option<usize>,
+    /// Tokens per engine step (decode rows plus prefill chunks).
+    #[arg(long, env = "BATON_STEP_TOKENS", default_value_t = 512)]
+    pub step_tokens: usize,
+    /// Most sequences decoding at once.
+    #[arg(long, env = "BATON_MAX_RUNNING", default_value_t = 64)]
+    pub max_running: usize,
+    /// Most requests queued or running; more get an overload error.
+    #[arg(long, env = "BATON_MAX_WAITING", default_value_t = 1024)]
+    pub max_waiting: usize,
+    #[arg(long, env = "BATON_PREEMPTION", value_enum, default_value = "recompute")]
+    pub preemption: PreemptionArg,
+}
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// The default model's path: the cache folder of scripts/fetch-model.sh.
+pub fn default_model_path() -> PathBuf {
+    let cache = std::env::var_os("BATON_MODEL_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
+        base.join("baton/models")
+    });
+    cache.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+impl EngineArgs {
+    pub fn model_path(&self) -> PathBuf {
+        self.model.clone().unwrap_or_else(default_model_path)
+    }
+
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            kv_memory_bytes: self.kv_memory_mib << 20,
+            kv_dtype: match self.kv_dtype {
+                KvDtypeArg::F32 => KvDtype::F32,
+                KvDtypeArg::F16 => KvDtype::F16,
+                KvDtypeArg::Bf16 => KvDtype::BF16,
+            },
+            block_tokens: self.block_tokens,
+            max_context: self.max_context,
+            tier2_bytes: self.kv_tier2_mib << 20,
+            step_token_budget: self.step_tokens,
+            max_running: self.max_running,
+            max_waiting: self.max_waiting,
+            preemption: match self.preemption {
+                PreemptionArg::Recompute => PreemptionMode::Recompute,
+                PreemptionArg::Swap => PreemptionMode::Swap,
+            },
+        }
+    }
+
+    /// Loads the model and starts an engine on the chosen backend.
+    pub fn start(&self) -> Result<Engine> {
+        let kind = match self.backend {
+            BackendArg::Cpu => BackendKind::Cpu,
+            BackendArg::Cuda => BackendKind::Cuda,
+        };
+        if kind == BackendKind::Cuda {
+            return Err(baton_kernels::cuda_unavailable().into());
+        }
+        let backend = CpuBackend::new(self.threads)?;
+        start_on(backend, &self.model_path(), self.engine_config())
+    }
+}
+
+/// Loads `path` (GGUF file or Hugging Face folder) on `backend` and starts.
+pub fn start_on<B: Backend + 'static>(backend: B, path: &std::path::Path, config: EngineConfig) -> Result<Engine> {
+    if !path.exists() {
+        anyhow::bail!("model {} not found; run scripts/fetch-model.sh or pass --model", path.display());
+    }
+    let loaded = if path.is_dir() {
+        model::load_hf_dir(&backend, path)
+    } else {
+        model::load_gguf(&backend, path)
+    }
+    .with_context(|| format!("loading {}", path.display()))?;
+    let engine = Engine::start(backend, loaded, config)?;
+    tracing::info!(backend = %engine.info.backend, model = %engine.info.model_source, kv_blocks = engine.info.kv_blocks, "engine started");
+    Ok(engine)
+}

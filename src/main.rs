@@ -21,6 +21,12 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Size a fleet: KV per token and per node, decode and prefill rates,
+    /// nodes, concurrency (the seed's capacity arithmetic).
+    Capacity(baton_bench::CapacityArgs),
+    /// Simulate conversations over replicas with prefix caches: routing,
+    /// second tier, prefill pools, failures.
+    Simulate(baton_bench::SimulateArgs),
 }
 
 #[derive(Subcommand)]
@@ -39,6 +45,8 @@ fn main() {
     let result: Result<()> = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine::run(a),
+        Command::Capacity(a) => baton_bench::capacity::run(a),
+        Command::Simulate(a) => baton_bench::simulate::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

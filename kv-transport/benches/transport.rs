@@ -5,7 +5,8 @@
 //!
 //! Run: `cargo bench -p baton-kv-transport --bench transport`
 //! Env: `BATON_KVT_BENCH_MIB` (default 1024), `BATON_KVT_BENCH_ROUNDS` (default 3),
-//! `BATON_KVT_BENCH_QUIC_CC` (`cubic`, default; `bbr`; `newreno`).
+//! `BATON_KVT_BENCH_QUIC_CC` (`cubic`, default; `bbr`; `newreno`), `BATON_KVT_BENCH_ONLY`
+//! (comma-separated subset of `quic,tls_tcp,inproc`).
 //!
 //! Every number goes through the full handoff: reserve, grant, frames with checksums,
 //! verification, install into the receiver's pool, completion both ways.
@@ -123,7 +124,11 @@ async fn main() {
     let net = InProcNetwork::new();
 
     let mut results = Vec::new();
+    let only = std::env::var("BATON_KVT_BENCH_ONLY").unwrap_or_default();
     for name in ["quic", "tls_tcp", "inproc"] {
+        if !only.is_empty() && !only.split(',').any(|o| o == name) {
+            continue;
+        }
         let dst = Arc::new(ArenaPool::new(layout, pool_blocks).expect("receiver pool"));
         let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).expect("receiver");
         let mut quic_connector = None;
@@ -202,11 +207,13 @@ async fn main() {
     println!("  {:<8} {copy:>6.2} GB/s", "memcpy");
     let quic = results.iter().find(|r| r.0 == "quic").map_or(0.0, |r| r.1);
     let tcp = results.iter().find(|r| r.0 == "tls_tcp").map_or(0.0, |r| r.1);
-    println!(
-        "  quic / tls_tcp = {:.2} (TLS over TCP is {:.2}x QUIC)",
-        quic / tcp,
-        tcp / quic
-    );
+    if quic > 0.0 && tcp > 0.0 {
+        println!(
+            "  quic / tls_tcp = {:.2} (TLS over TCP is {:.2}x QUIC)",
+            quic / tcp,
+            tcp / quic
+        );
+    }
     println!();
     println!("Time to ship one turn's KV (reserve -> completed), median of 5:");
     print!("  {:>7} {:>7} {:>10}", "tokens", "blocks", "MB");

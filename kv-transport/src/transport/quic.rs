@@ -7,11 +7,12 @@
 //! that fails is dropped from the cache and redialled once; listener shutdown closes the
 //! endpoint, so every peer learns at once instead of waiting for an idle timeout.
 //!
-//! Tuning (measured on loopback, see the crate benchmark): quinn's defaults move about
-//! 0.7 GB/s. What matters is packet size and windows: MTU discovery up to 64 KiB datagrams
-//! (loopback and jumbo-frame fabrics allow it; elsewhere discovery settles on the path
-//! MTU), stream and connection windows sized for a whole turn, 4 MiB socket buffers so a
-//! burst of large datagrams is not dropped, and 1 MiB frames written as a few large chunks.
+//! Tuning (measured on loopback, see the crate benchmark): what matters is datagram size
+//! and windows. [`QuicTuning::loopback`] lets MTU discovery climb to 64 KiB datagrams with
+//! segmentation offload off (quinn's 10-datagram GSO batches of large datagrams exceed the
+//! kernel's 64 KiB limit and vanish, which black-hole detection answers by dropping to 1200
+//! bytes); stream and connection windows are sized for a whole turn, socket buffers are
+//! 4 MiB, and 1 MiB frames are written as three chunks without copying the payload.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -39,7 +40,8 @@ pub struct QuicTuning {
     /// MTU the path is known to carry: black-hole detection never goes below it, and
     /// Initial datagrams are padded to it. Keep 1200 unless every path is known.
     pub min_mtu: u16,
-    /// Largest UDP payload MTU discovery may try.
+    /// Largest UDP payload MTU discovery may try. Above 6553 (10 datagrams per GSO batch
+    /// would pass 64 KiB), `segmentation_offload` must be off.
     pub max_udp_payload: u16,
     /// Bytes a peer may send on one stream before it is read.
     pub stream_receive_window: u32,
@@ -55,6 +57,8 @@ pub struct QuicTuning {
     pub keep_alive: Duration,
     /// Congestion controller.
     pub congestion: QuicCongestion,
+    /// Batch datagrams into one `sendmsg` (GSO). Only safe while 10 datagrams fit in 64 KiB.
+    pub segmentation_offload: bool,
 }
 
 /// Which congestion controller quinn runs.
@@ -67,12 +71,25 @@ pub enum QuicCongestion {
 }
 
 impl QuicTuning {
-    /// Both ends on one machine (single-machine clusters, tests, the benchmark): MTU
-    /// discovery up to 64 KiB datagrams. Starting high instead (`initial_mtu` of 9000 or
-    /// 65000) lost datagrams through quinn on the development VM (handshake or transfer
-    /// stalled until black-hole detection), so discovery it is.
+    /// For paths that carry datagrams larger than 1500 bytes (loopback, jumbo-frame fabrics):
+    /// the handshake runs at 1200 bytes, then MTU discovery climbs to `max_udp_payload`.
+    ///
+    /// Segmentation offload (GSO) is turned off: quinn batches up to 10 datagrams per
+    /// `sendmsg`, and a batch over 64 KiB is refused by the kernel and silently lost, which
+    /// looks like a black hole and drops the MTU back to 1200 (what happened with the
+    /// defaults here). Starting the handshake at a large MTU instead failed to connect in
+    /// about a third of the attempts on the development VM, so discovery does the climbing.
+    pub fn large_datagrams(max_udp_payload: u16) -> Self {
+        QuicTuning {
+            max_udp_payload: max_udp_payload.max(1200),
+            segmentation_offload: false,
+            ..QuicTuning::default()
+        }
+    }
+
+    /// Both ends on one machine (single-machine clusters, the benchmark).
     pub fn loopback() -> Self {
-        QuicTuning::default()
+        Self::large_datagrams(65_507)
     }
 }
 
@@ -81,7 +98,9 @@ impl Default for QuicTuning {
         QuicTuning {
             initial_mtu: 1200,
             min_mtu: 1200,
-            max_udp_payload: 65_527,
+            // Ethernet's 1500 less headers: safe with GSO (10 x 1452 < 64 KiB). Larger
+            // datagrams need `large_datagrams`, which turns GSO off.
+            max_udp_payload: 1452,
             stream_receive_window: 64 << 20,
             receive_window: 256 << 20,
             send_window: 256 << 20,
@@ -89,6 +108,7 @@ impl Default for QuicTuning {
             idle_timeout: Duration::from_secs(10),
             keep_alive: Duration::from_secs(2),
             congestion: QuicCongestion::Cubic,
+            segmentation_offload: true,
         }
     }
 }
@@ -108,6 +128,7 @@ pub(crate) fn transport_config(t: &QuicTuning) -> Result<quinn::TransportConfig>
             .map_err(|e| quic_err("receive window")(e.to_string()))?,
     );
     c.send_window(t.send_window);
+    c.enable_segmentation_offload(t.segmentation_offload);
     c.initial_mtu(t.initial_mtu);
     c.min_mtu(t.min_mtu);
     if t.max_udp_payload > t.initial_mtu {

@@ -141,15 +141,13 @@ impl KvSender {
         let (remote_tx, remote_rx) = watch::channel(Remote::Pending);
         let mut rx = link.rx;
         let reader = tokio::spawn(async move {
-            let state = loop {
-                match rx.recv().await {
-                    Ok(Some(f)) if f.verify() => match f.header.kind {
-                        FrameKind::Completed => break Remote::Completed,
-                        FrameKind::Failed => break Remote::Failed(f.failure()),
-                        _ => break Remote::Gone,
-                    },
-                    Ok(Some(_)) | Ok(None) | Err(_) => break Remote::Gone,
-                }
+            let state = match rx.recv().await {
+                Ok(Some(f)) if f.verify() => match f.header.kind {
+                    FrameKind::Completed => Remote::Completed,
+                    FrameKind::Failed => Remote::Failed(f.failure()),
+                    _ => Remote::Gone,
+                },
+                Ok(Some(_)) | Ok(None) | Err(_) => Remote::Gone,
             };
             let _ = remote_tx.send(state);
             // Keep the receive half open until the transfer ends, so the peer's last

@@ -78,8 +78,10 @@ async fn tuned_quic_presets_carry_a_transfer() {
     let certs = generate_dev_certs("test", &["decode-0", "prefill-0"]).unwrap();
     let server = certs.node_tls("decode-0").unwrap();
     let client = certs.node_tls("prefill-0").unwrap();
-    let mut bbr = QuicTuning::default();
-    bbr.congestion = QuicCongestion::Bbr;
+    let bbr = QuicTuning {
+        congestion: QuicCongestion::Bbr,
+        ..QuicTuning::default()
+    };
     let mut reno = QuicTuning::large_datagrams(8972);
     reno.congestion = QuicCongestion::NewReno;
     for tuning in [QuicTuning::loopback(), QuicTuning::default(), bbr, reno] {

@@ -11,7 +11,7 @@
 
 use crate::kv::{KvDtype, KvStorage};
 use half::{bf16, f16, slice::{HalfBitsSliceExt, HalfFloatSliceExt}};
-use rayon::prelude::*;
+use crate::pool::Pool;
 
 /// One query row: the sequence's block table and the row's position.
 #[derive(Clone, Copy, Debug)]
@@ -72,7 +72,7 @@ const ROW_GROUP: usize = 16;
 /// Rows of one sequence are grouped to share KV reads; the arithmetic of
 /// each row is the same whatever its group: scores in position order, a
 /// two-pass softmax, values accumulated in position order.
-pub fn attention(kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut [f32]) {
+pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut [f32]) {
     let l = &kv.layout;
     let (hd, kvh, bt) = (l.head_dim, l.kv_heads, l.block_tokens);
     let group = n_heads / kvh;
@@ -90,7 +90,7 @@ pub fn attention(kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_he
         i = j;
     }
     let ptr = OutPtr(out.as_mut_ptr());
-    (0..runs.len() * kvh).into_par_iter().for_each(|task| {
+    pool.run(runs.len() * kvh, &|task| {
         let p = ptr;
         let ((r0, r1), h) = (runs[task / kvh], task % kvh);
         let max_ctx = rows[r0..r1].iter().map(|r| r.pos + 1).max().unwrap_or(0);
@@ -187,7 +187,7 @@ mod tests {
         let rows: Vec<AttnRow> = (0..len).map(|p| AttnRow { block_table: &table, pos: p }).collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0f32; len * nh * hd];
-        attention(&kv, 0, &q, &rows, nh, scale, &mut out);
+        attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, &mut out);
         for p in 0..len {
             for h in 0..nh {
                 let kh = h / 2;
@@ -204,7 +204,7 @@ mod tests {
                 }
             }
             let mut single = vec![0f32; nh * hd];
-            attention(&kv, 0, &q[p * nh * hd..(p + 1) * nh * hd], &rows[p..p + 1], nh, scale, &mut single);
+            attention(&Pool::new(1).unwrap(), &kv, 0, &q[p * nh * hd..(p + 1) * nh * hd], &rows[p..p + 1], nh, scale, &mut single);
             assert_eq!(single, out[p * nh * hd..(p + 1) * nh * hd].to_vec());
         }
     }

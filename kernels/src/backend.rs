@@ -8,8 +8,9 @@
 
 use crate::attention::{attention, AttnRow};
 use crate::kv::{KvLayout, KvStorage};
-use crate::matmul::{matmul, MatrixError, QMatrix};
+use crate::matmul::{matmul_many, MatrixError, QMatrix};
 use crate::ops::{self, RopeTable};
+use crate::pool::Pool;
 use crate::quant::{QuantizedActs, WeightFormat};
 
 /// Errors of the kernels crate.
@@ -85,21 +86,17 @@ pub trait Backend: Send + Sync {
     fn kv_block_layer_in(&self, kv: &mut Self::Kv, block: usize, layer: usize, data: &[u8]);
 }
 
-/// The CPU backend: host memory, rayon threads, SIMD kernels chosen at run
+/// The CPU backend: host memory, a spinning fork-join pool, SIMD kernels chosen at run
 /// time (AVX-512 VNNI, AVX2, or portable code, all bit-identical).
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    pool: Pool,
     threads: usize,
 }
 
 impl CpuBackend {
     pub fn new(threads: usize) -> Result<Self, KernelError> {
         let threads = threads.max(1);
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("baton-cpu-{i}"))
-            .build()
-            .map_err(|e| KernelError::Threads { threads, reason: e.to_string() })?;
+        let pool = Pool::new(threads).map_err(|e| KernelError::Threads { threads, reason: e.to_string() })?;
         Ok(CpuBackend { pool, threads })
     }
 }
@@ -120,7 +117,9 @@ impl Backend for CpuBackend {
     }
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
+        // Kernels fork onto the pool themselves; the caller's thread is one
+        // of its threads.
+        f()
     }
 
     fn matrix(&self, format: WeightFormat, n: usize, k: usize, bytes: &[u8]) -> Result<QMatrix, KernelError> {
@@ -177,17 +176,21 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &Vec<f32>, rows: usize, outs: &mut [(&QMatrix, &mut Vec<f32>)]) {
         let mut xq = QuantizedActs::default();
-        let mut quantized_k = 0;
-        for (w, out) in outs.iter_mut() {
-            if out.len() < rows * w.n {
-                out.resize(rows * w.n, 0.0);
-            }
-            if w.wants_quantized_acts() && quantized_k != w.k {
-                xq.quantize(x, rows, w.k);
-                quantized_k = w.k;
-            }
-            matmul(x, &xq, rows, w, out);
+        let k = outs.first().map_or(0, |(w, _)| w.k);
+        assert!(outs.iter().all(|(w, _)| w.k == k), "fused products must share one input width");
+        if outs.iter().any(|(w, _)| w.wants_quantized_acts()) {
+            xq.quantize(&self.pool, x, rows, k);
         }
+        let mut views: Vec<(&QMatrix, &mut [f32])> = outs
+            .iter_mut()
+            .map(|(w, out)| {
+                if out.len() < rows * w.n {
+                    out.resize(rows * w.n, 0.0);
+                }
+                (*w, &mut out[..])
+            })
+            .collect();
+        matmul_many(&self.pool, x, &xq, rows, &mut views);
     }
 
     fn apply_rope(&self, rope: &RopeTable, x: &mut Vec<f32>, positions: &[u32], heads: usize) {
@@ -219,7 +222,7 @@ impl Backend for CpuBackend {
 
     fn attention(&self, kv: &KvStorage, layer: usize, q: &Vec<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut Vec<f32>) {
         self.ensure_len(out, rows.len() * n_heads * kv.layout.head_dim);
-        attention(kv, layer, q, rows, n_heads, scale, out);
+        attention(&self.pool, kv, layer, q, rows, n_heads, scale, out);
     }
 
     fn kv_copy_block_out(&self, kv: &KvStorage, block: usize, out: &mut [u8]) {

@@ -11,6 +11,7 @@ pub mod backend;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
+pub mod pool;
 pub mod quant;
 
 pub use attention::AttnRow;

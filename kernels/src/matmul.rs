@@ -10,7 +10,7 @@
 
 use crate::quant::{dequantize_row, QuantizedActs, WeightFormat, QK};
 use half::f16;
-use rayon::prelude::*;
+use crate::pool::Pool;
 use std::sync::OnceLock;
 
 /// A weight matrix of `n` rows (output features) by `k` columns (input
@@ -162,10 +162,11 @@ pub fn isa() -> Isa {
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
             {
                 return Isa::Avx512Vnni;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }
@@ -185,25 +186,42 @@ unsafe impl Sync for OutPtr {}
 /// `out[t * w.n + o] = dot(x[t], w[o])` for `rows` activation rows.
 ///
 /// `x` is row-major `rows x w.k`; `xq` must hold the same rows quantized
-/// when `w.wants_quantized_acts()`. Runs on the current rayon pool.
-pub fn matmul(x: &[f32], xq: &QuantizedActs, rows: usize, w: &QMatrix, out: &mut [f32]) {
-    assert!(out.len() >= rows * w.n, "matmul output too small");
-    assert!(x.len() >= rows * w.k || w.wants_quantized_acts());
-    if w.wants_quantized_acts() {
-        assert!(xq.rows >= rows && xq.k == w.k, "activations not quantized for this matrix");
+/// when `w.wants_quantized_acts()`. Runs on `pool`.
+pub fn matmul(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, w: &QMatrix, out: &mut [f32]) {
+    matmul_many(pool, x, xq, rows, &mut [(w, out)]);
+}
+
+/// Several products of the same activations (the query, key and value
+/// projections; gate and up), in one parallel dispatch.
+pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs: &mut [(&QMatrix, &mut [f32])]) {
+    let mut jobs: Vec<(&QMatrix, OutPtr, usize)> = Vec::new();
+    for (w, out) in outs.iter_mut() {
+        assert!(out.len() >= rows * w.n, "matmul output too small");
+        assert!(x.len() >= rows * w.k || w.wants_quantized_acts());
+        if w.wants_quantized_acts() {
+            assert!(xq.rows >= rows && xq.k == w.k, "activations not quantized for this matrix");
+        }
+        let ptr = OutPtr(out.as_mut_ptr());
+        for task in 0..w.n.div_ceil(ROWS_PER_TASK) {
+            jobs.push((*w, ptr, task));
+        }
     }
-    let ptr = OutPtr(out.as_mut_ptr());
-    let n = w.n;
-    let tasks = n.div_ceil(ROWS_PER_TASK);
-    (0..tasks).into_par_iter().for_each(|task| {
+    pool.run(jobs.len(), &|j| {
+        let (w, p, task) = jobs[j];
+        let n = w.n;
         let o0 = task * ROWS_PER_TASK;
         let o1 = (o0 + ROWS_PER_TASK).min(n);
-        let p = ptr;
         #[cfg(target_arch = "x86_64")]
         if let (Prepared::Q4 { qs, d, m }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
             // SAFETY: the tile writes only (t, o) for o in o0..o1, which this
             // task owns; `out` holds rows * n elements.
             unsafe { simd::q4_task(qs, d, m, w.k, xq, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let (Prepared::Q8 { qs, d }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
+            // SAFETY: as above.
+            unsafe { simd::q8_task(qs, d, w.k, xq, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
             return;
         }
         for t in 0..rows {
@@ -361,39 +379,67 @@ mod simd {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
     }
 
+    /// Per-block activation scales of up to four rows, laid out for the
+    /// tiles: `dx` broadcast to 8 lanes, and the block sums of the rows side
+    /// by side so one fused multiply-add serves them all.
+    pub(super) struct ActBlocks {
+        dxv: Vec<__m256>,
+        xs4: Vec<__m128>,
+    }
+
+    impl ActBlocks {
+        #[inline(always)]
+        unsafe fn new(xq: &QuantizedActs, t: usize, c: usize) -> Self {
+            let nb = xq.k / QK;
+            let mut dxv = Vec::with_capacity(nb * 4);
+            let mut xs4 = Vec::with_capacity(nb);
+            for b in 0..nb {
+                let mut s = [0f32; 4];
+                for j in 0..4 {
+                    let r = t + j.min(c - 1);
+                    dxv.push(_mm256_set1_ps(*xq.row_d(r).get_unchecked(b)));
+                    s[j] = *xq.row_s(r).get_unchecked(b);
+                }
+                xs4.push(_mm_loadu_ps(s.as_ptr()));
+            }
+            ActBlocks { dxv, xs4 }
+        }
+    }
+
     /// An R x C tile: weight rows `o..o+R` against activation rows
     /// `t..t+C`. Per output element the arithmetic is exactly that of
     /// `dot_q4_*` (and of `scalar::dot_q4`): the tile only shares loads.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn q4_tile<const R: usize, const C: usize>(
-        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
+        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
     ) {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let mut macc = [[0f32; C]; R];
+        let mut macc = [_mm_setzero_ps(); R];
         let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
-        let xdp: [&[f32]; C] = std::array::from_fn(|c| xq.row_d(t + c));
-        let xsp: [&[f32]; C] = std::array::from_fn(|c| xq.row_s(t + c));
         for b in 0..nb {
             let mut xs = [_mm256_setzero_si256(); C];
             for c in 0..C {
                 xs[c] = _mm256_loadu_si256(xqp[c].add(b * QK) as *const __m256i);
             }
+            let xs4 = *acts.xs4.get_unchecked(b);
             for r in 0..R {
                 let rb = (o + r) * nb + b;
                 let wv = unpack_q4(qs.as_ptr().add(rb * 16));
-                let (dw, mw) = (*d.get_unchecked(rb), *m.get_unchecked(rb));
+                let dw = _mm256_set1_ps(*d.get_unchecked(rb));
+                macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb)), xs4, macc[r]);
                 for c in 0..C {
                     let s = isum(wv, xs[c], vnni);
-                    let scale = _mm256_set1_ps(dw * *xdp[c].get_unchecked(b));
+                    let scale = _mm256_mul_ps(dw, *acts.dxv.get_unchecked(b * 4 + c));
                     acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][c]);
-                    macc[r][c] = mw.mul_add(*xsp[c].get_unchecked(b), macc[r][c]);
                 }
             }
         }
         for r in 0..R {
+            let mut ms = [0f32; 4];
+            _mm_storeu_ps(ms.as_mut_ptr(), macc[r]);
             for c in 0..C {
-                *out.add((t + c) * n + o + r) = hsum(acc[r][c]) + macc[r][c];
+                *out.add((t + c) * n + o + r) = hsum(acc[r][c]) + ms[c];
             }
         }
     }
@@ -422,14 +468,15 @@ mod simd {
         let mut t = 0;
         while t < rows {
             let left = rows - t;
+            let acts = ActBlocks::new(xq, t, left.min(4));
             let mut o = o0;
             if left >= 4 {
                 while o + 2 <= o1 {
-                    q4_tile::<2, 4>(qs, d, m, nb, xq, o, t, out, n, vnni);
+                    q4_tile::<2, 4>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni);
                     o += 2;
                 }
                 while o < o1 {
-                    q4_tile::<1, 4>(qs, d, m, nb, xq, o, t, out, n, vnni);
+                    q4_tile::<1, 4>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni);
                     o += 1;
                 }
                 t += 4;
@@ -437,17 +484,107 @@ mod simd {
             }
             while o + 4 <= o1 {
                 match left {
-                    1 => q4_tile::<4, 1>(qs, d, m, nb, xq, o, t, out, n, vnni),
-                    2 => q4_tile::<4, 2>(qs, d, m, nb, xq, o, t, out, n, vnni),
-                    _ => q4_tile::<4, 3>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                    1 => q4_tile::<4, 1>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    2 => q4_tile::<4, 2>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    _ => q4_tile::<4, 3>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
                 }
                 o += 4;
             }
             while o < o1 {
                 match left {
-                    1 => q4_tile::<1, 1>(qs, d, m, nb, xq, o, t, out, n, vnni),
-                    2 => q4_tile::<1, 2>(qs, d, m, nb, xq, o, t, out, n, vnni),
-                    _ => q4_tile::<1, 3>(qs, d, m, nb, xq, o, t, out, n, vnni),
+                    1 => q4_tile::<1, 1>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    2 => q4_tile::<1, 2>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    _ => q4_tile::<1, 3>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                }
+                o += 1;
+            }
+            t = rows;
+        }
+    }
+
+    /// An R x C tile of a Q8_0 product; per element the arithmetic of
+    /// `dot_q8_*`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile<const R: usize, const C: usize>(
+        qs: &[i8], d: &[f32], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
+        let xdp: [&[f32]; C] = std::array::from_fn(|c| xq.row_d(t + c));
+        for b in 0..nb {
+            let mut xs = [_mm256_setzero_si256(); C];
+            for c in 0..C {
+                xs[c] = _mm256_loadu_si256(xqp[c].add(b * QK) as *const __m256i);
+            }
+            for r in 0..R {
+                let rb = (o + r) * nb + b;
+                let w = _mm256_loadu_si256(qs.as_ptr().add(rb * QK) as *const __m256i);
+                let aw = _mm256_abs_epi8(w);
+                let dw = *d.get_unchecked(rb);
+                for c in 0..C {
+                    let s = isum(aw, _mm256_sign_epi8(xs[c], w), vnni);
+                    let scale = _mm256_set1_ps(dw * *xdp[c].get_unchecked(b));
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                *out.add((t + c) * n + o + r) = hsum(acc[r][c]);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_task(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+        if vnni {
+            q8_task_vnni(qs, d, k, xq, rows, o0, o1, out, n)
+        } else {
+            q8_task_impl(qs, d, k, xq, rows, o0, o1, out, n, false)
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn q8_task_vnni(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
+        q8_task_impl(qs, d, k, xq, rows, o0, o1, out, n, true)
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_task_impl(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+        let nb = k / QK;
+        let mut t = 0;
+        while t < rows {
+            let left = rows - t;
+            let mut o = o0;
+            if left >= 4 {
+                while o + 2 <= o1 {
+                    q8_tile::<2, 4>(qs, d, nb, xq, o, t, out, n, vnni);
+                    o += 2;
+                }
+                while o < o1 {
+                    q8_tile::<1, 4>(qs, d, nb, xq, o, t, out, n, vnni);
+                    o += 1;
+                }
+                t += 4;
+                continue;
+            }
+            while o + 4 <= o1 {
+                match left {
+                    1 => q8_tile::<4, 1>(qs, d, nb, xq, o, t, out, n, vnni),
+                    2 => q8_tile::<4, 2>(qs, d, nb, xq, o, t, out, n, vnni),
+                    _ => q8_tile::<4, 3>(qs, d, nb, xq, o, t, out, n, vnni),
+                }
+                o += 4;
+            }
+            while o < o1 {
+                match left {
+                    1 => q8_tile::<1, 1>(qs, d, nb, xq, o, t, out, n, vnni),
+                    2 => q8_tile::<1, 2>(qs, d, nb, xq, o, t, out, n, vnni),
+                    _ => q8_tile::<1, 3>(qs, d, nb, xq, o, t, out, n, vnni),
                 }
                 o += 1;
             }
@@ -572,12 +709,13 @@ mod tests {
     }
 
     fn run(w: &QMatrix, x: &[f32], rows: usize) -> Vec<f32> {
+        let pool = Pool::new(2).unwrap();
         let mut xq = QuantizedActs::default();
         if w.wants_quantized_acts() {
-            xq.quantize(x, rows, w.k);
+            xq.quantize(&pool, x, rows, w.k);
         }
         let mut out = vec![0f32; rows * w.n];
-        matmul(x, &xq, rows, w, &mut out);
+        matmul(&pool, x, &xq, rows, w, &mut out);
         out
     }
 
@@ -623,7 +761,7 @@ mod tests {
         let (w8, _) = matrix(WeightFormat::Q8_0, 4, k, &mut seed);
         let x: Vec<f32> = (0..k).map(|_| lcg(&mut seed) * 3.0).collect();
         let mut xq = QuantizedActs::default();
-        xq.quantize(&x, 1, k);
+        xq.quantize(&Pool::new(1).unwrap(), &x, 1, k);
         let (Prepared::Q4 { qs, d, m }, Prepared::Q8 { qs: q8, d: d8 }) = (&w.kind, &w8.kind) else { unreachable!() };
         let s = scalar::dot_q4(&qs[..nb * 16], &d[..nb], &m[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0));
         let s8 = scalar::dot_q8(&q8[..k], &d8[..nb], xq.row_q(0), xq.row_d(0));

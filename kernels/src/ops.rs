@@ -4,10 +4,6 @@
 //! Every function treats rows independently, with a fixed order of floating
 //! point operations per row, so a row's result never depends on its batch.
 
-use rayon::prelude::*;
-
-/// Rows shorter than this many elements in total run without rayon.
-const PAR_MIN: usize = 1 << 14;
 
 /// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight`, row by row.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, dim: usize, out: &mut [f32]) {
@@ -28,11 +24,7 @@ pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, dim: usize, out: &mut [f32])
         }
     };
     let n = x.len() / dim;
-    if x.len() >= PAR_MIN {
-        x[..n * dim].par_chunks_exact(dim).zip(out.par_chunks_exact_mut(dim)).for_each(f);
-    } else {
-        x[..n * dim].chunks_exact(dim).zip(out.chunks_exact_mut(dim)).for_each(f);
-    }
+    x[..n * dim].chunks_exact(dim).zip(out.chunks_exact_mut(dim)).for_each(f);
 }
 
 /// `x += y`.
@@ -45,11 +37,7 @@ pub fn add_inplace(x: &mut [f32], y: &[f32]) {
 /// `out = silu(gate) * up`, with `silu(g) = g / (1 + e^-g)`.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     let f = |((o, g), u): ((&mut f32, &f32), &f32)| *o = *g / (1.0 + (-*g).exp()) * *u;
-    if gate.len() >= PAR_MIN {
-        out.par_iter_mut().zip(gate.par_iter()).zip(up.par_iter()).for_each(f);
-    } else {
-        out.iter_mut().zip(gate).zip(up).for_each(f);
-    }
+    out.iter_mut().zip(gate).zip(up).for_each(f);
 }
 
 /// Precomputed cos/sin of rotary angles for positions `0..max_pos`.

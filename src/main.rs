@@ -1,6 +1,7 @@
 //! `baton`: one binary for every role of the Baton serving cluster.
 
 mod bench_engine;
+mod certs;
 mod engine_args;
 mod generate;
 
@@ -27,6 +28,8 @@ enum Command {
     /// Simulate conversations over replicas with prefix caches: routing,
     /// second tier, prefill pools, failures.
     Simulate(baton_bench::SimulateArgs),
+    /// Create development certificates for the KV transport's mutual TLS.
+    Certs(certs::CertsArgs),
 }
 
 #[derive(Subcommand)]
@@ -47,6 +50,7 @@ fn main() {
         Command::Bench(BenchCommand::Engine(a)) => bench_engine::run(a),
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
+        Command::Certs(a) => certs::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

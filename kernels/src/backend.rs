@@ -91,13 +91,16 @@ pub trait Backend: Send + Sync {
 pub struct CpuBackend {
     pool: Pool,
     threads: usize,
+    /// Quantized activations, reused across products (one forward pass
+    /// runs at a time; the lock is never contended).
+    acts: std::sync::Mutex<QuantizedActs>,
 }
 
 impl CpuBackend {
     pub fn new(threads: usize) -> Result<Self, KernelError> {
         let threads = threads.max(1);
         let pool = Pool::new(threads).map_err(|e| KernelError::Threads { threads, reason: e.to_string() })?;
-        Ok(CpuBackend { pool, threads })
+        Ok(CpuBackend { pool, threads, acts: std::sync::Mutex::new(QuantizedActs::default()) })
     }
 }
 
@@ -175,7 +178,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Vec<f32>, rows: usize, outs: &mut [(&QMatrix, &mut Vec<f32>)]) {
-        let mut xq = QuantizedActs::default();
+        let mut xq = self.acts.lock().unwrap_or_else(|p| p.into_inner());
         let k = outs.first().map_or(0, |(w, _)| w.k);
         assert!(outs.iter().all(|(w, _)| w.k == k), "fused products must share one input width");
         if outs.iter().any(|(w, _)| w.wants_quantized_acts()) {

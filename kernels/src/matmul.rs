@@ -26,13 +26,11 @@ enum Prepared {
     /// Row-major f32 (from F32, F16 and BF16 sources).
     F32(Vec<f32>),
     /// 4-bit formats: packed nibbles (16 bytes per block, GGML order: low
-    /// nibble = element j, high nibble = element j + 16), and per block the
-    /// scale `d` and offset `m` as f16 bits packed `d | m << 16` (Q4_0 stores
-    /// `m = -8 d`, exact in f16). Half-precision scales keep the bytes read
-    /// per token at GGUF's size, which is what bounds decode speed.
-    Q4 { qs: Vec<u8>, dm: Vec<u32> },
-    /// Q8_0: signed bytes and the f16 bits of the scale per block.
-    Q8 { qs: Vec<i8>, d: Vec<u16> },
+    /// nibble = element j, high nibble = element j + 16), the scale `d` and
+    /// the offset `m` per block (Q4_0 stores `m = -8 d`).
+    Q4 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
+    /// Q8_0: signed bytes and scale per block.
+    Q8 { qs: Vec<i8>, d: Vec<f32> },
 }
 
 /// Errors preparing a weight matrix.
@@ -68,23 +66,19 @@ impl QMatrix {
             WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
                 let bb = format.block_bytes();
                 let hdr = bb - 16;
-                let (mut qs, mut dm) = (Vec::with_capacity(nb * 16), Vec::with_capacity(nb));
+                let (mut qs, mut d, mut m) = (Vec::with_capacity(nb * 16), Vec::with_capacity(nb), Vec::with_capacity(nb));
                 for b in bytes.chunks_exact(bb) {
-                    let d_bits = u16::from_le_bytes([b[0], b[1]]);
-                    let m_bits = if format == WeightFormat::Q4_1 {
-                        u16::from_le_bytes([b[2], b[3]])
-                    } else {
-                        f16::from_f32(-8.0 * f16_at(b, 0)).to_bits()
-                    };
-                    dm.push(d_bits as u32 | (m_bits as u32) << 16);
+                    let scale = f16_at(b, 0);
+                    d.push(scale);
+                    m.push(if format == WeightFormat::Q4_1 { f16_at(b, 2) } else { -8.0 * scale });
                     qs.extend_from_slice(&b[hdr..]);
                 }
-                Prepared::Q4 { qs, dm }
+                Prepared::Q4 { qs, d, m }
             }
             WeightFormat::Q8_0 => {
                 let (mut qs, mut d) = (Vec::with_capacity(nb * QK), Vec::with_capacity(nb));
                 for b in bytes.chunks_exact(34) {
-                    d.push(u16::from_le_bytes([b[0], b[1]]));
+                    d.push(f16_at(b, 0));
                     qs.extend(b[2..].iter().map(|&v| v as i8));
                 }
                 Prepared::Q8 { qs, d }
@@ -113,8 +107,8 @@ impl QMatrix {
     pub fn size_bytes(&self) -> usize {
         match &self.kind {
             Prepared::F32(w) => w.len() * 4,
-            Prepared::Q4 { qs, dm } => qs.len() + dm.len() * 4,
-            Prepared::Q8 { qs, d } => qs.len() + d.len() * 2,
+            Prepared::Q4 { qs, d, m } => qs.len() + (d.len() + m.len()) * 4,
+            Prepared::Q8 { qs, d } => qs.len() + d.len() * 4,
         }
     }
 
@@ -124,9 +118,9 @@ impl QMatrix {
         let nb = k / QK;
         match &self.kind {
             Prepared::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
-            Prepared::Q4 { qs, dm } => {
+            Prepared::Q4 { qs, d, m } => {
                 for b in 0..nb {
-                    let (s, off) = unpack_dm(dm[r * nb + b]);
+                    let (s, off) = (d[r * nb + b], m[r * nb + b]);
                     let q = &qs[(r * nb + b) * 16..(r * nb + b + 1) * 16];
                     for j in 0..16 {
                         out[b * QK + j] = (q[j] & 0x0f) as f32 * s + off;
@@ -136,7 +130,7 @@ impl QMatrix {
             }
             Prepared::Q8 { qs, d } => {
                 for b in 0..nb {
-                    let s = f16::from_bits(d[r * nb + b]).to_f32();
+                    let s = d[r * nb + b];
                     for j in 0..QK {
                         out[b * QK + j] = qs[(r * nb + b) * QK + j] as f32 * s;
                     }
@@ -218,10 +212,10 @@ pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs
         let o0 = task * ROWS_PER_TASK;
         let o1 = (o0 + ROWS_PER_TASK).min(n);
         #[cfg(target_arch = "x86_64")]
-        if let (Prepared::Q4 { qs, dm }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
+        if let (Prepared::Q4 { qs, d, m }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
             // SAFETY: the tile writes only (t, o) for o in o0..o1, which this
             // task owns; `out` holds rows * n elements.
-            unsafe { simd::q4_task(qs, dm, w.k, xq, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
+            unsafe { simd::q4_task(qs, d, m, w.k, xq, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -256,16 +250,16 @@ fn dot(w: &QMatrix, o: usize, x: &[f32], xq: &QuantizedActs, t: usize) -> f32 {
                 _ => scalar::dot_f32(a, b),
             }
         }
-        Prepared::Q4 { qs, dm } => {
+        Prepared::Q4 { qs, d, m } => {
             let wq = &qs[o * nb * 16..(o + 1) * nb * 16];
-            let wdm = &dm[o * nb..(o + 1) * nb];
+            let (wd, wm) = (&d[o * nb..(o + 1) * nb], &m[o * nb..(o + 1) * nb]);
             let (xq_, xd, xs) = (xq.row_q(t), xq.row_d(t), xq.row_s(t));
             match isa() {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512Vnni => unsafe { simd::dot_q4_vnni(wq, wdm, xq_, xd, xs) },
+                Isa::Avx512Vnni => unsafe { simd::dot_q4_vnni(wq, wd, wm, xq_, xd, xs) },
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { simd::dot_q4_avx2(wq, wdm, xq_, xd, xs) },
-                _ => scalar::dot_q4(wq, wdm, xq_, xd, xs),
+                Isa::Avx2 => unsafe { simd::dot_q4_avx2(wq, wd, wm, xq_, xd, xs) },
+                _ => scalar::dot_q4(wq, wd, wm, xq_, xd, xs),
             }
         }
         Prepared::Q8 { qs, d } => {
@@ -283,12 +277,6 @@ fn dot(w: &QMatrix, o: usize, x: &[f32], xq: &QuantizedActs, t: usize) -> f32 {
     }
 }
 
-/// The scale and offset of a Q4 block from their packed f16 bits.
-#[inline(always)]
-pub(crate) fn unpack_dm(v: u32) -> (f32, f32) {
-    (f16::from_bits(v as u16).to_f32(), f16::from_bits((v >> 16) as u16).to_f32())
-}
-
 /// The fixed lane-reduction order shared by every path.
 #[inline(always)]
 pub(crate) fn hsum8(a: [f32; 8]) -> f32 {
@@ -297,8 +285,7 @@ pub(crate) fn hsum8(a: [f32; 8]) -> f32 {
 
 /// Portable reference kernels: they emulate the SIMD lanes exactly.
 pub(crate) mod scalar {
-    use super::{hsum8, unpack_dm, QK};
-    use half::f16;
+    use super::{hsum8, QK};
 
     pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
@@ -310,14 +297,13 @@ pub(crate) mod scalar {
         hsum8(acc)
     }
 
-    pub fn dot_q4(wq: &[u8], wdm: &[u32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+    pub fn dot_q4(wq: &[u8], wd: &[f32], wm: &[f32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
         let mut macc = 0f32;
-        for b in 0..wdm.len() {
-            let (wd, wm) = unpack_dm(wdm[b]);
+        for b in 0..wd.len() {
             let q = &wq[b * 16..b * 16 + 16];
             let x = &xq[b * QK..b * QK + QK];
-            let scale = wd * xd[b];
+            let scale = wd[b] * xd[b];
             for l in 0..8 {
                 let mut s = 0i32;
                 for i in 4 * l..4 * l + 4 {
@@ -326,15 +312,15 @@ pub(crate) mod scalar {
                 }
                 acc[l] = (s as f32).mul_add(scale, acc[l]);
             }
-            macc = wm.mul_add(xs[b], macc);
+            macc = wm[b].mul_add(xs[b], macc);
         }
         hsum8(acc) + macc
     }
 
-    pub fn dot_q8(wq: &[i8], wd: &[u16], xq: &[i8], xd: &[f32]) -> f32 {
+    pub fn dot_q8(wq: &[i8], wd: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
         for b in 0..wd.len() {
-            let scale = f16::from_bits(wd[b]).to_f32() * xd[b];
+            let scale = wd[b] * xd[b];
             for l in 0..8 {
                 let mut s = 0i32;
                 for i in b * QK + 4 * l..b * QK + 4 * l + 4 {
@@ -388,7 +374,7 @@ mod simd {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
     unsafe fn dpbusd_vnni(w: __m256i, x: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
     }
@@ -426,7 +412,7 @@ mod simd {
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn q4_tile<const R: usize, const C: usize>(
-        qs: &[u8], dm: &[u32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
+        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
     ) {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let mut macc = [_mm_setzero_ps(); R];
@@ -440,10 +426,8 @@ mod simd {
             for r in 0..R {
                 let rb = (o + r) * nb + b;
                 let wv = unpack_q4(qs.as_ptr().add(rb * 16));
-                // [d, m, 0, 0] from the packed f16 pair (exact conversion).
-                let dmv = _mm_cvtph_ps(_mm_cvtsi32_si128(*dm.get_unchecked(rb) as i32));
-                let dw = _mm256_broadcastss_ps(dmv);
-                macc[r] = _mm_fmadd_ps(_mm_shuffle_ps(dmv, dmv, 0b0101_0101), xs4, macc[r]);
+                let dw = _mm256_set1_ps(*d.get_unchecked(rb));
+                macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb)), xs4, macc[r]);
                 for c in 0..C {
                     let s = isum(wv, xs[c], vnni);
                     let scale = _mm256_mul_ps(dw, *acts.dxv.get_unchecked(b * 4 + c));
@@ -462,24 +446,24 @@ mod simd {
 
     /// All rows `t` and weight rows `o0..o1` of a Q4 product, in tiles.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q4_task(qs: &[u8], dm: &[u32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_task(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         if vnni {
-            q4_task_vnni(qs, dm, k, xq, rows, o0, o1, out, n)
+            q4_task_vnni(qs, d, m, k, xq, rows, o0, o1, out, n)
         } else {
-            q4_task_impl(qs, dm, k, xq, rows, o0, o1, out, n, false)
+            q4_task_impl(qs, d, m, k, xq, rows, o0, o1, out, n, false)
         }
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    unsafe fn q4_task_vnni(qs: &[u8], dm: &[u32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        q4_task_impl(qs, dm, k, xq, rows, o0, o1, out, n, true)
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn q4_task_vnni(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
+        q4_task_impl(qs, d, m, k, xq, rows, o0, o1, out, n, true)
     }
 
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn q4_task_impl(qs: &[u8], dm: &[u32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    unsafe fn q4_task_impl(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         let nb = k / QK;
         let mut t = 0;
         while t < rows {
@@ -488,11 +472,11 @@ mod simd {
             let mut o = o0;
             if left >= 4 {
                 while o + 2 <= o1 {
-                    q4_tile::<2, 4>(qs, dm, nb, xq, &acts, o, t, out, n, vnni);
+                    q4_tile::<2, 4>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni);
                     o += 2;
                 }
                 while o < o1 {
-                    q4_tile::<1, 4>(qs, dm, nb, xq, &acts, o, t, out, n, vnni);
+                    q4_tile::<1, 4>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni);
                     o += 1;
                 }
                 t += 4;
@@ -500,17 +484,17 @@ mod simd {
             }
             while o + 4 <= o1 {
                 match left {
-                    1 => q4_tile::<4, 1>(qs, dm, nb, xq, &acts, o, t, out, n, vnni),
-                    2 => q4_tile::<4, 2>(qs, dm, nb, xq, &acts, o, t, out, n, vnni),
-                    _ => q4_tile::<4, 3>(qs, dm, nb, xq, &acts, o, t, out, n, vnni),
+                    1 => q4_tile::<4, 1>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    2 => q4_tile::<4, 2>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    _ => q4_tile::<4, 3>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
                 }
                 o += 4;
             }
             while o < o1 {
                 match left {
-                    1 => q4_tile::<1, 1>(qs, dm, nb, xq, &acts, o, t, out, n, vnni),
-                    2 => q4_tile::<1, 2>(qs, dm, nb, xq, &acts, o, t, out, n, vnni),
-                    _ => q4_tile::<1, 3>(qs, dm, nb, xq, &acts, o, t, out, n, vnni),
+                    1 => q4_tile::<1, 1>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    2 => q4_tile::<1, 2>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    _ => q4_tile::<1, 3>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
                 }
                 o += 1;
             }
@@ -523,7 +507,7 @@ mod simd {
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn q8_tile<const R: usize, const C: usize>(
-        qs: &[i8], d: &[u16], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
+        qs: &[i8], d: &[f32], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
     ) {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
@@ -537,7 +521,7 @@ mod simd {
                 let rb = (o + r) * nb + b;
                 let w = _mm256_loadu_si256(qs.as_ptr().add(rb * QK) as *const __m256i);
                 let aw = _mm256_abs_epi8(w);
-                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*d.get_unchecked(rb) as i32)));
+                let dw = *d.get_unchecked(rb);
                 for c in 0..C {
                     let s = isum(aw, _mm256_sign_epi8(xs[c], w), vnni);
                     let scale = _mm256_set1_ps(dw * *xdp[c].get_unchecked(b));
@@ -553,8 +537,8 @@ mod simd {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q8_task(qs: &[i8], d: &[u16], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_task(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         if vnni {
             q8_task_vnni(qs, d, k, xq, rows, o0, o1, out, n)
         } else {
@@ -563,14 +547,14 @@ mod simd {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    unsafe fn q8_task_vnni(qs: &[i8], d: &[u16], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn q8_task_vnni(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
         q8_task_impl(qs, d, k, xq, rows, o0, o1, out, n, true)
     }
 
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn q8_task_impl(qs: &[i8], d: &[u16], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    unsafe fn q8_task_impl(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         let nb = k / QK;
         let mut t = 0;
         while t < rows {
@@ -630,55 +614,53 @@ mod simd {
         _mm256_set_m128i(hi, lo)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub unsafe fn dot_q4_vnni(wq: &[u8], wdm: &[u32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    pub unsafe fn dot_q4_vnni(wq: &[u8], wd: &[f32], wm: &[f32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let mut macc = 0f32;
-        for b in 0..wdm.len() {
-            let (wd, wm) = super::unpack_dm(wdm[b]);
+        for b in 0..wd.len() {
             let w = unpack_q4(wq.as_ptr().add(b * 16));
             let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
             let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-            let scale = _mm256_set1_ps(wd * xd[b]);
+            let scale = _mm256_set1_ps(wd[b] * xd[b]);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-            macc = wm.mul_add(xs[b], macc);
+            macc = wm[b].mul_add(xs[b], macc);
         }
         hsum(acc) + macc
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4_avx2(wq: &[u8], wdm: &[u32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+    pub unsafe fn dot_q4_avx2(wq: &[u8], wd: &[f32], wm: &[f32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
         let ones = _mm256_set1_epi16(1);
         let mut acc = _mm256_setzero_ps();
         let mut macc = 0f32;
-        for b in 0..wdm.len() {
-            let (wd, wm) = super::unpack_dm(wdm[b]);
+        for b in 0..wd.len() {
             let w = unpack_q4(wq.as_ptr().add(b * 16));
             let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
             let s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-            let scale = _mm256_set1_ps(wd * xd[b]);
+            let scale = _mm256_set1_ps(wd[b] * xd[b]);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-            macc = wm.mul_add(xs[b], macc);
+            macc = wm[b].mul_add(xs[b], macc);
         }
         hsum(acc) + macc
     }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub unsafe fn dot_q8_vnni(wq: &[i8], wd: &[u16], xq: &[i8], xd: &[f32]) -> f32 {
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    pub unsafe fn dot_q8_vnni(wq: &[i8], wd: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for b in 0..wd.len() {
             let w = _mm256_loadu_si256(wq.as_ptr().add(b * QK) as *const __m256i);
             let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
             // |w| * (x * sign(w)) = w * x, with an unsigned left operand.
             let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-            let scale = _mm256_set1_ps(half::f16::from_bits(wd[b]).to_f32() * xd[b]);
+            let scale = _mm256_set1_ps(wd[b] * xd[b]);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
         }
         hsum(acc)
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q8_avx2(wq: &[i8], wd: &[u16], xq: &[i8], xd: &[f32]) -> f32 {
+    pub unsafe fn dot_q8_avx2(wq: &[i8], wd: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
         let ones = _mm256_set1_epi16(1);
         let mut acc = _mm256_setzero_ps();
         for b in 0..wd.len() {
@@ -686,7 +668,7 @@ mod simd {
             let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
             let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
             let s = _mm256_madd_epi16(p, ones);
-            let scale = _mm256_set1_ps(half::f16::from_bits(wd[b]).to_f32() * xd[b]);
+            let scale = _mm256_set1_ps(wd[b] * xd[b]);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
         }
         hsum(acc)
@@ -780,19 +762,19 @@ mod tests {
         let x: Vec<f32> = (0..k).map(|_| lcg(&mut seed) * 3.0).collect();
         let mut xq = QuantizedActs::default();
         xq.quantize(&Pool::new(1).unwrap(), &x, 1, k);
-        let (Prepared::Q4 { qs, dm }, Prepared::Q8 { qs: q8, d: d8 }) = (&w.kind, &w8.kind) else { unreachable!() };
-        let s = scalar::dot_q4(&qs[..nb * 16], &dm[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0));
+        let (Prepared::Q4 { qs, d, m }, Prepared::Q8 { qs: q8, d: d8 }) = (&w.kind, &w8.kind) else { unreachable!() };
+        let s = scalar::dot_q4(&qs[..nb * 16], &d[..nb], &m[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0));
         let s8 = scalar::dot_q8(&q8[..k], &d8[..nb], xq.row_q(0), xq.row_d(0));
         let sf = scalar::dot_f32(&x, &x);
         #[cfg(target_arch = "x86_64")]
         unsafe {
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                assert_eq!(s.to_bits(), simd::dot_q4_avx2(&qs[..nb * 16], &dm[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0)).to_bits());
+                assert_eq!(s.to_bits(), simd::dot_q4_avx2(&qs[..nb * 16], &d[..nb], &m[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0)).to_bits());
                 assert_eq!(s8.to_bits(), simd::dot_q8_avx2(&q8[..k], &d8[..nb], xq.row_q(0), xq.row_d(0)).to_bits());
                 assert_eq!(sf.to_bits(), simd::dot_f32(&x, &x).to_bits());
             }
             if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
-                assert_eq!(s.to_bits(), simd::dot_q4_vnni(&qs[..nb * 16], &dm[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0)).to_bits());
+                assert_eq!(s.to_bits(), simd::dot_q4_vnni(&qs[..nb * 16], &d[..nb], &m[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0)).to_bits());
                 assert_eq!(s8.to_bits(), simd::dot_q8_vnni(&q8[..k], &d8[..nb], xq.row_q(0), xq.row_d(0)).to_bits());
             }
         }

@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
 # The test command of the README: fetch the default model (cached, checked by
-# sha256), then run every test of the workspace.
+# sha256), run every test of the workspace, and close with one summary line
+# over all test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
 export BATON_MODEL
-cargo test --workspace --release --locked "$@"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --release --locked "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')
+echo
+echo "tests: ${passed} passed, ${failed} failed"
+exit "$status"

@@ -206,6 +206,15 @@ pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs
             jobs.push((*w, ptr, task));
         }
     }
+    // Activation scales laid out for the Q4 tiles, once per call (per group
+    // of four rows), shared by every task.
+    #[cfg(target_arch = "x86_64")]
+    let groups: Vec<simd::ActBlocks> = if xq.k > 0 && isa() != Isa::Scalar && jobs.iter().any(|(w, _, _)| matches!(w.kind, Prepared::Q4 { .. })) {
+        // SAFETY: the ISA check guarantees AVX2.
+        (0..rows.div_ceil(4)).map(|g| unsafe { simd::ActBlocks::new(xq, g * 4, (rows - g * 4).min(4)) }).collect()
+    } else {
+        Vec::new()
+    };
     pool.run(jobs.len(), &|j| {
         let (w, p, task) = jobs[j];
         let n = w.n;
@@ -215,7 +224,7 @@ pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs
         if let (Prepared::Q4 { qs, d, m }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
             // SAFETY: the tile writes only (t, o) for o in o0..o1, which this
             // task owns; `out` holds rows * n elements.
-            unsafe { simd::q4_task(qs, d, m, w.k, xq, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
+            unsafe { simd::q4_task(qs, d, m, w.k, xq, &groups, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -382,14 +391,14 @@ mod simd {
     /// Per-block activation scales of up to four rows, laid out for the
     /// tiles: `dx` broadcast to 8 lanes, and the block sums of the rows side
     /// by side so one fused multiply-add serves them all.
-    pub(super) struct ActBlocks {
+    pub struct ActBlocks {
         dxv: Vec<__m256>,
         xs4: Vec<__m128>,
     }
 
     impl ActBlocks {
-        #[inline(always)]
-        unsafe fn new(xq: &QuantizedActs, t: usize, c: usize) -> Self {
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn new(xq: &QuantizedActs, t: usize, c: usize) -> Self {
             let nb = xq.k / QK;
             let mut dxv = Vec::with_capacity(nb * 4);
             let mut xs4 = Vec::with_capacity(nb);
@@ -447,36 +456,36 @@ mod simd {
     /// All rows `t` and weight rows `o0..o1` of a Q4 product, in tiles.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_task(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    pub unsafe fn q4_task(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         if vnni {
-            q4_task_vnni(qs, d, m, k, xq, rows, o0, o1, out, n)
+            q4_task_vnni(qs, d, m, k, xq, groups, rows, o0, o1, out, n)
         } else {
-            q4_task_impl(qs, d, m, k, xq, rows, o0, o1, out, n, false)
+            q4_task_impl(qs, d, m, k, xq, groups, rows, o0, o1, out, n, false)
         }
     }
 
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn q4_task_vnni(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        q4_task_impl(qs, d, m, k, xq, rows, o0, o1, out, n, true)
+    unsafe fn q4_task_vnni(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
+        q4_task_impl(qs, d, m, k, xq, groups, rows, o0, o1, out, n, true)
     }
 
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn q4_task_impl(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    unsafe fn q4_task_impl(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         let nb = k / QK;
         let mut t = 0;
         while t < rows {
             let left = rows - t;
-            let acts = ActBlocks::new(xq, t, left.min(4));
+            let acts = &groups[t / 4];
             let mut o = o0;
             if left >= 4 {
                 while o + 2 <= o1 {
-                    q4_tile::<2, 4>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni);
+                    q4_tile::<2, 4>(qs, d, m, nb, xq, acts, o, t, out, n, vnni);
                     o += 2;
                 }
                 while o < o1 {
-                    q4_tile::<1, 4>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni);
+                    q4_tile::<1, 4>(qs, d, m, nb, xq, acts, o, t, out, n, vnni);
                     o += 1;
                 }
                 t += 4;
@@ -484,17 +493,17 @@ mod simd {
             }
             while o + 4 <= o1 {
                 match left {
-                    1 => q4_tile::<4, 1>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
-                    2 => q4_tile::<4, 2>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
-                    _ => q4_tile::<4, 3>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    1 => q4_tile::<4, 1>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
+                    2 => q4_tile::<4, 2>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
+                    _ => q4_tile::<4, 3>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
                 }
                 o += 4;
             }
             while o < o1 {
                 match left {
-                    1 => q4_tile::<1, 1>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
-                    2 => q4_tile::<1, 2>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
-                    _ => q4_tile::<1, 3>(qs, d, m, nb, xq, &acts, o, t, out, n, vnni),
+                    1 => q4_tile::<1, 1>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
+                    2 => q4_tile::<1, 2>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
+                    _ => q4_tile::<1, 3>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
                 }
                 o += 1;
             }

@@ -10,8 +10,7 @@
 mod common;
 
 use baton_engine::chat_template::ChatMessage;
-use baton_engine::model::{Scratch, StepInput};
-use baton_kernels::{AttnRow, Backend, KvDtype, KvLayout};
+use baton_kernels::KvDtype;
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -78,22 +77,6 @@ fn pearson(a: &[f32], b: &[f32]) -> f64 {
     sab / (saa.sqrt() * sbb.sqrt())
 }
 
-/// Logits at every position in `rows` of one forward pass over `tokens`.
-fn logits_at<B: Backend>(backend: &B, model: &baton_engine::model::Model<B>, tokens: &[u32], rows: &[usize]) -> Vec<Vec<f32>> {
-    let c = &model.config;
-    let layout = KvLayout { layers: c.n_layers, block_tokens: 16, kv_heads: c.n_kv_heads, head_dim: c.head_dim, dtype: KvDtype::F16 };
-    let blocks = tokens.len().div_ceil(16);
-    let mut kv = backend.kv(layout, blocks).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let positions: Vec<u32> = (0..tokens.len() as u32).collect();
-    let slots: Vec<(u32, u32)> = (0..tokens.len()).map(|p| ((p / 16) as u32, (p % 16) as u32)).collect();
-    let attn: Vec<AttnRow> = (0..tokens.len()).map(|p| AttnRow { block_table: &table, pos: p }).collect();
-    let mut scratch = Scratch::new(backend);
-    let input = StepInput { tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: rows };
-    let flat = backend.run(|| model.forward(backend, &mut kv, &input, &mut scratch));
-    flat.chunks_exact(c.vocab).map(|r| r.to_vec()).collect()
-}
-
 #[test]
 fn matches_llamacpp_on_every_golden_case() {
     let Some((backend, loaded)) = common::load(2) else { return };
@@ -115,7 +98,7 @@ fn matches_llamacpp_on_every_golden_case() {
         let n = ids.len();
         // Logits after the prompt and after each teacher-forced token but the last.
         let rows: Vec<usize> = (n - 1..n - 1 + case.greedy_tokens.len()).collect();
-        let logits = logits_at(&backend, &loaded.model, &seq[..seq.len() - 1], &rows);
+        let logits = common::logits_at(&backend, &loaded.model, &seq[..seq.len() - 1], &rows, KvDtype::F16);
 
         let reference = b64_f32(&case.first_logits_f32_b64);
         assert_eq!(reference.len(), logits[0].len(), "{}: vocabulary", case.name);

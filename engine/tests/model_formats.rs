@@ -5,22 +5,10 @@
 mod common;
 
 use baton_engine::model::{export_hf, load_gguf, load_hf_dir, ModelError};
-use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
-use baton_engine::model::{Model, Scratch, StepInput};
+use baton_kernels::{Backend, CpuBackend, KvDtype};
 
-fn last_logits<B: Backend>(backend: &B, model: &Model<B>, tokens: &[u32]) -> Vec<f32> {
-    let c = &model.config;
-    let layout = KvLayout { layers: c.n_layers, block_tokens: 16, kv_heads: c.n_kv_heads, head_dim: c.head_dim, dtype: KvDtype::F32 };
-    let blocks = tokens.len().div_ceil(16);
-    let mut kv = backend.kv(layout, blocks).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let positions: Vec<u32> = (0..tokens.len() as u32).collect();
-    let slots: Vec<(u32, u32)> = (0..tokens.len()).map(|p| ((p / 16) as u32, (p % 16) as u32)).collect();
-    let attn: Vec<AttnRow> = (0..tokens.len()).map(|p| AttnRow { block_table: &table, pos: p }).collect();
-    let mut scratch = Scratch::new(backend);
-    let rows = [tokens.len() - 1];
-    let input = StepInput { tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &rows };
-    backend.run(|| model.forward(backend, &mut kv, &input, &mut scratch))
+fn last_logits<B: Backend>(backend: &B, model: &baton_engine::model::Model<B>, tokens: &[u32]) -> Vec<f32> {
+    common::logits_at(backend, model, tokens, &[tokens.len() - 1], KvDtype::F32).remove(0)
 }
 
 #[test]

@@ -5,7 +5,8 @@ use baton_engine::kv::UserId;
 use baton_engine::model::{load_gguf, LoadedModel};
 use baton_engine::sampling::SamplingParams;
 use baton_engine::{Engine, EngineConfig, Event, FinishReason, Request, Usage};
-use baton_kernels::CpuBackend;
+use baton_engine::model::{Model, Scratch, StepInput};
+use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
 use std::path::PathBuf;
 
 /// The default model, or `None` (the test then says it is skipped). CI
@@ -94,4 +95,21 @@ pub fn assert_no_leaks(engine: &Engine) {
     assert_eq!(st.kv.used, 0, "blocks still pinned: {:?}", st.kv);
     assert_eq!(st.kv.free + st.kv.cached, st.kv.total, "{:?}", st.kv);
     assert_eq!(st.kv.swapped, 0, "{:?}", st.kv);
+}
+
+/// Logits at `rows` of one forward pass over `tokens` (one sequence, one
+/// chunk), straight through the model without the scheduler.
+pub fn logits_at<B: Backend>(backend: &B, model: &Model<B>, tokens: &[u32], rows: &[usize], dtype: KvDtype) -> Vec<Vec<f32>> {
+    let c = &model.config;
+    let layout = KvLayout { layers: c.n_layers, block_tokens: 16, kv_heads: c.n_kv_heads, head_dim: c.head_dim, dtype };
+    let blocks = tokens.len().div_ceil(16);
+    let mut kv = backend.kv(layout, blocks).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+    let slots: Vec<(u32, u32)> = (0..tokens.len()).map(|p| ((p / 16) as u32, (p % 16) as u32)).collect();
+    let attn: Vec<AttnRow> = (0..tokens.len()).map(|p| AttnRow { block_table: &table, pos: p }).collect();
+    let mut scratch = Scratch::new(backend);
+    let input = StepInput { tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: rows };
+    let flat = backend.run(|| model.forward(backend, &mut kv, &input, &mut scratch));
+    flat.chunks_exact(c.vocab).map(|r| r.to_vec()).collect()
 }

@@ -60,7 +60,6 @@ fn run_batch(engine: &Engine, n: usize, prompt_len: usize, max_tokens: usize, sa
     for i in 0..n {
         streams.push(engine.submit(request(prompt(prompt_len, salt * 1000 + i), max_tokens, format!("bench-{salt}-{i}"))?)?);
     }
-    let start = Instant::now();
     let mut firsts = Vec::new();
     let mut lasts = Vec::new();
     let mut tokens = 0usize;
@@ -81,7 +80,6 @@ fn run_batch(engine: &Engine, n: usize, prompt_len: usize, max_tokens: usize, sa
         firsts.push(first.unwrap_or_default());
         lasts.push(last);
     }
-    let _ = start;
     let first_all = firsts.iter().max().copied().unwrap_or_default();
     let last_all = lasts.iter().max().copied().unwrap_or_default();
     // Decode rate: tokens after each sequence's first, over the span from

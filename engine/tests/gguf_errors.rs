@@ -7,22 +7,8 @@ use baton_engine::gguf::writer::{to_bytes, write_gguf, TensorSpec};
 use baton_engine::gguf::{GgmlType, GgufError, GgufFile, MetaValue};
 use proptest::prelude::*;
 
-fn model_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("BATON_MODEL") {
-        return Some(PathBuf::from(p));
-    }
-    let cache = std::env::var_os("BATON_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME")
-                .map(|x| PathBuf::from(x).join("baton/models"))
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/baton/models"))
-                })
-        })?;
-    let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    p.exists().then_some(p)
-}
+mod common;
+use common::model_path;
 
 fn all_value_types() -> Vec<(&'static str, MetaValue)> {
     vec![

@@ -99,7 +99,7 @@ impl<B: Backend> Model<B> {
         debug_assert_eq!(rows, input.positions.len());
         debug_assert_eq!(rows, input.slots.len());
         debug_assert_eq!(rows, input.attn.len());
-        let (hid, kvw, ffn) = (c.hidden, c.n_kv_heads * c.head_dim, c.ffn);
+        let (hid, ffn) = (c.hidden, c.ffn);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         backend.embed(&self.embed, input.tokens, &mut s.x);
         for (li, layer) in self.layers.iter().enumerate() {
@@ -116,7 +116,6 @@ impl<B: Backend> Model<B> {
             backend.silu_mul(&s.gate, &s.up, rows * ffn, &mut s.act);
             backend.matmul(&s.act, rows, &mut [(&layer.w_down, &mut s.o)]);
             backend.add(&mut s.x, &s.o, rows * hid);
-            let _ = kvw;
         }
         let n = input.logit_rows.len();
         if n == 0 {

@@ -10,12 +10,22 @@ use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
 use std::path::PathBuf;
 
 /// The default model, or `None` (the test then says it is skipped). CI
-/// always fetches it first (scripts/fetch-model.sh).
+/// always fetches it first (scripts/fetch-model.sh). Resolved as that script
+/// does: `BATON_MODEL` (used as given), else `BATON_MODEL_CACHE`, `XDG_CACHE_HOME/baton/models`
+/// or `~/.cache/baton/models`.
 pub fn model_path() -> Option<PathBuf> {
-    let p = std::env::var_os("BATON_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-        home.join(".cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
+    // A model named explicitly must exist: a wrong path fails the test.
+    if let Some(p) = std::env::var_os("BATON_MODEL") {
+        return Some(PathBuf::from(p));
+    }
+    let p = None.or_else(|| {
+        let cache = std::env::var_os("BATON_MODEL_CACHE").map(PathBuf::from).or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME")
+                .map(|x| PathBuf::from(x).join("baton/models"))
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/baton/models")))
+        })?;
+        Some(cache.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+    })?;
     if p.exists() {
         Some(p)
     } else {

@@ -9,7 +9,7 @@ use baton_engine::sampling::SamplingParams;
 use baton_engine::{Engine, Event, Request};
 use clap::Args;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct BenchEngineArgs {

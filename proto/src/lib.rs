@@ -1,4 +1,18 @@
-//! gRPC definitions shared by Baton's services
+//! gRPC definitions shared by Baton's services (tonic/prost), generated at build time
+//! from `proto/*.proto` by protox (no system `protoc` needed).
 //!
-//! Not built yet: this crate is filled by issue 4. It exports nothing so
-//! that nothing can depend on behaviour that does not exist.
+//! - [`common`]: node identity, role, capacity and load.
+//! - [`coordinator`]: the coordinator service (membership, routing, eviction).
+//! - [`node`]: the services nodes serve to each other and to the coordinator.
+//! - [`client`]: [`client::MembershipClient`], the register + keep-alive loop nodes run.
+
+#[allow(clippy::all, missing_docs)]
+mod generated {
+    include!(concat!(env!("OUT_DIR"), "/baton_protos.rs"));
+}
+
+pub use generated::baton::{common, coordinator, node};
+
+pub mod client;
+
+pub use client::{MembershipClient, MembershipHandle, MembershipState};

@@ -1,4 +1,6 @@
-//! Baton API gateway: OpenAI-compatible HTTP API, conversations, limits
-//!
-//! Not built yet: this crate is filled by issue 5. It exports nothing so
-//! that nothing can depend on behaviour that does not exist.
+//! Baton API gateway: the user-facing edge (OpenAI-compatible API,
+//! conversations, auth, limits, store). It talks to token producers only
+//! through [`generator::Generator`], so it runs the same in front of one
+//! in-process engine or the cluster.
+
+pub mod generator;

@@ -1,0 +1,85 @@
+//! The seam between the gateway and whatever produces tokens: one in-process
+//! engine ([`local::LocalGenerator`]) or the cluster (coordinator plus decode
+//! nodes, added beside this module). The gateway only ever holds an
+//! `Arc<dyn Generator>`, so it runs the same in front of either.
+//!
+//! Invariants every implementation keeps: dropping a [`GenerationStream`]
+//! cancels the sequence within a step; a stream ends with exactly one
+//! `Finished` or `Failed` event; `evict_conversation` returns only after every
+//! KV block of the conversation is gone wherever it was cached.
+
+pub mod local;
+
+use baton_engine::sampling::SamplingParams;
+use baton_engine::{FinishReason, TokenOut, Usage};
+use std::pin::Pin;
+use std::time::Duration;
+
+/// What the gateway needs from whatever produces tokens: one in-process engine, or the cluster.
+#[async_trait::async_trait]
+pub trait Generator: Send + Sync + 'static {
+    /// Starts one generation. Dropping the returned stream cancels it.
+    async fn generate(&self, req: GenerateRequest) -> Result<GenerationStream, GenerateError>;
+    /// Removes every KV block of the conversation wherever it is cached; returns after acknowledgement.
+    async fn evict_conversation(&self, conversation: &str) -> Result<(), GenerateError>;
+}
+
+/// One generation: the full prompt as token IDs (the gateway tokenizes) and
+/// who it runs for.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// The authenticated user; the owner scope of every KV block the prompt
+    /// publishes except the platform-shared prefix.
+    pub owner: String,
+    /// Leading prompt tokens supplied by the platform (the system prompt).
+    pub platform_prefix_len: usize,
+    /// The ring key: the conversation ID, or for a plain OpenAI request a hash
+    /// of the owner, system prompt and first user message. Also tags the
+    /// blocks the request publishes so that deleting the conversation evicts them.
+    pub routing_key: String,
+    pub sampling: SamplingParams,
+}
+
+/// Events of one generation, ending with `Finished` or `Failed`.
+pub type GenerationStream = Pin<Box<dyn futures::Stream<Item = GenEvent> + Send>>;
+
+#[derive(Debug)]
+pub enum GenEvent {
+    Token(TokenOut),
+    Finished { reason: FinishReason, usage: Usage, trailing_text: String },
+    Failed(GenerateError),
+}
+
+/// Why a generation could not start or did not finish.
+#[derive(thiserror::Error, Debug, Clone)]
+pub enum GenerateError {
+    /// No engine or decode node can take the request now (HTTP 503).
+    #[error("the model service is unavailable: {0}")]
+    Unavailable(String),
+    /// Queues are full; try again after `retry_after` (HTTP 429).
+    #[error("the model service is overloaded; retry after {retry_after:?}")]
+    Overloaded { retry_after: Duration },
+    /// The request itself is wrong (HTTP 400); the message is safe to show.
+    #[error("{0}")]
+    BadRequest(String),
+    /// Prompt plus max_tokens do not fit the context (HTTP 400).
+    #[error("prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context of {max_context} tokens")]
+    ContextTooLong { prompt: usize, max_tokens: usize, max_context: usize },
+    /// Anything else (HTTP 500); the message is logged, never shown.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl GenerateError {
+    /// Stable label for metrics and the API error type.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GenerateError::Unavailable(_) => "unavailable",
+            GenerateError::Overloaded { .. } => "overloaded",
+            GenerateError::BadRequest(_) => "bad_request",
+            GenerateError::ContextTooLong { .. } => "context_too_long",
+            GenerateError::Internal(_) => "internal",
+        }
+    }
+}

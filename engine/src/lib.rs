@@ -10,4 +10,7 @@ pub mod model;
 pub mod sampling;
 pub mod tokenizer;
 
-pub use engine::{Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, PreemptionMode, Request, RequestStream, TokenOut, Usage};
+pub use engine::{
+    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
+    RequestStream, SubmitOptions, Submission, TokenOut, Usage,
+};

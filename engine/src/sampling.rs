@@ -309,6 +309,15 @@ impl Sampler {
         self.seed
     }
 
+    /// Advances the generator as [`Sampler::sample`] would, without logits: for
+    /// a token another sampler with the same seed drew (a remote prefill's
+    /// first token), so the following draws match a sequence that drew it here.
+    pub fn skip_draw(&mut self) {
+        if self.top_k != 1 {
+            self.rng.next_f64();
+        }
+    }
+
     /// Draws the next token from `logits` (one per vocabulary entry; `-inf` masks a
     /// token). Fails on empty logits, NaN or `+inf`, or when everything is masked.
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled, SamplingError> {

@@ -8,6 +8,7 @@
 //! every path out of a sequence (finish, stop, error, cancel, preemption)
 //! returns its blocks exactly once.
 
+mod handoff;
 mod scheduler;
 mod sequence;
 
@@ -21,6 +22,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+pub use handoff::{ImportedToken, KvExport, KvImport, SubmitOptions, Submission};
 pub use scheduler::PreemptionMode;
 
 /// How the engine uses memory and schedules work.
@@ -95,6 +97,8 @@ pub enum EngineError {
     Kv(#[from] KvError),
     #[error("the engine has stopped")]
     Stopped,
+    #[error("imported KV rejected: {what}")]
+    BadImport { what: &'static str },
 }
 
 impl EngineError {
@@ -111,6 +115,7 @@ impl EngineError {
             EngineError::Sampling(_) => "sampling",
             EngineError::Kv(_) => "kv",
             EngineError::Stopped => "stopped",
+            EngineError::BadImport { .. } => "bad_import",
         }
     }
 }
@@ -201,7 +206,15 @@ pub struct EngineStats {
 }
 
 pub(crate) enum Command {
-    Submit { id: SeqId, request: Box<Request>, events: tokio::sync::mpsc::UnboundedSender<Event> },
+    Submit {
+        id: SeqId,
+        request: Box<Request>,
+        events: tokio::sync::mpsc::UnboundedSender<Event>,
+        import: Option<Box<KvImport>>,
+        export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
+    },
+    PeekPrefix { query: PrefixQuery, reply: mpsc::Sender<usize> },
+    ExportPrefix { query: PrefixQuery, start_block: usize, reply: mpsc::Sender<KvExport> },
     Cancel(SeqId),
     EvictConversation(ConversationId, mpsc::Sender<usize>),
     EvictOwner(UserId, mpsc::Sender<usize>),
@@ -226,6 +239,14 @@ pub struct EngineInfo {
     pub tier2_blocks: usize,
     pub weight_bytes: usize,
     pub eos: Option<u32>,
+}
+
+/// A prompt prefix as the prefix cache sees it.
+#[derive(Clone, Debug)]
+pub(crate) struct PrefixQuery {
+    pub tokens: Vec<u32>,
+    pub owner: UserId,
+    pub platform_prefix_len: usize,
 }
 
 /// Handle to a running engine. Cheap to share behind an `Arc`.
@@ -362,6 +383,13 @@ impl Engine {
     /// Queues a request. Fails at once when the queue is full or the request
     /// cannot fit the context; otherwise its events arrive on the stream.
     pub fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
+        Ok(self.submit_with(request, SubmitOptions::default())?.stream)
+    }
+
+    /// [`Engine::submit`] with KV handoff extras: KV imported from another
+    /// engine, and/or an export of the prompt's blocks at the first token
+    /// (see [`handoff`](self::handoff)).
+    pub fn submit_with(&self, request: Request, options: SubmitOptions) -> Result<Submission, EngineError> {
         if request.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -378,6 +406,15 @@ impl Engine {
                 max_context: self.info.max_context,
             });
         }
+        let layout = self.info.kv_layout;
+        if let Some(import) = &options.import {
+            handoff::validate_import(import, request.prompt.len(), layout.block_tokens, layout.block_bytes())?;
+        }
+        if let Some(start) = options.export_from_block {
+            if start >= request.prompt.len().div_ceil(layout.block_tokens) {
+                return Err(EngineError::BadImport { what: "export starts past the prompt's last block" });
+            }
+        }
         let in_flight = self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
         if in_flight >= self.max_waiting {
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -385,12 +422,40 @@ impl Engine {
         }
         let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        let (export, export_rx) = match options.export_from_block {
+            Some(start) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                (Some((start, tx)), Some(rx))
+            }
+            None => (None, None),
+        };
         let tx = self.sender();
-        if tx.send(Command::Submit { id, request: Box::new(request), events: etx }).is_err() {
+        let cmd = Command::Submit { id, request: Box::new(request), events: etx, import: options.import.map(Box::new), export };
+        if tx.send(cmd).is_err() {
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::Stopped);
         }
-        Ok(RequestStream { id, events: erx, cancel: tx, done: false })
+        Ok(Submission { stream: RequestStream { id, events: erx, cancel: tx, done: false }, export: export_rx })
+    }
+
+    /// Prompt tokens (whole blocks, both tiers) an admission of `prompt` for
+    /// `owner` would find in the prefix cache now, leaving at least one token
+    /// to compute. Changes nothing.
+    pub fn cached_prefix_tokens(&self, prompt: &[u32], owner: &UserId, platform_prefix_len: usize) -> Result<usize, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        let query = PrefixQuery { tokens: prompt.to_vec(), owner: owner.clone(), platform_prefix_len };
+        self.sender().send(Command::PeekPrefix { query, reply: tx }).map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// Copies the cached blocks of `prefix` (whole blocks only) from block
+    /// `start_block` on out of the cache, for a prefill node that lacks them.
+    /// The export stops at the first block not cached (it may be empty).
+    pub fn export_prefix(&self, prefix: &[u32], owner: &UserId, platform_prefix_len: usize, start_block: usize) -> Result<KvExport, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        let query = PrefixQuery { tokens: prefix.to_vec(), owner: owner.clone(), platform_prefix_len };
+        self.sender().send(Command::ExportPrefix { query, start_block, reply: tx }).map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
     }
 
     /// Removes every block one conversation published, from both tiers.

@@ -10,10 +10,11 @@
 //! sequence is preempted (recompute, or swap to the second tier).
 
 use super::sequence::{Parked, Sequence};
-use super::{Command, EngineConfig, EngineError, Event, FinishReason, Request, Shared, TokenOut};
+use super::handoff::{plan_import, ImportPlan};
+use super::{Command, EngineConfig, EngineError, Event, FinishReason, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
 use crate::kv::{BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, SeqId};
 use crate::model::{Model, Scratch, StepInput};
-use crate::sampling::{Sampler, StopMatcher};
+use crate::sampling::{Sampled, Sampler, StopMatcher};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 use baton_kernels::{AttnRow, Backend, KvLayout};
 use std::collections::VecDeque;
@@ -160,7 +161,13 @@ impl<B: Backend> Worker<B> {
     /// Applies one command; false means stop.
     fn apply(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit { id, request, events } => self.admit_to_queue(id, *request, events),
+            Command::Submit { id, request, events, import, export } => self.admit_to_queue(id, *request, events, import, export),
+            Command::PeekPrefix { query, reply } => {
+                let _ = reply.send(self.peek_prefix(&query));
+            }
+            Command::ExportPrefix { query, start_block, reply } => {
+                let _ = reply.send(self.export_prefix(&query, start_block));
+            }
             Command::Cancel(id) => self.cancel(id),
             Command::EvictConversation(conv, reply) => {
                 let _ = reply.send(self.cache.evict_conversation(&conv));
@@ -173,7 +180,65 @@ impl<B: Backend> Worker<B> {
         true
     }
 
-    fn admit_to_queue(&mut self, id: SeqId, request: Request, events: tokio::sync::mpsc::UnboundedSender<Event>) {
+    /// Cached prompt tokens an admission would match (see `start_fresh`).
+    fn peek_prefix(&self, q: &PrefixQuery) -> usize {
+        let bt = self.layout.block_tokens;
+        let matchable = q.tokens.len().saturating_sub(1) / bt;
+        let mut chain = HashChain::new(bt, q.platform_prefix_len, q.owner.clone());
+        chain.update(&q.tokens[..matchable * bt]);
+        let peek = self.cache.peek_prefix(chain.hashes());
+        (peek.primary + peek.tier2) * bt
+    }
+
+    /// Copies the cached whole blocks of a prefix from `start_block` on.
+    fn export_prefix(&mut self, q: &PrefixQuery, start_block: usize) -> KvExport {
+        let bt = self.layout.block_tokens;
+        let full = q.tokens.len() / bt;
+        let mut chain = HashChain::new(bt, q.platform_prefix_len, q.owner.clone());
+        chain.update(&q.tokens[..full * bt]);
+        let bytes = self.layout.block_bytes();
+        let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: bytes };
+        let m = self.cache.match_prefix(chain.hashes(), &mut store);
+        let blocks = m
+            .blocks
+            .iter()
+            .skip(start_block)
+            .map(|&b| {
+                let mut out = vec![0u8; bytes];
+                self.backend.kv_copy_block_out(&self.kv, b.index(), &mut out);
+                out
+            })
+            .collect();
+        if let Err(e) = self.cache.release(&m.blocks) {
+            tracing::error!(error = %e, "release of exported blocks refused");
+        }
+        KvExport { start_block, blocks }
+    }
+
+    /// Copies the prompt blocks of `seq` from `start` on out of the arena.
+    fn export_blocks(&self, seq: &Sequence, start: usize) -> KvExport {
+        let bt = self.layout.block_tokens;
+        let end = seq.prompt_len.div_ceil(bt).min(seq.blocks.len());
+        let bytes = self.layout.block_bytes();
+        let blocks = seq.blocks[start.min(end)..end]
+            .iter()
+            .map(|&b| {
+                let mut out = vec![0u8; bytes];
+                self.backend.kv_copy_block_out(&self.kv, b.index(), &mut out);
+                out
+            })
+            .collect();
+        KvExport { start_block: start, blocks }
+    }
+
+    fn admit_to_queue(
+        &mut self,
+        id: SeqId,
+        request: Request,
+        events: tokio::sync::mpsc::UnboundedSender<Event>,
+        import: Option<Box<KvImport>>,
+        export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
+    ) {
         let prompt_len = request.prompt.len();
         let mut sampling = request.sampling.clone();
         // Never generate past the context.
@@ -217,6 +282,9 @@ impl<B: Backend> Worker<B> {
             submitted: Instant::now(),
             first_token: None,
             parked: None,
+            import,
+            imported_first: None,
+            export,
             request: Request { sampling, ..request },
         };
         self.waiting.push_back(seq);
@@ -338,6 +406,15 @@ impl<B: Backend> Worker<B> {
                 self.waiting.push_front(seq);
                 break;
             }
+            if let Some(first) = seq.imported_first.take() {
+                // The peer drew this token from the sampler's first draw.
+                seq.sampler.skip_draw();
+                let sampled = Sampled { token: first.id, logprob: first.logprob, top_logprobs: first.top_logprobs };
+                if let Some(reason) = accept_token(&mut seq, sampled, &self.tokenizer, self.max_context, &self.shared) {
+                    self.finish(seq, reason);
+                    continue;
+                }
+            }
             self.running.push(seq);
             let idx = self.running.len() - 1;
             let s = &self.running[idx];
@@ -369,11 +446,27 @@ impl<B: Backend> Worker<B> {
         let rest = need_total - m.blocks.len();
         match self.cache.allocate(rest, &mut store) {
             Ok(more) => {
-                let cached = m.blocks.len() * bt;
+                let matched = m.blocks.len();
+                let cached = matched * bt;
                 seq.blocks = m.blocks;
                 seq.blocks.extend(more);
                 seq.computed = cached;
                 seq.registered = cached / bt;
+                if let Some(import) = seq.import.take() {
+                    let has_first = import.first_token.is_some();
+                    match plan_import(matched, import.start_block, import.blocks.len(), bt, seq.prompt_len, has_first) {
+                        ImportPlan::Gap => {
+                            tracing::debug!(seq = seq.id.0, matched, start = import.start_block, "import not contiguous with the cache; computing locally");
+                        }
+                        ImportPlan::Use { first, end, computed } => {
+                            for i in first..end {
+                                store.copy_in(seq.blocks[i], &import.blocks[i - import.start_block]);
+                            }
+                            seq.computed = computed;
+                            seq.imported_first = import.first_token;
+                        }
+                    }
+                }
                 if seq.cached_tokens.is_none() {
                     seq.cached_tokens = Some(cached.min(seq.prompt_len));
                     let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
@@ -495,8 +588,15 @@ impl<B: Backend> Worker<B> {
             if sl.wants_logits {
                 let row = &logits[li * vocab..(li + 1) * vocab];
                 li += 1;
-                if let Some(reason) = sample_into(seq, row, &self.tokenizer, self.max_context, &self.shared) {
-                    done.push((seq.id, reason));
+                let reason = sample_into(seq, row, &self.tokenizer, self.max_context, &self.shared);
+                if seq.generated == 1 {
+                    if let Some((start, tx)) = seq.export.take() {
+                        let seq = &self.running[sl.seq];
+                        let _ = tx.send(self.export_blocks(seq, start));
+                    }
+                }
+                if let Some(reason) = reason {
+                    done.push((self.running[sl.seq].id, reason));
                 }
             }
         }
@@ -528,6 +628,11 @@ fn sample_into(seq: &mut Sequence, logits: &[f32], tokenizer: &Tokenizer, max_co
             return Some(FinishReason::Cancelled);
         }
     };
+    accept_token(seq, sampled, tokenizer, max_context, shared)
+}
+
+/// Appends a sampled token to `seq` and emits it; returns why it ends, if it does.
+fn accept_token(seq: &mut Sequence, sampled: Sampled, tokenizer: &Tokenizer, max_context: usize, shared: &Shared) -> Option<FinishReason> {
     let id = sampled.token;
     seq.tokens.push(id);
     seq.generated += 1;

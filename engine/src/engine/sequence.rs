@@ -1,6 +1,6 @@
 //! One sequence in the engine: its tokens, its KV blocks and where it stands.
 
-use super::{Event, FinishReason, Request, TokenOut, Usage};
+use super::{Event, FinishReason, ImportedToken, KvExport, KvImport, Request, TokenOut, Usage};
 use crate::kv::{BlockId, HashChain, SeqId, SwapHandle};
 use crate::sampling::{Sampler, StopMatcher};
 use crate::tokenizer::IncrementalDecoder;
@@ -37,6 +37,12 @@ pub(crate) struct Sequence {
     pub submitted: Instant,
     pub first_token: Option<Duration>,
     pub parked: Option<Parked>,
+    /// KV computed elsewhere, applied (or dropped) at first admission.
+    pub import: Option<Box<KvImport>>,
+    /// The imported first token, accepted right after admission.
+    pub imported_first: Option<ImportedToken>,
+    /// Where to send the prompt's blocks (from the given block) at the first token.
+    pub export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
 }
 
 impl Sequence {

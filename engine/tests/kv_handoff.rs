@@ -1,0 +1,132 @@
+//! KV handoff between engines: a prompt prefilled on one engine and decoded
+//! on another gives exactly the tokens of one engine doing both, whether the
+//! decoder had part of the prefix cached, the prefiller pulled the prefix it
+//! lacked from the decoder, or the import could not be used and the decoder
+//! computed the prompt itself. Every engine ends with no block pinned.
+
+mod common;
+
+use baton_engine::sampling::SamplingParams;
+use baton_engine::{Engine, EngineConfig, Event, ImportedToken, KvExport, KvImport, Request, SubmitOptions};
+use common::*;
+
+const SYSTEM: &str = "You are a careful assistant for a science museum. Answer in two or three sentences, with concrete facts and no filler.";
+
+fn config() -> EngineConfig {
+    EngineConfig { step_token_budget: 64, kv_memory_bytes: 64 << 20, max_context: Some(2048), tier2_bytes: 0, ..EngineConfig::default() }
+}
+
+/// What a prefill engine hands over: the first token and the tail's blocks.
+struct Prefilled {
+    first: ImportedToken,
+    export: KvExport,
+}
+
+/// Prefills `req` on `engine` (optionally with a pulled prefix) and exports
+/// its blocks from `from_block`.
+fn prefill(engine: &Engine, mut req: Request, from_block: usize, pulled: Option<KvImport>) -> Prefilled {
+    let mut p = req.sampling.clone().into_inner();
+    p.max_tokens = 1;
+    req.sampling = p.validate().unwrap();
+    let sub = engine.submit_with(req, SubmitOptions { import: pulled, export_from_block: Some(from_block) }).unwrap();
+    let mut stream = sub.stream;
+    let mut first = None;
+    loop {
+        match stream.blocking_next().expect("final event") {
+            Event::Token(t) => first = Some(ImportedToken { id: t.id, logprob: t.logprob.unwrap_or(0.0), top_logprobs: t.top_logprobs }),
+            Event::Finished { .. } => break,
+            Event::Failed(e) => panic!("prefill failed: {e}"),
+        }
+    }
+    let export = sub.export.unwrap().blocking_recv().expect("export sent");
+    Prefilled { first: first.expect("a first token"), export }
+}
+
+fn decode_imported(engine: &Engine, req: Request, p: Prefilled) -> Outcome {
+    let import = KvImport { start_block: p.export.start_block, blocks: p.export.blocks, first_token: Some(p.first) };
+    collect(engine.submit_with(req, SubmitOptions { import: Some(import), export_from_block: None }).unwrap().stream)
+}
+
+fn seeded(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    let sampling = SamplingParams { max_tokens, temperature: 0.8, top_p: 0.95, seed: Some(7), logprobs: true, ..Default::default() };
+    Request { sampling: sampling.validate().unwrap(), ..request(prompt, "alice", max_tokens) }
+}
+
+#[test]
+fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
+    let Some(reference) = engine(config()) else { return };
+    let prefiller = engine(config()).unwrap();
+    let decoder = engine(config()).unwrap();
+    let bt = reference.info.kv_layout.block_tokens;
+
+    // Turn 1, nothing cached anywhere.
+    let prompt = chat_prompt(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
+    assert!(prompt.len() > 3 * bt && prompt.len() % bt != 0, "prompt of {} tokens", prompt.len());
+    let local = collect(reference.submit(request(prompt.clone(), "alice", 24)).unwrap());
+    assert_eq!(decoder.cached_prefix_tokens(&prompt, &baton_engine::kv::UserId::new("alice"), 0).unwrap(), 0);
+    let p = prefill(&prefiller, request(prompt.clone(), "alice", 24), 0, None);
+    assert_eq!(p.export.blocks.len(), prompt.len().div_ceil(bt));
+    assert_eq!(p.first.id, local.tokens[0]);
+    let remote = decode_imported(&decoder, request(prompt.clone(), "alice", 24), p);
+    assert_eq!(remote.tokens, local.tokens, "turn 1: remote prefill vs local");
+    assert_eq!(remote.usage.cached_tokens, 0);
+
+    // Turn 2: the decoder holds turn 1 (prompt and reply); the prefiller holds
+    // only turn 1's prompt, so it pulls the rest of the prefix from the decoder.
+    let mut turn2 = prompt.clone();
+    turn2.extend(&local.tokens);
+    turn2.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd why are sunsets red, then?<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
+    let alice = baton_engine::kv::UserId::new("alice");
+    let local2 = collect(reference.submit(request(turn2.clone(), "alice", 24)).unwrap());
+    let k = decoder.cached_prefix_tokens(&turn2, &alice, 0).unwrap();
+    assert!(k >= (prompt.len() + local.tokens.len()) / bt * bt - bt, "decoder holds {k} tokens of turn 2");
+    let have = prefiller.cached_prefix_tokens(&turn2[..k], &alice, 0).unwrap();
+    assert!(have < k, "the prefiller must lack part of the prefix ({have} of {k})");
+    let pulled = decoder.export_prefix(&turn2[..k], &alice, 0, have / bt).unwrap();
+    assert_eq!(pulled.blocks.len(), (k - have) / bt);
+    let pulled = KvImport { start_block: pulled.start_block, blocks: pulled.blocks, first_token: None };
+    let p2 = prefill(&prefiller, request(turn2.clone(), "alice", 24), k / bt, Some(pulled));
+    let remote2 = decode_imported(&decoder, request(turn2.clone(), "alice", 24), p2);
+    assert_eq!(remote2.tokens, local2.tokens, "turn 2: pulled prefix + remote tail vs local");
+    assert_eq!(remote2.usage.cached_tokens, k);
+    // The prefiller now holds the pulled blocks in its own cache.
+    assert!(prefiller.cached_prefix_tokens(&turn2, &alice, 0).unwrap() >= k);
+
+    // Another user gets nothing of alice's prefix.
+    assert_eq!(decoder.cached_prefix_tokens(&turn2, &baton_engine::kv::UserId::new("bob"), 0).unwrap(), 0);
+    assert!(decoder.export_prefix(&turn2[..k], &baton_engine::kv::UserId::new("bob"), 0, 0).unwrap().blocks.is_empty());
+
+    // An import the decoder cannot attach (a gap before it): it computes locally.
+    let fresh = engine(config()).unwrap();
+    let mut p3 = prefill(&prefiller, request(prompt.clone(), "carol", 24), 0, None);
+    p3.export.blocks.remove(0);
+    p3.export.start_block = 1;
+    let fallback = decode_imported(&fresh, request(prompt.clone(), "carol", 24), p3);
+    assert_eq!(fallback.tokens, local.tokens, "gap: local recompute");
+
+    // Seeded sampling: the decoder continues the prefiller's generator.
+    let seeded_local = collect(reference.submit(seeded(prompt.clone(), 16)).unwrap());
+    let p4 = prefill(&prefiller, seeded(prompt.clone(), 16), 0, None);
+    let seeded_remote = decode_imported(&fresh, seeded(prompt.clone(), 16), p4);
+    assert_eq!(seeded_remote.tokens, seeded_local.tokens, "seeded sampling across the handoff");
+
+    for e in [&reference, &prefiller, &decoder, &fresh] {
+        assert_no_leaks(e);
+        e.shutdown();
+    }
+}
+
+#[test]
+fn bad_imports_are_refused() {
+    let Some(e) = engine(config()) else { return };
+    let prompt: Vec<u32> = (1..50).collect();
+    let bytes = e.info.kv_layout.block_bytes();
+    let bad = |import: KvImport| e.submit_with(request(prompt.clone(), "u", 4), SubmitOptions { import: Some(import), export_from_block: None }).err().map(|x| x.kind());
+    let first = Some(ImportedToken { id: 5, logprob: 0.0, top_logprobs: vec![] });
+    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes - 1]; 4], first_token: first.clone() }), Some("bad_import"));
+    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 2], first_token: first }), Some("bad_import"));
+    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 4], first_token: None }), Some("bad_import"));
+    assert!(e.submit_with(request(prompt.clone(), "u", 4), SubmitOptions { import: None, export_from_block: Some(4) }).is_err());
+    assert_no_leaks(&e);
+    e.shutdown();
+}

@@ -1,0 +1,69 @@
+//! Membership: which nodes are in the cluster, each held by a lease with a TTL.
+//!
+//! One trait, two implementations: [`MemoryMembership`] (inside the coordinator, the
+//! embedded default) and [`EtcdMembership`] (leases and keys in a real etcd, so several
+//! coordinators share one view). A lease not renewed within its TTL expires and its node
+//! leaves; renewing an unknown lease answers `false`, which tells the node to register
+//! again. Every change bumps a generation number that [`Membership::subscribe`] exposes.
+
+mod etcd;
+mod memory;
+/// The conformance suite every implementation must pass (used by this crate's tests and
+/// the root `tests/etcd_*.rs`); it panics on a violation.
+#[doc(hidden)]
+pub mod conformance;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use baton_proto::common::NodeInfo;
+use tokio::sync::watch;
+
+pub use etcd::EtcdMembership;
+pub use memory::MemoryMembership;
+
+use crate::error::Result;
+
+/// A lease as the node sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    pub id: u64,
+    pub ttl: Duration,
+}
+
+/// A registered node with the lease that holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Member {
+    pub lease_id: u64,
+    pub info: NodeInfo,
+}
+
+impl Member {
+    /// The node's ID string.
+    pub fn id(&self) -> &str {
+        self.info.node_id.as_ref().map_or("", |n| n.id.as_str())
+    }
+}
+
+/// The node ID inside a `NodeInfo`, empty if missing.
+pub fn node_id_of(info: &NodeInfo) -> &str {
+    info.node_id.as_ref().map_or("", |n| n.id.as_str())
+}
+
+#[async_trait]
+pub trait Membership: Send + Sync + 'static {
+    /// Adds (or replaces: same node ID) a node under a fresh lease.
+    async fn register(&self, info: NodeInfo) -> Result<Lease>;
+    /// Renews a lease; `Ok(false)` if it is unknown (expired, revoked, store reset).
+    async fn keep_alive(&self, lease_id: u64) -> Result<bool>;
+    /// Removes the lease's node now; `Ok(false)` if the lease was unknown.
+    async fn deregister(&self, lease_id: u64) -> Result<bool>;
+    /// The live members, sorted by node ID.
+    async fn members(&self) -> Result<Vec<Member>>;
+    /// A generation number bumped on every membership change.
+    fn subscribe(&self) -> watch::Receiver<u64>;
+    /// The TTL given to new leases.
+    fn ttl(&self) -> Duration;
+    /// Short name for logs and metrics.
+    fn backend(&self) -> &'static str;
+}

@@ -1,0 +1,421 @@
+//! The coordinator's shared state and its gRPC face (`baton.coordinator.Coordinator`).
+//!
+//! Routing state (ring, placements, prefix affinity, explain log) is plain data behind
+//! one mutex, held only for the synchronous decision; membership and eviction calls
+//! happen outside it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
+use baton_proto::coordinator as pb;
+use baton_proto::coordinator::coordinator_server::Coordinator as CoordinatorRpc;
+use tonic::{Request, Response, Status};
+
+use crate::error::{Error, Result};
+use crate::evict::NodeEvictor;
+use crate::membership::{node_id_of, Member, Membership};
+use crate::metrics::{DecisionLabels, KindLabels, Metrics, ResultLabels, RoleLabels};
+use crate::routing::decode::DecodeRouter;
+use crate::routing::explain::{DecisionKind, ExplainLog, ExplainRecord, Reason};
+use crate::routing::prefill::{choose_prefill, PrefillCandidate, PrefillPolicy};
+use crate::routing::ring::key_of;
+use crate::Config;
+
+/// Which prefill node last prefilled a conversation, and how many prompt tokens it
+/// then held; bounded, oldest forgotten first.
+#[derive(Debug)]
+struct Affinity {
+    cap: usize,
+    map: HashMap<u64, (String, u32)>,
+    order: VecDeque<u64>,
+}
+
+impl Affinity {
+    fn new(cap: usize) -> Self {
+        Self { cap: cap.max(1), map: HashMap::new(), order: VecDeque::new() }
+    }
+
+    fn get(&self, key: u64) -> Option<&(String, u32)> {
+        self.map.get(&key)
+    }
+
+    fn insert(&mut self, key: u64, node: String, tokens: u32) {
+        if self.map.insert(key, (node, tokens)).is_none() {
+            self.order.push_back(key);
+            while self.order.len() > self.cap {
+                if let Some(old) = self.order.pop_front() {
+                    self.map.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn forget(&mut self, key: u64) {
+        self.map.remove(&key);
+    }
+}
+
+#[derive(Debug)]
+struct Routing {
+    decode: DecodeRouter,
+    affinity: Affinity,
+    explain: ExplainLog,
+}
+
+/// Everything the gRPC and HTTP handlers share.
+pub struct State {
+    pub(crate) membership: Arc<dyn Membership>,
+    pub(crate) metrics: Metrics,
+    evictor: Arc<dyn NodeEvictor>,
+    policy: PrefillPolicy,
+    evict_timeout: Duration,
+    routing: Mutex<Routing>,
+    loads: Mutex<HashMap<String, LoadReport>>,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State").field("membership", &self.membership.backend()).finish()
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+fn role_of(m: &Member) -> Role {
+    Role::try_from(m.info.role).unwrap_or(Role::Unspecified)
+}
+
+fn role_label(r: Role) -> &'static str {
+    match r {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Unspecified => "unspecified",
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl State {
+    pub(crate) fn new(config: &Config, membership: Arc<dyn Membership>, evictor: Arc<dyn NodeEvictor>) -> Result<Self> {
+        let decode = DecodeRouter::new(config.vnodes, config.load_factor, config.conversation_idle_ttl)
+            .map_err(|e| Error::Config { field: "load_factor/vnodes", why: e.to_string() })?;
+        Ok(Self {
+            membership,
+            metrics: Metrics::new(),
+            evictor,
+            policy: PrefillPolicy {
+                local_threshold_tokens: config.local_prefill_threshold,
+                max_waiting: config.prefill_max_waiting,
+                cache_credit: config.prefill_cache_credit,
+            },
+            evict_timeout: config.evict_timeout,
+            routing: Mutex::new(Routing {
+                decode,
+                affinity: Affinity::new(config.explain_capacity.max(1024) * 16),
+                explain: ExplainLog::new(config.explain_capacity),
+            }),
+            loads: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Members with their latest reported load.
+    async fn members(&self) -> Result<Vec<Member>> {
+        let mut ms = self.membership.members().await?;
+        let loads = lock(&self.loads);
+        for m in &mut ms {
+            if let Some(l) = loads.get(node_id_of(&m.info)) {
+                m.info.load = Some(*l);
+            }
+        }
+        let mut counts: HashMap<Role, i64> = HashMap::new();
+        for m in &ms {
+            *counts.entry(role_of(m)).or_default() += 1;
+        }
+        for r in [Role::Prefill, Role::Decode] {
+            self.metrics.nodes.get_or_create(&RoleLabels { role: role_label(r) }).set(counts.get(&r).copied().unwrap_or(0));
+        }
+        Ok(ms)
+    }
+
+    fn record(&self, routing: &mut Routing, rec: ExplainRecord, started: Instant) -> u64 {
+        let kind = match rec.kind {
+            DecisionKind::Decode => "decode",
+            DecisionKind::Prefill => "prefill",
+        };
+        self.metrics.decisions.get_or_create(&DecisionLabels { kind, reason: rec.reason.as_str() }).inc();
+        self.metrics.routing_seconds.get_or_create(&KindLabels { kind }).observe(started.elapsed().as_secs_f64());
+        tracing::debug!(kind, reason = rec.reason.as_str(), chosen = ?rec.chosen, candidates = rec.candidates.len(), "routing decision");
+        routing.explain.push(rec)
+    }
+
+    pub(crate) async fn route_decode(&self, req: pb::RouteDecodeRequest) -> Result<pb::RouteDecodeResponse> {
+        if req.routing_key.is_empty() {
+            return Err(Error::InvalidRequest { what: "routing_key is empty" });
+        }
+        let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Decode).collect();
+        let started = Instant::now();
+        let exclude: Vec<&str> = req.exclude.iter().map(|n| n.id.as_str()).collect();
+        let mut routing = lock(&self.routing);
+        routing.decode.set_members(members.iter().map(Member::id));
+        routing.decode.expire(started);
+        let decision = routing
+            .decode
+            .route(&req.routing_key, &exclude, started)
+            .ok_or(Error::NoNodes { role: "decode" })?;
+        self.metrics.conversations.set(routing.decode.total() as i64);
+        let rec = ExplainRecord::decode(&req.routing_key, &decision, req.prompt_tokens, unix_ms());
+        let mut explanation = to_pb(&rec, &req.routing_key);
+        explanation.seq = self.record(&mut routing, rec, started);
+        drop(routing);
+        let node = members.into_iter().find(|m| m.id() == decision.node).map(|m| m.info);
+        Ok(pb::RouteDecodeResponse { node, explanation: Some(explanation) })
+    }
+
+    pub(crate) async fn route_prefill(&self, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {
+        if req.routing_key.is_empty() {
+            return Err(Error::InvalidRequest { what: "routing_key is empty" });
+        }
+        let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Prefill).collect();
+        let started = Instant::now();
+        let key = key_of(&req.routing_key);
+        let mut routing = lock(&self.routing);
+        let held = routing.affinity.get(key).cloned();
+        let candidates = members
+            .iter()
+            .map(|m| {
+                let load = m.info.load.unwrap_or_default();
+                PrefillCandidate {
+                    node: m.id().to_string(),
+                    running: load.running,
+                    waiting: load.waiting,
+                    kv_blocks_free: load.kv_blocks_free,
+                    kv_blocks_total: m.info.kv_blocks_total,
+                    cached_tokens: match &held {
+                        Some((n, t)) if n == m.id() => *t,
+                        _ => 0,
+                    },
+                }
+            })
+            .collect();
+        let d = choose_prefill(&self.policy, req.prompt_tokens, req.uncached_tokens, candidates);
+        if let Some(node) = &d.remote {
+            routing.affinity.insert(key, node.clone(), req.prompt_tokens);
+        }
+        let rec = ExplainRecord::prefill(
+            &req.routing_key,
+            &d,
+            req.prompt_tokens,
+            req.uncached_tokens,
+            self.policy.local_threshold_tokens,
+            unix_ms(),
+        );
+        let mut explanation = to_pb(&rec, &req.routing_key);
+        explanation.seq = self.record(&mut routing, rec, started);
+        drop(routing);
+        let choice = match d.remote {
+            None => pb::route_prefill_response::Choice::Local(pb::LocalPrefill {}),
+            Some(n) => match members.into_iter().find(|m| m.id() == n) {
+                Some(m) => pb::route_prefill_response::Choice::Remote(m.info),
+                None => pb::route_prefill_response::Choice::Local(pb::LocalPrefill {}),
+            },
+        };
+        Ok(pb::RoutePrefillResponse { choice: Some(choice), explanation: Some(explanation) })
+    }
+
+    pub(crate) async fn evict(&self, req: pb::EvictConversationRequest) -> Result<pb::EvictConversationResponse> {
+        if req.routing_key.is_empty() {
+            return Err(Error::InvalidRequest { what: "routing_key is empty" });
+        }
+        {
+            let mut routing = lock(&self.routing);
+            routing.decode.forget(&req.routing_key);
+            routing.affinity.forget(key_of(&req.routing_key));
+        }
+        let members = self.members().await?;
+        let timeout = self.evict_timeout;
+        let calls = members.iter().map(|m| {
+            let evictor = self.evictor.clone();
+            let (key, owner) = (req.routing_key.clone(), req.owner.clone());
+            let info = m.info.clone();
+            async move {
+                let r = match tokio::time::timeout(timeout, evictor.evict(&info, &key, &owner)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(crate::evict::EvictError::Timeout(timeout)),
+                };
+                let node_id = info.node_id.clone();
+                match r {
+                    Ok(blocks_freed) => pb::EvictAck { node_id, ok: true, blocks_freed, error: String::new() },
+                    Err(e) => pb::EvictAck { node_id, ok: false, blocks_freed: 0, error: e.to_string() },
+                }
+            }
+        });
+        let acks: Vec<pb::EvictAck> = futures::future::join_all(calls).await;
+        let failed = acks.iter().filter(|a| !a.ok).count();
+        let result = if failed == 0 { "ok" } else { "failed" };
+        self.metrics.evictions.get_or_create(&ResultLabels { result }).inc();
+        if failed > 0 {
+            for a in acks.iter().filter(|a| !a.ok) {
+                tracing::warn!(node = ?a.node_id.as_ref().map(|n| &n.id), error = %a.error, "eviction not acknowledged");
+            }
+            return Err(Error::EvictFailed { failed, total: acks.len() });
+        }
+        Ok(pb::EvictConversationResponse { acks })
+    }
+
+    pub(crate) fn explain(&self, routing_key: &str, limit: usize) -> Vec<ExplainRecord> {
+        lock(&self.routing).explain.for_key(routing_key, limit)
+    }
+}
+
+fn reason_pb(r: Reason) -> pb::Reason {
+    match r {
+        Reason::Sticky => pb::Reason::Sticky,
+        Reason::Home => pb::Reason::Home,
+        Reason::Spilled => pb::Reason::Spilled,
+        Reason::LocalShortTail => pb::Reason::LocalShortTail,
+        Reason::LocalPoolSaturated => pb::Reason::LocalPoolSaturated,
+        Reason::LocalNoPrefillNodes => pb::Reason::LocalNoPrefillNodes,
+        Reason::RemoteLeastLoaded => pb::Reason::RemoteLeastLoaded,
+        Reason::RemoteCachedPrefix => pb::Reason::RemoteCachedPrefix,
+    }
+}
+
+/// The wire form of a record; `routing_key` is the caller's (the log keeps only hashes).
+pub(crate) fn to_pb(r: &ExplainRecord, routing_key: &str) -> pb::Explanation {
+    pb::Explanation {
+        seq: r.seq,
+        unix_ms: r.unix_ms,
+        kind: match r.kind {
+            DecisionKind::Decode => pb::DecisionKind::Decode,
+            DecisionKind::Prefill => pb::DecisionKind::Prefill,
+        } as i32,
+        routing_key: routing_key.to_string(),
+        candidates: r
+            .candidates
+            .iter()
+            .map(|c| pb::Candidate {
+                node_id: Some(NodeId { id: c.node.clone() }),
+                load: c.load,
+                cached_tokens: c.cached_tokens,
+                score: c.score,
+                eligible: c.eligible,
+            })
+            .collect(),
+        chosen: r.chosen.as_ref().map(|n| NodeId { id: n.clone() }),
+        reason: reason_pb(r.reason) as i32,
+        load_bound: r.load_bound,
+        prompt_tokens: r.prompt_tokens,
+        uncached_tokens: r.uncached_tokens,
+        threshold: r.threshold,
+    }
+}
+
+/// The gRPC service over the shared state.
+#[derive(Debug, Clone)]
+pub struct CoordinatorService {
+    pub(crate) state: Arc<State>,
+}
+
+fn valid_node(info: &NodeInfo) -> Result<()> {
+    if node_id_of(info).is_empty() {
+        return Err(Error::InvalidRequest { what: "node_id is empty" });
+    }
+    if info.grpc_addr.is_empty() {
+        return Err(Error::InvalidRequest { what: "grpc_addr is empty" });
+    }
+    match Role::try_from(info.role) {
+        Ok(Role::Prefill | Role::Decode) => Ok(()),
+        _ => Err(Error::InvalidRequest { what: "role must be prefill or decode" }),
+    }
+}
+
+#[tonic::async_trait]
+impl CoordinatorRpc for CoordinatorService {
+    async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
+        let info = req.into_inner().node.ok_or(Error::InvalidRequest { what: "node is missing" })?;
+        valid_node(&info)?;
+        let id = node_id_of(&info).to_string();
+        if let Some(l) = info.load {
+            lock(&self.state.loads).insert(id.clone(), l);
+        }
+        let lease = self.state.membership.register(info).await?;
+        self.state.metrics.registrations.inc();
+        tracing::info!(node = %id, lease_id = lease.id, "node registered");
+        Ok(Response::new(pb::RegisterResponse {
+            lease_id: lease.id,
+            ttl_ms: lease.ttl.as_millis().min(u32::MAX as u128) as u32,
+        }))
+    }
+
+    async fn keep_alive(&self, req: Request<pb::KeepAliveRequest>) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        let req = req.into_inner();
+        let alive = self.state.membership.keep_alive(req.lease_id).await?;
+        if alive {
+            if let (Some(n), Some(l)) = (req.node_id, req.load) {
+                lock(&self.state.loads).insert(n.id, l);
+            }
+        }
+        let result = if alive { "ok" } else { "unknown_lease" };
+        self.state.metrics.renewals.get_or_create(&ResultLabels { result }).inc();
+        let status = if alive { pb::KeepAliveStatus::Ok } else { pb::KeepAliveStatus::UnknownLease };
+        let ttl_ms = self.state.membership.ttl().as_millis().min(u32::MAX as u128) as u32;
+        Ok(Response::new(pb::KeepAliveResponse { status: status as i32, ttl_ms }))
+    }
+
+    async fn deregister(&self, req: Request<pb::DeregisterRequest>) -> Result<Response<pb::DeregisterResponse>, Status> {
+        let req = req.into_inner();
+        let removed = self.state.membership.deregister(req.lease_id).await?;
+        if removed {
+            if let Some(n) = req.node_id {
+                lock(&self.state.loads).remove(&n.id);
+                tracing::info!(node = %n.id, "node deregistered");
+            }
+        }
+        Ok(Response::new(pb::DeregisterResponse { removed }))
+    }
+
+    async fn route_decode(&self, req: Request<pb::RouteDecodeRequest>) -> Result<Response<pb::RouteDecodeResponse>, Status> {
+        Ok(Response::new(self.state.route_decode(req.into_inner()).await?))
+    }
+
+    async fn route_prefill(&self, req: Request<pb::RoutePrefillRequest>) -> Result<Response<pb::RoutePrefillResponse>, Status> {
+        Ok(Response::new(self.state.route_prefill(req.into_inner()).await?))
+    }
+
+    async fn evict_conversation(
+        &self,
+        req: Request<pb::EvictConversationRequest>,
+    ) -> Result<Response<pb::EvictConversationResponse>, Status> {
+        Ok(Response::new(self.state.evict(req.into_inner()).await?))
+    }
+
+    async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Result<Response<pb::ListNodesResponse>, Status> {
+        let role = req.into_inner().role;
+        let nodes = self
+            .state
+            .members()
+            .await?
+            .into_iter()
+            .filter(|m| role == Role::Unspecified as i32 || m.info.role == role)
+            .map(|m| m.info)
+            .collect();
+        Ok(Response::new(pb::ListNodesResponse { nodes }))
+    }
+
+    async fn explain(&self, req: Request<pb::ExplainRequest>) -> Result<Response<pb::ExplainResponse>, Status> {
+        let req = req.into_inner();
+        let records = self
+            .state
+            .explain(&req.routing_key, req.limit as usize)
+            .iter()
+            .map(|r| to_pb(r, &req.routing_key))
+            .collect();
+        Ok(Response::new(pb::ExplainResponse { records }))
+    }
+}

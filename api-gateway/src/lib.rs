@@ -1,6 +1,223 @@
-//! Baton API gateway: the user-facing edge (OpenAI-compatible API,
-//! conversations, auth, limits, store). It talks to token producers only
-//! through [`generator::Generator`], so it runs the same in front of one
-//! in-process engine or the cluster.
+//! Baton API gateway: the user-facing edge. OpenAI-compatible chat
+//! completions with server-sent events, the conversations API with
+//! idempotent turns and resumable streams, API-key auth, per-user limits,
+//! the conversation store, the context builder, input/output checks,
+//! metering and a web chat page.
+//!
+//! It talks to token producers only through [`generator::Generator`], so the
+//! same gateway runs in front of one in-process engine or the cluster:
+//! `run(config, generator, shutdown)`.
 
+pub mod auth;
+pub mod checks;
+pub mod client;
+pub mod context;
+pub mod conversations;
+pub mod error;
 pub mod generator;
+pub mod limits;
+pub mod metrics;
+pub mod openai;
+pub mod pipeline;
+pub mod server;
+pub mod store;
+pub mod turns;
+
+use anyhow::{Context as _, Result};
+use baton_engine::chat_template::ChatTemplate;
+use baton_engine::gguf::GgufFile;
+use baton_engine::tokenizer::Tokenizer;
+use checks::{ContentCheck, LinkPolicy, RuleCheck};
+use context::ContextBuilder;
+use generator::Generator;
+use limits::{LimitConfig, Limiter};
+use server::App;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use store::{ConversationStore, SqliteStore};
+
+pub use auth::ensure_key;
+pub use store::sqlite;
+
+/// Flags of the gateway (`baton gateway`, `baton up`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// Address the HTTP API listens on.
+    #[arg(long, env = "BATON_GATEWAY_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// The SQLite database of keys, conversations and turns.
+    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
+    pub db: PathBuf,
+    /// The model whose tokenizer and chat template the gateway uses (GGUF
+    /// file); by default the engine's model.
+    #[arg(long, env = "BATON_TOKENIZER_MODEL")]
+    pub tokenizer_model: Option<PathBuf>,
+    /// The name `/v1/models` reports; default: the model file's stem.
+    #[arg(long, env = "BATON_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// The platform's system prompt for conversations.
+    #[arg(long, env = "BATON_SYSTEM_PROMPT", default_value = "You are a helpful assistant.")]
+    pub system_prompt: String,
+    /// Version of the system prompt (stored with every turn).
+    #[arg(long, env = "BATON_SYSTEM_PROMPT_VERSION", default_value_t = 1)]
+    pub system_prompt_version: u32,
+    /// Largest request body, in bytes.
+    #[arg(long, env = "BATON_MAX_BODY_BYTES", default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// max_tokens when a request does not say.
+    #[arg(long, env = "BATON_DEFAULT_MAX_TOKENS", default_value_t = 512)]
+    pub default_max_tokens: usize,
+    #[arg(long, env = "BATON_LIMIT_TURNS_PER_MINUTE", default_value_t = 60.0)]
+    pub turns_per_minute: f64,
+    #[arg(long, env = "BATON_LIMIT_OPEN_STREAMS", default_value_t = 8)]
+    pub open_streams: usize,
+    #[arg(long, env = "BATON_LIMIT_PROMPT_TOKENS_PER_HOUR", default_value_t = 2_000_000.0)]
+    pub prompt_tokens_per_hour: f64,
+    #[arg(long, env = "BATON_LIMIT_OUTPUT_TOKENS_PER_HOUR", default_value_t = 200_000.0)]
+    pub output_tokens_per_hour: f64,
+    /// Days a conversation is kept after its last turn.
+    #[arg(long, env = "BATON_RETENTION_DAYS", default_value_t = 30)]
+    pub retention_days: u64,
+    /// Rule file of the input/output checks (`input: phrase`, `output: phrase`).
+    #[arg(long, env = "BATON_CHECK_RULES")]
+    pub check_rules: Option<PathBuf>,
+    /// Hosts whose links replies may keep (comma-separated); others become plain text.
+    #[arg(long, env = "BATON_LINK_ALLOWLIST", value_delimiter = ',')]
+    pub link_allowlist: Vec<String>,
+    /// Seconds a turn keeps generating after its last client disconnected
+    /// (a reconnect with Last-Event-ID within it resumes).
+    #[arg(long, env = "BATON_RESUME_GRACE_SECONDS", default_value_t = 10)]
+    pub resume_grace_seconds: u64,
+}
+
+/// A validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub db: PathBuf,
+    pub tokenizer_model: Option<PathBuf>,
+    pub served_model_name: Option<String>,
+    pub system_prompt: String,
+    pub system_prompt_version: u32,
+    pub max_body_bytes: usize,
+    pub default_max_tokens: usize,
+    pub limits: LimitConfig,
+    pub retention: Duration,
+    pub rules: RuleCheck,
+    pub link_allowlist: Vec<String>,
+    pub resume_grace: Duration,
+}
+
+impl TryFrom<Args> for Config {
+    type Error = anyhow::Error;
+
+    fn try_from(a: Args) -> Result<Config> {
+        let positive = |v: f64, name: &str| -> Result<f64> {
+            anyhow::ensure!(v.is_finite() && v > 0.0, "--{name} must be positive");
+            Ok(v)
+        };
+        anyhow::ensure!(a.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
+        anyhow::ensure!(a.default_max_tokens >= 1, "--default-max-tokens must be at least 1");
+        anyhow::ensure!(a.open_streams >= 1, "--open-streams must be at least 1");
+        anyhow::ensure!(a.retention_days >= 1, "--retention-days must be at least 1");
+        let rules = match &a.check_rules {
+            Some(p) => RuleCheck::load(p).map_err(anyhow::Error::msg)?,
+            None => RuleCheck::default(),
+        };
+        Ok(Config {
+            listen: a.listen,
+            db: a.db,
+            tokenizer_model: a.tokenizer_model,
+            served_model_name: a.served_model_name,
+            system_prompt: a.system_prompt,
+            system_prompt_version: a.system_prompt_version,
+            max_body_bytes: a.max_body_bytes,
+            default_max_tokens: a.default_max_tokens,
+            limits: LimitConfig {
+                turns_per_minute: positive(a.turns_per_minute, "turns-per-minute")?,
+                open_streams: a.open_streams,
+                prompt_tokens_per_hour: positive(a.prompt_tokens_per_hour, "prompt-tokens-per-hour")?,
+                output_tokens_per_hour: positive(a.output_tokens_per_hour, "output-tokens-per-hour")?,
+            },
+            retention: Duration::from_secs(a.retention_days * 86_400),
+            rules,
+            link_allowlist: a.link_allowlist.into_iter().map(|h| h.trim().to_string()).filter(|h| !h.is_empty()).collect(),
+            resume_grace: Duration::from_secs(a.resume_grace_seconds),
+        })
+    }
+}
+
+/// Loads the tokenizer and chat template of a GGUF model (no weights).
+pub fn load_tokenizer(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)> {
+    let f = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let tok = Tokenizer::from_gguf(&f).with_context(|| format!("tokenizer of {}", path.display()))?;
+    let tmpl = ChatTemplate::from_gguf(&f).with_context(|| format!("chat template of {}", path.display()))?;
+    Ok((Arc::new(tok), Arc::new(tmpl)))
+}
+
+/// Opens the configured SQLite store (marking turns a crash left streaming
+/// as failed).
+pub async fn open_store(config: &Config) -> Result<Arc<dyn ConversationStore>> {
+    let s = SqliteStore::open(&config.db).with_context(|| format!("opening {}", config.db.display()))?;
+    let n = s.fail_streaming_turns().await?;
+    if n > 0 {
+        tracing::warn!(turns = n, "turns interrupted by the last shutdown marked failed");
+    }
+    Ok(Arc::new(s))
+}
+
+/// Builds the gateway's shared state.
+pub fn build_app(
+    config: Config,
+    generator: Arc<dyn Generator>,
+    store: Arc<dyn ConversationStore>,
+    tokenizer: Arc<Tokenizer>,
+    template: Arc<ChatTemplate>,
+    model_id: String,
+) -> Result<Arc<App>> {
+    let context = ContextBuilder::new(tokenizer, template, config.system_prompt.clone(), config.system_prompt_version)?;
+    let check_window = checks::rule_window(&config.rules);
+    let checks: Arc<dyn ContentCheck> = Arc::new(config.rules.clone());
+    Ok(Arc::new(App {
+        limiter: Limiter::new(config.limits.clone()),
+        links: Arc::new(LinkPolicy { allowed_hosts: config.link_allowlist.clone() }),
+        checks,
+        check_window,
+        context,
+        key_cache: auth::KeyCache::new(Duration::from_secs(10)),
+        live: Default::default(),
+        admission: Default::default(),
+        model_id,
+        generator,
+        store,
+        config,
+    }))
+}
+
+/// Runs the gateway in front of `generator` until `shutdown` completes.
+/// `model` is the GGUF file whose tokenizer and template prompts are built
+/// with (used when the config names none).
+pub async fn run(config: Config, generator: Arc<dyn Generator>, model: &Path, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    let model = config.tokenizer_model.clone().unwrap_or_else(|| model.to_path_buf());
+    let (tok, tmpl) = load_tokenizer(&model)?;
+    let store = open_store(&config).await?;
+    let model_id = config
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "baton".into()));
+    let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let app = build_app(config, generator, store, tok, tmpl, model_id)?;
+    tracing::info!(addr = %listener.local_addr()?, "gateway listening");
+    server::serve(listener, app, shutdown).await?;
+    Ok(())
+}
+
+/// A random ID (hex, 96 bits) for conversations, turns and completions.
+pub fn request_id() -> String {
+    use rand::Rng;
+    let b: [u8; 12] = rand::rng().random();
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

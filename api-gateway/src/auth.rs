@@ -1,0 +1,124 @@
+//! API keys: generated here, stored only as SHA-256 hashes, mapped to user
+//! IDs. The user of a request comes from its `Authorization: Bearer` key
+//! (or `?key=` for browsers' EventSource), never from its body.
+
+use crate::error::ApiError;
+use crate::server::App;
+use crate::store::{ConversationStore, StoreResult};
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use rand::Rng;
+use sha2::{Digest, Sha256};
+use std::sync::Arc;
+
+/// Hex SHA-256 of a key: what the store keeps.
+pub fn hash_key(key: &str) -> String {
+    let d = Sha256::digest(key.as_bytes());
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A new random key, `bk-` plus 40 hex digits (160 bits).
+pub fn generate_key() -> String {
+    let mut rng = rand::rng();
+    let bytes: [u8; 20] = rng.random();
+    format!("bk-{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+/// The part of a key shown in listings.
+pub fn key_prefix(key: &str) -> String {
+    key.chars().take(10).collect()
+}
+
+/// Creates a key for `user` and stores its hash; returns the key (shown once).
+pub async fn create_key(store: &dyn ConversationStore, user: &str, label: &str) -> StoreResult<String> {
+    let key = generate_key();
+    store.add_key(&hash_key(&key), &key_prefix(&key), user, label).await?;
+    Ok(key)
+}
+
+/// For `baton up`: makes `key` (e.g. from `BATON_API_KEY`) valid for `user`,
+/// creating it if new; without a key, creates one. Returns the key to print.
+pub async fn ensure_key(store: &dyn ConversationStore, key: Option<String>, user: &str) -> StoreResult<String> {
+    match key {
+        Some(k) => {
+            let h = hash_key(&k);
+            if store.user_for_key(&h).await?.is_none() {
+                store.add_key(&h, &key_prefix(&k), user, "BATON_API_KEY").await?;
+            }
+            Ok(k)
+        }
+        None => create_key(store, user, "created by baton").await,
+    }
+}
+
+/// The authenticated user of a request.
+#[derive(Clone, Debug)]
+pub struct AuthUser(pub String);
+
+fn bearer(parts: &Parts) -> Option<String> {
+    if let Some(v) = parts.headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        let v = v.trim();
+        if let Some(k) = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")) {
+            return Some(k.trim().to_string());
+        }
+    }
+    parts.uri.query().and_then(|q| {
+        q.split('&').find_map(|kv| kv.strip_prefix("key=").map(|k| k.to_string()))
+    })
+}
+
+impl FromRequestParts<Arc<App>> for AuthUser {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<App>) -> Result<Self, ApiError> {
+        let key = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        let h = hash_key(&key);
+        if let Some(u) = app.key_cache.get(&h) {
+            return Ok(AuthUser(u));
+        }
+        match app.store.user_for_key(&h).await? {
+            Some(u) => {
+                app.key_cache.put(h, u.clone());
+                Ok(AuthUser(u))
+            }
+            None => Err(ApiError::unauthorized()),
+        }
+    }
+}
+
+/// A short-lived cache of key hash -> user, so that a request costs no
+/// database read; revocation takes effect within the TTL.
+pub struct KeyCache {
+    ttl: std::time::Duration,
+    map: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+}
+
+impl KeyCache {
+    pub fn new(ttl: std::time::Duration) -> Self {
+        KeyCache { ttl, map: Default::default() }
+    }
+    fn get(&self, h: &str) -> Option<String> {
+        let m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(h).filter(|(_, at)| at.elapsed() < self.ttl).map(|(u, _)| u.clone())
+    }
+    fn put(&self, h: String, u: String) {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() > 100_000 {
+            m.clear();
+        }
+        m.insert(h, (u, std::time::Instant::now()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_random_and_hashed() {
+        let (a, b) = (generate_key(), generate_key());
+        assert_ne!(a, b);
+        assert!(a.starts_with("bk-") && a.len() == 43);
+        assert_eq!(hash_key("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
+}

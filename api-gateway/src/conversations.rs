@@ -1,0 +1,340 @@
+//! The conversations API: create, list, get, delete, add a turn (idempotent
+//! by turn ID), follow or resume a turn's events, stop a turn.
+//!
+//! Turn admission runs under one lock so that concurrent retries of a turn
+//! ID see one another: the first creates the stored row and the live turn,
+//! the rest attach to it (same body) or get 409 (different body). A new turn
+//! while another streams in the same conversation is a 409 as well.
+
+use crate::auth::AuthUser;
+use crate::error::ApiError;
+use crate::server::{read_body, App};
+use crate::store::{BeginTurn, Conversation, Turn, TurnState};
+use crate::turns::{self, LiveTurn, TurnEvent, TurnResult, UsageJson};
+use crate::{metrics, request_id};
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use baton_engine::sampling::SamplingParams;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::convert::Infallible;
+use std::sync::Arc;
+
+#[derive(Deserialize, Default)]
+struct CreateBody {
+    #[serde(default)]
+    title: Option<String>,
+}
+
+fn conv_json(c: &Conversation) -> Value {
+    json!({"id": c.id, "object": "conversation", "title": c.title, "system_prompt_version": c.system_prompt_version,
+           "created_at": c.created_at, "updated_at": c.updated_at})
+}
+
+fn check_id(id: &str) -> Result<(), ApiError> {
+    if id.is_empty() || id.len() > 128 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err(ApiError::bad_request("IDs are 1 to 128 characters of [A-Za-z0-9_-]"));
+    }
+    Ok(())
+}
+
+async fn owned(app: &App, user: &str, id: &str) -> Result<Conversation, ApiError> {
+    check_id(id)?;
+    app.store.get_conversation(user, id).await?.ok_or_else(|| ApiError::not_found("conversation"))
+}
+
+pub async fn create(State(app): State<Arc<App>>, AuthUser(user): AuthUser, body: Body) -> Result<Response, ApiError> {
+    metrics::request("conversations_create");
+    let body = read_body(body, app.config.max_body_bytes).await?;
+    let b: CreateBody = if body.iter().all(u8::is_ascii_whitespace) {
+        CreateBody::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?
+    };
+    let now = crate::store::now_unix();
+    let title: String = b.title.unwrap_or_default().chars().take(200).collect();
+    let c = Conversation {
+        id: format!("conv-{}", request_id()),
+        owner: user,
+        title,
+        system_prompt_version: app.context.system_prompt_version,
+        created_at: now,
+        updated_at: now,
+    };
+    app.store.create_conversation(&c).await?;
+    Ok((StatusCode::CREATED, Json(conv_json(&c))).into_response())
+}
+
+pub async fn list(State(app): State<Arc<App>>, AuthUser(user): AuthUser) -> Result<Json<Value>, ApiError> {
+    metrics::request("conversations_list");
+    let cs = app.store.list_conversations(&user).await?;
+    Ok(Json(json!({"object": "list", "data": cs.iter().map(conv_json).collect::<Vec<_>>()})))
+}
+
+fn turn_json(t: &Turn) -> Value {
+    json!({"turn_id": t.turn_id, "user": t.user_text, "reply": t.reply_text, "state": t.state, "finish_reason": t.finish_reason,
+           "usage": {"prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens, "completion_tokens": t.completion_tokens},
+           "created_at": t.created_at})
+}
+
+pub async fn get(State(app): State<Arc<App>>, AuthUser(user): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    metrics::request("conversations_get");
+    let c = owned(&app, &user, &id).await?;
+    let turns = app.store.list_turns(&id).await?;
+    let mut v = conv_json(&c);
+    v["turns"] = Value::Array(turns.iter().map(turn_json).collect());
+    Ok(Json(v))
+}
+
+pub async fn delete(State(app): State<Arc<App>>, AuthUser(user): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    metrics::request("conversations_delete");
+    owned(&app, &user, &id).await?;
+    let _admission = app.admission.lock().await;
+    // Stop a turn in progress and wait until it is stored, so that nothing
+    // is written or cached for the conversation after the delete.
+    if let Some(live) = app.live.get(&id) {
+        live.stop();
+        let mut events = Box::pin(live.follow(app.clone(), 0));
+        while let Some((_, ev)) = events.next().await {
+            if matches!(ev, TurnEvent::End(_)) {
+                break;
+            }
+        }
+    }
+    app.store.delete_conversation(&user, &id).await?;
+    app.generator.evict_conversation(&id).await?;
+    tracing::info!(conversation = %id, "conversation deleted");
+    Ok(Json(json!({"id": id, "object": "conversation.deleted", "deleted": true})))
+}
+
+/// The body of `POST /v1/conversations/{id}/turns`.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct TurnBody {
+    #[serde(default)]
+    pub turn_id: Option<String>,
+    pub message: String,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+}
+
+/// What identifies a turn's content for idempotency (everything but the
+/// turn ID and the response mode).
+fn request_hash(b: &TurnBody) -> String {
+    let canon = json!({"m": b.message, "max": b.max_tokens, "t": b.temperature, "p": b.top_p, "s": b.seed});
+    let d = Sha256::digest(canon.to_string().as_bytes());
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn last_event_id(headers: &HeaderMap) -> Result<Option<usize>, ApiError> {
+    match headers.get("last-event-id").map(|v| v.to_str().map(|s| s.trim().parse::<usize>())) {
+        None => Ok(None),
+        Some(Ok(Ok(n))) => Ok(Some(n)),
+        _ => Err(ApiError::bad_request("Last-Event-ID must be an event id of this turn")),
+    }
+}
+
+pub async fn add_turn(
+    State(app): State<Arc<App>>,
+    AuthUser(user): AuthUser,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    metrics::request("turns_create");
+    let raw = read_body(body, app.config.max_body_bytes).await?;
+    let body: TurnBody = serde_json::from_slice(&raw).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    let conv = owned(&app, &user, &id).await?;
+    let header_id = headers.get("idempotency-key").map(|v| v.to_str().map(str::to_string));
+    let turn_id = match (&body.turn_id, header_id) {
+        (Some(t), _) => t.clone(),
+        (None, Some(Ok(h))) => h,
+        (None, Some(Err(_))) => return Err(ApiError::bad_request("Idempotency-Key must be ASCII")),
+        (None, None) => format!("turn-{}", request_id()),
+    };
+    check_id(&turn_id)?;
+    let from = last_event_id(&headers)?.map(|n| n + 1).unwrap_or(0);
+    let stream = body.stream.unwrap_or(true);
+    let hash = request_hash(&body);
+    let mut sampling = SamplingParams {
+        max_tokens: body.max_tokens.map(|v| v as usize).unwrap_or(app.config.default_max_tokens),
+        temperature: body.temperature.unwrap_or(0.7),
+        top_p: body.top_p.unwrap_or(1.0),
+        seed: body.seed,
+        ..SamplingParams::default()
+    };
+    sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
+
+    let admission = app.admission.lock().await;
+    if let Some(live) = app.live.get(&id) {
+        if live.turn_id != turn_id {
+            return Err(ApiError::conflict("another turn of this conversation is in progress"));
+        }
+        if live.request_hash != hash {
+            return Err(ApiError::conflict("this turn ID was used with a different request body"));
+        }
+        drop(admission);
+        metrics::turn("attached");
+        return Ok(respond_live(app, live, from, stream).await);
+    }
+    let turns = app.store.list_turns(&id).await?;
+    if let Some(t) = turns.iter().find(|t| t.turn_id == turn_id) {
+        if t.request_hash != hash {
+            return Err(ApiError::conflict("this turn ID was used with a different request body"));
+        }
+        if t.state != TurnState::Failed {
+            drop(admission);
+            metrics::turn("replayed");
+            return respond_stored(app, t.clone(), from, stream).await;
+        }
+    }
+    app.checks.check_input(&body.message).map_err(|r| ApiError::new(StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
+    let prev = turns.iter().rev().find(|t| t.state.in_context() && t.turn_id != turn_id);
+    let prompt = match prev {
+        Some(p) => app.context.next_turn(&p.prompt_ids, &p.output_ids, &body.message),
+        None => app.context.first_turn(&body.message),
+    }
+    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let seq = turns.iter().map(|t| t.seq + 1).max().unwrap_or(0);
+    let row = Turn {
+        conversation: id.clone(),
+        turn_id: turn_id.clone(),
+        seq,
+        request_hash: hash.clone(),
+        user_text: body.message.clone(),
+        reply_text: String::new(),
+        prompt_ids: prompt.ids.clone(),
+        output_ids: vec![],
+        system_prompt_version: conv.system_prompt_version,
+        state: TurnState::Streaming,
+        finish_reason: None,
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        created_at: crate::store::now_unix(),
+    };
+    let reply = app.start_reply(&user, prompt, id.clone(), sampling).await?;
+    match app.store.begin_turn(&row).await? {
+        BeginTurn::Created => {}
+        BeginTurn::Existing(_) => return Err(ApiError::conflict("this turn ID is already in use")),
+    }
+    tracing::info!(conversation = %id, turn = %turn_id, prompt_tokens = row.prompt_ids.len(), "turn started");
+    let live = turns::spawn(app.clone(), id, turn_id, hash, reply);
+    drop(admission);
+    metrics::turn("started");
+    Ok(respond_live(app, live, from, stream).await)
+}
+
+fn sse_event(pos: usize, ev: &TurnEvent) -> Event {
+    match ev {
+        TurnEvent::Delta(t) => Event::default().id(pos.to_string()).event("delta").data(json!({"text": t}).to_string()),
+        TurnEvent::Moderation(r) => Event::default().id(pos.to_string()).event("moderation").data(json!({"reason": r}).to_string()),
+        TurnEvent::End(r) => Event::default().id(pos.to_string()).event("done").data(serde_json::to_string(r).unwrap_or_default()),
+    }
+}
+
+async fn respond_live(app: Arc<App>, live: Arc<LiveTurn>, from: usize, stream: bool) -> Response {
+    let events = live.follow(app, from);
+    if stream {
+        let s = events.map(|(pos, ev)| Ok::<Event, Infallible>(sse_event(pos, &ev)));
+        return Sse::new(s).keep_alive(KeepAlive::default()).into_response();
+    }
+    let mut events = Box::pin(events);
+    while let Some((_, ev)) = events.next().await {
+        if let TurnEvent::End(r) = ev {
+            return Json(r).into_response();
+        }
+    }
+    ApiError::internal().into_response()
+}
+
+fn stored_result(t: &Turn) -> TurnResult {
+    TurnResult {
+        turn_id: t.turn_id.clone(),
+        state: t.state,
+        finish_reason: t.finish_reason.clone().unwrap_or_default(),
+        reply: t.reply_text.clone(),
+        usage: UsageJson { prompt_tokens: t.prompt_tokens, cached_tokens: t.cached_tokens, completion_tokens: t.completion_tokens },
+    }
+}
+
+async fn respond_stored(app: Arc<App>, t: Turn, from: usize, stream: bool) -> Result<Response, ApiError> {
+    if !stream {
+        return Ok(Json(stored_result(&t)).into_response());
+    }
+    let log = app.store.read_log(&t.conversation, &t.turn_id, from as i64).await?;
+    let all = app.store.read_log(&t.conversation, &t.turn_id, 0).await?.len();
+    let mut events: Vec<Event> = log.iter().map(|e| sse_event(e.index as usize, &TurnEvent::Delta(e.text.clone()))).collect();
+    let mut pos = all;
+    if t.finish_reason.as_deref() == Some("content_filter") {
+        if pos >= from {
+            events.push(sse_event(pos, &TurnEvent::Moderation("the reply was stopped by the output policy".into())));
+        }
+        pos += 1;
+    }
+    events.push(sse_event(pos, &TurnEvent::End(stored_result(&t))));
+    let s = futures::stream::iter(events.into_iter().map(Ok::<Event, Infallible>));
+    Ok(Sse::new(s).into_response())
+}
+
+#[derive(Deserialize)]
+pub struct EventsQuery {
+    #[serde(default)]
+    after: Option<usize>,
+}
+
+/// `GET /v1/conversations/{id}/turns/{turn_id}/events`: follow or resume.
+pub async fn events(
+    State(app): State<Arc<App>>,
+    AuthUser(user): AuthUser,
+    Path((id, turn_id)): Path<(String, String)>,
+    Query(q): Query<EventsQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    metrics::request("turns_events");
+    owned(&app, &user, &id).await?;
+    check_id(&turn_id)?;
+    let from = last_event_id(&headers)?.or(q.after).map(|n| n + 1).unwrap_or(0);
+    if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
+        return Ok(respond_live(app, live, from, true).await);
+    }
+    let t = app.store.get_turn(&id, &turn_id).await?.ok_or_else(|| ApiError::not_found("turn"))?;
+    respond_stored(app, t, from, true).await
+}
+
+/// `POST /v1/conversations/{id}/turns/{turn_id}/stop`: stops the turn and
+/// answers with what was stored.
+pub async fn stop(
+    State(app): State<Arc<App>>,
+    AuthUser(user): AuthUser,
+    Path((id, turn_id)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    metrics::request("turns_stop");
+    owned(&app, &user, &id).await?;
+    check_id(&turn_id)?;
+    if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
+        live.stop();
+        let mut events = Box::pin(live.follow(app.clone(), 0));
+        while let Some((_, ev)) = events.next().await {
+            if let TurnEvent::End(r) = ev {
+                return Ok(Json(serde_json::to_value(r).unwrap_or_default()));
+            }
+        }
+    }
+    let t = app.store.get_turn(&id, &turn_id).await?.ok_or_else(|| ApiError::not_found("turn"))?;
+    Ok(Json(serde_json::to_value(stored_result(&t)).unwrap_or_default()))
+}

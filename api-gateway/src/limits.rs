@@ -1,0 +1,184 @@
+//! Per-user limits with token buckets: turns per minute, open streams,
+//! prompt tokens per hour, output tokens per hour. A pure synchronous core
+//! ([`Bucket`]) under one mutex; admission checks every limit before it
+//! charges any, so a refused request costs nothing. Output tokens are
+//! charged after the reply (the bucket may go into debt, which then blocks
+//! the next turn until it refills).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Limits of one user.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LimitConfig {
+    pub turns_per_minute: f64,
+    pub open_streams: usize,
+    pub prompt_tokens_per_hour: f64,
+    pub output_tokens_per_hour: f64,
+}
+
+/// A token bucket: holds up to `capacity`, refills `rate` per second.
+#[derive(Clone, Debug)]
+pub struct Bucket {
+    capacity: f64,
+    rate: f64,
+    level: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    pub fn new(capacity: f64, per: Duration, now: Instant) -> Self {
+        Bucket { capacity, rate: capacity / per.as_secs_f64(), level: capacity, last: now }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.level = (self.level + dt * self.rate).min(self.capacity);
+        self.last = now;
+    }
+
+    /// How long until `n` can be taken (zero if now).
+    pub fn wait_for(&mut self, n: f64, now: Instant) -> Duration {
+        self.refill(now);
+        if self.level >= n {
+            Duration::ZERO
+        } else if self.rate <= 0.0 {
+            Duration::from_secs(3600)
+        } else {
+            Duration::from_secs_f64((n - self.level) / self.rate)
+        }
+    }
+
+    /// Takes `n`, possibly into debt.
+    pub fn charge(&mut self, n: f64, now: Instant) {
+        self.refill(now);
+        self.level -= n;
+    }
+}
+
+struct UserState {
+    turns: Bucket,
+    prompt: Bucket,
+    output: Bucket,
+    open: usize,
+}
+
+/// A refusal: which limit and when to retry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub limit: &'static str,
+    pub retry_after: Duration,
+}
+
+/// Limits of every user.
+pub struct Limiter {
+    config: LimitConfig,
+    users: Mutex<HashMap<String, UserState>>,
+}
+
+/// An admitted stream; dropping it closes the stream's slot.
+pub struct Permit {
+    limiter: Arc<Limiter>,
+    user: String,
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit").finish_non_exhaustive()
+    }
+}
+
+impl Permit {
+    /// Charges the reply's output tokens.
+    pub fn charge_output(&self, tokens: usize) {
+        let mut users = self.limiter.users.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(u) = users.get_mut(&self.user) {
+            u.output.charge(tokens as f64, Instant::now());
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut users = self.limiter.users.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(u) = users.get_mut(&self.user) {
+            u.open = u.open.saturating_sub(1);
+        }
+    }
+}
+
+impl Limiter {
+    pub fn new(config: LimitConfig) -> Arc<Self> {
+        Arc::new(Limiter { config, users: Mutex::new(HashMap::new()) })
+    }
+
+    /// Admits one turn with `prompt_tokens`, or says which limit refuses it.
+    pub fn admit(self: &Arc<Self>, user: &str, prompt_tokens: usize) -> Result<Permit, Refused> {
+        let now = Instant::now();
+        let c = &self.config;
+        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
+        let u = users.entry(user.to_string()).or_insert_with(|| UserState {
+            turns: Bucket::new(c.turns_per_minute, Duration::from_secs(60), now),
+            prompt: Bucket::new(c.prompt_tokens_per_hour, Duration::from_secs(3600), now),
+            output: Bucket::new(c.output_tokens_per_hour, Duration::from_secs(3600), now),
+            open: 0,
+        });
+        if u.open >= c.open_streams {
+            return Err(Refused { limit: "open_streams", retry_after: Duration::from_secs(1) });
+        }
+        let w = u.turns.wait_for(1.0, now);
+        if !w.is_zero() {
+            return Err(Refused { limit: "turns_per_minute", retry_after: w });
+        }
+        let w = u.prompt.wait_for(prompt_tokens as f64, now);
+        if !w.is_zero() {
+            return Err(Refused { limit: "prompt_tokens_per_hour", retry_after: w });
+        }
+        let w = u.output.wait_for(1.0, now);
+        if !w.is_zero() {
+            return Err(Refused { limit: "output_tokens_per_hour", retry_after: w });
+        }
+        u.turns.charge(1.0, now);
+        u.prompt.charge(prompt_tokens as f64, now);
+        u.open += 1;
+        Ok(Permit { limiter: self.clone(), user: user.to_string() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> LimitConfig {
+        LimitConfig { turns_per_minute: 2.0, open_streams: 1, prompt_tokens_per_hour: 100.0, output_tokens_per_hour: 50.0 }
+    }
+
+    #[test]
+    fn bucket_refills_at_its_rate() {
+        let t0 = Instant::now();
+        let mut b = Bucket::new(60.0, Duration::from_secs(60), t0);
+        b.charge(60.0, t0);
+        assert_eq!(b.wait_for(1.0, t0), Duration::from_secs(1));
+        assert!(b.wait_for(1.0, t0 + Duration::from_secs(1)).is_zero());
+    }
+
+    #[test]
+    fn each_limit_refuses_with_retry_after() {
+        let l = Limiter::new(cfg());
+        let p = l.admit("a", 10).unwrap();
+        assert_eq!(l.admit("a", 10).unwrap_err().limit, "open_streams");
+        drop(p);
+        drop(l.admit("a", 10).unwrap());
+        let r = l.admit("a", 10).unwrap_err();
+        assert_eq!(r.limit, "turns_per_minute");
+        assert!(r.retry_after > Duration::from_secs(25) && r.retry_after <= Duration::from_secs(30));
+        let l = Limiter::new(cfg());
+        assert_eq!(l.admit("b", 101).unwrap_err().limit, "prompt_tokens_per_hour");
+        let p = l.admit("b", 1).unwrap();
+        p.charge_output(80);
+        drop(p);
+        assert_eq!(l.admit("b", 1).unwrap_err().limit, "output_tokens_per_hour");
+        assert!(l.admit("other", 1).is_ok(), "limits are per user");
+    }
+}

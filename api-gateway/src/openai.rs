@@ -1,0 +1,418 @@
+//! `POST /v1/chat/completions` and `GET /v1/models`, compatible with the
+//! official OpenAI clients: streaming (SSE, `data: [DONE]`) and not,
+//! `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `seed`,
+//! `stop`, `logprobs` + `top_logprobs`, `stream_options.include_usage`, and
+//! `usage.prompt_tokens_details.cached_tokens`.
+//!
+//! The request is stateless: the client resends the history. Its routing key
+//! (the decode ring key and the KV tag) is the `X-Baton-Conversation` header
+//! when present, else a hash of the owner, the system prompt and the first
+//! user message, which every later turn of the same chat resends unchanged.
+
+use crate::auth::AuthUser;
+use crate::error::ApiError;
+use crate::pipeline::{End, Piece, Reply, TokenInfo};
+use crate::server::{read_body, App};
+use crate::{metrics, request_id};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use baton_engine::chat_template::ChatMessage;
+use baton_engine::sampling::SamplingParams;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::convert::Infallible;
+use std::sync::Arc;
+
+/// Header naming the conversation a plain OpenAI request belongs to.
+pub const CONVERSATION_HEADER: &str = "x-baton-conversation";
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Debug, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The request body, as parsed (unknown fields are ignored, as OpenAI's
+/// clients send some this server does not use).
+#[derive(Deserialize, Debug)]
+pub struct ChatRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
+    #[serde(default)]
+    pub n: Option<u32>,
+}
+
+/// A request that passed validation.
+#[derive(Debug)]
+pub struct ValidChat {
+    pub messages: Vec<ChatMessage>,
+    pub sampling: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Parses and validates a body (pure: the fuzz and property tests call it).
+pub fn parse_chat(body: &[u8], default_max_tokens: usize) -> Result<ValidChat, ApiError> {
+    let req: ChatRequest = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_param("messages", "messages must not be empty"));
+    }
+    if req.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad_param("n", "only n = 1 is supported"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for m in req.messages {
+        let role = match m.role.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            _ => return Err(ApiError::bad_param("messages", format!("unsupported role {:?}", m.role))),
+        };
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => s.push_str(&t),
+                        _ => return Err(ApiError::bad_param("messages", "only text content parts are supported")),
+                    }
+                }
+                s
+            }
+        };
+        messages.push(ChatMessage::new(role, content));
+    }
+    if !messages.iter().any(|m| m.role == "user") {
+        return Err(ApiError::bad_param("messages", "at least one user message is required"));
+    }
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens).map(|v| v as usize).unwrap_or(default_max_tokens);
+    let logprobs = req.logprobs.unwrap_or(false);
+    let sampling = SamplingParams {
+        temperature: req.temperature.unwrap_or(1.0),
+        top_p: req.top_p.unwrap_or(1.0),
+        seed: req.seed,
+        max_tokens,
+        stop_strings: match req.stop {
+            None => vec![],
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        },
+        logprobs,
+        top_logprobs: req.top_logprobs.unwrap_or(0) as usize,
+        ..SamplingParams::default()
+    };
+    let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
+    Ok(ValidChat {
+        messages,
+        sampling,
+        stream: req.stream,
+        include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
+    })
+}
+
+/// The routing key of a plain OpenAI request.
+pub fn routing_key(owner: &str, messages: &[ChatMessage]) -> String {
+    let mut h = Sha256::new();
+    h.update(owner.as_bytes());
+    h.update([0]);
+    if let Some(s) = messages.iter().find(|m| m.role == "system") {
+        h.update(s.content.as_bytes());
+    }
+    h.update([0]);
+    if let Some(u) = messages.iter().find(|m| m.role == "user") {
+        h.update(u.content.as_bytes());
+    }
+    let d = h.finalize();
+    format!("oa-{}", d[..12].iter().map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+pub async fn models(State(app): State<Arc<App>>, _user: AuthUser) -> Json<Value> {
+    metrics::request("models");
+    Json(json!({
+        "object": "list",
+        "data": [{"id": app.model_id, "object": "model", "created": 0, "owned_by": "baton"}]
+    }))
+}
+
+pub async fn chat_completions(State(app): State<Arc<App>>, AuthUser(user): AuthUser, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    metrics::request("chat_completions");
+    let body = read_body(body, app.config.max_body_bytes).await?;
+    let chat = parse_chat(&body, app.config.default_max_tokens)?;
+    if let Some(last_user) = chat.messages.iter().rev().find(|m| m.role == "user") {
+        app.checks.check_input(&last_user.content).map_err(|r| ApiError::new(axum::http::StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
+    }
+    let prompt = app.context.encode_messages(&chat.messages).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let key = match headers.get(CONVERSATION_HEADER).and_then(|v| v.to_str().ok()) {
+        Some(c) if !c.is_empty() && c.len() <= 128 => format!("{user}/{c}"),
+        Some(_) => return Err(ApiError::bad_request("X-Baton-Conversation must be 1 to 128 characters")),
+        None => routing_key(&user, &chat.messages),
+    };
+    let id = format!("chatcmpl-{}", request_id());
+    tracing::info!(request = %id, user = %user, prompt_tokens = prompt.ids.len(), "chat completion");
+    let reply = app.start_reply(&user, prompt, key, chat.sampling.clone()).await?;
+    let created = crate::store::now_unix();
+    if chat.stream {
+        Ok(stream_response(app, reply, id, created, chat).into_response())
+    } else {
+        Ok(collect_response(app, reply, id, created, chat.sampling.logprobs).await?.into_response())
+    }
+}
+
+fn token_json(app: &App, id: u32, logprob: f32) -> Value {
+    let bytes = app.context.tokenizer.token_bytes(id).unwrap_or_default();
+    json!({"token": String::from_utf8_lossy(&bytes), "logprob": logprob, "bytes": bytes})
+}
+
+fn logprob_entry(app: &App, t: &TokenInfo) -> Option<Value> {
+    let lp = t.logprob?;
+    let mut v = token_json(app, t.id, lp);
+    v["top_logprobs"] = Value::Array(t.top_logprobs.iter().map(|&(id, lp)| token_json(app, id, lp)).collect());
+    Some(v)
+}
+
+fn usage_json(end: &End) -> Value {
+    let u = end.usage;
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens}
+    })
+}
+
+fn finish_reason(end: &End) -> &'static str {
+    match end.finish_reason {
+        "cancelled" => "stop",
+        other => other,
+    }
+}
+
+async fn collect_response(app: Arc<App>, mut reply: Reply, id: String, created: i64, logprobs: bool) -> Result<Json<Value>, ApiError> {
+    let mut content = String::new();
+    let mut lps = Vec::new();
+    let end = loop {
+        match reply.next().await {
+            Some(Piece::Delta { text, token }) => {
+                content.push_str(&text);
+                if let Some(v) = token.as_ref().and_then(|t| logprob_entry(&app, t)) {
+                    lps.push(v);
+                }
+            }
+            Some(Piece::End(end)) => break end,
+            None => return Err(ApiError::internal()),
+        }
+    };
+    if let Some(e) = end.error.clone() {
+        metrics::turn("failed");
+        return Err(e.into());
+    }
+    metrics::turn("completed");
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": app.model_id,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "logprobs": if logprobs { json!({"content": lps}) } else { Value::Null },
+            "finish_reason": finish_reason(&end),
+        }],
+        "usage": usage_json(&end),
+    })))
+}
+
+struct StreamState {
+    app: Arc<App>,
+    reply: Reply,
+    id: String,
+    created: i64,
+    include_usage: bool,
+    sent_role: bool,
+    /// Events to send before reading the reply again.
+    queue: std::collections::VecDeque<Event>,
+    done: bool,
+}
+
+impl StreamState {
+    fn chunk(&self, delta: Value, logprobs: Option<Value>, finish: Option<&str>) -> Event {
+        let mut choice = json!({"index": 0, "delta": delta, "finish_reason": finish});
+        if let Some(l) = logprobs {
+            choice["logprobs"] = json!({"content": [l]});
+        }
+        let v = json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.app.model_id, "choices": [choice]
+        });
+        Event::default().data(v.to_string())
+    }
+}
+
+fn stream_response(app: Arc<App>, reply: Reply, id: String, created: i64, chat: ValidChat) -> impl IntoResponse {
+    let state = StreamState { app, reply, id, created, include_usage: chat.include_usage, sent_role: false, queue: Default::default(), done: false };
+    let stream = futures::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(ev) = s.queue.pop_front() {
+                return Some((Ok::<Event, Infallible>(ev), s));
+            }
+            if s.done {
+                return None;
+            }
+            if !s.sent_role {
+                s.sent_role = true;
+                let ev = s.chunk(json!({"role": "assistant", "content": ""}), None, None);
+                s.queue.push_back(ev);
+                continue;
+            }
+            match s.reply.next().await {
+                Some(Piece::Delta { text, token }) => {
+                    let lp = token.as_ref().and_then(|t| logprob_entry(&s.app, t));
+                    if text.is_empty() && lp.is_none() {
+                        continue;
+                    }
+                    let ev = s.chunk(json!({"content": text}), lp, None);
+                    s.queue.push_back(ev);
+                }
+                Some(Piece::End(end)) => {
+                    s.done = true;
+                    if let Some(e) = &end.error {
+                        metrics::turn("failed");
+                        let err = ApiError::from(e.clone());
+                        s.queue.push_back(Event::default().data(err.body().to_string()));
+                    } else {
+                        metrics::turn("completed");
+                        let ev = s.chunk(json!({}), None, Some(finish_reason(&end)));
+                        s.queue.push_back(ev);
+                        if s.include_usage {
+                            let v = json!({
+                                "id": s.id, "object": "chat.completion.chunk", "created": s.created,
+                                "model": s.app.model_id, "choices": [], "usage": usage_json(&end)
+                            });
+                            s.queue.push_back(Event::default().data(v.to_string()));
+                        }
+                    }
+                    s.queue.push_back(Event::default().data("[DONE]"));
+                }
+                None => {
+                    s.done = true;
+                }
+            }
+        }
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn parses_strings_parts_and_stop_forms() {
+        let v = parse_chat(br#"{"messages":[{"role":"developer","content":"s"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"stop":"x","max_completion_tokens":3,"logprobs":true,"top_logprobs":2}"#, 9).unwrap();
+        assert_eq!(v.messages[0].role, "system");
+        assert_eq!(v.messages[1].content, "ab");
+        assert_eq!(v.sampling.stop_strings, vec!["x".to_string()]);
+        assert_eq!(v.sampling.max_tokens, 3);
+        assert_eq!(v.sampling.top_logprobs, 2);
+        assert!(parse_chat(br#"{"messages":[{"role":"user","content":"a"}],"n":2}"#, 9).is_err());
+        assert!(parse_chat(br#"{"messages":[{"role":"assistant","content":"a"}]}"#, 9).is_err());
+    }
+
+    #[test]
+    fn routing_key_ignores_later_turns() {
+        let a = [ChatMessage::system("s"), ChatMessage::user("u1")];
+        let b = [ChatMessage::system("s"), ChatMessage::user("u1"), ChatMessage::assistant("r"), ChatMessage::user("u2")];
+        assert_eq!(routing_key("alice", &a), routing_key("alice", &b));
+        assert_ne!(routing_key("alice", &a), routing_key("bob", &a));
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            any::<f64>().prop_map(|n| json!(n)),
+            "[a-z ]{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::vec((prop_oneof![Just("messages".to_string()), Just("role".to_string()), Just("content".to_string()), Just("max_tokens".to_string()), Just("stop".to_string()), Just("temperature".to_string()), "[a-z]{1,6}".prop_map(|s| s)], inner), 0..5)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn parser_never_panics_on_bytes(body in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = parse_chat(&body, 16);
+        }
+
+        #[test]
+        fn parser_never_panics_on_json(v in json_value()) {
+            if let Ok(ok) = parse_chat(v.to_string().as_bytes(), 16) {
+                prop_assert!(!ok.messages.is_empty());
+                prop_assert!(ok.sampling.max_tokens >= 1);
+            }
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! One generation as the API sees it: limits admitted, the generator's
+//! tokens passed through the output filter, and the end metered. Both the
+//! OpenAI endpoint and conversation turns read replies through [`Reply`].
+//!
+//! Dropping a [`Reply`] drops the generator stream (the engine cancels the
+//! sequence) and the limits permit, and meters what was generated.
+
+use crate::checks::{Filtered, OutputFilter};
+use crate::context::Prompt;
+use crate::error::ApiError;
+use crate::generator::{GenEvent, GenerateError, GenerateRequest, GenerationStream};
+use crate::limits::Permit;
+use crate::metrics;
+use crate::server::App;
+use crate::store::UsageCounts;
+use baton_engine::sampling::SamplingParams;
+use baton_engine::{FinishReason, Usage};
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A generated token as sent to the client.
+#[derive(Clone, Debug)]
+pub struct TokenInfo {
+    pub id: u32,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// What a reply yields.
+#[derive(Debug)]
+pub enum Piece {
+    /// Text to send (may be empty) and the token it came from, if any.
+    Delta { text: String, token: Option<TokenInfo> },
+    /// The last piece.
+    End(End),
+}
+
+/// How a reply ended.
+#[derive(Debug, Clone)]
+pub struct End {
+    /// `stop`, `length`, `cancelled`, `content_filter` or `error`.
+    pub finish_reason: &'static str,
+    pub usage: Usage,
+    /// The output check's reason when it stopped the reply.
+    pub blocked: Option<String>,
+    pub error: Option<GenerateError>,
+}
+
+/// A reply in progress.
+pub struct Reply {
+    app: Arc<App>,
+    user: String,
+    events: Option<GenerationStream>,
+    filter: OutputFilter,
+    permit: Option<Permit>,
+    prompt_len: usize,
+    started: Instant,
+    first_token: bool,
+    queued_end: Option<End>,
+    /// Every token ID received, in order (what the next prompt appends).
+    pub output_ids: Vec<u32>,
+    /// Every piece of text sent, concatenated.
+    pub text: String,
+    ended: bool,
+}
+
+impl App {
+    /// Checks limits and starts a generation.
+    pub async fn start_reply(
+        self: &Arc<Self>,
+        user: &str,
+        prompt: Prompt,
+        routing_key: String,
+        sampling: SamplingParams,
+    ) -> Result<Reply, ApiError> {
+        let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
+        let permit = self.limiter.admit(user, prompt.ids.len()).map_err(|r| {
+            metrics::rate_limited(r.limit);
+            ApiError::rate_limited(r.limit, r.retry_after)
+        })?;
+        let prompt_len = prompt.ids.len();
+        let started = Instant::now();
+        let events = self
+            .generator
+            .generate(GenerateRequest {
+                prompt: prompt.ids,
+                owner: user.to_string(),
+                platform_prefix_len: prompt.platform_prefix_len,
+                routing_key,
+                sampling,
+            })
+            .await?;
+        metrics::get().open_streams.inc();
+        Ok(Reply {
+            app: self.clone(),
+            user: user.to_string(),
+            events: Some(events),
+            filter: OutputFilter::new(self.checks.clone(), self.links.clone(), self.check_window),
+            permit: Some(permit),
+            prompt_len,
+            started,
+            first_token: true,
+            queued_end: None,
+            output_ids: Vec::new(),
+            text: String::new(),
+            ended: false,
+        })
+    }
+}
+
+impl Reply {
+    /// The next piece; `None` after the end.
+    pub async fn next(&mut self) -> Option<Piece> {
+        if self.ended {
+            return None;
+        }
+        if let Some(end) = self.queued_end.take() {
+            return Some(self.finish(end));
+        }
+        let ev = match self.events.as_mut() {
+            Some(s) => s.next().await,
+            None => return None,
+        };
+        Some(match ev {
+            Some(GenEvent::Token(t)) => {
+                if self.first_token {
+                    self.first_token = false;
+                    metrics::get().ttft.observe(self.started.elapsed().as_secs_f64());
+                }
+                self.output_ids.push(t.id);
+                let token = Some(TokenInfo { id: t.id, logprob: t.logprob, top_logprobs: t.top_logprobs });
+                match self.filter.push(&t.text) {
+                    Filtered::Text(text) => {
+                        self.text.push_str(&text);
+                        Piece::Delta { text, token }
+                    }
+                    Filtered::Blocked(reason) => {
+                        let usage = self.partial_usage();
+                        self.finish(End { finish_reason: "content_filter", usage, blocked: Some(reason), error: None })
+                    }
+                }
+            }
+            Some(GenEvent::Finished { reason, usage, trailing_text }) => {
+                let mut text = String::new();
+                let mut blocked = None;
+                for f in [self.filter.push(&trailing_text), self.filter.finish()] {
+                    match f {
+                        Filtered::Text(t) => text.push_str(&t),
+                        Filtered::Blocked(r) => {
+                            blocked = Some(r);
+                            break;
+                        }
+                    }
+                }
+                let finish_reason = match (reason, &blocked) {
+                    (_, Some(_)) => "content_filter",
+                    (FinishReason::Stop, _) => "stop",
+                    (FinishReason::Length, _) => "length",
+                    (FinishReason::Cancelled, _) => "cancelled",
+                };
+                let end = End { finish_reason, usage, blocked: blocked.clone(), error: None };
+                if blocked.is_some() || text.is_empty() {
+                    self.finish(end)
+                } else {
+                    self.text.push_str(&text);
+                    self.queued_end = Some(end);
+                    Piece::Delta { text, token: None }
+                }
+            }
+            Some(GenEvent::Failed(e)) => {
+                let usage = self.partial_usage();
+                self.finish(End { finish_reason: "error", usage, blocked: None, error: Some(e) })
+            }
+            None => {
+                let usage = self.partial_usage();
+                let e = GenerateError::Unavailable("the generation stream ended early".into());
+                self.finish(End { finish_reason: "error", usage, blocked: None, error: Some(e) })
+            }
+        })
+    }
+
+    /// Stops the reply now (stop button, disconnect).
+    pub fn cancel(&mut self) -> Option<Piece> {
+        if self.ended {
+            return None;
+        }
+        let usage = self.partial_usage();
+        Some(self.finish(End { finish_reason: "cancelled", usage, blocked: None, error: None }))
+    }
+
+    fn partial_usage(&self) -> Usage {
+        Usage { prompt_tokens: self.prompt_len, cached_tokens: 0, completion_tokens: self.output_ids.len() }
+    }
+
+    fn finish(&mut self, end: End) -> Piece {
+        self.ended = true;
+        self.events = None;
+        let u = end.usage;
+        if let Some(p) = self.permit.take() {
+            p.charge_output(u.completion_tokens);
+        }
+        metrics::get().open_streams.dec();
+        metrics::tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens);
+        metrics::get().turn_duration.observe(self.started.elapsed().as_secs_f64());
+        let store = self.app.store.clone();
+        let user = self.user.clone();
+        let counts = UsageCounts {
+            requests: 1,
+            prompt_tokens: u.prompt_tokens as i64,
+            cached_tokens: u.cached_tokens as i64,
+            completion_tokens: u.completion_tokens as i64,
+        };
+        tokio::spawn(async move {
+            if let Err(e) = store.add_usage(&user, counts).await {
+                tracing::warn!(error = %e, "metering write failed");
+            }
+        });
+        Piece::End(end)
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if !self.ended {
+            // The client went away: the generator stream drops with us (the
+            // engine cancels the sequence); meter what was generated.
+            let _ = self.cancel();
+        }
+    }
+}

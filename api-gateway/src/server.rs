@@ -1,0 +1,115 @@
+//! The HTTP server: shared state ([`App`]), the router, body reading with a
+//! size limit, the retention job, and serving until shutdown.
+
+use crate::auth::KeyCache;
+use crate::checks::{ContentCheck, LinkPolicy};
+use crate::context::ContextBuilder;
+use crate::error::ApiError;
+use crate::generator::Generator;
+use crate::limits::Limiter;
+use crate::store::ConversationStore;
+use crate::turns::Registry;
+use crate::{conversations, metrics, openai, Config};
+use axum::body::Body;
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// Everything a request handler needs.
+pub struct App {
+    pub config: Config,
+    pub generator: Arc<dyn Generator>,
+    pub store: Arc<dyn ConversationStore>,
+    pub context: ContextBuilder,
+    pub limiter: Arc<Limiter>,
+    pub checks: Arc<dyn ContentCheck>,
+    pub links: Arc<LinkPolicy>,
+    /// Bytes of reply tail the output check needs to see.
+    pub check_window: usize,
+    pub key_cache: KeyCache,
+    pub live: Registry,
+    /// Serializes turn admission (idempotency decisions see each other).
+    pub admission: tokio::sync::Mutex<()>,
+    pub model_id: String,
+}
+
+/// Reads a whole body, refusing more than `limit` bytes with 413.
+pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let limited = http_body_util::Limited::new(body, limit);
+    match limited.collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
+        Err(_) => Err(ApiError::bad_request("could not read the request body")),
+    }
+}
+
+async fn index() -> Html<&'static str> {
+    Html(include_str!("web/index.html"))
+}
+
+async fn metrics_text() -> Response {
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], metrics::encode()).into_response()
+}
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+async fn fallback() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
+}
+
+/// The router over `app`.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/", get(index))
+        .route("/healthz", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/conversations", post(conversations::create).get(conversations::list))
+        .route("/v1/conversations/{id}", get(conversations::get).delete(conversations::delete))
+        .route("/v1/conversations/{id}/turns", post(conversations::add_turn))
+        .route("/v1/conversations/{id}/turns/{turn_id}/events", get(conversations::events))
+        .route("/v1/conversations/{id}/turns/{turn_id}/stop", post(conversations::stop))
+        .fallback(fallback)
+        .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed") })
+        .with_state(app)
+}
+
+/// Deletes conversations past retention, and evicts their KV, every hour.
+async fn retention_job(app: Arc<App>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(3600));
+    loop {
+        tick.tick().await;
+        let cutoff = crate::store::now_unix() - app.config.retention.as_secs() as i64;
+        match app.store.delete_older_than(cutoff).await {
+            Ok(ids) => {
+                for id in &ids {
+                    if let Err(e) = app.generator.evict_conversation(id).await {
+                        tracing::warn!(conversation = %id, error = %e, "evicting an expired conversation failed");
+                    }
+                }
+                if !ids.is_empty() {
+                    tracing::info!(deleted = ids.len(), "retention: expired conversations deleted");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "retention job failed"),
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` completes.
+pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    let job = tokio::spawn(retention_job(app.clone()));
+    let r = axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await;
+    job.abort();
+    r
+}

@@ -1,0 +1,216 @@
+//! The conversation store: API keys (hashed), conversations, turns with their
+//! exact prompt and output token IDs, the durable token log that SSE resume
+//! replays, and per-user metering counts. One trait, [`ConversationStore`],
+//! with SQLite as the embedded default; [`conformance`] is the test suite
+//! every implementation must pass.
+//!
+//! Invariants: a turn ID is unique within its conversation (the idempotency
+//! key); every row of a conversation (turns, token log, summary) goes with
+//! it on delete; metering rows hold counts, never text.
+
+pub mod conformance;
+pub mod sqlite;
+pub use sqlite::SqliteStore;
+
+use serde::Serialize;
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error: {0}")]
+    Db(String),
+    #[error("{what} not found")]
+    NotFound { what: &'static str },
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Db(_) => "store",
+            StoreError::NotFound { .. } => "not_found",
+            StoreError::Corrupt(_) => "store_corrupt",
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// One API key as listed (never the key itself).
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct ApiKeyInfo {
+    /// First characters of the key, to tell keys apart.
+    pub prefix: String,
+    pub user: String,
+    pub label: String,
+    pub created_at: i64,
+    pub revoked: bool,
+}
+
+/// A conversation's header.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Conversation {
+    pub id: String,
+    #[serde(skip)]
+    pub owner: String,
+    pub title: String,
+    pub system_prompt_version: u32,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// Where a turn stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnState {
+    Streaming,
+    Done,
+    /// Stopped by the user, a disconnect or the output check; the partial
+    /// reply is kept and is part of the next prompt.
+    Stopped,
+    /// Failed before it finished; not part of the context; a retry with the
+    /// same turn ID generates again.
+    Failed,
+}
+
+impl TurnState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnState::Streaming => "streaming",
+            TurnState::Done => "done",
+            TurnState::Stopped => "stopped",
+            TurnState::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> StoreResult<Self> {
+        Ok(match s {
+            "streaming" => TurnState::Streaming,
+            "done" => TurnState::Done,
+            "stopped" => TurnState::Stopped,
+            "failed" => TurnState::Failed,
+            other => return Err(StoreError::Corrupt(format!("turn state {other:?}"))),
+        })
+    }
+
+    /// Whether the turn is part of the conversation's context.
+    pub fn in_context(self) -> bool {
+        matches!(self, TurnState::Done | TurnState::Stopped)
+    }
+}
+
+/// One turn: the user's message and the reply, with the exact token IDs.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Turn {
+    pub conversation: String,
+    pub turn_id: String,
+    /// Order within the conversation, from 0.
+    pub seq: i64,
+    /// Hash of the request body that created it (409 on a different body).
+    #[serde(skip)]
+    pub request_hash: String,
+    pub user_text: String,
+    pub reply_text: String,
+    #[serde(skip)]
+    pub prompt_ids: Vec<u32>,
+    #[serde(skip)]
+    pub output_ids: Vec<u32>,
+    pub system_prompt_version: u32,
+    pub state: TurnState,
+    /// Why it ended: stop, length, cancelled, content_filter, or an error kind.
+    pub finish_reason: Option<String>,
+    pub prompt_tokens: i64,
+    pub cached_tokens: i64,
+    pub completion_tokens: i64,
+    pub created_at: i64,
+}
+
+/// One entry of a turn's durable token log: the text the client was sent
+/// as SSE event `index`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LogEntry {
+    pub index: i64,
+    pub text: String,
+}
+
+/// How a turn ended, to store it.
+#[derive(Clone, Debug)]
+pub struct TurnEnd {
+    pub state: TurnState,
+    pub reply_text: String,
+    pub output_ids: Vec<u32>,
+    pub finish_reason: String,
+    pub prompt_tokens: i64,
+    pub cached_tokens: i64,
+    pub completion_tokens: i64,
+}
+
+/// What `begin_turn` found.
+#[derive(Clone, Debug)]
+pub enum BeginTurn {
+    /// A new row in state streaming.
+    Created,
+    /// The turn ID was already used; here is its row (its state says whether
+    /// it is still streaming).
+    Existing(Turn),
+}
+
+/// Per-user token counts (metering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct UsageCounts {
+    pub requests: i64,
+    pub prompt_tokens: i64,
+    pub cached_tokens: i64,
+    pub completion_tokens: i64,
+}
+
+/// Durable state of the gateway. Implementations are shared behind an `Arc`.
+#[async_trait::async_trait]
+pub trait ConversationStore: Send + Sync + 'static {
+    /// Stores a key hash for `user`. Re-adding an existing hash is a no-op.
+    async fn add_key(&self, key_hash: &str, prefix: &str, user: &str, label: &str) -> StoreResult<()>;
+    /// The user of a live (not revoked) key hash.
+    async fn user_for_key(&self, key_hash: &str) -> StoreResult<Option<String>>;
+    async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>>;
+    /// Revokes every key whose prefix starts with `prefix`; returns how many.
+    async fn revoke_keys(&self, prefix: &str) -> StoreResult<usize>;
+
+    async fn create_conversation(&self, conv: &Conversation) -> StoreResult<()>;
+    /// The conversation if it exists and belongs to `owner`.
+    async fn get_conversation(&self, owner: &str, id: &str) -> StoreResult<Option<Conversation>>;
+    async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>>;
+    /// Deletes the conversation and every row that belongs to it; false if
+    /// it did not exist for `owner`.
+    async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool>;
+
+    /// Inserts `turn` in state streaming unless its turn ID exists; a failed
+    /// turn with the same ID is reset to streaming (the retry generates again).
+    async fn begin_turn(&self, turn: &Turn) -> StoreResult<BeginTurn>;
+    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()>;
+    async fn finish_turn(&self, conversation: &str, turn_id: &str, end: &TurnEnd) -> StoreResult<()>;
+    /// Removes a turn that never started (the generator refused it).
+    async fn discard_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<()>;
+    async fn get_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<Option<Turn>>;
+    /// Turns in order.
+    async fn list_turns(&self, conversation: &str) -> StoreResult<Vec<Turn>>;
+    /// Log entries with index >= `from`, in order.
+    async fn read_log(&self, conversation: &str, turn_id: &str, from: i64) -> StoreResult<Vec<LogEntry>>;
+    /// Marks turns left streaming by a crash as failed; returns how many.
+    async fn fail_streaming_turns(&self) -> StoreResult<usize>;
+
+    /// Deletes conversations not updated since `cutoff` (unix seconds);
+    /// returns their IDs so their KV can be evicted too.
+    async fn delete_older_than(&self, cutoff: i64) -> StoreResult<Vec<String>>;
+
+    async fn add_usage(&self, user: &str, usage: UsageCounts) -> StoreResult<()>;
+    async fn usage(&self, user: &str) -> StoreResult<UsageCounts>;
+}
+
+/// Seconds since the UNIX epoch.
+pub fn now_unix() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,467 @@
+//! SQLite implementation of [`ConversationStore`]: one file in WAL mode,
+//! `synchronous=NORMAL` (a commit survives a process crash; a power loss may
+//! lose the last commits), foreign keys with cascading deletes so a
+//! conversation's turns and token log go with it. Calls run on the blocking
+//! pool behind one connection mutex.
+
+use super::*;
+use rusqlite::{params, Connection, OptionalExtension};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_hash TEXT PRIMARY KEY,
+    prefix TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    label TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    title TEXT NOT NULL,
+    system_prompt_version INTEGER NOT NULL,
+    summary TEXT,
+    created_at INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS conversations_owner ON conversations(owner, updated_at);
+CREATE TABLE IF NOT EXISTS turns (
+    conversation TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    turn_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    request_hash TEXT NOT NULL,
+    user_text TEXT NOT NULL,
+    reply_text TEXT NOT NULL,
+    prompt_ids BLOB NOT NULL,
+    output_ids BLOB NOT NULL,
+    system_prompt_version INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    finish_reason TEXT,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    cached_tokens INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (conversation, turn_id)
+);
+CREATE TABLE IF NOT EXISTS token_log (
+    conversation TEXT NOT NULL,
+    turn_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (conversation, turn_id, idx),
+    FOREIGN KEY (conversation, turn_id) REFERENCES turns(conversation, turn_id) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS usage (
+    user_id TEXT PRIMARY KEY,
+    requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL
+);
+"#;
+
+/// The embedded store.
+#[derive(Clone)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+}
+
+fn db(e: rusqlite::Error) -> StoreError {
+    StoreError::Db(e.to_string())
+}
+
+fn ids_to_blob(ids: &[u32]) -> Vec<u8> {
+    ids.iter().flat_map(|i| i.to_le_bytes()).collect()
+}
+
+fn blob_to_ids(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+const TURN_COLS: &str = "conversation, turn_id, seq, request_hash, user_text, reply_text, prompt_ids, output_ids, \
+     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at";
+
+fn turn_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Turn, String)> {
+    let state: String = r.get(9)?;
+    let prompt: Vec<u8> = r.get(6)?;
+    let output: Vec<u8> = r.get(7)?;
+    Ok((
+        Turn {
+            conversation: r.get(0)?,
+            turn_id: r.get(1)?,
+            seq: r.get(2)?,
+            request_hash: r.get(3)?,
+            user_text: r.get(4)?,
+            reply_text: r.get(5)?,
+            prompt_ids: blob_to_ids(&prompt),
+            output_ids: blob_to_ids(&output),
+            system_prompt_version: r.get(8)?,
+            state: TurnState::Streaming,
+            finish_reason: r.get(10)?,
+            prompt_tokens: r.get(11)?,
+            cached_tokens: r.get(12)?,
+            completion_tokens: r.get(13)?,
+            created_at: r.get(14)?,
+        },
+        state,
+    ))
+}
+
+fn finish_turn_row(row: (Turn, String)) -> StoreResult<Turn> {
+    let (mut t, state) = row;
+    t.state = TurnState::parse(&state)?;
+    Ok(t)
+}
+
+fn conv_from_row(r: &rusqlite::Row) -> rusqlite::Result<Conversation> {
+    Ok(Conversation {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        title: r.get(2)?,
+        system_prompt_version: r.get(3)?,
+        created_at: r.get(4)?,
+        updated_at: r.get(5)?,
+    })
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database at `path`.
+    pub fn open(path: &Path) -> StoreResult<Self> {
+        if let Some(dir) = path.parent() {
+            if !dir.as_os_str().is_empty() {
+                std::fs::create_dir_all(dir).map_err(|e| StoreError::Db(format!("creating {}: {e}", dir.display())))?;
+            }
+        }
+        let conn = Connection::open(path).map_err(db)?;
+        Self::init(conn)
+    }
+
+    /// A private in-memory database (tests).
+    pub fn in_memory() -> StoreResult<Self> {
+        Self::init(Connection::open_in_memory().map_err(db)?)
+    }
+
+    fn init(conn: Connection) -> StoreResult<Self> {
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(db)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(db)?;
+        conn.pragma_update(None, "foreign_keys", "ON").map_err(db)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(db)?;
+        conn.execute_batch(SCHEMA).map_err(db)?;
+        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)) })
+    }
+
+    async fn with<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> StoreResult<T> + Send + 'static,
+    {
+        let conn = self.conn.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c = conn.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut c)
+        })
+        .await
+        .map_err(|e| StoreError::Db(format!("store task: {e}")))?
+    }
+}
+
+fn get_turn_sync(c: &Connection, conversation: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
+    let row = c
+        .query_row(
+            &format!("SELECT {TURN_COLS} FROM turns WHERE conversation = ?1 AND turn_id = ?2"),
+            params![conversation, turn_id],
+            turn_from_row,
+        )
+        .optional()
+        .map_err(db)?;
+    row.map(finish_turn_row).transpose()
+}
+
+#[async_trait::async_trait]
+impl ConversationStore for SqliteStore {
+    async fn add_key(&self, key_hash: &str, prefix: &str, user: &str, label: &str) -> StoreResult<()> {
+        let (h, p, u, l) = (key_hash.to_string(), prefix.to_string(), user.to_string(), label.to_string());
+        self.with(move |c| {
+            c.execute(
+                "INSERT OR IGNORE INTO api_keys (key_hash, prefix, user_id, label, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![h, p, u, l, now_unix()],
+            )
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn user_for_key(&self, key_hash: &str) -> StoreResult<Option<String>> {
+        let h = key_hash.to_string();
+        self.with(move |c| {
+            c.query_row("SELECT user_id FROM api_keys WHERE key_hash = ?1 AND revoked = 0", params![h], |r| r.get(0))
+                .optional()
+                .map_err(db)
+        })
+        .await
+    }
+
+    async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>> {
+        self.with(|c| {
+            let mut st = c
+                .prepare("SELECT prefix, user_id, label, created_at, revoked FROM api_keys ORDER BY created_at, prefix")
+                .map_err(db)?;
+            let rows = st
+                .query_map([], |r| {
+                    Ok(ApiKeyInfo {
+                        prefix: r.get(0)?,
+                        user: r.get(1)?,
+                        label: r.get(2)?,
+                        created_at: r.get(3)?,
+                        revoked: r.get::<_, i64>(4)? != 0,
+                    })
+                })
+                .map_err(db)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(db)
+        })
+        .await
+    }
+
+    async fn revoke_keys(&self, prefix: &str) -> StoreResult<usize> {
+        let p = prefix.to_string();
+        self.with(move |c| {
+            c.execute("UPDATE api_keys SET revoked = 1 WHERE revoked = 0 AND substr(prefix, 1, length(?1)) = ?1", params![p])
+                .map_err(db)
+        })
+        .await
+    }
+
+    async fn create_conversation(&self, conv: &Conversation) -> StoreResult<()> {
+        let cv = conv.clone();
+        self.with(move |c| {
+            c.execute(
+                "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![cv.id, cv.owner, cv.title, cv.system_prompt_version, cv.created_at, cv.updated_at],
+            )
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn get_conversation(&self, owner: &str, id: &str) -> StoreResult<Option<Conversation>> {
+        let (o, i) = (owner.to_string(), id.to_string());
+        self.with(move |c| {
+            c.query_row(
+                "SELECT id, owner, title, system_prompt_version, created_at, updated_at FROM conversations WHERE id = ?1 AND owner = ?2",
+                params![i, o],
+                conv_from_row,
+            )
+            .optional()
+            .map_err(db)
+        })
+        .await
+    }
+
+    async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>> {
+        let o = owner.to_string();
+        self.with(move |c| {
+            let mut st = c
+                .prepare(
+                    "SELECT id, owner, title, system_prompt_version, created_at, updated_at FROM conversations \
+                     WHERE owner = ?1 ORDER BY updated_at DESC, id",
+                )
+                .map_err(db)?;
+            let rows = st.query_map(params![o], conv_from_row).map_err(db)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(db)
+        })
+        .await
+    }
+
+    async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool> {
+        let (o, i) = (owner.to_string(), id.to_string());
+        self.with(move |c| {
+            let n = c.execute("DELETE FROM conversations WHERE id = ?1 AND owner = ?2", params![i, o]).map_err(db)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn begin_turn(&self, turn: &Turn) -> StoreResult<BeginTurn> {
+        let t = turn.clone();
+        self.with(move |c| {
+            let tx = c.transaction().map_err(db)?;
+            if let Some(existing) = get_turn_sync(&tx, &t.conversation, &t.turn_id)? {
+                if existing.state != TurnState::Failed || existing.request_hash != t.request_hash {
+                    return Ok(BeginTurn::Existing(existing));
+                }
+                tx.execute("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![t.conversation, t.turn_id])
+                    .map_err(db)?;
+            }
+            tx.execute(
+                &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"),
+                params![
+                    t.conversation,
+                    t.turn_id,
+                    t.seq,
+                    t.request_hash,
+                    t.user_text,
+                    t.reply_text,
+                    ids_to_blob(&t.prompt_ids),
+                    ids_to_blob(&t.output_ids),
+                    t.system_prompt_version,
+                    TurnState::Streaming.as_str(),
+                    t.finish_reason,
+                    t.prompt_tokens,
+                    t.cached_tokens,
+                    t.completion_tokens,
+                    t.created_at
+                ],
+            )
+            .map_err(db)?;
+            tx.execute("UPDATE conversations SET updated_at = ?2 WHERE id = ?1", params![t.conversation, now_unix()])
+                .map_err(db)?;
+            tx.commit().map_err(db)?;
+            Ok(BeginTurn::Created)
+        })
+        .await
+    }
+
+    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let (cv, t, es) = (conversation.to_string(), turn_id.to_string(), entries.to_vec());
+        self.with(move |c| {
+            let tx = c.transaction().map_err(db)?;
+            {
+                let mut st = tx
+                    .prepare_cached("INSERT OR REPLACE INTO token_log (conversation, turn_id, idx, text) VALUES (?1, ?2, ?3, ?4)")
+                    .map_err(db)?;
+                for e in &es {
+                    st.execute(params![cv, t, e.index, e.text]).map_err(db)?;
+                }
+            }
+            tx.commit().map_err(db)
+        })
+        .await
+    }
+
+    async fn finish_turn(&self, conversation: &str, turn_id: &str, end: &TurnEnd) -> StoreResult<()> {
+        let (cv, t, e) = (conversation.to_string(), turn_id.to_string(), end.clone());
+        self.with(move |c| {
+            let n = c
+                .execute(
+                    "UPDATE turns SET state = ?3, reply_text = ?4, output_ids = ?5, finish_reason = ?6, prompt_tokens = ?7, \
+                     cached_tokens = ?8, completion_tokens = ?9 WHERE conversation = ?1 AND turn_id = ?2",
+                    params![
+                        cv,
+                        t,
+                        e.state.as_str(),
+                        e.reply_text,
+                        ids_to_blob(&e.output_ids),
+                        e.finish_reason,
+                        e.prompt_tokens,
+                        e.cached_tokens,
+                        e.completion_tokens
+                    ],
+                )
+                .map_err(db)?;
+            if n == 0 {
+                // The conversation was deleted while the turn streamed: nothing to keep.
+                return Ok(());
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn discard_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<()> {
+        let (cv, t) = (conversation.to_string(), turn_id.to_string());
+        self.with(move |c| {
+            c.execute("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![cv, t]).map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn get_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
+        let (cv, t) = (conversation.to_string(), turn_id.to_string());
+        self.with(move |c| get_turn_sync(c, &cv, &t)).await
+    }
+
+    async fn list_turns(&self, conversation: &str) -> StoreResult<Vec<Turn>> {
+        let cv = conversation.to_string();
+        self.with(move |c| {
+            let mut st = c.prepare(&format!("SELECT {TURN_COLS} FROM turns WHERE conversation = ?1 ORDER BY seq")).map_err(db)?;
+            let rows = st.query_map(params![cv], turn_from_row).map_err(db)?;
+            let rows = rows.collect::<Result<Vec<_>, _>>().map_err(db)?;
+            rows.into_iter().map(finish_turn_row).collect()
+        })
+        .await
+    }
+
+    async fn read_log(&self, conversation: &str, turn_id: &str, from: i64) -> StoreResult<Vec<LogEntry>> {
+        let (cv, t) = (conversation.to_string(), turn_id.to_string());
+        self.with(move |c| {
+            let mut st = c
+                .prepare("SELECT idx, text FROM token_log WHERE conversation = ?1 AND turn_id = ?2 AND idx >= ?3 ORDER BY idx")
+                .map_err(db)?;
+            let rows = st.query_map(params![cv, t, from], |r| Ok(LogEntry { index: r.get(0)?, text: r.get(1)? })).map_err(db)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(db)
+        })
+        .await
+    }
+
+    async fn fail_streaming_turns(&self) -> StoreResult<usize> {
+        self.with(|c| {
+            c.execute("UPDATE turns SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming'", [])
+                .map_err(db)
+        })
+        .await
+    }
+
+    async fn delete_older_than(&self, cutoff: i64) -> StoreResult<Vec<String>> {
+        self.with(move |c| {
+            let tx = c.transaction().map_err(db)?;
+            let ids = {
+                let mut st = tx.prepare("SELECT id FROM conversations WHERE updated_at < ?1").map_err(db)?;
+                let rows = st.query_map(params![cutoff], |r| r.get::<_, String>(0)).map_err(db)?;
+                rows.collect::<Result<Vec<_>, _>>().map_err(db)?
+            };
+            tx.execute("DELETE FROM conversations WHERE updated_at < ?1", params![cutoff]).map_err(db)?;
+            tx.commit().map_err(db)?;
+            Ok(ids)
+        })
+        .await
+    }
+
+    async fn add_usage(&self, user: &str, u: UsageCounts) -> StoreResult<()> {
+        let user = user.to_string();
+        self.with(move |c| {
+            c.execute(
+                "INSERT INTO usage (user_id, requests, prompt_tokens, cached_tokens, completion_tokens) VALUES (?1, ?2, ?3, ?4, ?5) \
+                 ON CONFLICT(user_id) DO UPDATE SET requests = requests + ?2, prompt_tokens = prompt_tokens + ?3, \
+                 cached_tokens = cached_tokens + ?4, completion_tokens = completion_tokens + ?5",
+                params![user, u.requests, u.prompt_tokens, u.cached_tokens, u.completion_tokens],
+            )
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn usage(&self, user: &str) -> StoreResult<UsageCounts> {
+        let user = user.to_string();
+        self.with(move |c| {
+            Ok(c.query_row(
+                "SELECT requests, prompt_tokens, cached_tokens, completion_tokens FROM usage WHERE user_id = ?1",
+                params![user],
+                |r| Ok(UsageCounts { requests: r.get(0)?, prompt_tokens: r.get(1)?, cached_tokens: r.get(2)?, completion_tokens: r.get(3)? }),
+            )
+            .optional()
+            .map_err(db)?
+            .unwrap_or_default())
+        })
+        .await
+    }
+}

@@ -1,0 +1,112 @@
+//! Shared helpers of the gateway's integration tests: a gateway on
+//! 127.0.0.1:0 in front of the real engine with the default model, two users
+//! with keys, and a client.
+#![allow(dead_code)]
+
+use baton_api_gateway::client::Client;
+use baton_api_gateway::generator::local::LocalGenerator;
+use baton_api_gateway::server::App;
+use baton_api_gateway::store::SqliteStore;
+use baton_api_gateway::{auth, build_app, Args, Config};
+use baton_engine::model::load_gguf;
+use baton_engine::{Engine, EngineConfig};
+use baton_kernels::CpuBackend;
+use clap::Parser;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The default model, or `None` (the test then says it is skipped), resolved
+/// as scripts/fetch-model.sh does.
+pub fn model_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("BATON_MODEL") {
+        return Some(PathBuf::from(p));
+    }
+    let cache = std::env::var_os("BATON_MODEL_CACHE").map(PathBuf::from).or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(|x| PathBuf::from(x).join("baton/models"))
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/baton/models")))
+    })?;
+    let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: model not found at {}; run scripts/fetch-model.sh", p.display());
+        None
+    }
+}
+
+#[derive(Parser)]
+struct Wrap {
+    #[command(flatten)]
+    args: Args,
+}
+
+pub struct Server {
+    pub base: String,
+    pub app: Arc<App>,
+    pub engine: Arc<Engine>,
+    pub store: SqliteStore,
+    /// Key of user "alice".
+    pub key: String,
+    /// Key of user "bob".
+    pub key2: String,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    pub fn client(&self) -> Client {
+        Client::new(self.base.clone(), Some(self.key.clone()))
+    }
+    pub fn client2(&self) -> Client {
+        Client::new(self.base.clone(), Some(self.key2.clone()))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        self.engine.shutdown();
+    }
+}
+
+/// Starts a gateway with extra command-line flags (e.g. `--turns-per-minute 2`).
+pub async fn start(flags: &[&str]) -> Option<Server> {
+    let model = model_path()?;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("gw.db");
+    let mut argv = vec!["gateway".to_string(), "--db".into(), db.display().to_string()];
+    if !flags.contains(&"--resume-grace-seconds") {
+        argv.extend(["--resume-grace-seconds".to_string(), "2".to_string()]);
+    }
+    argv.extend(flags.iter().map(|s| s.to_string()));
+    let config = Config::try_from(Wrap::parse_from(argv).args).unwrap();
+    let backend = CpuBackend::new(2).unwrap();
+    let loaded = load_gguf(&backend, &model).unwrap();
+    let engine = Arc::new(Engine::start(backend, loaded, EngineConfig { kv_memory_bytes: 64 << 20, tier2_bytes: 0, max_context: Some(2048), ..Default::default() }).unwrap());
+    let store = SqliteStore::open(&db).unwrap();
+    let key = auth::create_key(&store, "alice", "test").await.unwrap();
+    let key2 = auth::create_key(&store, "bob", "test").await.unwrap();
+    let app = build_app(
+        config,
+        Arc::new(LocalGenerator::new(engine.clone())),
+        Arc::new(store.clone()),
+        engine.tokenizer.clone(),
+        engine.template.clone(),
+        "smollm2".into(),
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let a = app.clone();
+    tokio::spawn(async move {
+        let _ = baton_api_gateway::server::serve(listener, a, async move {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    Some(Server { base, app, engine, store, key, key2, shutdown: Some(tx), _dir: dir })
+}

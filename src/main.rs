@@ -4,6 +4,7 @@ mod bench_engine;
 mod certs;
 mod engine_args;
 mod generate;
+mod node_cmd;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -30,6 +31,10 @@ enum Command {
     Simulate(baton_bench::SimulateArgs),
     /// Create development certificates for the KV transport's mutual TLS.
     Certs(certs::CertsArgs),
+    /// A prefill node: computes prompt tails and ships their KV to decode nodes.
+    Prefill(baton_prefill_node::Args),
+    /// A decode node: warm prefixes, continuous batching, token streams.
+    Decode(baton_decode_node::Args),
 }
 
 #[derive(Subcommand)]
@@ -51,6 +56,8 @@ fn main() {
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
         Command::Certs(a) => certs::run(a),
+        Command::Prefill(a) => node_cmd::run_prefill(a),
+        Command::Decode(a) => node_cmd::run_decode(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,158 @@
+//! Remote prefill, the decode node's side: decide local or remote, reserve
+//! staging blocks for the uncached tail, ask a prefill node to compute and
+//! ship it, and turn the received blocks plus the first token into an engine
+//! import. Any failure (prefill node dead, deadline, bad data) ends in a
+//! fallback to local prefill, and the reservation is released by the
+//! transport (dropping the `Reservation` releases whatever was not taken).
+
+use std::time::{Duration, Instant};
+
+use baton_engine::{ImportedToken, KvImport, Request};
+use baton_kv_transport::Reservation;
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator::route_prefill_response::Choice;
+use baton_proto::coordinator::RoutePrefillRequest;
+use baton_proto::node::prefill_node_client::PrefillNodeClient;
+use baton_proto::node::{PrefillRequest, Turn};
+use tonic::transport::Channel;
+
+use crate::convert;
+use crate::kv::KvNode;
+
+/// Why a remote prefill did not deliver; the turn is then prefilled locally.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    #[error("reserving staging blocks: {0}")]
+    Reserve(baton_kv_transport::Error),
+    #[error("cannot reach the prefill node: {0}")]
+    Connect(String),
+    #[error("the prefill node failed: {0}")]
+    Prefill(tonic::Status),
+    #[error("the KV transfer failed: {0}")]
+    Transfer(baton_kv_transport::Error),
+    #[error("the remote prefill missed its deadline of {0:?}")]
+    Deadline(Duration),
+    #[error("the prefill node answered without a first token")]
+    NoFirstToken,
+}
+
+impl HandoffError {
+    /// Stable label for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            HandoffError::Reserve(_) => "reserve",
+            HandoffError::Connect(_) => "connect",
+            HandoffError::Prefill(_) => "prefill",
+            HandoffError::Transfer(_) => "transfer",
+            HandoffError::Deadline(_) => "deadline",
+            HandoffError::NoFirstToken => "no_first_token",
+        }
+    }
+}
+
+/// Where the tail of a turn is prefilled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    Local,
+    /// A prefill node's gRPC address.
+    Remote(String),
+}
+
+/// How the node chooses between local and remote prefill.
+#[derive(Clone, Debug)]
+pub struct Router {
+    /// Tails shorter than this are always prefilled here.
+    pub threshold: usize,
+    /// The coordinator, asked `RoutePrefill` for longer tails.
+    pub coordinator: Option<CoordinatorClient<Channel>>,
+    /// Without a coordinator: this prefill node takes every long tail.
+    pub static_prefill: Option<String>,
+    /// This node's ID, for the coordinator.
+    pub node_id: String,
+}
+
+impl Router {
+    pub async fn route(&self, req: &Request, cached: usize) -> Route {
+        let tail = req.prompt.len() - cached;
+        if tail < self.threshold {
+            return Route::Local;
+        }
+        if let Some(c) = &self.coordinator {
+            let ask = RoutePrefillRequest {
+                routing_key: req.conversation.as_ref().map(|c| c.as_str().to_string()).unwrap_or_default(),
+                owner: req.owner.as_str().to_string(),
+                prompt_tokens: req.prompt.len() as u32,
+                cached_tokens: cached as u32,
+                uncached_tokens: tail as u32,
+                decode_node: Some(baton_proto::common::NodeId { id: self.node_id.clone() }),
+            };
+            let mut c = c.clone();
+            return match tokio::time::timeout(Duration::from_secs(2), c.route_prefill(ask)).await {
+                Ok(Ok(r)) => match r.into_inner().choice {
+                    Some(Choice::Remote(info)) => Route::Remote(info.grpc_addr),
+                    _ => Route::Local,
+                },
+                Ok(Err(e)) => {
+                    tracing::warn!(code = ?e.code(), "RoutePrefill failed; prefilling locally");
+                    Route::Local
+                }
+                Err(_) => Route::Local,
+            };
+        }
+        match &self.static_prefill {
+            Some(a) => Route::Remote(a.clone()),
+            None => Route::Local,
+        }
+    }
+}
+
+/// Has the prefill node at `addr` compute `req`'s tail past `cached` tokens
+/// and ship it into staging blocks here; returns the engine import.
+pub async fn remote_prefill(kv: &KvNode, req: &Request, cached: usize, addr: &str, self_grpc: &str, deadline: Duration) -> Result<KvImport, HandoffError> {
+    let bt = kv.layout.block_tokens as usize;
+    let start_block = cached / bt;
+    let end = req.prompt.len().div_ceil(bt);
+    let started = Instant::now();
+    let reservation: Reservation = kv.receiver.reserve(end - start_block, Some(deadline)).map_err(HandoffError::Reserve)?;
+    let ask = PrefillRequest {
+        turn: Some(Turn {
+            prompt: req.prompt.clone(),
+            owner: req.owner.as_str().to_string(),
+            platform_prefix_len: req.platform_prefix_len as u32,
+            conversation: req.conversation.as_ref().map(|c| c.as_str().to_string()).unwrap_or_default(),
+        }),
+        sampling: Some(convert::sampling_to_wire(req)),
+        cached_tokens: (start_block * bt) as u32,
+        grant: reservation.grant().to_bytes(),
+        kv_endpoint: kv.endpoint.clone(),
+        prefix_source: self_grpc.to_string(),
+    };
+    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+    let call = async {
+        let channel = tonic::transport::Endpoint::from_shared(url)
+            .map_err(|e| HandoffError::Connect(e.to_string()))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .map_err(|e| HandoffError::Connect(e.to_string()))?;
+        PrefillNodeClient::new(channel).prefill(ask).await.map_err(HandoffError::Prefill)
+    };
+    let resp = tokio::time::timeout(deadline, call).await.map_err(|_| HandoffError::Deadline(deadline))??.into_inner();
+    let first = resp.first_token.ok_or(HandoffError::NoFirstToken)?;
+    let left = deadline.saturating_sub(started.elapsed());
+    let blocks = tokio::time::timeout(left, reservation.finished())
+        .await
+        .map_err(|_| HandoffError::Deadline(deadline))?
+        .map_err(HandoffError::Transfer)?;
+    let bytes = kv.take_blocks(&blocks).map_err(HandoffError::Transfer)?;
+    Ok(KvImport {
+        start_block,
+        blocks: bytes,
+        first_token: Some(ImportedToken {
+            id: first.id,
+            logprob: first.logprob.unwrap_or(0.0),
+            top_logprobs: first.top_logprobs.iter().map(|t| (t.id, t.logprob)).collect(),
+        }),
+    })
+}
+

@@ -1,0 +1,217 @@
+//! The decode node's gRPC services: `DecodeNode` (Generate, ExportPrefix,
+//! Stats) and `NodeControl` (Evict, Drain).
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::{Engine, Event, RequestStream, SubmitOptions};
+use baton_kv_transport::Grant;
+use baton_proto::node as pb;
+use baton_proto::node::decode_node_server::DecodeNode;
+use baton_proto::node::node_control_server::NodeControl;
+use futures::Stream;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+use crate::convert;
+use crate::handoff::{remote_prefill, Route, Router};
+use crate::kv::{parse_endpoint, ExportSource, KvNode};
+use crate::metrics::Metrics;
+
+/// State shared by the node's services.
+pub struct DecodeService {
+    pub engine: Arc<Engine>,
+    pub kv: Arc<KvNode>,
+    pub router: Router,
+    pub metrics: Arc<Metrics>,
+    /// This node's gRPC address as others reach it.
+    pub grpc_addr: String,
+    pub kv_deadline: Duration,
+    pub draining: Arc<AtomicBool>,
+}
+
+/// Runs a blocking engine call off the async workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|_| Status::internal("engine call panicked"))
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0x5eed);
+    h.finish()
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DecodeNode for DecodeService {
+    type GenerateStream = EventStream;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("the node is draining"));
+        }
+        let r = request.into_inner();
+        let mut req = convert::request(r.turn, r.sampling)?;
+        if !req.sampling.is_greedy() && req.sampling.seed.is_none() {
+            // One seed for both nodes, so a remote first token continues here.
+            let mut p = req.sampling.clone().into_inner();
+            p.seed = Some(random_seed());
+            req.sampling = p.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
+        }
+        self.metrics.turns.inc();
+        let engine = self.engine.clone();
+        let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
+        let cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
+        let mut path = pb::PrefillPath::Local;
+        let mut import = None;
+        if let Route::Remote(addr) = self.router.route(&req, cached).await {
+            match remote_prefill(&self.kv, &req, cached, &addr, &self.grpc_addr, self.kv_deadline).await {
+                Ok(i) => {
+                    import = Some(i);
+                    path = pb::PrefillPath::Remote;
+                    self.metrics.remote_prefills.inc();
+                }
+                Err(e) => {
+                    tracing::warn!(kind = e.kind(), error = %e, "remote prefill failed; prefilling locally");
+                    path = pb::PrefillPath::Fallback;
+                    self.metrics.fallbacks.inc();
+                }
+            }
+        }
+        if path != pb::PrefillPath::Remote {
+            self.metrics.local_prefills.inc();
+        }
+        let sub = match self.engine.submit_with(req.clone(), SubmitOptions { import, export_from_block: None }) {
+            Ok(s) => s,
+            Err(baton_engine::EngineError::BadImport { what }) => {
+                tracing::warn!(what, "import refused; prefilling locally");
+                path = pb::PrefillPath::Fallback;
+                self.metrics.fallbacks.inc();
+                self.engine.submit_with(req, SubmitOptions::default()).map_err(convert::status)?
+            }
+            Err(e) => return Err(convert::status(e)),
+        };
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(forward(sub.stream, tx, path, self.metrics.clone()));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn export_prefix(&self, request: Request<pb::ExportPrefixRequest>) -> Result<Response<pb::ExportPrefixResponse>, Status> {
+        let r = request.into_inner();
+        let grant = Grant::from_bytes(&r.grant).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let peer = parse_endpoint(&r.kv_endpoint).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if r.owner.is_empty() {
+            return Err(Status::invalid_argument("owner is empty"));
+        }
+        let engine = self.engine.clone();
+        let (tokens, owner, platform, start) = (r.tokens, UserId::new(r.owner), r.platform_prefix_len as usize, r.start_block as usize);
+        let export = blocking(move || engine.export_prefix(&tokens, &owner, platform, start)).await?.map_err(convert::status)?;
+        let n = grant.blocks.len();
+        if export.blocks.len() < n {
+            return Err(Status::failed_precondition(format!("only {} of {n} prefix blocks are cached here", export.blocks.len())));
+        }
+        let mut blocks = export.blocks;
+        blocks.truncate(n);
+        let source = Arc::new(ExportSource { layout: self.kv.layout, blocks });
+        let ids = source.ids();
+        self.kv.sender.send(&peer, &grant, source, ids).await.map_err(|e| Status::unavailable(format!("KV transfer failed: {e}")))?;
+        Ok(Response::new(pb::ExportPrefixResponse { blocks: n as u32 }))
+    }
+
+    async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::NodeStats>, Status> {
+        Ok(Response::new(node_stats(&self.engine, &self.kv, &self.metrics)))
+    }
+}
+
+pub fn node_stats(engine: &Engine, kv: &KvNode, m: &Metrics) -> pb::NodeStats {
+    let st = engine.stats();
+    pb::NodeStats {
+        kv_blocks_total: st.kv.total as u64,
+        kv_blocks_free: st.kv.free as u64,
+        kv_blocks_used: st.kv.used as u64,
+        kv_blocks_cached: st.kv.cached as u64,
+        running: st.running as u32,
+        waiting: st.waiting as u32,
+        live_reservations: kv.receiver.live_reservations() as u32,
+        staging_blocks_used: kv.staging_used() as u64,
+        remote_prefills: m.remote_prefills.get(),
+        local_prefills: m.local_prefills.get(),
+        fallbacks: m.fallbacks.get(),
+    }
+}
+
+/// Streams engine events to the caller; a caller that goes away cancels the
+/// sequence at once (dropping the engine stream cancels it at the next step).
+async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::GenerateEvent, Status>>, path: pb::PrefillPath, metrics: Arc<Metrics>) {
+    use pb::generate_event::Event as E;
+    loop {
+        let ev = tokio::select! {
+            _ = tx.closed() => {
+                stream.cancel();
+                return;
+            }
+            ev = stream.next() => ev,
+        };
+        let out = match ev {
+            Some(Event::Token(t)) => {
+                metrics.generated.inc();
+                Ok(pb::GenerateEvent { event: Some(E::Token(convert::token(&t))) })
+            }
+            Some(Event::Finished { reason, usage, ttft, trailing_text, .. }) => {
+                let fin = pb::FinishedEvent {
+                    reason: convert::finish_reason(reason) as i32,
+                    usage: Some(pb::Usage {
+                        prompt_tokens: usage.prompt_tokens as u32,
+                        cached_tokens: usage.cached_tokens as u32,
+                        completion_tokens: usage.completion_tokens as u32,
+                    }),
+                    trailing_text,
+                    prefill_path: path as i32,
+                    ttft_us: ttft.map(|d| d.as_micros() as u64).unwrap_or(0),
+                };
+                let _ = tx.send(Ok(pb::GenerateEvent { event: Some(E::Finished(fin)) })).await;
+                return;
+            }
+            Some(Event::Failed(e)) => {
+                let _ = tx.send(Err(convert::status(e))).await;
+                return;
+            }
+            None => {
+                let _ = tx.send(Err(Status::unavailable("the engine has stopped"))).await;
+                return;
+            }
+        };
+        if tx.send(out).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// `NodeControl` of a decode node.
+pub struct Control {
+    pub engine: Arc<Engine>,
+    pub draining: Arc<AtomicBool>,
+}
+
+#[tonic::async_trait]
+impl NodeControl for Control {
+    async fn evict(&self, request: Request<pb::EvictRequest>) -> Result<Response<pb::EvictResponse>, Status> {
+        let r = request.into_inner();
+        if r.conversation.is_empty() {
+            return Err(Status::invalid_argument("conversation is empty"));
+        }
+        let engine = self.engine.clone();
+        let freed = blocking(move || engine.evict_conversation(ConversationId::new(r.conversation))).await?.map_err(convert::status)?;
+        Ok(Response::new(pb::EvictResponse { blocks_freed: freed as u64 }))
+    }
+
+    async fn drain(&self, _request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
+        self.draining.store(true, Ordering::SeqCst);
+        Ok(Response::new(pb::DrainResponse { running: self.engine.stats().running as u32 }))
+    }
+}

@@ -1,0 +1,210 @@
+//! The prefill node's gRPC services: `PrefillNode` (Prefill, Stats) and
+//! `NodeControl` (Evict, Drain).
+//!
+//! One prefill: match this node's own owner-scoped prefix cache; pull the
+//! part of the decode node's cached prefix it lacks (ExportPrefix into a
+//! staging reservation here); compute the rest in chunks; sample the first
+//! token; ship the tail's blocks layer by layer into the decode node's grant.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::{Engine, EngineError, Event, KvImport, SubmitOptions};
+use baton_kv_transport::Grant;
+use baton_proto::node as pb;
+use baton_proto::node::decode_node_client::DecodeNodeClient;
+use baton_proto::node::node_control_server::NodeControl;
+use baton_proto::node::prefill_node_server::PrefillNode;
+use tonic::{Request, Response, Status};
+
+use crate::convert;
+use crate::kv::{parse_endpoint, ExportSource, KvNode};
+use crate::metrics::Metrics;
+
+pub struct PrefillService {
+    pub engine: Arc<Engine>,
+    pub kv: Arc<KvNode>,
+    pub metrics: Arc<Metrics>,
+    /// How long a prefix pull may take.
+    pub pull_deadline: Duration,
+    /// Test hook: pause after each layer shipped (to kill the node mid-transfer).
+    pub layer_delay: Option<Duration>,
+    pub draining: Arc<AtomicBool>,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|_| Status::internal("engine call panicked"))
+}
+
+#[tonic::async_trait]
+impl PrefillNode for PrefillService {
+    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("the node is draining"));
+        }
+        self.metrics.turns.inc();
+        let r = self.prefill_inner(request.into_inner()).await;
+        if r.is_err() {
+            self.metrics.failures.inc();
+        }
+        r.map(Response::new)
+    }
+
+    async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::NodeStats>, Status> {
+        let st = self.engine.stats();
+        Ok(Response::new(pb::NodeStats {
+            kv_blocks_total: st.kv.total as u64,
+            kv_blocks_free: st.kv.free as u64,
+            kv_blocks_used: st.kv.used as u64,
+            kv_blocks_cached: st.kv.cached as u64,
+            running: st.running as u32,
+            waiting: st.waiting as u32,
+            live_reservations: self.kv.receiver.live_reservations() as u32,
+            staging_blocks_used: self.kv.staging_used() as u64,
+            ..Default::default()
+        }))
+    }
+}
+
+impl PrefillService {
+    async fn prefill_inner(&self, r: pb::PrefillRequest) -> Result<pb::PrefillResponse, Status> {
+        let started = Instant::now();
+        let mut req = convert::request(r.turn, r.sampling)?;
+        let grant = Grant::from_bytes(&r.grant).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let peer = parse_endpoint(&r.kv_endpoint).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let bt = self.kv.layout.block_tokens as usize;
+        let n = req.prompt.len();
+        let k = r.cached_tokens as usize;
+        if k % bt != 0 || k >= n {
+            return Err(Status::invalid_argument("cached_tokens must be whole blocks shorter than the prompt"));
+        }
+        let start_block = k / bt;
+        if grant.blocks.len() != n.div_ceil(bt) - start_block || grant.layout != self.kv.layout {
+            return Err(Status::invalid_argument("the grant does not match the prompt's tail"));
+        }
+        let mut p = req.sampling.clone().into_inner();
+        p.max_tokens = 1;
+        req.sampling = p.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
+
+        // What this node holds of the prefix; pull the rest from the decode node.
+        let engine = self.engine.clone();
+        let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
+        let have = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?.min(k);
+        let mut pulled = None;
+        if have < k && !r.prefix_source.is_empty() {
+            match self.pull_prefix(&req.prompt[..k], &req.owner, req.platform_prefix_len, have / bt, &r.prefix_source).await {
+                Ok(i) => {
+                    self.metrics.pulled.inc();
+                    pulled = Some(i);
+                }
+                Err(e) => tracing::warn!(code = ?e.code(), message = e.message(), "prefix pull failed; computing the prefix here"),
+            }
+        }
+        let pulled_tokens = pulled.as_ref().map(|i| i.blocks.len() * bt).unwrap_or(0);
+        let options = SubmitOptions { import: pulled, export_from_block: Some(start_block) };
+        let sub = match self.engine.submit_with(req.clone(), options) {
+            Ok(s) => s,
+            Err(EngineError::BadImport { what }) => {
+                tracing::warn!(what, "pulled prefix refused; computing it here");
+                self.engine.submit_with(req, SubmitOptions { import: None, export_from_block: Some(start_block) }).map_err(convert::status)?
+            }
+            Err(e) => return Err(convert::status(e)),
+        };
+        let mut stream = sub.stream;
+        let mut first = None;
+        loop {
+            match stream.next().await {
+                Some(Event::Token(t)) => first = Some(convert::token(&t)),
+                Some(Event::Finished { .. }) => break,
+                Some(Event::Failed(e)) => return Err(convert::status(e)),
+                None => return Err(Status::unavailable("the engine has stopped")),
+            }
+        }
+        let first = first.ok_or_else(|| Status::internal("no first token"))?;
+        self.metrics.generated.inc();
+        let export = sub.export.ok_or_else(|| Status::internal("no export"))?.await.map_err(|_| Status::internal("the export was not produced"))?;
+        if export.blocks.len() != grant.blocks.len() {
+            return Err(Status::internal("exported blocks do not match the grant"));
+        }
+        let compute = started.elapsed();
+        let shipping = Instant::now();
+        let n_blocks = export.blocks.len();
+        let source = Arc::new(ExportSource { layout: self.kv.layout, blocks: export.blocks });
+        let ids = source.ids();
+        let unavailable = |e: baton_kv_transport::Error| Status::unavailable(format!("KV transfer failed: {e}"));
+        let mut t = self.kv.sender.start(&peer, &grant, source, ids).await.map_err(unavailable)?;
+        for layer in grant.layers.clone() {
+            t.send_layer(layer).await.map_err(unavailable)?;
+            if let Some(d) = self.layer_delay {
+                tokio::time::sleep(d).await;
+            }
+        }
+        t.finish().await.map_err(unavailable)?;
+        self.metrics.shipped.inc_by(n_blocks as u64);
+        Ok(pb::PrefillResponse {
+            first_token: Some(first),
+            local_cached_tokens: have as u32,
+            pulled_tokens: pulled_tokens as u32,
+            compute_us: compute.as_micros() as u64,
+            transfer_us: shipping.elapsed().as_micros() as u64,
+        })
+    }
+
+    /// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node.
+    async fn pull_prefix(&self, prefix: &[u32], owner: &UserId, platform: usize, start_block: usize, source: &str) -> Result<KvImport, Status> {
+        let bt = self.kv.layout.block_tokens as usize;
+        let blocks = prefix.len() / bt - start_block;
+        let reservation = self.kv.receiver.reserve(blocks, Some(self.pull_deadline)).map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        let ask = pb::ExportPrefixRequest {
+            tokens: prefix.to_vec(),
+            owner: owner.as_str().to_string(),
+            platform_prefix_len: platform.min(prefix.len()) as u32,
+            start_block: start_block as u32,
+            grant: reservation.grant().to_bytes(),
+            kv_endpoint: self.kv.endpoint.clone(),
+        };
+        let url = if source.contains("://") { source.to_string() } else { format!("http://{source}") };
+        let call = async {
+            let channel = tonic::transport::Endpoint::from_shared(url)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?
+                .connect_timeout(Duration::from_secs(2))
+                .connect()
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+            DecodeNodeClient::new(channel).export_prefix(ask).await
+        };
+        tokio::time::timeout(self.pull_deadline, call).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
+        let ids = tokio::time::timeout(self.pull_deadline, reservation.finished())
+            .await
+            .map_err(|_| Status::deadline_exceeded("prefix pull"))?
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let bytes = self.kv.take_blocks(&ids).map_err(|e| Status::internal(e.to_string()))?;
+        Ok(KvImport { start_block, blocks: bytes, first_token: None })
+    }
+}
+
+/// `NodeControl` of a prefill node.
+pub struct Control {
+    pub engine: Arc<Engine>,
+    pub draining: Arc<AtomicBool>,
+}
+
+#[tonic::async_trait]
+impl NodeControl for Control {
+    async fn evict(&self, request: Request<pb::EvictRequest>) -> Result<Response<pb::EvictResponse>, Status> {
+        let r = request.into_inner();
+        if r.conversation.is_empty() {
+            return Err(Status::invalid_argument("conversation is empty"));
+        }
+        let engine = self.engine.clone();
+        let freed = blocking(move || engine.evict_conversation(ConversationId::new(r.conversation))).await?.map_err(convert::status)?;
+        Ok(Response::new(pb::EvictResponse { blocks_freed: freed as u64 }))
+    }
+
+    async fn drain(&self, _request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
+        self.draining.store(true, Ordering::SeqCst);
+        Ok(Response::new(pb::DrainResponse { running: self.engine.stats().running as u32 }))
+    }
+}

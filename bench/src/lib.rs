@@ -18,6 +18,7 @@ pub mod capacity;
 pub mod error;
 pub mod gguf;
 pub mod hardware;
+pub mod load;
 pub mod lru;
 pub mod ring;
 pub mod rng;
@@ -25,6 +26,7 @@ pub mod simulate;
 
 pub use capacity::CapacityArgs;
 pub use error::BenchError;
+pub use load::LoadArgs;
 pub use simulate::SimulateArgs;
 
 /// Write a command's output to stdout. A closed pipe (`baton simulate | head`) ends the

@@ -8,6 +8,7 @@
 //! `Finished` or `Failed` event; `evict_conversation` returns only after every
 //! KV block of the conversation is gone wherever it was cached.
 
+pub mod cluster;
 pub mod local;
 
 use baton_engine::sampling::SamplingParams;

@@ -1,0 +1,237 @@
+//! [`ClusterGenerator`]: the gateway in front of the cluster. Each turn asks
+//! the coordinator which decode node serves the conversation (`RouteDecode`)
+//! and streams `DecodeNode.Generate` from it.
+//!
+//! A decode node that cannot be reached, or whose stream breaks, is
+//! remembered for a short while and excluded from the next routing, so the
+//! caller's retry lands on another node. HTTP/2 keep-alives bound how long a
+//! silent dead node can hold a stream open (a killed process on a reachable
+//! host is seen at once, from the connection reset). Dropping the returned
+//! stream resets the gRPC stream, which cancels the sequence on the node.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use baton_engine::{FinishReason, TokenOut, Usage};
+use baton_proto::common::NodeId;
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator::{EvictConversationRequest, RouteDecodeRequest};
+use baton_proto::node as pb;
+use baton_proto::node::decode_node_client::DecodeNodeClient;
+use futures::StreamExt;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+use super::{GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
+
+/// How long a failed decode node stays excluded from routing.
+const EXCLUDE_FOR: Duration = Duration::from_secs(10);
+
+/// Timeouts of the generator's connections.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// Connecting to the coordinator or a decode node.
+    pub connect_timeout: Duration,
+    /// Coordinator calls (routing, eviction).
+    pub request_timeout: Duration,
+    /// HTTP/2 keep-alive ping interval on decode-node connections; a node
+    /// that does not answer within `keepalive_timeout` fails the stream.
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(10),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A [`Generator`] over the cluster: coordinator routing plus decode-node streams.
+pub struct ClusterGenerator {
+    coordinator: CoordinatorClient<Channel>,
+    config: ClusterConfig,
+    /// Decode nodes that failed recently, by node ID.
+    failed: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl ClusterGenerator {
+    /// `coordinator_url` like `http://127.0.0.1:7100`. Connects lazily.
+    pub fn new(coordinator_url: &str, config: ClusterConfig) -> Result<Self, GenerateError> {
+        let channel = Endpoint::from_shared(coordinator_url.to_string())
+            .map_err(|e| GenerateError::Internal(format!("bad coordinator URL: {e}")))?
+            .connect_timeout(config.connect_timeout)
+            .timeout(config.request_timeout)
+            .connect_lazy();
+        Ok(ClusterGenerator { coordinator: CoordinatorClient::new(channel), config, failed: Arc::default() })
+    }
+
+    fn excluded(&self) -> Vec<NodeId> {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        failed.retain(|_, at| at.elapsed() < EXCLUDE_FOR);
+        failed.keys().map(|id| NodeId { id: id.clone() }).collect()
+    }
+
+    async fn route(&self, req: &GenerateRequest) -> Result<(String, String), GenerateError> {
+        let ask = RouteDecodeRequest {
+            routing_key: req.routing_key.clone(),
+            owner: req.owner.clone(),
+            prompt_tokens: req.prompt.len() as u32,
+            exclude: self.excluded(),
+        };
+        let r = self.coordinator.clone().route_decode(ask).await.map_err(status_error)?.into_inner();
+        let node = r.node.ok_or_else(|| GenerateError::Unavailable("no decode node".into()))?;
+        let id = node.node_id.map(|n| n.id).unwrap_or_default();
+        Ok((id, node.grpc_addr))
+    }
+
+    async fn open(&self, addr: &str, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
+        let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+        let channel = Endpoint::from_shared(url)
+            .map_err(|e| GenerateError::Internal(format!("bad decode node address: {e}")))?
+            .connect_timeout(self.config.connect_timeout)
+            .http2_keep_alive_interval(self.config.keepalive_interval)
+            .keep_alive_timeout(self.config.keepalive_timeout)
+            .keep_alive_while_idle(true)
+            .connect()
+            .await
+            .map_err(|e| GenerateError::Unavailable(format!("cannot reach the decode node: {e}")))?;
+        let s = &req.sampling;
+        let wire = pb::GenerateRequest {
+            turn: Some(pb::Turn {
+                prompt: req.prompt.clone(),
+                owner: req.owner.clone(),
+                platform_prefix_len: req.platform_prefix_len as u32,
+                conversation: req.routing_key.clone(),
+            }),
+            sampling: Some(pb::SamplingParams {
+                temperature: s.temperature,
+                top_k: s.top_k as u32,
+                top_p: s.top_p,
+                seed: s.seed,
+                max_tokens: s.max_tokens as u32,
+                stop_token_ids: s.stop_token_ids.clone(),
+                stop_strings: s.stop_strings.clone(),
+                logprobs: s.logprobs,
+                top_logprobs: s.top_logprobs as u32,
+                ignore_eos: false,
+            }),
+        };
+        let r = DecodeNodeClient::new(channel).generate(wire).await.map_err(status_error)?;
+        Ok(r.into_inner())
+    }
+
+    fn mark_failed(failed: &Mutex<HashMap<String, Instant>>, id: &str) {
+        if !id.is_empty() {
+            failed.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), Instant::now());
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Generator for ClusterGenerator {
+    async fn generate(&self, req: GenerateRequest) -> Result<GenerationStream, GenerateError> {
+        req.sampling.clone().validate().map_err(|e| GenerateError::BadRequest(e.to_string()))?;
+        let started = Instant::now();
+        // One immediate retry on another node when the chosen one is unreachable.
+        let mut last = None;
+        let mut opened = None;
+        for _ in 0..2 {
+            let (id, addr) = self.route(&req).await?;
+            match self.open(&addr, &req).await {
+                Ok(s) => {
+                    opened = Some((id, s));
+                    break;
+                }
+                Err(e @ GenerateError::Unavailable(_)) => {
+                    tracing::warn!(node = %id, "decode node unreachable; excluding it");
+                    Self::mark_failed(&self.failed, &id);
+                    last = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let Some((node, stream)) = opened else {
+            return Err(last.unwrap_or_else(|| GenerateError::Unavailable("no decode node".into())));
+        };
+        let failed = self.failed.clone();
+        let events = futures::stream::unfold(Some(stream), move |state| {
+            let failed = failed.clone();
+            let node = node.clone();
+            async move {
+                let mut s = state?;
+                match s.next().await {
+                    Some(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Token(t)) })) => {
+                        let out = TokenOut {
+                            id: t.id,
+                            text: t.text,
+                            logprob: t.logprob,
+                            top_logprobs: t.top_logprobs.into_iter().map(|x| (x.id, x.logprob)).collect(),
+                            elapsed: started.elapsed(),
+                        };
+                        Some((GenEvent::Token(out), Some(s)))
+                    }
+                    Some(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Finished(f)) })) => {
+                        let u = f.usage.unwrap_or_default();
+                        let usage = Usage {
+                            prompt_tokens: u.prompt_tokens as usize,
+                            cached_tokens: u.cached_tokens as usize,
+                            completion_tokens: u.completion_tokens as usize,
+                        };
+                        let reason = match pb::FinishReason::try_from(f.reason) {
+                            Ok(pb::FinishReason::Length) => FinishReason::Length,
+                            Ok(pb::FinishReason::Cancelled) => FinishReason::Cancelled,
+                            _ => FinishReason::Stop,
+                        };
+                        Some((GenEvent::Finished { reason, usage, trailing_text: f.trailing_text }, None))
+                    }
+                    Some(Ok(pb::GenerateEvent { event: None })) => {
+                        Some((GenEvent::Failed(GenerateError::Internal("empty event from the decode node".into())), None))
+                    }
+                    Some(Err(status)) => {
+                        let e = status_error(status);
+                        if matches!(e, GenerateError::Unavailable(_)) {
+                            Self::mark_failed(&failed, &node);
+                        }
+                        Some((GenEvent::Failed(e), None))
+                    }
+                    None => {
+                        Self::mark_failed(&failed, &node);
+                        Some((GenEvent::Failed(GenerateError::Unavailable("the decode node went away".into())), None))
+                    }
+                }
+            }
+        });
+        Ok(Box::pin(events))
+    }
+
+    async fn evict_conversation(&self, conversation: &str) -> Result<(), GenerateError> {
+        let ask = EvictConversationRequest { routing_key: conversation.to_string(), owner: String::new() };
+        let r = self.coordinator.clone().evict_conversation(ask).await.map_err(status_error)?.into_inner();
+        match r.acks.iter().find(|a| !a.ok) {
+            Some(a) => Err(GenerateError::Unavailable(format!(
+                "node {} did not evict: {}",
+                a.node_id.as_ref().map(|n| n.id.as_str()).unwrap_or("?"),
+                a.error
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The one place a gRPC status becomes a gateway error.
+fn status_error(s: tonic::Status) -> GenerateError {
+    match s.code() {
+        Code::InvalidArgument | Code::OutOfRange => GenerateError::BadRequest(s.message().to_string()),
+        Code::ResourceExhausted => GenerateError::Overloaded { retry_after: Duration::from_secs(1) },
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted | Code::Unknown => {
+            GenerateError::Unavailable(s.message().to_string())
+        }
+        _ => GenerateError::Internal(format!("{:?}: {}", s.code(), s.message())),
+    }
+}

@@ -201,9 +201,20 @@ pub fn build_app(
 /// `model` is the GGUF file whose tokenizer and template prompts are built
 /// with (used when the config names none).
 pub async fn run(config: Config, generator: Arc<dyn Generator>, model: &Path, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    let store = open_store(&config).await?;
+    run_with_store(config, generator, store, model, shutdown).await
+}
+
+/// [`run`] over a store the caller opened (e.g. after [`ensure_key`]).
+pub async fn run_with_store(
+    config: Config,
+    generator: Arc<dyn Generator>,
+    store: Arc<dyn ConversationStore>,
+    model: &Path,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let model = config.tokenizer_model.clone().unwrap_or_else(|| model.to_path_buf());
     let (tok, tmpl) = load_tokenizer(&model)?;
-    let store = open_store(&config).await?;
     let model_id = config
         .served_model_name
         .clone()

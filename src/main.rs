@@ -3,6 +3,7 @@
 mod bench_engine;
 mod certs;
 mod engine_args;
+mod gateway_cmd;
 mod generate;
 mod node_cmd;
 
@@ -31,6 +32,13 @@ enum Command {
     Simulate(baton_bench::SimulateArgs),
     /// Create development certificates for the KV transport's mutual TLS.
     Certs(certs::CertsArgs),
+    /// The API gateway (OpenAI-compatible API, conversations, web chat at /)
+    /// in front of an in-process engine.
+    Gateway(gateway_cmd::GatewayArgs),
+    /// API keys of the gateway: create, list, revoke.
+    Keys(gateway_cmd::KeysArgs),
+    /// A terminal chat client of the gateway's conversations API.
+    Chat(gateway_cmd::ChatArgs),
     /// A prefill node: computes prompt tails and ships their KV to decode nodes.
     Prefill(baton_prefill_node::Args),
     /// A decode node: warm prefixes, continuous batching, token streams.
@@ -56,6 +64,9 @@ fn main() {
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
         Command::Certs(a) => certs::run(a),
+        Command::Gateway(a) => gateway_cmd::run_gateway(a),
+        Command::Keys(a) => gateway_cmd::run_keys(a),
+        Command::Chat(a) => gateway_cmd::run_chat(a),
         Command::Prefill(a) => node_cmd::run_prefill(a),
         Command::Decode(a) => node_cmd::run_decode(a),
     };

@@ -14,7 +14,7 @@ use baton_api_gateway::{auth, build_app, load_tokenizer, Args, Config};
 use baton_engine::{FinishReason, TokenOut, Usage};
 use clap::Parser;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Emits `max_tokens` tokens as fast as they are read.
 struct FastTokens;
@@ -26,7 +26,13 @@ impl Generator for FastTokens {
         let prompt = req.prompt.len();
         let start = Instant::now();
         let tokens = (0..n).map(move |i| {
-            GenEvent::Token(TokenOut { id: 1000 + i as u32, text: " word".into(), logprob: None, top_logprobs: vec![], elapsed: start.elapsed() })
+            GenEvent::Token(TokenOut {
+                id: 1000 + i as u32,
+                text: " word".into(),
+                logprob: None,
+                top_logprobs: vec![],
+                elapsed: start.elapsed(),
+            })
         });
         let end = std::iter::once(GenEvent::Finished {
             reason: FinishReason::Length,
@@ -86,48 +92,62 @@ fn main() {
             "messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Tell me about the sea and its creatures, please."}]
         })
         .to_string();
-        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let started = Instant::now();
-        let mut tasks = Vec::new();
-        for _ in 0..concurrency {
-            let (client, body, next) = (client.clone(), body.clone(), next.clone());
-            tasks.push(tokio::spawn(async move {
-                let (mut first, mut per_token) = (Vec::new(), Vec::new());
-                while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
-                    let t0 = Instant::now();
-                    let mut r = client.send(Method::POST, "/v1/chat/completions", Some(body.clone().into_bytes()), &[]).await.unwrap();
-                    assert_eq!(r.status, 200);
-                    let mut t_first = None;
-                    let mut n = 0usize;
-                    while let Some(ev) = r.next_event().await.unwrap() {
-                        if ev.data.contains("\"content\":\" word\"") {
-                            n += 1;
-                            t_first.get_or_insert_with(|| t0.elapsed());
-                        }
-                    }
-                    let total = t0.elapsed();
-                    let tf = t_first.unwrap_or(total);
-                    first.push(tf.as_secs_f64());
-                    if n > 1 {
-                        per_token.push((total - tf).as_secs_f64() / (n - 1) as f64);
+        for conc in [1, concurrency] {
+            let requests = if conc == 1 { requests.min(500) } else { requests };
+            phase(&client, &body, conc, requests, tokens).await;
+        }
+    });
+}
+
+async fn phase(client: &Client, body: &str, concurrency: usize, requests: usize, tokens: usize) {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (client, body, next) = (client.clone(), body.to_string(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut first, mut per_token) = (Vec::new(), Vec::new());
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
+                let t0 = Instant::now();
+                let mut r = client.send(Method::POST, "/v1/chat/completions", Some(body.clone().into_bytes()), &[]).await.unwrap();
+                assert_eq!(r.status, 200);
+                let mut t_first = None;
+                let mut n = 0usize;
+                while let Some(ev) = r.next_event().await.unwrap() {
+                    if ev.data.contains("\"content\":\" word\"") {
+                        n += 1;
+                        t_first.get_or_insert_with(|| t0.elapsed());
                     }
                 }
-                (first, per_token)
-            }));
-        }
-        let (mut first, mut per_token) = (Vec::new(), Vec::new());
-        for t in tasks {
-            let (f, p) = t.await.unwrap();
-            first.extend(f);
-            per_token.extend(p);
-        }
-        let secs = started.elapsed().as_secs_f64();
-        let ms = |s: f64| s * 1e3;
-        let us = |s: f64| s * 1e6;
-        println!("gateway load benchmark (fast in-process token source): {requests} streamed requests, {tokens} tokens each, {concurrency} concurrent");
-        println!("  throughput          {:.0} requests/s, {:.0} tokens/s", requests as f64 / secs, (requests * tokens) as f64 / secs);
-        println!("  added latency/turn  p50 {:.3} ms  p99 {:.3} ms (request to first token)", ms(pct(&mut first, 0.5)), ms(pct(&mut first, 0.99)));
-        println!("  added latency/token p50 {:.1} us  p99 {:.1} us (between streamed tokens)", us(pct(&mut per_token, 0.5)), us(pct(&mut per_token, 0.99)));
-        let _ = Duration::ZERO;
-    });
+                let total = t0.elapsed();
+                let tf = t_first.unwrap_or(total);
+                first.push(tf.as_secs_f64());
+                if n > 1 {
+                    per_token.push((total - tf).as_secs_f64() / (n - 1) as f64);
+                }
+            }
+            (first, per_token)
+        }));
+    }
+    let (mut first, mut per_token) = (Vec::new(), Vec::new());
+    for t in tasks {
+        let (f, p) = t.await.unwrap();
+        first.extend(f);
+        per_token.extend(p);
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let ms = |s: f64| s * 1e3;
+    let us = |s: f64| s * 1e6;
+    println!("gateway load benchmark (fast in-process token source): {requests} streamed requests, {tokens} tokens each, {concurrency} concurrent");
+    println!("  throughput          {:.0} requests/s, {:.0} tokens/s", requests as f64 / secs, (requests * tokens) as f64 / secs);
+    println!(
+        "  added latency/turn  p50 {:.3} ms  p99 {:.3} ms (request to first token)",
+        ms(pct(&mut first, 0.5)),
+        ms(pct(&mut first, 0.99))
+    );
+    println!(
+        "  added latency/token p50 {:.1} us  p99 {:.1} us (between streamed tokens)",
+        us(pct(&mut per_token, 0.5)),
+        us(pct(&mut per_token, 0.99))
+    );
 }

@@ -62,9 +62,7 @@ fn bearer(parts: &Parts) -> Option<String> {
             return Some(k.trim().to_string());
         }
     }
-    parts.uri.query().and_then(|q| {
-        q.split('&').find_map(|kv| kv.strip_prefix("key=").map(|k| k.to_string()))
-    })
+    parts.uri.query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("key=").map(|k| k.to_string())))
 }
 
 impl FromRequestParts<Arc<App>> for AuthUser {

@@ -4,10 +4,10 @@
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-pub use hyper::{Method, StatusCode};
 use hyper::Request;
-use hyper_util::client::legacy::Client as HyperClient;
+pub use hyper::{Method, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
 
 /// One server-sent event.
@@ -58,7 +58,12 @@ impl Client {
     }
 
     /// Sends JSON and reads the whole reply as JSON (`Null` if not JSON).
-    pub async fn json(&self, method: Method, path: &str, body: Option<&serde_json::Value>) -> anyhow::Result<(StatusCode, serde_json::Value)> {
+    pub async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> anyhow::Result<(StatusCode, serde_json::Value)> {
         let r = self.send(method, path, body.map(|b| b.to_string().into_bytes()), &[]).await?;
         let status = r.status;
         let bytes = r.bytes().await?;

@@ -30,6 +30,12 @@ pub struct Prompt {
     pub platform_prefix_len: usize,
 }
 
+/// How a stored summary is introduced in the prompt.
+pub const SUMMARY_PREFIX: &str = "Summary of the earlier conversation: ";
+
+/// The request that asks the model for a summary, appended as a user turn.
+pub const SUMMARY_REQUEST: &str = "Summarize our conversation so far in a few sentences, keeping names, facts and decisions.";
+
 fn placeholder(i: usize) -> String {
     format!("\u{E000}{i}\u{E001}")
 }
@@ -50,7 +56,12 @@ pub struct ContextBuilder {
 }
 
 impl ContextBuilder {
-    pub fn new(tokenizer: Arc<Tokenizer>, template: Arc<ChatTemplate>, system_prompt: String, system_prompt_version: u32) -> Result<Self, ContextError> {
+    pub fn new(
+        tokenizer: Arc<Tokenizer>,
+        template: Arc<ChatTemplate>,
+        system_prompt: String,
+        system_prompt_version: u32,
+    ) -> Result<Self, ContextError> {
         let mut b = ContextBuilder {
             tokenizer,
             template,
@@ -110,6 +121,45 @@ impl ContextBuilder {
             ids.extend(self.encode_content(&messages[i].content)?);
         }
         ids.extend(self.encode_framing(&pieces[order.len()])?);
+        Ok(Prompt { ids, platform_prefix_len })
+    }
+
+    /// Appends framing tokens; a reply that ended on the end-of-turn token
+    /// already holds the framing's first token.
+    fn push_framing(&self, ids: &mut Vec<u32>, framing: &[u32]) {
+        match (ids.last(), framing.first()) {
+            (Some(&last), Some(&first)) if last == first && self.tokenizer.is_special(last) => ids.extend_from_slice(&framing[1..]),
+            _ => ids.extend_from_slice(framing),
+        }
+    }
+
+    /// The prompt rebuilt at a summary boundary: system prompt, the summary,
+    /// the recent turns (user text and the exact reply token IDs), the new
+    /// message. Later turns append to it as usual.
+    pub fn with_summary(&self, summary: &str, recent: &[(&str, &[u32])], message: &str) -> Result<Prompt, ContextError> {
+        let mut msgs = vec![ChatMessage::system(self.system_prompt.clone()), ChatMessage::system(format!("{SUMMARY_PREFIX}{summary}"))];
+        for (user, _) in recent {
+            msgs.push(ChatMessage::user(*user));
+            msgs.push(ChatMessage::assistant(""));
+        }
+        msgs.push(ChatMessage::user(message));
+        let (order, pieces) = self.render_pieces(&msgs, true)?;
+        let mut ids = Vec::new();
+        let mut platform_prefix_len = 0;
+        for (k, &i) in order.iter().enumerate() {
+            let framing = self.encode_framing(&pieces[k])?;
+            self.push_framing(&mut ids, &framing);
+            if k == 1 {
+                platform_prefix_len = ids.len();
+            }
+            if msgs[i].role == "assistant" {
+                ids.extend_from_slice(recent[(i - 3) / 2].1);
+            } else {
+                ids.extend(self.encode_content(&msgs[i].content)?);
+            }
+        }
+        let tail = self.encode_framing(&pieces[order.len()])?;
+        self.push_framing(&mut ids, &tail);
         Ok(Prompt { ids, platform_prefix_len })
     }
 

@@ -34,7 +34,7 @@ struct CreateBody {
 
 fn conv_json(c: &Conversation) -> Value {
     json!({"id": c.id, "object": "conversation", "title": c.title, "system_prompt_version": c.system_prompt_version,
-           "created_at": c.created_at, "updated_at": c.updated_at})
+           "created_at": c.created_at, "updated_at": c.updated_at, "summary": c.summary})
 }
 
 fn check_id(id: &str) -> Result<(), ApiError> {
@@ -66,6 +66,7 @@ pub async fn create(State(app): State<Arc<App>>, AuthUser(user): AuthUser, body:
         system_prompt_version: app.context.system_prompt_version,
         created_at: now,
         updated_at: now,
+        summary: None,
     };
     app.store.create_conversation(&c).await?;
     Ok((StatusCode::CREATED, Json(conv_json(&c))).into_response())
@@ -204,7 +205,20 @@ pub async fn add_turn(
     }
     app.checks.check_input(&body.message).map_err(|r| ApiError::new(StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
     let prev = turns.iter().rev().find(|t| t.state.in_context() && t.turn_id != turn_id);
+    let threshold = app.config.summary_threshold_tokens;
     let prompt = match prev {
+        Some(p) if threshold > 0 && p.prompt_ids.len() + p.output_ids.len() > threshold => {
+            // A turn boundary past the threshold: summarize, store the summary,
+            // and rebuild the prompt once; later turns append to it.
+            let summary = summarize(&app, &user, &id, p).await?;
+            app.store.set_summary(&id, &summary).await?;
+            let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id).collect();
+            let keep = app.config.summary_keep_turns.min(in_context.len());
+            let recent: Vec<(&str, &[u32])> =
+                in_context[in_context.len() - keep..].iter().map(|t| (t.user_text.as_str(), t.output_ids.as_slice())).collect();
+            tracing::info!(conversation = %id, kept_turns = keep, "history summarized");
+            app.context.with_summary(&summary, &recent, &body.message)
+        }
         Some(p) => app.context.next_turn(&p.prompt_ids, &p.output_ids, &body.message),
         None => app.context.first_turn(&body.message),
     }
@@ -237,6 +251,38 @@ pub async fn add_turn(
     drop(admission);
     metrics::turn("started");
     Ok(respond_live(app, live, from, stream).await)
+}
+
+/// Asks the model for a summary of the history up to and including `last`
+/// (greedy, appended to that turn's tokens so the prefix cache serves it).
+async fn summarize(app: &Arc<App>, user: &str, conversation: &str, last: &Turn) -> Result<String, ApiError> {
+    let prompt = app
+        .context
+        .next_turn(&last.prompt_ids, &last.output_ids, crate::context::SUMMARY_REQUEST)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let sampling = SamplingParams { temperature: 0.0, max_tokens: app.config.summary_max_tokens, ..SamplingParams::default() };
+    let mut events = app
+        .generator
+        .generate(crate::generator::GenerateRequest {
+            prompt: prompt.ids,
+            owner: user.to_string(),
+            platform_prefix_len: prompt.platform_prefix_len,
+            routing_key: conversation.to_string(),
+            sampling,
+        })
+        .await?;
+    let mut text = String::new();
+    while let Some(ev) = events.next().await {
+        match ev {
+            crate::generator::GenEvent::Token(t) => text.push_str(&t.text),
+            crate::generator::GenEvent::Finished { trailing_text, .. } => {
+                text.push_str(&trailing_text);
+                break;
+            }
+            crate::generator::GenEvent::Failed(e) => return Err(e.into()),
+        }
+    }
+    Ok(text.trim().to_string())
 }
 
 fn sse_event(pos: usize, ev: &TurnEvent) -> Event {

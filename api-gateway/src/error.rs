@@ -89,9 +89,7 @@ impl From<GenerateError> for ApiError {
                 ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "overloaded", "the model service is overloaded; retry later")
             },
             GenerateError::BadRequest(m) => ApiError::bad_request(m),
-            e @ GenerateError::ContextTooLong { .. } => {
-                ApiError::new(StatusCode::BAD_REQUEST, "context_length_exceeded", e.to_string())
-            }
+            e @ GenerateError::ContextTooLong { .. } => ApiError::new(StatusCode::BAD_REQUEST, "context_length_exceeded", e.to_string()),
             GenerateError::Internal(m) => {
                 tracing::error!(error = %m, "generator internal error");
                 ApiError::internal()

@@ -87,6 +87,16 @@ pub struct Args {
     /// Hosts whose links replies may keep (comma-separated); others become plain text.
     #[arg(long, env = "BATON_LINK_ALLOWLIST", value_delimiter = ',')]
     pub link_allowlist: Vec<String>,
+    /// Summarize a conversation at the turn boundary where its history passes
+    /// this many tokens (0: never).
+    #[arg(long, env = "BATON_SUMMARY_THRESHOLD_TOKENS", default_value_t = 6000)]
+    pub summary_threshold_tokens: usize,
+    /// Recent turns kept verbatim after a summary.
+    #[arg(long, env = "BATON_SUMMARY_KEEP_TURNS", default_value_t = 2)]
+    pub summary_keep_turns: usize,
+    /// Longest summary, in tokens.
+    #[arg(long, env = "BATON_SUMMARY_MAX_TOKENS", default_value_t = 256)]
+    pub summary_max_tokens: usize,
     /// Seconds a turn keeps generating after its last client disconnected
     /// (a reconnect with Last-Event-ID within it resumes).
     #[arg(long, env = "BATON_RESUME_GRACE_SECONDS", default_value_t = 10)]
@@ -109,6 +119,9 @@ pub struct Config {
     pub rules: RuleCheck,
     pub link_allowlist: Vec<String>,
     pub resume_grace: Duration,
+    pub summary_threshold_tokens: usize,
+    pub summary_keep_turns: usize,
+    pub summary_max_tokens: usize,
 }
 
 impl TryFrom<Args> for Config {
@@ -146,6 +159,9 @@ impl TryFrom<Args> for Config {
             rules,
             link_allowlist: a.link_allowlist.into_iter().map(|h| h.trim().to_string()).filter(|h| !h.is_empty()).collect(),
             resume_grace: Duration::from_secs(a.resume_grace_seconds),
+            summary_threshold_tokens: a.summary_threshold_tokens,
+            summary_keep_turns: a.summary_keep_turns,
+            summary_max_tokens: a.summary_max_tokens.max(1),
         })
     }
 }
@@ -191,6 +207,7 @@ pub fn build_app(
         live: Default::default(),
         admission: Default::default(),
         model_id,
+        overrides_cache: Default::default(),
         generator,
         store,
         config,
@@ -200,7 +217,12 @@ pub fn build_app(
 /// Runs the gateway in front of `generator` until `shutdown` completes.
 /// `model` is the GGUF file whose tokenizer and template prompts are built
 /// with (used when the config names none).
-pub async fn run(config: Config, generator: Arc<dyn Generator>, model: &Path, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+pub async fn run(
+    config: Config,
+    generator: Arc<dyn Generator>,
+    model: &Path,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let store = open_store(&config).await?;
     run_with_store(config, generator, store, model, shutdown).await
 }

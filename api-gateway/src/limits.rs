@@ -18,6 +18,32 @@ pub struct LimitConfig {
     pub output_tokens_per_hour: f64,
 }
 
+/// Per-user overrides of the defaults (unset fields keep the default).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LimitOverrides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turns_per_minute: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open_streams: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_per_hour: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_tokens_per_hour: Option<f64>,
+}
+
+impl LimitConfig {
+    /// The defaults with `o` applied.
+    pub fn with(&self, o: Option<&LimitOverrides>) -> LimitConfig {
+        let Some(o) = o else { return self.clone() };
+        LimitConfig {
+            turns_per_minute: o.turns_per_minute.unwrap_or(self.turns_per_minute),
+            open_streams: o.open_streams.unwrap_or(self.open_streams),
+            prompt_tokens_per_hour: o.prompt_tokens_per_hour.unwrap_or(self.prompt_tokens_per_hour),
+            output_tokens_per_hour: o.output_tokens_per_hour.unwrap_or(self.output_tokens_per_hour),
+        }
+    }
+}
+
 /// A token bucket: holds up to `capacity`, refills `rate` per second.
 #[derive(Clone, Debug)]
 pub struct Bucket {
@@ -30,6 +56,14 @@ pub struct Bucket {
 impl Bucket {
     pub fn new(capacity: f64, per: Duration, now: Instant) -> Self {
         Bucket { capacity, rate: capacity / per.as_secs_f64(), level: capacity, last: now }
+    }
+
+    /// Changes capacity and rate, keeping the level (capped).
+    fn reconfigure(&mut self, capacity: f64, per: Duration, now: Instant) {
+        self.refill(now);
+        self.capacity = capacity;
+        self.rate = capacity / per.as_secs_f64();
+        self.level = self.level.min(capacity);
     }
 
     fn refill(&mut self, now: Instant) {
@@ -58,6 +92,7 @@ impl Bucket {
 }
 
 struct UserState {
+    config: LimitConfig,
     turns: Bucket,
     prompt: Bucket,
     output: Bucket,
@@ -115,15 +150,27 @@ impl Limiter {
 
     /// Admits one turn with `prompt_tokens`, or says which limit refuses it.
     pub fn admit(self: &Arc<Self>, user: &str, prompt_tokens: usize) -> Result<Permit, Refused> {
+        self.admit_with(user, prompt_tokens, None)
+    }
+
+    /// [`Self::admit`] under the user's overrides.
+    pub fn admit_with(self: &Arc<Self>, user: &str, prompt_tokens: usize, overrides: Option<&LimitOverrides>) -> Result<Permit, Refused> {
         let now = Instant::now();
-        let c = &self.config;
+        let c = &self.config.with(overrides);
         let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
         let u = users.entry(user.to_string()).or_insert_with(|| UserState {
+            config: c.clone(),
             turns: Bucket::new(c.turns_per_minute, Duration::from_secs(60), now),
             prompt: Bucket::new(c.prompt_tokens_per_hour, Duration::from_secs(3600), now),
             output: Bucket::new(c.output_tokens_per_hour, Duration::from_secs(3600), now),
             open: 0,
         });
+        if u.config != *c {
+            u.turns.reconfigure(c.turns_per_minute, Duration::from_secs(60), now);
+            u.prompt.reconfigure(c.prompt_tokens_per_hour, Duration::from_secs(3600), now);
+            u.output.reconfigure(c.output_tokens_per_hour, Duration::from_secs(3600), now);
+            u.config = c.clone();
+        }
         if u.open >= c.open_streams {
             return Err(Refused { limit: "open_streams", retry_after: Duration::from_secs(1) });
         }
@@ -180,5 +227,17 @@ mod tests {
         drop(p);
         assert_eq!(l.admit("b", 1).unwrap_err().limit, "output_tokens_per_hour");
         assert!(l.admit("other", 1).is_ok(), "limits are per user");
+    }
+
+    #[test]
+    fn overrides_replace_the_defaults() {
+        let l = Limiter::new(cfg());
+        let o = LimitOverrides { open_streams: Some(3), ..Default::default() };
+        let held: Vec<_> = (0..2).map(|_| l.admit_with("vip", 1, Some(&o)).unwrap()).collect();
+        assert_eq!(l.admit_with("vip", 1, Some(&o)).unwrap_err().limit, "turns_per_minute");
+        drop(held);
+        let o = LimitOverrides { turns_per_minute: Some(120.0), ..Default::default() };
+        let r = l.admit_with("vip", 1, Some(&o)).unwrap_err();
+        assert!(r.retry_after <= Duration::from_millis(500), "the new rate applies at once: {r:?}");
     }
 }

@@ -159,12 +159,7 @@ pub fn parse_chat(body: &[u8], default_max_tokens: usize) -> Result<ValidChat, A
         ..SamplingParams::default()
     };
     let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
-    Ok(ValidChat {
-        messages,
-        sampling,
-        stream: req.stream,
-        include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
-    })
+    Ok(ValidChat { messages, sampling, stream: req.stream, include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false) })
 }
 
 /// The routing key of a plain OpenAI request.
@@ -191,12 +186,19 @@ pub async fn models(State(app): State<Arc<App>>, _user: AuthUser) -> Json<Value>
     }))
 }
 
-pub async fn chat_completions(State(app): State<Arc<App>>, AuthUser(user): AuthUser, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub async fn chat_completions(
+    State(app): State<Arc<App>>,
+    AuthUser(user): AuthUser,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     metrics::request("chat_completions");
     let body = read_body(body, app.config.max_body_bytes).await?;
     let chat = parse_chat(&body, app.config.default_max_tokens)?;
     if let Some(last_user) = chat.messages.iter().rev().find(|m| m.role == "user") {
-        app.checks.check_input(&last_user.content).map_err(|r| ApiError::new(axum::http::StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
+        app.checks
+            .check_input(&last_user.content)
+            .map_err(|r| ApiError::new(axum::http::StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
     }
     let prompt = app.context.encode_messages(&chat.messages).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let key = match headers.get(CONVERSATION_HEADER).and_then(|v| v.to_str().ok()) {
@@ -306,7 +308,16 @@ impl StreamState {
 }
 
 fn stream_response(app: Arc<App>, reply: Reply, id: String, created: i64, chat: ValidChat) -> impl IntoResponse {
-    let state = StreamState { app, reply, id, created, include_usage: chat.include_usage, sent_role: false, queue: Default::default(), done: false };
+    let state = StreamState {
+        app,
+        reply,
+        id,
+        created,
+        include_usage: chat.include_usage,
+        sent_role: false,
+        queue: Default::default(),
+        done: false,
+    };
     let stream = futures::stream::unfold(state, |mut s| async move {
         loop {
             if let Some(ev) = s.queue.pop_front() {
@@ -395,8 +406,22 @@ mod tests {
         leaf.prop_recursive(3, 24, 4, |inner| {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-                prop::collection::vec((prop_oneof![Just("messages".to_string()), Just("role".to_string()), Just("content".to_string()), Just("max_tokens".to_string()), Just("stop".to_string()), Just("temperature".to_string()), "[a-z]{1,6}".prop_map(|s| s)], inner), 0..5)
-                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+                prop::collection::vec(
+                    (
+                        prop_oneof![
+                            Just("messages".to_string()),
+                            Just("role".to_string()),
+                            Just("content".to_string()),
+                            Just("max_tokens".to_string()),
+                            Just("stop".to_string()),
+                            Just("temperature".to_string()),
+                            "[a-z]{1,6}".prop_map(|s| s)
+                        ],
+                        inner
+                    ),
+                    0..5
+                )
+                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
             ]
         })
     }

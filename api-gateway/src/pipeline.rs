@@ -75,7 +75,8 @@ impl App {
         sampling: SamplingParams,
     ) -> Result<Reply, ApiError> {
         let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
-        let permit = self.limiter.admit(user, prompt.ids.len()).map_err(|r| {
+        let overrides = self.limit_overrides(user).await?;
+        let permit = self.limiter.admit_with(user, prompt.ids.len(), overrides.as_ref()).map_err(|r| {
             metrics::rate_limited(r.limit);
             ApiError::rate_limited(r.limit, r.retry_after)
         })?;
@@ -106,6 +107,25 @@ impl App {
             text: String::new(),
             ended: false,
         })
+    }
+}
+
+impl App {
+    /// The user's limit overrides, cached for a few seconds.
+    async fn limit_overrides(&self, user: &str) -> Result<Option<crate::limits::LimitOverrides>, ApiError> {
+        const TTL: std::time::Duration = std::time::Duration::from_secs(10);
+        if let Some((o, at)) = self.overrides_cache.lock().unwrap_or_else(|p| p.into_inner()).get(user) {
+            if at.elapsed() < TTL {
+                return Ok(o.clone());
+            }
+        }
+        let o = self.store.user_limits(user).await?;
+        let mut cache = self.overrides_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() > 100_000 {
+            cache.clear();
+        }
+        cache.insert(user.to_string(), (o.clone(), Instant::now()));
+        Ok(o)
     }
 }
 

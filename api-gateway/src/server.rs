@@ -38,6 +38,8 @@ pub struct App {
     /// Serializes turn admission (idempotency decisions see each other).
     pub admission: tokio::sync::Mutex<()>,
     pub model_id: String,
+    /// Users' limit overrides with when they were read.
+    pub overrides_cache: std::sync::Mutex<std::collections::HashMap<String, (Option<crate::limits::LimitOverrides>, std::time::Instant)>>,
 }
 
 /// Reads a whole body, refusing more than `limit` bytes with 413.
@@ -80,7 +82,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/conversations/{id}/turns/{turn_id}/events", get(conversations::events))
         .route("/v1/conversations/{id}/turns/{turn_id}/stop", post(conversations::stop))
         .fallback(fallback)
-        .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed")
+        })
         .with_state(app)
 }
 

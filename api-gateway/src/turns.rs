@@ -146,7 +146,14 @@ const LOG_BATCH: usize = 16;
 /// Registers a live turn and spawns its runner; returns the turn.
 pub fn spawn(app: Arc<App>, conversation: String, turn_id: String, request_hash: String, reply: Reply) -> Arc<LiveTurn> {
     let (count, _) = watch::channel(0);
-    let live = Arc::new(LiveTurn { turn_id: turn_id.clone(), request_hash, events: Mutex::new(Vec::new()), count, cancel: Notify::new(), followers: AtomicUsize::new(0) });
+    let live = Arc::new(LiveTurn {
+        turn_id: turn_id.clone(),
+        request_hash,
+        events: Mutex::new(Vec::new()),
+        count,
+        cancel: Notify::new(),
+        followers: AtomicUsize::new(0),
+    });
     app.live.insert(&conversation, live.clone());
     let l = live.clone();
     tokio::spawn(async move { run(app, l, conversation, turn_id, reply).await });
@@ -216,7 +223,11 @@ async fn run(app: Arc<App>, live: Arc<LiveTurn>, conversation: String, turn_id: 
         state,
         finish_reason,
         reply: reply.text.clone(),
-        usage: UsageJson { prompt_tokens: stored.prompt_tokens, cached_tokens: stored.cached_tokens, completion_tokens: stored.completion_tokens },
+        usage: UsageJson {
+            prompt_tokens: stored.prompt_tokens,
+            cached_tokens: stored.cached_tokens,
+            completion_tokens: stored.completion_tokens,
+        },
     }));
     app.live.remove(&conversation);
     // Followers that wait for `changed` see the sender's last value; keep the

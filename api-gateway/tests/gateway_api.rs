@@ -53,7 +53,8 @@ async fn openai_chat_completions_streaming_and_not() {
     assert_eq!(st, StatusCode::OK);
     assert_eq!(v["data"][0]["id"], "smollm2");
 
-    let (st, full) = c.json(Method::POST, "/v1/chat/completions", Some(&chat_body(json!({"logprobs": true, "top_logprobs": 2})))).await.unwrap();
+    let (st, full) =
+        c.json(Method::POST, "/v1/chat/completions", Some(&chat_body(json!({"logprobs": true, "top_logprobs": 2})))).await.unwrap();
     assert_eq!(st, StatusCode::OK, "{full}");
     assert_eq!(full["object"], "chat.completion");
     let content = full["choices"][0]["message"]["content"].as_str().unwrap().to_string();
@@ -117,10 +118,19 @@ async fn turns_append_token_ids_and_hit_the_cache() {
     let Some(s) = common::start(&[]).await else { return };
     let c = s.client();
     let conv = new_conversation(&c).await;
-    let (_, t1, done1) = read_turn(turn(&c, &conv, json!({"turn_id": "a1", "message": "Hi! Who are you?", "max_tokens": 16, "temperature": 0}), &[]).await).await;
+    let (_, t1, done1) =
+        read_turn(turn(&c, &conv, json!({"turn_id": "a1", "message": "Hi! Who are you?", "max_tokens": 16, "temperature": 0}), &[]).await)
+            .await;
     assert_eq!(done1["state"], "done");
     assert_eq!(done1["reply"].as_str().unwrap(), t1);
-    let (st, v) = c.json(Method::POST, &format!("/v1/conversations/{conv}/turns"), Some(&json!({"turn_id": "a2", "message": "And what can you do?", "max_tokens": 8, "temperature": 0, "stream": false}))).await.unwrap();
+    let (st, v) = c
+        .json(
+            Method::POST,
+            &format!("/v1/conversations/{conv}/turns"),
+            Some(&json!({"turn_id": "a2", "message": "And what can you do?", "max_tokens": 8, "temperature": 0, "stream": false})),
+        )
+        .await
+        .unwrap();
     assert_eq!(st, StatusCode::OK, "{v}");
     assert!(v["usage"]["cached_tokens"].as_i64().unwrap() >= 16, "turn 2 must reuse turn 1's KV: {v}");
     let turns = s.store.list_turns(&conv).await.unwrap();
@@ -183,7 +193,13 @@ async fn stopped_turn_next_prompt_holds_exactly_the_partial_reply() {
     let Some(s) = common::start(&[]).await else { return };
     let c = s.client();
     let conv = new_conversation(&c).await;
-    let mut r = turn(&c, &conv, json!({"turn_id": "long", "message": "Write a long essay about the sea.", "max_tokens": 400, "temperature": 0}), &[]).await;
+    let mut r = turn(
+        &c,
+        &conv,
+        json!({"turn_id": "long", "message": "Write a long essay about the sea.", "max_tokens": 400, "temperature": 0}),
+        &[],
+    )
+    .await;
     let mut seen = String::new();
     let mut n = 0;
     while n < 4 {
@@ -212,7 +228,14 @@ async fn stopped_turn_next_prompt_holds_exactly_the_partial_reply() {
     assert_eq!(t.state, TurnState::Stopped);
     assert!(t.output_ids.len() < 400, "the sequence was cancelled");
     assert_eq!(s.engine.tokenizer.decode(&t.output_ids), partial, "stored token IDs are the reply the user saw");
-    let (st, _) = c.json(Method::POST, &format!("/v1/conversations/{conv}/turns"), Some(&json!({"turn_id": "next", "message": "Go on.", "max_tokens": 4, "stream": false}))).await.unwrap();
+    let (st, _) = c
+        .json(
+            Method::POST,
+            &format!("/v1/conversations/{conv}/turns"),
+            Some(&json!({"turn_id": "next", "message": "Go on.", "max_tokens": 4, "stream": false})),
+        )
+        .await
+        .unwrap();
     assert_eq!(st, StatusCode::OK);
     let next = s.store.get_turn(&conv, "next").await.unwrap().unwrap();
     let mut expect = t.prompt_ids.clone();
@@ -263,7 +286,11 @@ async fn delete_leaves_no_row_and_no_kv_block() {
     assert!(s.store.get_conversation("alice", &conv).await.unwrap().is_none());
     assert!(s.store.list_turns(&conv).await.unwrap().is_empty());
     assert!(s.store.read_log(&conv, "d1", 0).await.unwrap().is_empty());
-    assert_eq!(s.engine.evict_conversation(baton_engine::kv::ConversationId::new(conv.clone())).unwrap(), 0, "no KV block of the conversation is left");
+    assert_eq!(
+        s.engine.evict_conversation(baton_engine::kv::ConversationId::new(conv.clone())).unwrap(),
+        0,
+        "no KV block of the conversation is left"
+    );
     assert_eq!(c.json(Method::GET, &format!("/v1/conversations/{conv}"), None).await.unwrap().0, StatusCode::NOT_FOUND);
 }
 
@@ -273,7 +300,15 @@ async fn limits_answer_429_with_retry_after() {
     let c = s.client();
     let body = chat_body(json!({"max_tokens": 2}));
     // Open streams: a second stream while one is open.
-    let r1 = c.send(Method::POST, "/v1/chat/completions", Some(chat_body(json!({"stream": true, "max_tokens": 200})).to_string().into_bytes()), &[]).await.unwrap();
+    let r1 = c
+        .send(
+            Method::POST,
+            "/v1/chat/completions",
+            Some(chat_body(json!({"stream": true, "max_tokens": 200})).to_string().into_bytes()),
+            &[],
+        )
+        .await
+        .unwrap();
     assert_eq!(r1.status, StatusCode::OK);
     let r2 = c.send(Method::POST, "/v1/chat/completions", Some(body.to_string().into_bytes()), &[]).await.unwrap();
     assert_eq!(r2.status, StatusCode::TOO_MANY_REQUESTS);
@@ -303,17 +338,42 @@ async fn malformed_requests_get_the_right_status_and_store_nothing() {
         ("not json", "/v1/chat/completions".into(), b"{nope".to_vec(), StatusCode::BAD_REQUEST),
         ("wrong type", "/v1/chat/completions".into(), br#"{"messages": "hi"}"#.to_vec(), StatusCode::BAD_REQUEST),
         ("empty messages", "/v1/chat/completions".into(), br#"{"messages": []}"#.to_vec(), StatusCode::BAD_REQUEST),
-        ("bad role", "/v1/chat/completions".into(), br#"{"messages": [{"role": "wizard", "content": "x"}]}"#.to_vec(), StatusCode::BAD_REQUEST),
-        ("temperature", "/v1/chat/completions".into(), br#"{"messages": [{"role": "user", "content": "x"}], "temperature": 9}"#.to_vec(), StatusCode::BAD_REQUEST),
-        ("top_logprobs w/o logprobs", "/v1/chat/completions".into(), br#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}"#.to_vec(), StatusCode::BAD_REQUEST),
-        ("max_tokens negative", "/v1/chat/completions".into(), br#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}"#.to_vec(), StatusCode::BAD_REQUEST),
+        (
+            "bad role",
+            "/v1/chat/completions".into(),
+            br#"{"messages": [{"role": "wizard", "content": "x"}]}"#.to_vec(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "temperature",
+            "/v1/chat/completions".into(),
+            br#"{"messages": [{"role": "user", "content": "x"}], "temperature": 9}"#.to_vec(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "top_logprobs w/o logprobs",
+            "/v1/chat/completions".into(),
+            br#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}"#.to_vec(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "max_tokens negative",
+            "/v1/chat/completions".into(),
+            br#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}"#.to_vec(),
+            StatusCode::BAD_REQUEST,
+        ),
         ("invalid utf-8", turns.clone(), b"{\"message\": \"\xff\xfe\"}".to_vec(), StatusCode::BAD_REQUEST),
         ("huge body", turns.clone(), format!("{{\"message\": \"{}\"}}", "a".repeat(10_000)).into_bytes(), StatusCode::PAYLOAD_TOO_LARGE),
         ("unknown field", turns.clone(), br#"{"message": "x", "user": "bob"}"#.to_vec(), StatusCode::BAD_REQUEST),
         ("missing message", turns.clone(), br#"{"turn_id": "x"}"#.to_vec(), StatusCode::BAD_REQUEST),
         ("bad turn id", turns.clone(), br#"{"message": "x", "turn_id": "a b/../c"}"#.to_vec(), StatusCode::BAD_REQUEST),
         ("unknown conversation", "/v1/conversations/conv-nope/turns".into(), br#"{"message": "x"}"#.to_vec(), StatusCode::NOT_FOUND),
-        ("other user's conversation", format!("/v1/conversations/{bob_conv}/turns"), br#"{"message": "x"}"#.to_vec(), StatusCode::NOT_FOUND),
+        (
+            "other user's conversation",
+            format!("/v1/conversations/{bob_conv}/turns"),
+            br#"{"message": "x"}"#.to_vec(),
+            StatusCode::NOT_FOUND,
+        ),
     ];
     for (name, path, body, status) in cases {
         let r = c.send(Method::POST, &path, Some(body), &[]).await.unwrap();
@@ -325,4 +385,29 @@ async fn malformed_requests_get_the_right_status_and_store_nothing() {
     assert!(s.store.list_turns(&conv).await.unwrap().is_empty(), "nothing stored");
     assert!(s.store.list_turns(&bob_conv).await.unwrap().is_empty(), "nothing stored");
     assert_eq!(s.store.usage("alice").await.unwrap().requests, 0, "nothing metered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn history_past_the_threshold_is_summarized_once_then_appended() {
+    let flags = ["--summary-threshold-tokens", "120", "--summary-keep-turns", "0", "--summary-max-tokens", "40"];
+    let Some(s) = common::start(&flags).await else { return };
+    let c = s.client();
+    let conv = new_conversation(&c).await;
+    let path = format!("/v1/conversations/{conv}/turns");
+    let send = |id: &str, msg: &str, max: u32| json!({"turn_id": id, "message": msg, "max_tokens": max, "temperature": 0, "stream": false});
+    assert_eq!(c.json(Method::POST, &path, Some(&send("s1", "My name is Ada. Tell me about rivers.", 120))).await.unwrap().0, StatusCode::OK);
+    let t1 = s.store.get_turn(&conv, "s1").await.unwrap().unwrap();
+    assert!(t1.prompt_ids.len() + t1.output_ids.len() > 120, "the test needs turn 1 past the threshold");
+    assert_eq!(c.json(Method::POST, &path, Some(&send("s2", "What is my name?", 8))).await.unwrap().0, StatusCode::OK);
+    let summary = s.store.get_conversation("alice", &conv).await.unwrap().unwrap().summary.expect("a summary is stored");
+    assert!(!summary.is_empty());
+    let t2 = s.store.get_turn(&conv, "s2").await.unwrap().unwrap();
+    let text = s.engine.tokenizer.decode_with_special(&t2.prompt_ids, true);
+    assert!(text.contains(&format!("{}{}", baton_api_gateway::context::SUMMARY_PREFIX, summary)), "{text:?}");
+    assert!(t2.prompt_ids.len() < t1.prompt_ids.len() + t1.output_ids.len(), "the rebuilt prompt is shorter");
+    assert_eq!(c.json(Method::POST, &path, Some(&send("s3", "Thanks.", 4))).await.unwrap().0, StatusCode::OK);
+    let t3 = s.store.get_turn(&conv, "s3").await.unwrap().unwrap();
+    let mut expect = t2.prompt_ids.clone();
+    expect.extend_from_slice(&t2.output_ids);
+    assert!(t3.prompt_ids.starts_with(&expect), "after the summary, turns append again");
 }

@@ -10,9 +10,9 @@ use std::path::PathBuf;
 fn python_with_openai() -> Option<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let candidates = [root.join(".cache/venv/bin/python3"), PathBuf::from("python3")];
-    candidates.into_iter().find(|p| {
-        std::process::Command::new(p).args(["-c", "import openai"]).output().map(|o| o.status.success()).unwrap_or(false)
-    })
+    candidates
+        .into_iter()
+        .find(|p| std::process::Command::new(p).args(["-c", "import openai"]).output().map(|o| o.status.success()).unwrap_or(false))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -23,13 +23,8 @@ async fn official_openai_python_client() {
     };
     let Some(s) = common::start(&[]).await else { return };
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/python/test_openai_client.py");
-    let out = tokio::process::Command::new(python)
-        .arg(script)
-        .env("BATON_URL", &s.base)
-        .env("BATON_API_KEY", &s.key)
-        .output()
-        .await
-        .unwrap();
+    let out =
+        tokio::process::Command::new(python).arg(script).env("BATON_URL", &s.base).env("BATON_API_KEY", &s.key).output().await.unwrap();
     let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "python client test failed:\n{o}\n{e}");
     assert!(o.contains("openai client: ok"));

@@ -70,9 +70,7 @@ impl Generator for LocalGenerator {
     async fn evict_conversation(&self, conversation: &str) -> Result<(), GenerateError> {
         let engine = self.engine.clone();
         let id = ConversationId::new(conversation);
-        tokio::task::spawn_blocking(move || engine.evict_conversation(id))
-            .await
-            .map_err(|e| GenerateError::Internal(e.to_string()))??;
+        tokio::task::spawn_blocking(move || engine.evict_conversation(id)).await.map_err(|e| GenerateError::Internal(e.to_string()))??;
         Ok(())
     }
 }

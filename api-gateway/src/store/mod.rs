@@ -58,6 +58,9 @@ pub struct Conversation {
     pub system_prompt_version: u32,
     pub created_at: i64,
     pub updated_at: i64,
+    /// Summary of the turns before the latest summary boundary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
 }
 
 /// Where a turn stands.
@@ -180,6 +183,8 @@ pub trait ConversationStore: Send + Sync + 'static {
     /// The conversation if it exists and belongs to `owner`.
     async fn get_conversation(&self, owner: &str, id: &str) -> StoreResult<Option<Conversation>>;
     async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>>;
+    /// Stores the conversation's summary (replacing the previous one).
+    async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()>;
     /// Deletes the conversation and every row that belongs to it; false if
     /// it did not exist for `owner`.
     async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool>;
@@ -203,14 +208,15 @@ pub trait ConversationStore: Send + Sync + 'static {
     /// returns their IDs so their KV can be evicted too.
     async fn delete_older_than(&self, cutoff: i64) -> StoreResult<Vec<String>>;
 
+    /// Sets (or with `None` clears) a user's limit overrides.
+    async fn set_user_limits(&self, user: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<()>;
+    async fn user_limits(&self, user: &str) -> StoreResult<Option<crate::limits::LimitOverrides>>;
+
     async fn add_usage(&self, user: &str, usage: UsageCounts) -> StoreResult<()>;
     async fn usage(&self, user: &str) -> StoreResult<UsageCounts>;
 }
 
 /// Seconds since the UNIX epoch.
 pub fn now_unix() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
 }

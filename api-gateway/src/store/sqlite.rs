@@ -54,6 +54,10 @@ CREATE TABLE IF NOT EXISTS token_log (
     PRIMARY KEY (conversation, turn_id, idx),
     FOREIGN KEY (conversation, turn_id) REFERENCES turns(conversation, turn_id) ON DELETE CASCADE
 );
+CREATE TABLE IF NOT EXISTS user_limits (
+    user_id TEXT PRIMARY KEY,
+    limits TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS usage (
     user_id TEXT PRIMARY KEY,
     requests INTEGER NOT NULL,
@@ -124,6 +128,7 @@ fn conv_from_row(r: &rusqlite::Row) -> rusqlite::Result<Conversation> {
         system_prompt_version: r.get(3)?,
         created_at: r.get(4)?,
         updated_at: r.get(5)?,
+        summary: r.get(6)?,
     })
 }
 
@@ -198,18 +203,15 @@ impl ConversationStore for SqliteStore {
     async fn user_for_key(&self, key_hash: &str) -> StoreResult<Option<String>> {
         let h = key_hash.to_string();
         self.with(move |c| {
-            c.query_row("SELECT user_id FROM api_keys WHERE key_hash = ?1 AND revoked = 0", params![h], |r| r.get(0))
-                .optional()
-                .map_err(db)
+            c.query_row("SELECT user_id FROM api_keys WHERE key_hash = ?1 AND revoked = 0", params![h], |r| r.get(0)).optional().map_err(db)
         })
         .await
     }
 
     async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>> {
         self.with(|c| {
-            let mut st = c
-                .prepare("SELECT prefix, user_id, label, created_at, revoked FROM api_keys ORDER BY created_at, prefix")
-                .map_err(db)?;
+            let mut st =
+                c.prepare("SELECT prefix, user_id, label, created_at, revoked FROM api_keys ORDER BY created_at, prefix").map_err(db)?;
             let rows = st
                 .query_map([], |r| {
                     Ok(ApiKeyInfo {
@@ -229,8 +231,7 @@ impl ConversationStore for SqliteStore {
     async fn revoke_keys(&self, prefix: &str) -> StoreResult<usize> {
         let p = prefix.to_string();
         self.with(move |c| {
-            c.execute("UPDATE api_keys SET revoked = 1 WHERE revoked = 0 AND substr(prefix, 1, length(?1)) = ?1", params![p])
-                .map_err(db)
+            c.execute("UPDATE api_keys SET revoked = 1 WHERE revoked = 0 AND substr(prefix, 1, length(?1)) = ?1", params![p]).map_err(db)
         })
         .await
     }
@@ -252,7 +253,7 @@ impl ConversationStore for SqliteStore {
         let (o, i) = (owner.to_string(), id.to_string());
         self.with(move |c| {
             c.query_row(
-                "SELECT id, owner, title, system_prompt_version, created_at, updated_at FROM conversations WHERE id = ?1 AND owner = ?2",
+                "SELECT id, owner, title, system_prompt_version, created_at, updated_at, summary FROM conversations WHERE id = ?1 AND owner = ?2",
                 params![i, o],
                 conv_from_row,
             )
@@ -267,12 +268,21 @@ impl ConversationStore for SqliteStore {
         self.with(move |c| {
             let mut st = c
                 .prepare(
-                    "SELECT id, owner, title, system_prompt_version, created_at, updated_at FROM conversations \
+                    "SELECT id, owner, title, system_prompt_version, created_at, updated_at, summary FROM conversations \
                      WHERE owner = ?1 ORDER BY updated_at DESC, id",
                 )
                 .map_err(db)?;
             let rows = st.query_map(params![o], conv_from_row).map_err(db)?;
             rows.collect::<Result<Vec<_>, _>>().map_err(db)
+        })
+        .await
+    }
+
+    async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()> {
+        let (i, sm) = (id.to_string(), summary.to_string());
+        self.with(move |c| {
+            c.execute("UPDATE conversations SET summary = ?2 WHERE id = ?1", params![i, sm]).map_err(db)?;
+            Ok(())
         })
         .await
     }
@@ -294,8 +304,7 @@ impl ConversationStore for SqliteStore {
                 if existing.state != TurnState::Failed || existing.request_hash != t.request_hash {
                     return Ok(BeginTurn::Existing(existing));
                 }
-                tx.execute("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![t.conversation, t.turn_id])
-                    .map_err(db)?;
+                tx.execute("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![t.conversation, t.turn_id]).map_err(db)?;
             }
             tx.execute(
                 &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"),
@@ -318,8 +327,7 @@ impl ConversationStore for SqliteStore {
                 ],
             )
             .map_err(db)?;
-            tx.execute("UPDATE conversations SET updated_at = ?2 WHERE id = ?1", params![t.conversation, now_unix()])
-                .map_err(db)?;
+            tx.execute("UPDATE conversations SET updated_at = ?2 WHERE id = ?1", params![t.conversation, now_unix()]).map_err(db)?;
             tx.commit().map_err(db)?;
             Ok(BeginTurn::Created)
         })
@@ -414,8 +422,7 @@ impl ConversationStore for SqliteStore {
 
     async fn fail_streaming_turns(&self) -> StoreResult<usize> {
         self.with(|c| {
-            c.execute("UPDATE turns SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming'", [])
-                .map_err(db)
+            c.execute("UPDATE turns SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming'", []).map_err(db)
         })
         .await
     }
@@ -431,6 +438,33 @@ impl ConversationStore for SqliteStore {
             tx.execute("DELETE FROM conversations WHERE updated_at < ?1", params![cutoff]).map_err(db)?;
             tx.commit().map_err(db)?;
             Ok(ids)
+        })
+        .await
+    }
+
+    async fn set_user_limits(&self, user: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<()> {
+        let user = user.to_string();
+        let json = limits.map(|l| serde_json::to_string(l).unwrap_or_default());
+        self.with(move |c| {
+            match json {
+                Some(j) => c.execute(
+                    "INSERT INTO user_limits (user_id, limits) VALUES (?1, ?2) ON CONFLICT(user_id) DO UPDATE SET limits = ?2",
+                    params![user, j],
+                ),
+                None => c.execute("DELETE FROM user_limits WHERE user_id = ?1", params![user]),
+            }
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn user_limits(&self, user: &str) -> StoreResult<Option<crate::limits::LimitOverrides>> {
+        let user = user.to_string();
+        self.with(move |c| {
+            let j: Option<String> =
+                c.query_row("SELECT limits FROM user_limits WHERE user_id = ?1", params![user], |r| r.get(0)).optional().map_err(db)?;
+            j.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Corrupt(format!("user limits: {e}")))).transpose()
         })
         .await
     }
@@ -456,7 +490,14 @@ impl ConversationStore for SqliteStore {
             Ok(c.query_row(
                 "SELECT requests, prompt_tokens, cached_tokens, completion_tokens FROM usage WHERE user_id = ?1",
                 params![user],
-                |r| Ok(UsageCounts { requests: r.get(0)?, prompt_tokens: r.get(1)?, cached_tokens: r.get(2)?, completion_tokens: r.get(3)? }),
+                |r| {
+                    Ok(UsageCounts {
+                        requests: r.get(0)?,
+                        prompt_tokens: r.get(1)?,
+                        cached_tokens: r.get(2)?,
+                        completion_tokens: r.get(3)?,
+                    })
+                },
             )
             .optional()
             .map_err(db)?

@@ -85,7 +85,14 @@ pub async fn start(flags: &[&str]) -> Option<Server> {
     let config = Config::try_from(Wrap::parse_from(argv).args).unwrap();
     let backend = CpuBackend::new(2).unwrap();
     let loaded = load_gguf(&backend, &model).unwrap();
-    let engine = Arc::new(Engine::start(backend, loaded, EngineConfig { kv_memory_bytes: 64 << 20, tier2_bytes: 0, max_context: Some(2048), ..Default::default() }).unwrap());
+    let engine = Arc::new(
+        Engine::start(
+            backend,
+            loaded,
+            EngineConfig { kv_memory_bytes: 64 << 20, tier2_bytes: 0, max_context: Some(2048), ..Default::default() },
+        )
+        .unwrap(),
+    );
     let store = SqliteStore::open(&db).unwrap();
     let key = auth::create_key(&store, "alice", "test").await.unwrap();
     let key2 = auth::create_key(&store, "bob", "test").await.unwrap();

@@ -1,0 +1,179 @@
+//! `baton gateway` (the API gateway in front of an in-process engine),
+//! `baton keys` (API keys in the gateway's store) and `baton chat` (a
+//! terminal client of the conversations API).
+
+use crate::engine_args::EngineArgs;
+use anyhow::{bail, Context, Result};
+use baton_api_gateway::client::{Client, Method};
+use baton_api_gateway::generator::local::LocalGenerator;
+use baton_api_gateway::store::{ConversationStore, SqliteStore};
+use baton_api_gateway::{auth, Config};
+use clap::{Args, Subcommand};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct GatewayArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub gateway: baton_api_gateway::Args,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+async fn ctrl_c() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+pub fn run_gateway(a: GatewayArgs) -> Result<()> {
+    let config = Config::try_from(a.gateway)?;
+    let model = a.engine.model_path();
+    let engine = Arc::new(a.engine.start()?);
+    let generator = Arc::new(LocalGenerator::new(engine.clone()));
+    let rt = runtime()?;
+    let r = rt.block_on(baton_api_gateway::run(config, generator, &model, ctrl_c()));
+    engine.shutdown();
+    r
+}
+
+#[derive(Subcommand, Debug)]
+pub enum KeysCommand {
+    /// Create a key for a user and print it (it is shown only once).
+    Create {
+        #[arg(long)]
+        user: String,
+        #[arg(long, default_value = "")]
+        label: String,
+    },
+    /// List keys (prefixes, users, state).
+    List,
+    /// Revoke every key starting with PREFIX.
+    Revoke { prefix: String },
+    /// Override a user's limits (unset flags keep the defaults); --clear removes them.
+    Limits {
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        turns_per_minute: Option<f64>,
+        #[arg(long)]
+        open_streams: Option<usize>,
+        #[arg(long)]
+        prompt_tokens_per_hour: Option<f64>,
+        #[arg(long)]
+        output_tokens_per_hour: Option<f64>,
+        #[arg(long)]
+        clear: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct KeysArgs {
+    /// The gateway's SQLite database.
+    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
+    pub db: PathBuf,
+    #[command(subcommand)]
+    pub command: KeysCommand,
+}
+
+pub fn run_keys(a: KeysArgs) -> Result<()> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let store = SqliteStore::open(&a.db).with_context(|| format!("opening {}", a.db.display()))?;
+        match a.command {
+            KeysCommand::Create { user, label } => {
+                anyhow::ensure!(!user.trim().is_empty(), "--user must not be empty");
+                println!("{}", auth::create_key(&store, &user, &label).await?);
+            }
+            KeysCommand::List => {
+                for k in store.list_keys().await? {
+                    println!("{}\t{}\t{}\t{}", k.prefix, k.user, if k.revoked { "revoked" } else { "active" }, k.label);
+                }
+            }
+            KeysCommand::Revoke { prefix } => {
+                anyhow::ensure!(prefix.len() >= 6, "give at least 6 characters of the key");
+                let n = store.revoke_keys(&prefix).await?;
+                println!("revoked {n} key(s)");
+            }
+            KeysCommand::Limits { user, turns_per_minute, open_streams, prompt_tokens_per_hour, output_tokens_per_hour, clear } => {
+                if clear {
+                    store.set_user_limits(&user, None).await?;
+                } else {
+                    let o = baton_api_gateway::limits::LimitOverrides {
+                        turns_per_minute,
+                        open_streams,
+                        prompt_tokens_per_hour,
+                        output_tokens_per_hour,
+                    };
+                    store.set_user_limits(&user, Some(&o)).await?;
+                }
+                println!("{}", serde_json::to_string(&store.user_limits(&user).await?)?);
+            }
+        }
+        Ok(())
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// The gateway's base URL.
+    #[arg(long, env = "BATON_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    #[arg(long, env = "BATON_API_KEY")]
+    pub key: String,
+    /// Continue this conversation instead of starting one.
+    #[arg(long)]
+    pub conversation: Option<String>,
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: u32,
+}
+
+pub fn run_chat(a: ChatArgs) -> Result<()> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let client = Client::new(a.url.clone(), Some(a.key.clone()));
+        let conv = match a.conversation {
+            Some(c) => c,
+            None => {
+                let (st, v) = client.json(Method::POST, "/v1/conversations", Some(&serde_json::json!({"title": "baton chat"}))).await?;
+                if !st.is_success() {
+                    bail!("creating a conversation: {st} {v}");
+                }
+                v["id"].as_str().unwrap_or_default().to_string()
+            }
+        };
+        eprintln!("conversation {conv} (empty line or Ctrl-D to quit)");
+        let stdin = std::io::stdin();
+        loop {
+            eprint!("> ");
+            let mut line = String::new();
+            if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+                return Ok(());
+            }
+            let body = serde_json::json!({"message": line.trim_end(), "max_tokens": a.max_tokens});
+            let mut r =
+                client.send(Method::POST, &format!("/v1/conversations/{conv}/turns"), Some(body.to_string().into_bytes()), &[]).await?;
+            if !r.status.is_success() {
+                let st = r.status;
+                eprintln!("error {st}: {}", String::from_utf8_lossy(&r.bytes().await?));
+                continue;
+            }
+            while let Some(ev) = r.next_event().await? {
+                let v: serde_json::Value = serde_json::from_str(&ev.data).unwrap_or_default();
+                match ev.event.as_deref() {
+                    Some("delta") => {
+                        print!("{}", v["text"].as_str().unwrap_or(""));
+                        std::io::stdout().flush()?;
+                    }
+                    Some("moderation") => eprintln!("\n[stopped: {}]", v["reason"].as_str().unwrap_or("")),
+                    Some("done") => break,
+                    _ => {}
+                }
+            }
+            println!();
+        }
+    })
+}

@@ -2,6 +2,7 @@
 
 mod bench_engine;
 mod certs;
+mod coordinator_cmd;
 mod engine_args;
 mod gateway_cmd;
 mod generate;
@@ -32,6 +33,8 @@ enum Command {
     Simulate(baton_bench::SimulateArgs),
     /// Create development certificates for the KV transport's mutual TLS.
     Certs(certs::CertsArgs),
+    /// The coordinator alone: membership, routing, fleet-wide eviction.
+    Coordinator(baton_coordinator::Args),
     /// The API gateway (OpenAI-compatible API, conversations, web chat at /)
     /// in front of an in-process engine.
     Gateway(gateway_cmd::GatewayArgs),
@@ -64,6 +67,7 @@ fn main() {
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
         Command::Certs(a) => certs::run(a),
+        Command::Coordinator(a) => coordinator_cmd::run(a),
         Command::Gateway(a) => gateway_cmd::run_gateway(a),
         Command::Keys(a) => gateway_cmd::run_keys(a),
         Command::Chat(a) => gateway_cmd::run_chat(a),

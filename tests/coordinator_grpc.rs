@@ -1,0 +1,322 @@
+//! The coordinator over real gRPC and HTTP on 127.0.0.1:0 (in-memory membership):
+//! registration and keep-alive through `MembershipClient`, decode and prefill routing
+//! with explanations, lease expiry, re-registration after a coordinator restart,
+//! fleet-wide eviction over `NodeControl.Evict`, and the `baton coordinator` binary.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_coordinator::{Config, Coordinator};
+use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator::route_prefill_response::Choice;
+use baton_proto::coordinator::{
+    EvictConversationRequest, ExplainRequest, ListNodesRequest, Reason, RouteDecodeRequest, RoutePrefillRequest,
+};
+use baton_proto::node::node_control_server::{NodeControl, NodeControlServer};
+use baton_proto::node::{DrainRequest, DrainResponse, EvictRequest, EvictResponse};
+use baton_proto::{MembershipClient, MembershipHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tonic::transport::Channel;
+
+struct Running {
+    grpc: SocketAddr,
+    http: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<baton_coordinator::Result<()>>,
+}
+
+impl Running {
+    async fn start(config: Config) -> Self {
+        let c = Coordinator::bind(config).await.unwrap();
+        let (grpc, http) = (c.grpc_addr(), c.http_addr());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(c.serve(async move {
+            let _ = rx.await;
+        }));
+        Running { grpc, http, stop: Some(tx), task }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    async fn client(&self) -> CoordinatorClient<Channel> {
+        CoordinatorClient::connect(self.url()).await.unwrap()
+    }
+
+    async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn config(ttl_ms: u64) -> Config {
+    Config { lease_ttl: Duration::from_millis(ttl_ms), ..Config::default() }
+}
+
+fn node(id: &str, role: Role, grpc_addr: String) -> NodeInfo {
+    NodeInfo {
+        node_id: Some(NodeId { id: id.into() }),
+        role: role as i32,
+        grpc_addr,
+        kv_endpoint: "127.0.0.1:1".into(),
+        block_tokens: 16,
+        kv_blocks_total: 1000,
+        load: None,
+    }
+}
+
+fn join(url: &str, id: &str, role: Role) -> MembershipHandle {
+    MembershipClient::new(url, node(id, role, format!("127.0.0.1:{}", 10_000 + id.len())))
+        .with_load(|| LoadReport { kv_blocks_free: 900, running: 1, waiting: 0 })
+        .spawn()
+}
+
+async fn node_ids(c: &mut CoordinatorClient<Channel>, role: Role) -> Vec<String> {
+    let nodes = c.list_nodes(ListNodesRequest { role: role as i32 }).await.unwrap().into_inner().nodes;
+    nodes.into_iter().map(|n| n.node_id.unwrap().id).collect()
+}
+
+async fn wait_nodes(c: &mut CoordinatorClient<Channel>, want: &[&str]) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let ids = node_ids(c, Role::Unspecified).await;
+        if ids == want {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "nodes {ids:?}, wanted {want:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn route(c: &mut CoordinatorClient<Channel>, key: &str, exclude: &[&str]) -> (String, i32) {
+    let r = c
+        .route_decode(RouteDecodeRequest {
+            routing_key: key.into(),
+            owner: "user-1".into(),
+            prompt_tokens: 100,
+            exclude: exclude.iter().map(|id| NodeId { id: id.to_string() }).collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (r.node.unwrap().node_id.unwrap().id, r.explanation.unwrap().reason)
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    let status = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_round_trip_with_explanations_metrics_and_health() {
+    let co = Running::start(config(2000)).await;
+    let mut c = co.client().await;
+    let nodes: Vec<MembershipHandle> = ["d0", "d1", "d2", "d3"].iter().map(|id| join(&co.url(), id, Role::Decode)).collect();
+    let p = join(&co.url(), "p0", Role::Prefill);
+    for n in nodes.iter().chain([&p]) {
+        n.wait_registered(1).await;
+    }
+    assert_eq!(node_ids(&mut c, Role::Decode).await, vec!["d0", "d1", "d2", "d3"]);
+    assert_eq!(node_ids(&mut c, Role::Prefill).await, vec!["p0"]);
+
+    // Same conversation, same node; the second turn is sticky.
+    let (first, reason) = route(&mut c, "conv-a", &[]).await;
+    assert!(reason == Reason::Home as i32 || reason == Reason::Spilled as i32);
+    assert_eq!(route(&mut c, "conv-a", &[]).await, (first.clone(), Reason::Sticky as i32));
+    // A retry that excludes the failed node lands elsewhere.
+    let (other, reason) = route(&mut c, "conv-a", &[first.as_str()]).await;
+    assert_ne!(other, first);
+    assert_eq!(reason, Reason::Spilled as i32);
+
+    // 1,000 conversations over 4 nodes: none above 1.25x the mean.
+    let mut counts = std::collections::HashMap::<String, u32>::new();
+    for i in 0..1000 {
+        *counts.entry(route(&mut c, &format!("bulk-{i}"), &[]).await.0).or_default() += 1;
+    }
+    let max = *counts.values().max().unwrap();
+    assert!(f64::from(max) <= 1.25 * 1001.0 / 4.0 + 1.0, "max {max} of {counts:?}");
+
+    // Prefill: short tail local, long tail to the prefill node.
+    let pre = |uncached| RoutePrefillRequest {
+        routing_key: "conv-a".into(),
+        owner: "user-1".into(),
+        prompt_tokens: 3000,
+        cached_tokens: 3000 - uncached,
+        uncached_tokens: uncached,
+        decode_node: Some(NodeId { id: first.clone() }),
+    };
+    let r = c.route_prefill(pre(100)).await.unwrap().into_inner();
+    assert!(matches!(r.choice, Some(Choice::Local(_))));
+    assert_eq!(r.explanation.unwrap().reason, Reason::LocalShortTail as i32);
+    let r = c.route_prefill(pre(2000)).await.unwrap().into_inner();
+    match r.choice {
+        Some(Choice::Remote(n)) => assert_eq!(n.node_id.unwrap().id, "p0"),
+        other => panic!("expected a remote prefill, got {other:?}"),
+    }
+
+    // Explain: newest first, every decision about conv-a.
+    let ex = c.explain(ExplainRequest { routing_key: "conv-a".into(), limit: 0 }).await.unwrap().into_inner();
+    assert_eq!(ex.records.len(), 5);
+    assert_eq!(ex.records[0].reason, Reason::RemoteLeastLoaded as i32);
+    assert_eq!(ex.records[4].candidates.len(), 4);
+    assert!(ex.records.windows(2).all(|w| w[0].seq > w[1].seq));
+
+    // HTTP: the same records as JSON, metrics, health.
+    let (status, body) = http_get(co.http, "/debug/routing?key=conv-a&limit=2").await;
+    assert_eq!(status, 200);
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(json["records"].as_array().unwrap().len(), 2);
+    assert_eq!(json["records"][0]["reason"], "remote_least_loaded");
+    assert_eq!(json["records"][1]["chosen"], serde_json::Value::Null);
+    assert_eq!(http_get(co.http, "/debug/routing").await.0, 400);
+    let (status, metrics) = http_get(co.http, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(metrics.contains("baton_coordinator_routing_decisions_total{kind=\"decode\",reason=\"sticky\"} 1"), "{metrics}");
+    assert!(metrics.contains("baton_coordinator_nodes{role=\"decode\"} 4"), "{metrics}");
+    assert_eq!(http_get(co.http, "/healthz").await, (200, "ok\n".to_string()));
+
+    for n in nodes {
+        n.shutdown().await;
+    }
+    p.shutdown().await;
+    wait_nodes(&mut c, &[]).await;
+    co.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lease_leaves_the_ring() {
+    let co = Running::start(config(400)).await;
+    let mut c = co.client().await;
+    let a = join(&co.url(), "a", Role::Decode);
+    let b = join(&co.url(), "b", Role::Decode);
+    a.wait_registered(1).await;
+    b.wait_registered(1).await;
+    // Find a conversation that lives on b, then kill b.
+    let mut key = String::new();
+    for i in 0.. {
+        key = format!("k{i}");
+        if route(&mut c, &key, &[]).await.0 == "b" {
+            break;
+        }
+    }
+    b.abort();
+    wait_nodes(&mut c, &["a"]).await;
+    assert_eq!(route(&mut c, &key, &[]).await.0, "a");
+    a.shutdown().await;
+    co.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_register_again_after_the_coordinator_restarts() {
+    let co = Running::start(config(300)).await;
+    let (grpc, http) = (co.grpc, co.http);
+    let a = join(&co.url(), "a", Role::Decode);
+    a.wait_registered(1).await;
+    co.stop().await;
+    // A new coordinator on the same ports knows no lease: a hears "unknown lease" (or
+    // cannot connect for a moment) and registers again.
+    let co = Running::start(Config { listen: grpc, http_listen: http, ..config(300) }).await;
+    tokio::time::timeout(Duration::from_secs(10), a.wait_registered(2)).await.expect("a re-registers");
+    let mut c = co.client().await;
+    wait_nodes(&mut c, &["a"]).await;
+    a.shutdown().await;
+    co.stop().await;
+}
+
+/// A node's control service that counts evictions, or refuses them.
+struct FakeNode {
+    evictions: Arc<AtomicU64>,
+    refuse: bool,
+}
+
+#[tonic::async_trait]
+impl NodeControl for FakeNode {
+    async fn evict(&self, req: tonic::Request<EvictRequest>) -> Result<tonic::Response<EvictResponse>, tonic::Status> {
+        if self.refuse {
+            return Err(tonic::Status::internal("disk on fire"));
+        }
+        assert_eq!(req.get_ref().conversation, "conv-x");
+        assert_eq!(req.get_ref().owner, "user-9");
+        self.evictions.fetch_add(1, Ordering::SeqCst);
+        Ok(tonic::Response::new(EvictResponse { blocks_freed: 3 }))
+    }
+
+    async fn drain(&self, _: tonic::Request<DrainRequest>) -> Result<tonic::Response<DrainResponse>, tonic::Status> {
+        Ok(tonic::Response::new(DrainResponse::default()))
+    }
+}
+
+async fn fake_node(evictions: Arc<AtomicU64>, refuse: bool) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(NodeControlServer::new(FakeNode { evictions, refuse }))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+    );
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_reaches_every_node_and_fails_if_one_refuses() {
+    let co = Running::start(config(2000)).await;
+    let mut c = co.client().await;
+    let evictions = Arc::new(AtomicU64::new(0));
+    let mut handles = Vec::new();
+    for (id, role) in [("d0", Role::Decode), ("d1", Role::Decode), ("p0", Role::Prefill)] {
+        let addr = fake_node(evictions.clone(), false).await;
+        let h = MembershipClient::new(co.url(), node(id, role, addr.to_string())).spawn();
+        h.wait_registered(1).await;
+        handles.push(h);
+    }
+    let req = || EvictConversationRequest { routing_key: "conv-x".into(), owner: "user-9".into() };
+    let acks = c.evict_conversation(req()).await.unwrap().into_inner().acks;
+    assert_eq!(acks.len(), 3);
+    assert!(acks.iter().all(|a| a.ok && a.blocks_freed == 3));
+    assert_eq!(evictions.load(Ordering::SeqCst), 3);
+
+    // One node refuses: the eviction is reported failed, the others still evicted.
+    let bad = fake_node(evictions.clone(), true).await;
+    let h = MembershipClient::new(co.url(), node("d9", Role::Decode, bad.to_string())).spawn();
+    h.wait_registered(1).await;
+    handles.push(h);
+    let err = c.evict_conversation(req()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Aborted);
+    assert!(err.message().contains("1 of 4"), "{}", err.message());
+    assert_eq!(evictions.load(Ordering::SeqCst), 6);
+    for h in handles {
+        h.shutdown().await;
+    }
+    co.stop().await;
+}
+
+#[test]
+fn baton_coordinator_binary_serves_and_reports_its_ports() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["coordinator", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--lease-ttl", "3s"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let http: SocketAddr = line.trim().split("http=").nth(1).expect("ports line").parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let health = rt.block_on(http_get(http, "/healthz"));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(health, (200, "ok\n".to_string()));
+    assert!(line.starts_with("coordinator grpc=127.0.0.1:"), "{line}");
+}

@@ -36,7 +36,9 @@ pub struct Response {
 
 impl Client {
     pub fn new(base: impl Into<String>, key: Option<String>) -> Self {
-        Client { http: HyperClient::builder(TokioExecutor::new()).build_http(), base: base.into().trim_end_matches('/').to_string(), key }
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        Client { http: HyperClient::builder(TokioExecutor::new()).build(connector), base: base.into().trim_end_matches('/').to_string(), key }
     }
 
     /// Sends a request; `body` is sent as is with `content-type: application/json`.

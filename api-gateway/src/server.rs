@@ -14,6 +14,7 @@ use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -113,6 +114,13 @@ async fn retention_job(app: Arc<App>) {
 /// Serves `app` on `listener` until `shutdown` completes.
 pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
     let job = tokio::spawn(retention_job(app.clone()));
+    // Without TCP_NODELAY, a small SSE frame written after another waits for
+    // the peer's delayed ACK (up to 40 ms): every token would stall.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set");
+        }
+    });
     let r = axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await;
     job.abort();
     r

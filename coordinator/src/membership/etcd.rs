@@ -175,11 +175,18 @@ impl Membership for EtcdMembership {
     }
 
     async fn keep_alive(&self, lease_id: u64) -> Result<bool> {
-        let (mut keeper, mut stream) = self.client.clone().lease_keep_alive(lease_id as i64).await?;
-        keeper.keep_alive().await?;
-        match stream.message().await? {
-            Some(resp) => Ok(resp.ttl() > 0),
-            None => Ok(false),
+        let renew = async {
+            let (mut keeper, mut stream) = self.client.clone().lease_keep_alive(lease_id as i64).await?;
+            keeper.keep_alive().await?;
+            Ok::<_, etcd_client::Error>(stream.message().await?.is_some_and(|r| r.ttl() > 0))
+        };
+        match renew.await {
+            Ok(alive) => Ok(alive),
+            // etcd-client reports a lease etcd does not know as an error; to the node it
+            // means "register again", not "the store is down".
+            Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(false),
+            Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::NotFound => Ok(false),
+            Err(e) => Err(e.into()),
         }
     }
 

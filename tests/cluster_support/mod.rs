@@ -1,0 +1,278 @@
+//! Shared helpers of the cluster tests: real `baton` processes on loopback
+//! (coordinator, prefill and decode nodes on port 0, addresses read from the
+//! line each prints), readiness by polling `/healthz`, gRPC clients, and a
+//! single in-process engine as the reference.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use baton_engine::kv::UserId;
+use baton_engine::model::load_gguf;
+use baton_engine::sampling::SamplingParams;
+use baton_engine::{Engine, EngineConfig, Event, Request};
+use baton_kernels::CpuBackend;
+use baton_proto::node::decode_node_client::DecodeNodeClient;
+use baton_proto::node::generate_event::Event as GenEv;
+use baton_proto::node::prefill_node_client::PrefillNodeClient;
+use baton_proto::node::{self as pb, FinishedEvent};
+
+/// The default model, or `None` (the test says it is skipped).
+pub fn model_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("BATON_MODEL") {
+        return Some(PathBuf::from(p));
+    }
+    let home = std::env::var_os("HOME")?;
+    let p = PathBuf::from(home).join(".cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: model not found at {}", p.display());
+        None
+    }
+}
+
+/// One `baton` child process; killed (SIGKILL) when dropped.
+pub struct Proc {
+    pub child: Child,
+    /// `key=value` pairs of the line it printed once listening.
+    pub addrs: HashMap<String, String>,
+}
+
+impl Proc {
+    pub fn addr(&self, key: &str) -> String {
+        self.addrs.get(key).cloned().unwrap_or_else(|| panic!("no {key} in {:?}", self.addrs))
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Starts `baton ARGS` and waits for its address line (the first line on stdout).
+pub fn spawn(args: &[&str]) -> Proc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(args)
+        .env("BATON_LOG", std::env::var("BATON_LOG").unwrap_or_else(|_| "warn".into()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn baton");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read the address line");
+    assert!(!line.is_empty(), "baton {args:?} exited before listening");
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = out.read_to_end(&mut sink);
+    });
+    let addrs = line.split_whitespace().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    Proc { child, addrs }
+}
+
+/// Polls `GET /healthz` until it answers 200.
+pub fn wait_healthy(http: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(http) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = write!(s, "GET /healthz HTTP/1.1\r\nHost: {http}\r\nConnection: close\r\n\r\n");
+            let mut resp = String::new();
+            let _ = s.read_to_string(&mut resp);
+            if resp.starts_with("HTTP/1.1 200") {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "{http} not healthy within {within:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `GET /metrics` as text.
+pub fn metrics(http: &str) -> String {
+    let mut s = std::net::TcpStream::connect(http).expect("connect metrics");
+    let _ = write!(s, "GET /metrics HTTP/1.1\r\nHost: {http}\r\nConnection: close\r\n\r\n");
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    resp
+}
+
+/// Development certificates for the named nodes, in a temporary folder.
+pub fn certs(dir: &Path, nodes: &str) {
+    let st = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["certs", "--out", dir.to_str().unwrap(), "--nodes", nodes])
+        .stdout(Stdio::null())
+        .status()
+        .expect("baton certs");
+    assert!(st.success());
+}
+
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub model: PathBuf,
+    pub coordinator: Proc,
+}
+
+impl Cluster {
+    /// Certificates for `nodes` and a coordinator whose local-prefill threshold is `threshold`.
+    pub fn start(nodes: &str, threshold: usize) -> Option<Cluster> {
+        let model = model_path()?;
+        let dir = tempfile::tempdir().unwrap();
+        certs(dir.path(), nodes);
+        let coordinator = spawn(&[
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--local-prefill-threshold",
+            &threshold.to_string(),
+            "--lease-ttl",
+            "2s",
+        ]);
+        Some(Cluster { dir, model, coordinator })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.coordinator.addr("grpc"))
+    }
+
+    fn node_args(&self, role: &str, name: &str, threshold: usize, extra: &[&str]) -> Vec<String> {
+        let mut a: Vec<String> = [
+            role,
+            "--name",
+            name,
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--kv-listen",
+            "127.0.0.1:0",
+            "--coordinator",
+            &self.url(),
+            "--certs-dir",
+            self.dir.path().to_str().unwrap(),
+            "--model",
+            self.model.to_str().unwrap(),
+            "--threads",
+            "1",
+            "--kv-memory-mib",
+            "64",
+            "--kv-tier2-mib",
+            "0",
+            "--kv-staging-mib",
+            "32",
+            "--max-context",
+            "2048",
+            "--step-tokens",
+            "64",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if role == "decode" {
+            a.push("--local-prefill-threshold".into());
+            a.push(threshold.to_string());
+        }
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    }
+
+    /// Starts a node and waits until it is registered.
+    pub fn node(&self, role: &str, name: &str, threshold: usize, extra: &[&str]) -> Proc {
+        let args = self.node_args(role, name, threshold, extra);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let p = spawn(&refs);
+        wait_healthy(&p.addr("http"), Duration::from_secs(60));
+        p
+    }
+}
+
+/// A single in-process engine with the nodes' settings: the reference.
+pub fn reference_engine(model: &Path) -> Engine {
+    let backend = CpuBackend::new(1).unwrap();
+    let loaded = load_gguf(&backend, model).unwrap();
+    let config = EngineConfig { kv_memory_bytes: 64 << 20, tier2_bytes: 0, max_context: Some(2048), step_token_budget: 64, ..EngineConfig::default() };
+    Engine::start(backend, loaded, config).unwrap()
+}
+
+/// Greedy tokens of one request on the reference engine (fresh cache each
+/// time is not needed: the engine's own determinism tests cover cached vs not).
+pub fn reference_tokens(engine: &Engine, prompt: &[u32], owner: &str, max_tokens: usize) -> Vec<u32> {
+    let sampling = SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() }.validate().unwrap();
+    let req = Request { prompt: prompt.to_vec(), owner: UserId::new(owner), platform_prefix_len: 0, conversation: None, sampling, ignore_eos: true };
+    let mut s = engine.submit(req).unwrap();
+    let mut out = Vec::new();
+    loop {
+        match s.blocking_next().unwrap() {
+            Event::Token(t) => out.push(t.id),
+            Event::Finished { .. } => return out,
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+}
+
+pub fn chat(engine: &Engine, system: &str, user: &str) -> Vec<u32> {
+    use baton_engine::chat_template::ChatMessage;
+    let text = engine.template.render(&[ChatMessage::new("system", system), ChatMessage::new("user", user)], true).unwrap();
+    engine.tokenizer.encode(&text, true).unwrap()
+}
+
+pub fn generate_request(prompt: &[u32], owner: &str, conversation: &str, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        turn: Some(pb::Turn { prompt: prompt.to_vec(), owner: owner.into(), platform_prefix_len: 0, conversation: conversation.into() }),
+        sampling: Some(pb::SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, top_p: 1.0, ..Default::default() }),
+    }
+}
+
+/// Runs one turn on a decode node; returns its tokens and final event.
+pub async fn generate(grpc: String, req: pb::GenerateRequest) -> (Vec<u32>, FinishedEvent) {
+    let mut c = DecodeNodeClient::connect(format!("http://{grpc}")).await.unwrap();
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    while let Some(ev) = s.message().await.unwrap() {
+        match ev.event {
+            Some(GenEv::Token(t)) => tokens.push(t.id),
+            Some(GenEv::Finished(f)) => return (tokens, f),
+            None => panic!("empty event"),
+        }
+    }
+    panic!("stream ended without a final event");
+}
+
+pub async fn decode_stats(grpc: &str) -> pb::NodeStats {
+    let mut c = DecodeNodeClient::connect(format!("http://{grpc}")).await.unwrap();
+    c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
+}
+
+pub async fn prefill_stats(grpc: &str) -> pb::NodeStats {
+    let mut c = PrefillNodeClient::connect(format!("http://{grpc}")).await.unwrap();
+    c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
+}
+
+/// Waits until a node is idle, then checks nothing is pinned or reserved.
+pub async fn assert_no_leaks(stats: impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = pb::NodeStats>>>) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = stats().await;
+        let clean = st.running == 0 && st.waiting == 0 && st.kv_blocks_used == 0 && st.live_reservations == 0 && st.staging_blocks_used == 0;
+        if clean {
+            assert_eq!(st.kv_blocks_free + st.kv_blocks_cached, st.kv_blocks_total, "{st:?}");
+            return;
+        }
+        assert!(Instant::now() < deadline, "node did not return to its baseline: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -7,6 +7,7 @@ mod engine_args;
 mod gateway_cmd;
 mod generate;
 mod node_cmd;
+mod up;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -20,6 +21,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The whole cluster on this machine: coordinator, prefill node, decode node and
+    /// the gateway with its web chat page, with the embedded defaults.
+    Up(up::UpArgs),
     /// Generate text from a prompt or chat messages, streaming to stdout.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -33,6 +37,10 @@ enum Command {
     Simulate(baton_bench::SimulateArgs),
     /// Create development certificates for the KV transport's mutual TLS.
     Certs(certs::CertsArgs),
+    /// A prefill node: computes prompt tails and ships their KV to decode nodes.
+    Prefill(baton_prefill_node::Args),
+    /// A decode node: warm prefixes, continuous batching, token streams.
+    Decode(baton_decode_node::Args),
     /// The coordinator alone: membership, routing, fleet-wide eviction.
     Coordinator(baton_coordinator::Args),
     /// The API gateway (OpenAI-compatible API, conversations, web chat at /)
@@ -42,10 +50,6 @@ enum Command {
     Keys(gateway_cmd::KeysArgs),
     /// A terminal chat client of the gateway's conversations API.
     Chat(gateway_cmd::ChatArgs),
-    /// A prefill node: computes prompt tails and ships their KV to decode nodes.
-    Prefill(baton_prefill_node::Args),
-    /// A decode node: warm prefixes, continuous batching, token streams.
-    Decode(baton_decode_node::Args),
 }
 
 #[derive(Subcommand)]
@@ -53,6 +57,9 @@ enum BenchCommand {
     /// Prefill and decode throughput of the engine on this machine, beside
     /// llama.cpp's llama-bench when a build is present.
     Engine(bench_engine::BenchEngineArgs),
+    /// Multi-turn chat traffic against any OpenAI-compatible endpoint: TTFT, ITL,
+    /// throughput, cached share and goodput per offered-load level.
+    Load(baton_bench::LoadArgs),
 }
 
 fn main() {
@@ -62,17 +69,19 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result: Result<()> = match cli.command {
+        Command::Up(a) => up::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine::run(a),
+        Command::Bench(BenchCommand::Load(a)) => baton_bench::load::run(a),
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
         Command::Certs(a) => certs::run(a),
+        Command::Prefill(a) => node_cmd::run_prefill(a),
+        Command::Decode(a) => node_cmd::run_decode(a),
         Command::Coordinator(a) => coordinator_cmd::run(a),
         Command::Gateway(a) => gateway_cmd::run_gateway(a),
         Command::Keys(a) => gateway_cmd::run_keys(a),
         Command::Chat(a) => gateway_cmd::run_chat(a),
-        Command::Prefill(a) => node_cmd::run_prefill(a),
-        Command::Decode(a) => node_cmd::run_decode(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -139,7 +139,7 @@ impl FleetConfig {
                 }
             }
         }
-        Ring::new(self.vnodes, self.load_factor).map(|_| ())
+        Ring::new(self.vnodes, self.load_factor).map(|_| ()).map_err(BenchError::from)
     }
 }
 

@@ -1,0 +1,267 @@
+//! `baton up`: the whole cluster on this machine, in one process, with the embedded
+//! defaults: a coordinator with in-memory membership, one prefill node and one decode
+//! node (each with its own engine, real QUIC with mutual TLS between them, certificates
+//! made fresh at start), and the API gateway with its SQLite store and web page in front
+//! of the cluster. One Ctrl-C (or SIGTERM) stops every part; the decode node finishes
+//! deregistering and the gateway stops accepting before the engines shut down.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
+use baton_engine::Engine;
+use baton_proto::common::Role;
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator::ListNodesRequest;
+use clap::Args;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::engine_args::EngineArgs;
+
+const DECODE_NAME: &str = "decode-0";
+const PREFILL_NAME: &str = "prefill-0";
+
+/// Flags of `baton up`.
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub gateway: baton_api_gateway::Args,
+    /// The coordinator's gRPC address.
+    #[arg(long, env = "BATON_COORDINATOR_LISTEN", default_value = "127.0.0.1:7100")]
+    pub coordinator_listen: SocketAddr,
+    /// The coordinator's HTTP address (/metrics, /debug/routing).
+    #[arg(long, env = "BATON_COORDINATOR_HTTP_LISTEN", default_value = "127.0.0.1:7101")]
+    pub coordinator_http_listen: SocketAddr,
+    /// Uncached prompt tails shorter than this many tokens are prefilled on the decode
+    /// node; longer ones on the prefill node.
+    #[arg(long, env = "BATON_LOCAL_PREFILL_THRESHOLD", default_value_t = 512)]
+    pub local_prefill_threshold: u32,
+    /// API key to accept (created for --user if new); without one a key is created
+    /// and printed.
+    #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The local user the key belongs to.
+    #[arg(long, env = "BATON_USER", default_value = "local")]
+    pub user: String,
+}
+
+/// Where the parts of a started cluster listen.
+struct Started {
+    coordinator: SocketAddr,
+    coordinator_http: SocketAddr,
+    decode_http: SocketAddr,
+    prefill_http: SocketAddr,
+}
+
+pub fn run(a: UpArgs) -> Result<()> {
+    let model = a.engine.model_path();
+    if !model.exists() {
+        bail!("model {} not found; run `bash scripts/fetch-model.sh` or pass --model", model.display());
+    }
+    let gateway_config = baton_api_gateway::Config::try_from(a.gateway.clone())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        tokio::spawn(async move {
+            crate::node_cmd::shutdown_signal().await;
+            eprintln!("baton up: shutting down");
+            let _ = stop_tx.send(true);
+        });
+        let engines = start_engines(&a.engine).await?;
+        let result = serve(&a, &model, gateway_config, engines.clone(), stop_rx).await;
+        for e in [&engines.0, &engines.1] {
+            e.shutdown();
+        }
+        result
+    })
+}
+
+/// The decode node's and the prefill node's engines, loaded side by side.
+async fn start_engines(args: &EngineArgs) -> Result<(Arc<Engine>, Arc<Engine>)> {
+    let (d, p) = (args.clone(), args.clone());
+    let decode = tokio::task::spawn_blocking(move || d.start());
+    let prefill = tokio::task::spawn_blocking(move || p.start());
+    let decode = Arc::new(decode.await.context("decode engine")?.context("starting the decode node's engine")?);
+    let prefill = Arc::new(prefill.await.context("prefill engine")?.context("starting the prefill node's engine")?);
+    Ok((decode, prefill))
+}
+
+async fn serve(
+    a: &UpArgs,
+    model: &Path,
+    gateway_config: baton_api_gateway::Config,
+    (decode_engine, prefill_engine): (Arc<Engine>, Arc<Engine>),
+    stop: watch::Receiver<bool>,
+) -> Result<()> {
+    let started = Instant::now();
+    let gateway_listener = TcpListener::bind(gateway_config.listen).await.with_context(|| format!("binding the gateway to {}", gateway_config.listen))?;
+    let certs = baton_kv_transport::generate_dev_certs("baton-up", &[DECODE_NAME, PREFILL_NAME]).context("making the cluster's TLS certificates")?;
+
+    let coordinator_config = baton_coordinator::Config {
+        listen: a.coordinator_listen,
+        http_listen: a.coordinator_http_listen,
+        local_prefill_threshold: a.local_prefill_threshold,
+        ..baton_coordinator::Config::default()
+    };
+    let coordinator = baton_coordinator::Coordinator::bind(coordinator_config).await.context("starting the coordinator")?;
+    let coordinator_addr = coordinator.grpc_addr();
+    let coordinator_http = coordinator.http_addr();
+    let coordinator_url = format!("http://{coordinator_addr}");
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { coordinator.serve(stopped(stop)).await.context("coordinator") }
+    });
+
+    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), threads: a.engine.threads, config: a.engine.engine_config() };
+    let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+
+    let decode_config = baton_decode_node::Config {
+        name: DECODE_NAME.into(),
+        listen: loopback(0),
+        http_listen: loopback(0),
+        kv_listen: loopback(0),
+        advertise_host: None,
+        coordinator: Some(coordinator_url.clone()),
+        prefill_addr: None,
+        local_prefill_threshold: a.local_prefill_threshold as usize,
+        kv_deadline: Duration::from_secs(30),
+        kv_staging_bytes: 256 << 20,
+        certs_dir: Default::default(),
+        engine: node_engine(),
+    };
+    let decode_parts = baton_decode_node::Parts {
+        engine: decode_engine.clone(),
+        tls: certs.node_tls(DECODE_NAME)?,
+        grpc: TcpListener::bind(loopback(0)).await?,
+        http: TcpListener::bind(loopback(0)).await?,
+    };
+    let decode_http = decode_parts.http.local_addr()?;
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { baton_decode_node::serve(decode_config, decode_parts, |_| {}, stopped(stop)).await.context("decode node") }
+    });
+
+    let prefill_config = baton_prefill_node::Config {
+        name: PREFILL_NAME.into(),
+        listen: loopback(0),
+        http_listen: loopback(0),
+        kv_listen: loopback(0),
+        advertise_host: None,
+        coordinator: Some(coordinator_url.clone()),
+        kv_deadline: Duration::from_secs(30),
+        kv_staging_bytes: 256 << 20,
+        certs_dir: Default::default(),
+        kv_layer_delay: None,
+        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), threads: a.engine.threads, config: a.engine.engine_config() },
+    };
+    let prefill_parts = baton_prefill_node::Parts {
+        engine: prefill_engine.clone(),
+        tls: certs.node_tls(PREFILL_NAME)?,
+        grpc: TcpListener::bind(loopback(0)).await?,
+        http: TcpListener::bind(loopback(0)).await?,
+    };
+    let prefill_http = prefill_parts.http.local_addr()?;
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { baton_prefill_node::serve(prefill_config, prefill_parts, |_| {}, stopped(stop)).await.context("prefill node") }
+    });
+
+    wait_for_members(&coordinator_url, &mut tasks).await?;
+
+    // The gateway: the key first, so the banner can show it.
+    let store = baton_api_gateway::open_store(&gateway_config).await?;
+    let key = baton_api_gateway::ensure_key(store.as_ref(), a.api_key.clone(), &a.user).await.context("preparing the API key")?;
+    let (tokenizer, template) = baton_api_gateway::load_tokenizer(gateway_config.tokenizer_model.as_deref().unwrap_or(model))?;
+    let model_id = gateway_config.served_model_name.clone().unwrap_or_else(|| {
+        model.file_stem().map_or_else(|| "baton".to_string(), |s| s.to_string_lossy().into_owned())
+    });
+    let generator = Arc::new(ClusterGenerator::new(&coordinator_url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?);
+    let app = baton_api_gateway::build_app(gateway_config, generator, store, tokenizer, template, model_id)?;
+    let gateway_addr = gateway_listener.local_addr()?;
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { baton_api_gateway::server::serve(gateway_listener, app, stopped(stop)).await.context("gateway") }
+    });
+    print_banner(
+        gateway_addr,
+        &key,
+        a.api_key.is_some(),
+        &Started { coordinator: coordinator_addr, coordinator_http, decode_http, prefill_http },
+        started.elapsed(),
+    );
+
+    // The first part to stop (on shutdown, or on its own with an error) stops the rest.
+    let mut first_error = None;
+    while let Some(joined) = tasks.join_next().await {
+        let result = joined.map_err(anyhow::Error::from).and_then(|r| r);
+        if let Err(e) = result {
+            eprintln!("baton up: {e:#}");
+            first_error.get_or_insert(e);
+            tasks.abort_all();
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Waits until both nodes hold a lease, or fails if one of them stopped.
+async fn wait_for_members(coordinator_url: &str, tasks: &mut tokio::task::JoinSet<Result<()>>) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut client = loop {
+        if let Ok(c) = CoordinatorClient::connect(coordinator_url.to_string()).await {
+            break c;
+        }
+        if Instant::now() > deadline {
+            bail!("the coordinator at {coordinator_url} did not start");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    loop {
+        if let Some(joined) = tasks.try_join_next() {
+            joined??;
+            bail!("a part of the cluster stopped during start");
+        }
+        let nodes = client.list_nodes(ListNodesRequest { role: Role::Unspecified as i32 }).await?.into_inner().nodes;
+        let has = |role: Role| nodes.iter().any(|n| n.role == role as i32);
+        if has(Role::Decode) && has(Role::Prefill) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the nodes did not register with the coordinator within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn print_banner(gateway: SocketAddr, key: &str, key_given: bool, s: &Started, took: Duration) {
+    let key_line = if key_given { "the key from BATON_API_KEY".to_string() } else { key.to_string() };
+    println!(
+        "Baton is up ({:.1} s).\n\
+         \n  web chat     http://{gateway}/\n  API          http://{gateway}/v1  (OpenAI-compatible)\n  API key      {key_line}\n\
+         \n  coordinator  grpc {}  http http://{}/debug/routing\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
+         \nTry:\n  curl -N http://{gateway}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
+         -H 'Content-Type: application/json' \\\n    \
+         -d '{{\"model\":\"baton\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n\
+         \nCtrl-C stops the cluster.",
+        took.as_secs_f64(),
+        s.coordinator,
+        s.coordinator_http,
+        s.decode_http,
+        s.prefill_http,
+        if key_given { "$BATON_API_KEY" } else { key },
+    );
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    while !*rx.borrow_and_update() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}

@@ -156,7 +156,7 @@ pub enum BeginTurn {
     Created,
     /// The turn ID was already used; here is its row (its state says whether
     /// it is still streaming).
-    Existing(Turn),
+    Existing(Box<Turn>),
 }
 
 /// Per-user token counts (metering).

@@ -302,7 +302,7 @@ impl ConversationStore for SqliteStore {
             let tx = c.transaction().map_err(db)?;
             if let Some(existing) = get_turn_sync(&tx, &t.conversation, &t.turn_id)? {
                 if existing.state != TurnState::Failed || existing.request_hash != t.request_hash {
-                    return Ok(BeginTurn::Existing(existing));
+                    return Ok(BeginTurn::Existing(Box::new(existing)));
                 }
                 tx.execute("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![t.conversation, t.turn_id]).map_err(db)?;
             }

@@ -5,6 +5,7 @@
 use crate::engine_args::EngineArgs;
 use anyhow::{bail, Context, Result};
 use baton_api_gateway::client::{Client, Method};
+use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
 use baton_api_gateway::generator::local::LocalGenerator;
 use baton_api_gateway::store::{ConversationStore, SqliteStore};
 use baton_api_gateway::{auth, Config};
@@ -19,6 +20,10 @@ pub struct GatewayArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub gateway: baton_api_gateway::Args,
+    /// Serve the cluster behind this coordinator (e.g. http://10.0.0.2:7100) instead
+    /// of an in-process engine; the model file then only supplies the tokenizer.
+    #[arg(long, env = "BATON_COORDINATOR")]
+    pub coordinator: Option<String>,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -32,6 +37,10 @@ async fn ctrl_c() {
 pub fn run_gateway(a: GatewayArgs) -> Result<()> {
     let config = Config::try_from(a.gateway)?;
     let model = a.engine.model_path();
+    if let Some(url) = &a.coordinator {
+        let generator = Arc::new(ClusterGenerator::new(url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?);
+        return runtime()?.block_on(baton_api_gateway::run(config, generator, &model, ctrl_c()));
+    }
     let engine = Arc::new(a.engine.start()?);
     let generator = Arc::new(LocalGenerator::new(engine.clone()));
     let rt = runtime()?;

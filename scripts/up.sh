@@ -7,5 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
 export BATON_MODEL
-cargo build --release --locked --bin baton
-exec target/release/baton up "$@"
+exec cargo run --release --locked --bin baton -- up "$@"

@@ -3,6 +3,7 @@
 //! terminal client of the conversations API).
 
 use crate::engine_args::EngineArgs;
+use crate::process::{runtime, shutdown_signal};
 use anyhow::{bail, Context, Result};
 use baton_api_gateway::client::{Client, Method};
 use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
@@ -26,25 +27,17 @@ pub struct GatewayArgs {
     pub coordinator: Option<String>,
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
-}
-
-async fn ctrl_c() {
-    let _ = tokio::signal::ctrl_c().await;
-}
-
 pub fn run_gateway(a: GatewayArgs) -> Result<()> {
     let config = Config::try_from(a.gateway)?;
     let model = a.engine.model_path();
     if let Some(url) = &a.coordinator {
         let generator = Arc::new(ClusterGenerator::new(url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?);
-        return runtime()?.block_on(baton_api_gateway::run(config, generator, &model, ctrl_c()));
+        return runtime()?.block_on(baton_api_gateway::run(config, generator, &model, shutdown_signal()));
     }
     let engine = Arc::new(a.engine.start()?);
     let generator = Arc::new(LocalGenerator::new(engine.clone()));
     let rt = runtime()?;
-    let r = rt.block_on(baton_api_gateway::run(config, generator, &model, ctrl_c()));
+    let r = rt.block_on(baton_api_gateway::run(config, generator, &model, shutdown_signal()));
     engine.shutdown();
     r
 }

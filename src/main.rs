@@ -7,6 +7,7 @@ mod engine_args;
 mod gateway_cmd;
 mod generate;
 mod node_cmd;
+mod process;
 mod up;
 
 use anyhow::Result;

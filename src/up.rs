@@ -65,11 +65,10 @@ pub fn run(a: UpArgs) -> Result<()> {
         bail!("model {} not found; run `bash scripts/fetch-model.sh` or pass --model", model.display());
     }
     let gateway_config = baton_api_gateway::Config::try_from(a.gateway.clone())?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    runtime.block_on(async move {
+    crate::process::runtime()?.block_on(async move {
         let (stop_tx, stop_rx) = watch::channel(false);
         tokio::spawn(async move {
-            crate::node_cmd::shutdown_signal().await;
+            crate::process::shutdown_signal().await;
             eprintln!("baton up: shutting down");
             let _ = stop_tx.send(true);
         });
@@ -244,7 +243,7 @@ fn print_banner(gateway: SocketAddr, key: &str, key_given: bool, s: &Started, to
     println!(
         "Baton is up ({:.1} s).\n\
          \n  web chat     http://{gateway}/\n  API          http://{gateway}/v1  (OpenAI-compatible)\n  API key      {key_line}\n\
-         \n  coordinator  grpc {}  http http://{}/debug/routing\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
+         \n  coordinator  grpc {}  http http://{}/debug/routing?key=ID\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
          \nTry:\n  curl -N http://{gateway}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
          -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\":\"baton\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n\

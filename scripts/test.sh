@@ -4,6 +4,8 @@
 # over all test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Deployment checks first (manifests, compose, alert rules, shellcheck): seconds, not minutes.
+bash deploy/check.sh
 BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
 export BATON_MODEL
 log="$(mktemp)"

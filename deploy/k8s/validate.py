@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Offline validation of rendered Baton manifests (deploy/check.sh runs it).
+
+  validate.py [--gpu] [--self-test] [--schema-only] RENDERED.yaml
+
+1. Schema: every object of a built-in kind is validated strictly (unknown fields are
+   errors) against the Kubernetes OpenAPI schemas shipped by the PyPI package
+   kubernetes-validate, for KUBE_VERSION. Objects of CRD kinds (ServiceMonitor,
+   cert-manager) are not in those schemas: they are named as skipped and checked against
+   the few fields Baton relies on instead. Any other unknown kind is an error.
+2. Consistency: selectors select something, named ports exist, probes, resources and
+   security settings are present, the decode preStop drain fits in the grace period, the
+   autoscaler reads the standard metric, KV transport ports are open to cluster nodes only,
+   and (--gpu) GPU/RDMA requests are there.
+--schema-only skips 2 (for partial sets such as deploy/k8s/cert-manager).
+--self-test breaks copies of the manifests in known ways and fails unless each is caught.
+"""
+import copy
+import re
+import sys
+
+import yaml
+import kubernetes_validate
+from kubernetes_validate.utils import SchemaNotFoundError
+
+KUBE_VERSION = "1.30.0"
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): {"spec": ["selector", "endpoints"]},
+    ("monitoring.coreos.com/v1", "PrometheusRule"): {"spec": ["groups"]},
+    ("cert-manager.io/v1", "Certificate"): {"spec": ["secretName", "issuerRef"]},
+    ("cert-manager.io/v1", "Issuer"): {"spec": []},
+    ("cert-manager.io/v1", "ClusterIssuer"): {"spec": []},
+}
+# Secrets the operator creates (docs/operations.md); everything else must be rendered.
+EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls"}
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
+KV_PORTS = {7202, 7302}
+AUTOSCALER_METRICS = {"baton_prefill_queue_depth"}
+
+
+def matches(selector, labels):
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def duration_s(text):
+    m = re.fullmatch(r"(\d+)(ms|s|m|h)?", text)
+    if not m:
+        return None
+    n, unit = int(m.group(1)), m.group(2) or "s"
+    return n / 1000 if unit == "ms" else n * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+def schema_errors(docs):
+    errors, skipped = [], []
+    for d in docs:
+        name = f"{d.get('kind')}/{d.get('metadata', {}).get('name')}"
+        key = (d.get("apiVersion"), d.get("kind"))
+        if key in CRD_KINDS:
+            skipped.append(name)
+            for field in CRD_KINDS[key]["spec"]:
+                if field not in d.get("spec", {}):
+                    errors.append(f"{name}: spec.{field} is missing")
+            continue
+        try:
+            kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
+        except SchemaNotFoundError:
+            errors.append(f"{name}: {key[0]} {key[1]} is neither a Kubernetes {KUBE_VERSION} kind nor a known CRD kind")
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            errors.append(f"{name}: {path}: {e.message}")
+    return errors, skipped
+
+
+def consistency_errors(docs, gpu):
+    errs = []
+    by_kind = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    workloads = [d for d in docs if d["kind"] in WORKLOADS]
+    pods = [(w, w["spec"]["template"]) for w in workloads]
+    services = by_kind.get("Service", [])
+    configmaps = {c["metadata"]["name"] for c in by_kind.get("ConfigMap", [])}
+    pvcs = {c["metadata"]["name"] for c in by_kind.get("PersistentVolumeClaim", [])}
+
+    for w, t in pods:
+        n = f"{w['kind']}/{w['metadata']['name']}"
+        spec = t["spec"]
+        if not matches(w["spec"]["selector"]["matchLabels"], t["metadata"].get("labels", {})):
+            errs.append(f"{n}: selector does not match its pod template")
+        psc = spec.get("securityContext", {})
+        if not psc.get("runAsNonRoot"):
+            errs.append(f"{n}: pod securityContext.runAsNonRoot is not true")
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            r = c.get("resources", {})
+            if "requests" not in r or "memory" not in r.get("limits", {}):
+                errs.append(f"{n}/{c['name']}: needs resource requests and a memory limit")
+            if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False:
+                errs.append(f"{n}/{c['name']}: allowPrivilegeEscalation must be false")
+            for e in c.get("envFrom", []):
+                ref = e.get("configMapRef", {}).get("name")
+                if ref and ref not in configmaps:
+                    errs.append(f"{n}/{c['name']}: envFrom ConfigMap {ref} is not rendered")
+        for c in spec["containers"]:
+            for p in ("readinessProbe", "livenessProbe"):
+                if p not in c:
+                    errs.append(f"{n}/{c['name']}: no {p}")
+        for v in spec.get("volumes", []):
+            if "configMap" in v and v["configMap"]["name"] not in configmaps:
+                errs.append(f"{n}: volume {v['name']}: ConfigMap {v['configMap']['name']} is not rendered")
+            if "secret" in v and v["secret"]["secretName"] not in EXTERNAL_SECRETS:
+                errs.append(f"{n}: volume {v['name']}: Secret {v['secret']['secretName']} is neither rendered nor documented")
+            if "persistentVolumeClaim" in v and v["persistentVolumeClaim"]["claimName"] not in pvcs:
+                errs.append(f"{n}: volume {v['name']}: PVC {v['persistentVolumeClaim']['claimName']} is not rendered")
+
+    def pods_for(selector):
+        return [(w, t) for w, t in pods if matches(selector, t["metadata"].get("labels", {}))]
+
+    def port_names(t):
+        return {p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])}
+
+    for s in services:
+        n = f"Service/{s['metadata']['name']}"
+        sel = pods_for(s["spec"].get("selector", {}))
+        if not sel:
+            errs.append(f"{n}: selects no pod template")
+        for p in s["spec"]["ports"]:
+            tp = p.get("targetPort")
+            if isinstance(tp, str) and any(tp not in port_names(t) for _, t in sel):
+                errs.append(f"{n}: targetPort {tp} is not a container port of the selected pods")
+
+    for sm in by_kind.get("ServiceMonitor", []):
+        n = f"ServiceMonitor/{sm['metadata']['name']}"
+        svc = [s for s in services if matches(sm["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))]
+        if not svc:
+            errs.append(f"{n}: selects no Service")
+        for ep in sm["spec"]["endpoints"]:
+            if not any(ep["port"] in {p.get("name") for p in s["spec"]["ports"]} for s in svc):
+                errs.append(f"{n}: port {ep['port']} is not a port of the selected Services")
+
+    for pdb in by_kind.get("PodDisruptionBudget", []):
+        if not pods_for(pdb["spec"]["selector"]["matchLabels"]):
+            errs.append(f"PodDisruptionBudget/{pdb['metadata']['name']}: selects no pods")
+
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for h in by_kind.get("HorizontalPodAutoscaler", []):
+        n = f"HorizontalPodAutoscaler/{h['metadata']['name']}"
+        ref = h["spec"]["scaleTargetRef"]
+        if (ref["kind"], ref["name"]) not in names:
+            errs.append(f"{n}: scale target {ref['kind']}/{ref['name']} is not rendered")
+        for m in h["spec"].get("metrics", []):
+            if m["type"] == "Pods" and m["pods"]["metric"]["name"] not in AUTOSCALER_METRICS:
+                errs.append(f"{n}: metric {m['pods']['metric']['name']} is not one of {sorted(AUTOSCALER_METRICS)}")
+
+    decode = [w for w in workloads if w["metadata"]["name"] == "baton-decode"]
+    if not decode or decode[0]["kind"] != "StatefulSet":
+        errs.append("baton-decode must be a StatefulSet")
+    else:
+        d = decode[0]
+        if (("Service", d["spec"]["serviceName"]) not in names):
+            errs.append("StatefulSet/baton-decode: serviceName is not a rendered Service")
+        spec = d["spec"]["template"]["spec"]
+        c = [c for c in spec["containers"] if c["name"] == "decode"][0]
+        cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        if "drain" not in cmd:
+            errs.append("StatefulSet/baton-decode: the preStop hook does not run `baton drain`")
+        else:
+            t = duration_s(cmd[cmd.index("--timeout") + 1]) if "--timeout" in cmd else 60
+            grace = spec.get("terminationGracePeriodSeconds", 30)
+            if t is None or grace < t + 15:
+                errs.append(f"StatefulSet/baton-decode: terminationGracePeriodSeconds {grace} leaves no room after a {t} s drain")
+        for probe in ("startupProbe", "readinessProbe"):
+            if c.get(probe, {}).get("httpGet", {}).get("path") != "/healthz":
+                errs.append(f"StatefulSet/baton-decode: {probe} must be GET /healthz (ready once the model is loaded)")
+
+    # KV transport ports: reachable from cluster node pods only.
+    kv_peer = {"baton.dev/kv-peer": "true"}
+    for w, t in pods:
+        if matches(kv_peer, t["metadata"].get("labels", {})) and t["metadata"]["labels"].get("app.kubernetes.io/component") not in ("prefill", "decode"):
+            errs.append(f"{w['kind']}/{w['metadata']['name']}: only prefill and decode pods may carry baton.dev/kv-peer")
+    open_kv = set()
+    for np_ in by_kind.get("NetworkPolicy", []):
+        n = f"NetworkPolicy/{np_['metadata']['name']}"
+        for rule in np_["spec"].get("ingress", []):
+            ports = {p.get("port") for p in rule.get("ports", []) if p.get("protocol") == "UDP"}
+            kv = ports & KV_PORTS
+            if not kv:
+                continue
+            peers = rule.get("from", [])
+            if not peers or any(set(p) != {"podSelector"} or p["podSelector"].get("matchLabels") != kv_peer for p in peers):
+                errs.append(f"{n}: KV transport ports {sorted(kv)} must be open to baton.dev/kv-peer pods only")
+            open_kv |= kv
+    if open_kv != KV_PORTS:
+        errs.append(f"NetworkPolicies: KV transport ports {sorted(KV_PORTS - open_kv)} are not opened to cluster nodes")
+    if not any(np_["spec"]["podSelector"] == {} for np_ in by_kind.get("NetworkPolicy", [])):
+        errs.append("NetworkPolicies: no default-deny policy for the namespace")
+
+    for ing in by_kind.get("Ingress", []):
+        if not ing["spec"].get("tls"):
+            errs.append(f"Ingress/{ing['metadata']['name']}: no TLS")
+
+    if gpu:
+        for w in workloads:
+            if w["metadata"]["name"] not in ("baton-decode", "baton-prefill"):
+                continue
+            spec = w["spec"]["template"]["spec"]
+            main = spec["containers"][0]
+            lim = main.get("resources", {}).get("limits", {})
+            if "nvidia.com/gpu" not in lim or not any(k.startswith("rdma/") for k in lim):
+                errs.append(f"{w['kind']}/{w['metadata']['name']}: GPU overlay needs nvidia.com/gpu and rdma/* limits")
+            if not spec.get("nodeSelector") or not spec.get("tolerations"):
+                errs.append(f"{w['kind']}/{w['metadata']['name']}: GPU overlay needs a nodeSelector and tolerations")
+    return errs
+
+
+def check(docs, gpu, schema_only=False):
+    errors, skipped = schema_errors(docs)
+    if schema_only:
+        return errors, skipped
+    return errors + consistency_errors(docs, gpu), skipped
+
+
+def self_test(docs, gpu):
+    def find(objs, kind, name):
+        return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
+
+    def decode_container(d):
+        return d["spec"]["template"]["spec"]["containers"][0]
+
+    breakages = {
+        "unknown field": lambda d: find(d, "StatefulSet", "baton-decode")["spec"].__setitem__("replica", 2),
+        "wrong type": lambda d: find(d, "Deployment", "baton-gateway")["spec"].__setitem__("replicas", "one"),
+        "unknown kind": lambda d: d.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}),
+        "no readiness probe": lambda d: decode_container(find(d, "StatefulSet", "baton-decode")).pop("readinessProbe"),
+        "no preStop drain": lambda d: decode_container(find(d, "StatefulSet", "baton-decode")).pop("lifecycle"),
+        "short grace period": lambda d: find(d, "StatefulSet", "baton-decode")["spec"]["template"]["spec"].__setitem__("terminationGracePeriodSeconds", 30),
+        "service selects nothing": lambda d: find(d, "Service", "baton-gateway")["spec"]["selector"].__setitem__("app.kubernetes.io/component", "gw"),
+        "KV port open to all": lambda d: find(d, "NetworkPolicy", "baton-decode")["spec"]["ingress"][0].pop("from"),
+        "HPA metric renamed": lambda d: find(d, "HorizontalPodAutoscaler", "baton-prefill")["spec"]["metrics"][0]["pods"]["metric"].__setitem__("name", "queue"),
+        "ServiceMonitor port": lambda d: find(d, "ServiceMonitor", "baton-decode")["spec"]["endpoints"][0].__setitem__("port", "metrics"),
+    }
+    if gpu:
+        breakages["no GPU request"] = lambda d: decode_container(find(d, "StatefulSet", "baton-decode"))["resources"]["limits"].pop("nvidia.com/gpu")
+    missed = []
+    for what, breakage in breakages.items():
+        broken = copy.deepcopy(docs)
+        breakage(broken)
+        errors, _ = check(broken, gpu)
+        print(f"  self-test: {what}: {'caught: ' + errors[0] if errors else 'NOT CAUGHT'}")
+        if not errors:
+            missed.append(what)
+    return missed
+
+
+def main(argv):
+    gpu = "--gpu" in argv
+    selftest = "--self-test" in argv
+    schema_only = "--schema-only" in argv
+    files = [a for a in argv if not a.startswith("--")]
+    if len(files) != 1:
+        sys.exit(__doc__)
+    with open(files[0]) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    errors, skipped = check(docs, gpu, schema_only)
+    kinds = sorted({d["kind"] for d in docs})
+    print(f"{files[0]}: {len(docs)} objects ({', '.join(kinds)})")
+    print(f"  strict schema check against Kubernetes {KUBE_VERSION}: {len(docs) - len(skipped)} objects")
+    if skipped:
+        print(f"  not in the Kubernetes schemas (CRD kinds; required fields checked only): {', '.join(skipped)}")
+    for e in errors:
+        print(f"  error: {e}")
+    if errors:
+        return 1
+    if selftest:
+        missed = self_test(docs, gpu)
+        if missed:
+            print(f"  self-test failed: not caught: {', '.join(missed)}")
+            return 1
+    print("  ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

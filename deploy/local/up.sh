@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The README's start command: fetch the default model (cached, checked by sha256),
+# build Baton, and start the whole cluster on this machine with `baton up`
+# (coordinator, prefill node, decode node, gateway with the web chat page).
+# Extra arguments go to `baton up` (see `baton up --help`); CARGO_TARGET_DIR is honoured.
+#
+#   bash deploy/local/up.sh                       # chat page http://127.0.0.1:8080/
+#   BATON_API_KEY=sk-local bash deploy/local/up.sh   # choose the API key
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+echo "baton: fetching the default model (cached after the first run)" >&2
+BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
+export BATON_MODEL
+echo "baton: model $BATON_MODEL" >&2
+echo "baton: building (cargo build --release; target dir ${CARGO_TARGET_DIR:-target})" >&2
+cargo build --release --locked --bin baton
+bin="${CARGO_TARGET_DIR:-target}/release/baton"
+echo "baton: starting the cluster; when it is up it prints the chat page, API, API key and" >&2
+echo "       metrics URLs. Ctrl-C (or SIGTERM to PID $$) stops every role cleanly." >&2
+exec "$bin" up "$@"

@@ -67,6 +67,15 @@ for key in PKG_VERSION SHA256; do
         die "deploy/k8s/base/kustomization.yaml does not use the model's $key $value of scripts/fetch-model.sh"
 done
 echo "model source matches scripts/fetch-model.sh"
+# The custom-metric rule serves the metric the prefill autoscaler reads.
+"$PYTHON" - deploy/k8s/prometheus-adapter/values.yaml <<'PY'
+import sys, yaml
+rules = yaml.safe_load(open(sys.argv[1]))["rules"]["custom"]
+names = {r["name"]["as"] for r in rules}
+if "baton_prefill_queue_depth" not in names:
+    sys.exit(f"{sys.argv[1]}: no rule serves baton_prefill_queue_depth (has {sorted(names)})")
+print("prometheus-adapter serves baton_prefill_queue_depth")
+PY
 
 step "Docker Compose (deploy/docker)"
 compose -f deploy/docker/compose.yaml config -q

@@ -31,8 +31,13 @@ pub fn run_gateway(a: GatewayArgs) -> Result<()> {
     let config = Config::try_from(a.gateway)?;
     let model = a.engine.model_path();
     if let Some(url) = &a.coordinator {
-        let generator = Arc::new(ClusterGenerator::new(url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?);
-        return runtime()?.block_on(baton_api_gateway::run(config, generator, &model, shutdown_signal()));
+        // The cluster client's lazy channels need the runtime when they are created.
+        let rt = runtime()?;
+        let generator = {
+            let _in_runtime = rt.enter();
+            Arc::new(ClusterGenerator::new(url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?)
+        };
+        return rt.block_on(baton_api_gateway::run(config, generator, &model, shutdown_signal()));
     }
     let engine = Arc::new(a.engine.start()?);
     let generator = Arc::new(LocalGenerator::new(engine.clone()));

@@ -13,6 +13,11 @@ trap 'rm -f "$log"' EXIT
 set +e
 cargo test --workspace --release --locked "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+# The Kubernetes node identities (wildcard certificates, tls-layout.sh) with the binary just built.
+if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
+    bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"
+    status=$?
+fi
 set -e
 passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')

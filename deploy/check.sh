@@ -80,6 +80,20 @@ PY
 step "Docker Compose (deploy/docker)"
 compose -f deploy/docker/compose.yaml config -q
 echo "deploy/docker/compose.yaml: valid"
+# Prometheus scrapes every Baton service of the compose file, and only services that exist.
+compose -f deploy/docker/compose.yaml config >"$tmp/compose.yaml"
+"$PYTHON" - "$tmp/compose.yaml" deploy/docker/prometheus.yml <<'PY'
+import sys, yaml
+services = yaml.safe_load(open(sys.argv[1]))["services"]
+jobs = yaml.safe_load(open(sys.argv[2]))["scrape_configs"]
+targets = {t.split(":")[0] for j in jobs for sc in j.get("static_configs", []) for t in sc["targets"]}
+baton = {name for name, s in services.items() if s.get("command", [None])[0] in ("coordinator", "prefill", "decode", "gateway")}
+unknown = targets - set(services) - {"127.0.0.1"}
+missing = baton - targets
+if unknown or missing:
+    sys.exit(f"prometheus.yml: targets without a compose service: {sorted(unknown)}; Baton services not scraped: {sorted(missing)}")
+print(f"prometheus.yml scrapes all {len(baton)} Baton services of the compose file")
+PY
 [ -f deploy/grafana/baton-dashboard.json ] ||
     echo "note: deploy/grafana/baton-dashboard.json (provisioned into Grafana) does not exist yet"
 

@@ -17,5 +17,6 @@ echo "baton: building (cargo build --release; target dir ${CARGO_TARGET_DIR:-tar
 cargo build --release --locked --bin baton
 bin="${CARGO_TARGET_DIR:-target}/release/baton"
 echo "baton: starting the cluster; when it is up it prints the chat page, API, API key and" >&2
-echo "       metrics URLs. Ctrl-C (or SIGTERM to PID $$) stops every role cleanly." >&2
+echo "       each node's metrics URL (the gateway's: http://${BATON_GATEWAY_LISTEN:-127.0.0.1:8080}/metrics)." >&2
+echo "       Ctrl-C (or SIGTERM to PID $$) stops every role cleanly." >&2
 exec "$bin" up "$@"

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use baton_api_gateway::client::{Client, Method};
 use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
 use baton_api_gateway::generator::local::LocalGenerator;
-use baton_api_gateway::store::{ConversationStore, SqliteStore};
+use baton_api_gateway::store::ConversationStore;
 use baton_api_gateway::{auth, Config};
 use clap::{Args, Subcommand};
 use std::io::{BufRead, Write};
@@ -79,7 +79,7 @@ pub enum KeysCommand {
 
 #[derive(Args, Debug)]
 pub struct KeysArgs {
-    /// The gateway's SQLite database.
+    /// The gateway's store: a SQLite file or a `postgres://` URL.
     #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
     pub db: PathBuf,
     #[command(subcommand)]
@@ -89,11 +89,12 @@ pub struct KeysArgs {
 pub fn run_keys(a: KeysArgs) -> Result<()> {
     let rt = runtime()?;
     rt.block_on(async {
-        let store = SqliteStore::open(&a.db).with_context(|| format!("opening {}", a.db.display()))?;
+        let shown = baton_api_gateway::store::postgres::redact_url(&a.db.to_string_lossy());
+        let store = baton_api_gateway::store::open(&a.db).await.with_context(|| format!("opening the store {shown}"))?;
         match a.command {
             KeysCommand::Create { user, label } => {
                 anyhow::ensure!(!user.trim().is_empty(), "--user must not be empty");
-                println!("{}", auth::create_key(&store, &user, &label).await?);
+                println!("{}", auth::create_key(store.as_ref(), &user, &label).await?);
             }
             KeysCommand::List => {
                 for k in store.list_keys().await? {

@@ -101,6 +101,12 @@ impl From<GenerateError> for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         tracing::error!(kind = e.kind(), error = %e, "store error");
-        ApiError::internal()
+        match e {
+            StoreError::Unavailable(_) => ApiError {
+                retry_after: Some(Duration::from_secs(1)),
+                ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "the conversation store is unavailable; retry later")
+            },
+            _ => ApiError::internal(),
+        }
     }
 }

@@ -37,7 +37,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use store::{ConversationStore, SqliteStore};
+use store::ConversationStore;
 
 pub use auth::ensure_key;
 pub use store::sqlite;
@@ -48,7 +48,8 @@ pub struct Args {
     /// Address the HTTP API listens on.
     #[arg(long, env = "BATON_GATEWAY_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// The SQLite database of keys, conversations and turns.
+    /// The store of keys, conversations and turns: a SQLite file path, or a
+    /// `postgres://user:password@host:port/db` URL (several replicas share it).
     #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
     pub db: PathBuf,
     /// The model whose tokenizer and chat template the gateway uses (GGUF
@@ -174,15 +175,16 @@ pub fn load_tokenizer(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)
     Ok((Arc::new(tok), Arc::new(tmpl)))
 }
 
-/// Opens the configured SQLite store (marking turns a crash left streaming
-/// as failed).
+/// Opens the configured store, SQLite or PostgreSQL (see [`store::open`]),
+/// marking turns a crash left streaming as failed.
 pub async fn open_store(config: &Config) -> Result<Arc<dyn ConversationStore>> {
-    let s = SqliteStore::open(&config.db).with_context(|| format!("opening {}", config.db.display()))?;
+    let shown = store::postgres::redact_url(&config.db.to_string_lossy());
+    let s = store::open(&config.db).await.with_context(|| format!("opening the store {shown}"))?;
     let n = s.fail_streaming_turns().await?;
     if n > 0 {
         tracing::warn!(turns = n, "turns interrupted by the last shutdown marked failed");
     }
-    Ok(Arc::new(s))
+    Ok(s)
 }
 
 /// Builds the gateway's shared state.

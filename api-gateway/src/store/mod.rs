@@ -1,15 +1,18 @@
 //! The conversation store: API keys (hashed), conversations, turns with their
 //! exact prompt and output token IDs, the durable token log that SSE resume
 //! replays, and per-user metering counts. One trait, [`ConversationStore`],
-//! with SQLite as the embedded default; [`conformance`] is the test suite
-//! every implementation must pass.
+//! with SQLite as the embedded default and PostgreSQL for several gateway
+//! replicas ([`open`] picks one from the `--db` value); [`conformance`] is the
+//! test suite every implementation must pass.
 //!
 //! Invariants: a turn ID is unique within its conversation (the idempotency
 //! key); every row of a conversation (turns, token log, summary) goes with
 //! it on delete; metering rows hold counts, never text.
 
 pub mod conformance;
+pub mod postgres;
 pub mod sqlite;
+pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 
 use serde::Serialize;
@@ -23,6 +26,9 @@ pub enum StoreError {
     NotFound { what: &'static str },
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// The database cannot be reached (down, connection lost); retrying later may work.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl StoreError {
@@ -31,6 +37,7 @@ impl StoreError {
             StoreError::Db(_) => "store",
             StoreError::NotFound { .. } => "not_found",
             StoreError::Corrupt(_) => "store_corrupt",
+            StoreError::Unavailable(_) => "store_unavailable",
         }
     }
 }
@@ -214,6 +221,16 @@ pub trait ConversationStore: Send + Sync + 'static {
 
     async fn add_usage(&self, user: &str, usage: UsageCounts) -> StoreResult<()>;
     async fn usage(&self, user: &str) -> StoreResult<UsageCounts>;
+}
+
+/// Opens the store `db` names: a `postgres://` or `postgresql://` URL
+/// connects to PostgreSQL (migrating its schema); anything else is the path
+/// of a SQLite file, created if missing.
+pub async fn open(db: &std::path::Path) -> StoreResult<std::sync::Arc<dyn ConversationStore>> {
+    match db.to_str() {
+        Some(url) if postgres::is_postgres_url(url) => Ok(std::sync::Arc::new(PostgresStore::connect(url).await?)),
+        _ => Ok(std::sync::Arc::new(SqliteStore::open(db)?)),
+    }
 }
 
 /// Seconds since the UNIX epoch.

@@ -1,0 +1,634 @@
+//! PostgreSQL implementation of [`ConversationStore`], for several gateway
+//! replicas sharing one database. Same tables and semantics as the SQLite
+//! store: token IDs as little-endian `u32` bytes (exact round trip), turns and
+//! token log cascading with their conversation, ownership in every query.
+//!
+//! The schema is versioned ([`MIGRATIONS`] recorded in
+//! `baton_schema_migrations`) and migrated at connect under a transaction-scoped
+//! advisory lock, so replicas starting together migrate once. Connections come
+//! from a pool; when the server is unreachable or a connection drops, calls
+//! fail with [`StoreError::Unavailable`] (a 503 for the client) and the pool
+//! reconnects on the next call.
+//!
+//! Replicas see each other's turns, so "turns a crash left streaming" cannot
+//! mean every streaming turn: each store instance records itself on the turns
+//! it begins and keeps a heartbeat row; [`ConversationStore::fail_streaming_turns`]
+//! fails only this instance's turns and those of instances whose heartbeat
+//! stopped.
+
+use super::*;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{NoTls, Row};
+
+/// The schema, one entry per version; never edit a released entry, append.
+pub const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    r#"
+CREATE TABLE api_keys (
+    key_hash TEXT PRIMARY KEY,
+    prefix TEXT COLLATE "C" NOT NULL,
+    user_id TEXT NOT NULL,
+    label TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    revoked BOOLEAN NOT NULL DEFAULT FALSE
+);
+CREATE TABLE conversations (
+    id TEXT COLLATE "C" PRIMARY KEY,
+    owner TEXT NOT NULL,
+    title TEXT NOT NULL,
+    system_prompt_version BIGINT NOT NULL,
+    summary TEXT,
+    created_at BIGINT NOT NULL,
+    updated_at BIGINT NOT NULL
+);
+CREATE INDEX conversations_owner ON conversations (owner, updated_at);
+CREATE INDEX conversations_updated ON conversations (updated_at);
+CREATE TABLE turns (
+    conversation TEXT COLLATE "C" NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+    turn_id TEXT COLLATE "C" NOT NULL,
+    seq BIGINT NOT NULL,
+    request_hash TEXT NOT NULL,
+    user_text TEXT NOT NULL,
+    reply_text TEXT NOT NULL,
+    prompt_ids BYTEA NOT NULL,
+    output_ids BYTEA NOT NULL,
+    system_prompt_version BIGINT NOT NULL,
+    state TEXT NOT NULL,
+    finish_reason TEXT,
+    prompt_tokens BIGINT NOT NULL DEFAULT 0,
+    cached_tokens BIGINT NOT NULL DEFAULT 0,
+    completion_tokens BIGINT NOT NULL DEFAULT 0,
+    created_at BIGINT NOT NULL,
+    instance TEXT,
+    PRIMARY KEY (conversation, turn_id)
+);
+CREATE INDEX turns_streaming ON turns (instance) WHERE state = 'streaming';
+CREATE TABLE token_log (
+    conversation TEXT COLLATE "C" NOT NULL,
+    turn_id TEXT COLLATE "C" NOT NULL,
+    idx BIGINT NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (conversation, turn_id, idx),
+    FOREIGN KEY (conversation, turn_id) REFERENCES turns (conversation, turn_id) ON DELETE CASCADE
+);
+CREATE TABLE user_limits (
+    user_id TEXT PRIMARY KEY,
+    limits TEXT NOT NULL
+);
+CREATE TABLE usage (
+    user_id TEXT PRIMARY KEY,
+    requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    cached_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL
+);
+CREATE TABLE gateway_instances (
+    id TEXT PRIMARY KEY,
+    seen_at BIGINT NOT NULL
+);
+"#,
+)];
+
+/// Key of the advisory lock that serializes migrations ("baton-gw").
+const MIGRATION_LOCK: i64 = 0x6261_746f_6e2d_6777;
+/// How often an instance refreshes its heartbeat row.
+const HEARTBEAT: Duration = Duration::from_secs(10);
+/// An instance silent for this long is dead; its streaming turns may be failed.
+const INSTANCE_DEAD_AFTER_SECS: i64 = 60;
+/// How long a call waits for a connection (or for one to be made).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+const TURN_COLS: &str = "conversation, turn_id, seq, request_hash, user_text, reply_text, prompt_ids, output_ids, \
+     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at";
+const CONV_COLS: &str = "id, owner, title, system_prompt_version, created_at, updated_at, summary";
+
+/// Whether `db` (the `--db` value) names a PostgreSQL server rather than a SQLite file.
+pub fn is_postgres_url(db: &str) -> bool {
+    db.starts_with("postgres://") || db.starts_with("postgresql://")
+}
+
+/// `url` with any password replaced by `***`, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let (auth, host) = match rest.rsplit_once('@') {
+        Some(x) => x,
+        None => return url.to_string(),
+    };
+    match auth.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_string(),
+    }
+}
+
+/// Whether a driver error means the server is out of reach (not a bad query).
+fn is_unavailable(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    match e.code() {
+        // Class 08: connection exception; 57P01-03: shutdown / cannot connect now.
+        Some(c) => {
+            c.code().starts_with("08")
+                || *c == SqlState::ADMIN_SHUTDOWN
+                || *c == SqlState::CRASH_SHUTDOWN
+                || *c == SqlState::CANNOT_CONNECT_NOW
+        }
+        // No server error code: an I/O or protocol failure of the connection.
+        None => e.as_db_error().is_none(),
+    }
+}
+
+fn db(e: tokio_postgres::Error) -> StoreError {
+    if is_unavailable(&e) {
+        StoreError::Unavailable(format!("postgres: {e}"))
+    } else {
+        let detail = e.as_db_error().map(|d| d.message().to_string()).unwrap_or_else(|| e.to_string());
+        StoreError::Db(format!("postgres: {detail}"))
+    }
+}
+
+fn pool_err(e: PoolError) -> StoreError {
+    match e {
+        PoolError::Backend(e) => db(e),
+        other => StoreError::Unavailable(format!("postgres pool: {other}")),
+    }
+}
+
+fn ids_to_bytes(ids: &[u32]) -> Vec<u8> {
+    ids.iter().flat_map(|i| i.to_le_bytes()).collect()
+}
+
+fn bytes_to_ids(b: &[u8]) -> StoreResult<Vec<u32>> {
+    if b.len() % 4 != 0 {
+        return Err(StoreError::Corrupt(format!("token ID column of {} bytes", b.len())));
+    }
+    Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+fn version(v: i64) -> StoreResult<u32> {
+    u32::try_from(v).map_err(|_| StoreError::Corrupt(format!("system prompt version {v}")))
+}
+
+fn get<'a, T: tokio_postgres::types::FromSql<'a>>(r: &'a Row, i: usize) -> StoreResult<T> {
+    r.try_get(i).map_err(|e| StoreError::Corrupt(format!("column {i}: {e}")))
+}
+
+fn turn_from_row(r: &Row) -> StoreResult<Turn> {
+    Ok(Turn {
+        conversation: get(r, 0)?,
+        turn_id: get(r, 1)?,
+        seq: get(r, 2)?,
+        request_hash: get(r, 3)?,
+        user_text: get(r, 4)?,
+        reply_text: get(r, 5)?,
+        prompt_ids: bytes_to_ids(get(r, 6)?)?,
+        output_ids: bytes_to_ids(get(r, 7)?)?,
+        system_prompt_version: version(get(r, 8)?)?,
+        state: TurnState::parse(get(r, 9)?)?,
+        finish_reason: get(r, 10)?,
+        prompt_tokens: get(r, 11)?,
+        cached_tokens: get(r, 12)?,
+        completion_tokens: get(r, 13)?,
+        created_at: get(r, 14)?,
+    })
+}
+
+fn conv_from_row(r: &Row) -> StoreResult<Conversation> {
+    Ok(Conversation {
+        id: get(r, 0)?,
+        owner: get(r, 1)?,
+        title: get(r, 2)?,
+        system_prompt_version: version(get(r, 3)?)?,
+        created_at: get(r, 4)?,
+        updated_at: get(r, 5)?,
+        summary: get(r, 6)?,
+    })
+}
+
+/// Stops the heartbeat task when the last clone of the store goes.
+struct HeartbeatGuard(tokio::task::JoinHandle<()>);
+
+impl Drop for HeartbeatGuard {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The shared store.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    /// Random ID of this store instance (one per gateway process).
+    instance: String,
+    _heartbeat: Arc<HeartbeatGuard>,
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user:password@host:port/db`), migrates
+    /// the schema to the latest version and starts the heartbeat. Fails with
+    /// a clear error if the server cannot be reached or the schema is newer
+    /// than this gateway.
+    pub async fn connect(url: &str) -> StoreResult<Self> {
+        let shown = redact_url(url);
+        let mut cfg: tokio_postgres::Config =
+            url.parse().map_err(|e| StoreError::Db(format!("invalid PostgreSQL URL {shown}: {e}")))?;
+        if cfg.get_connect_timeout().is_none() {
+            cfg.connect_timeout(CONNECT_TIMEOUT);
+        }
+        cfg.keepalives_idle(Duration::from_secs(30));
+        if cfg.get_application_name().is_none() {
+            cfg.application_name("baton-gateway");
+        }
+        let mgr = Manager::from_config(cfg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let pool = Pool::builder(mgr)
+            .max_size(16)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(CONNECT_TIMEOUT))
+            .create_timeout(Some(CONNECT_TIMEOUT))
+            .recycle_timeout(Some(CONNECT_TIMEOUT))
+            .build()
+            .map_err(|e| StoreError::Db(format!("postgres pool: {e}")))?;
+        let mut client = pool.get().await.map_err(|e| match pool_err(e) {
+            StoreError::Unavailable(m) => StoreError::Unavailable(format!("cannot connect to {shown}: {m}")),
+            other => StoreError::Db(format!("cannot connect to {shown}: {other}")),
+        })?;
+        let from = migrate(&mut client).await?;
+        let to = MIGRATIONS.last().map_or(0, |m| m.0);
+        if from != to {
+            tracing::info!(from, to, "postgres store schema migrated");
+        }
+        drop(client);
+        let instance = crate::request_id();
+        let task = tokio::spawn(heartbeat(pool.clone(), instance.clone()));
+        let store = PostgresStore { pool, instance, _heartbeat: Arc::new(HeartbeatGuard(task)) };
+        store.beat().await?;
+        Ok(store)
+    }
+
+    /// The schema version the database is at.
+    pub async fn schema_version(&self) -> StoreResult<i32> {
+        let c = self.client().await?;
+        let r = c.query_one("SELECT COALESCE(max(version), 0) FROM baton_schema_migrations", &[]).await.map_err(db)?;
+        get(&r, 0)
+    }
+
+    async fn client(&self) -> StoreResult<deadpool_postgres::Client> {
+        self.pool.get().await.map_err(pool_err)
+    }
+
+    async fn beat(&self) -> StoreResult<()> {
+        beat(&self.pool, &self.instance).await
+    }
+
+    /// Runs one statement (prepared once per connection) and returns the rows it changed.
+    async fn exec(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> StoreResult<u64> {
+        let c = self.client().await?;
+        let st = c.prepare_cached(sql).await.map_err(db)?;
+        c.execute(&st, params).await.map_err(db)
+    }
+
+    async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> StoreResult<Vec<Row>> {
+        let c = self.client().await?;
+        let st = c.prepare_cached(sql).await.map_err(db)?;
+        c.query(&st, params).await.map_err(db)
+    }
+
+    async fn query_opt(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> StoreResult<Option<Row>> {
+        let c = self.client().await?;
+        let st = c.prepare_cached(sql).await.map_err(db)?;
+        c.query_opt(&st, params).await.map_err(db)
+    }
+}
+
+/// Brings the schema to the latest version; returns the version it found.
+async fn migrate(client: &mut deadpool_postgres::Client) -> StoreResult<i32> {
+    let tx = client.transaction().await.map_err(db)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await.map_err(db)?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS baton_schema_migrations (version INTEGER PRIMARY KEY, applied_at BIGINT NOT NULL)")
+        .await
+        .map_err(db)?;
+    let r = tx.query_one("SELECT COALESCE(max(version), 0) FROM baton_schema_migrations", &[]).await.map_err(db)?;
+    let current: i32 = get(&r, 0)?;
+    let latest = MIGRATIONS.last().map_or(0, |m| m.0);
+    if current > latest {
+        return Err(StoreError::Db(format!(
+            "the PostgreSQL schema is at version {current}, newer than this gateway's {latest}: upgrade the gateway"
+        )));
+    }
+    for (v, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+        tx.batch_execute(sql).await.map_err(|e| StoreError::Db(format!("schema migration {v}: {}", db(e))))?;
+        tx.execute("INSERT INTO baton_schema_migrations (version, applied_at) VALUES ($1, $2)", &[v, &now_unix()])
+            .await
+            .map_err(db)?;
+    }
+    tx.commit().await.map_err(db)?;
+    Ok(current)
+}
+
+async fn beat(pool: &Pool, instance: &str) -> StoreResult<()> {
+    let c = pool.get().await.map_err(pool_err)?;
+    let st = c
+        .prepare_cached("INSERT INTO gateway_instances (id, seen_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET seen_at = EXCLUDED.seen_at")
+        .await
+        .map_err(db)?;
+    c.execute(&st, &[&instance, &now_unix()]).await.map_err(db)?;
+    Ok(())
+}
+
+async fn heartbeat(pool: Pool, instance: String) {
+    let mut tick = tokio::time::interval(HEARTBEAT);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = beat(&pool, &instance).await {
+            tracing::warn!(kind = e.kind(), error = %e, "postgres store heartbeat failed");
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ConversationStore for PostgresStore {
+    async fn add_key(&self, key_hash: &str, prefix: &str, user: &str, label: &str) -> StoreResult<()> {
+        self.exec(
+            "INSERT INTO api_keys (key_hash, prefix, user_id, label, created_at) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (key_hash) DO NOTHING",
+            &[&key_hash, &prefix, &user, &label, &now_unix()],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn user_for_key(&self, key_hash: &str) -> StoreResult<Option<String>> {
+        let r = self.query_opt("SELECT user_id FROM api_keys WHERE key_hash = $1 AND NOT revoked", &[&key_hash]).await?;
+        r.map(|r| get(&r, 0)).transpose()
+    }
+
+    async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>> {
+        let rows = self.query("SELECT prefix, user_id, label, created_at, revoked FROM api_keys ORDER BY created_at, prefix", &[]).await?;
+        rows.iter()
+            .map(|r| Ok(ApiKeyInfo { prefix: get(r, 0)?, user: get(r, 1)?, label: get(r, 2)?, created_at: get(r, 3)?, revoked: get(r, 4)? }))
+            .collect()
+    }
+
+    async fn revoke_keys(&self, prefix: &str) -> StoreResult<usize> {
+        let n = self
+            .exec("UPDATE api_keys SET revoked = TRUE WHERE NOT revoked AND left(prefix, length($1)) = $1", &[&prefix])
+            .await?;
+        Ok(n as usize)
+    }
+
+    async fn create_conversation(&self, conv: &Conversation) -> StoreResult<()> {
+        self.exec(
+            "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6)",
+            &[&conv.id, &conv.owner, &conv.title, &i64::from(conv.system_prompt_version), &conv.created_at, &conv.updated_at],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn get_conversation(&self, owner: &str, id: &str) -> StoreResult<Option<Conversation>> {
+        let r = self.query_opt(&format!("SELECT {CONV_COLS} FROM conversations WHERE id = $1 AND owner = $2"), &[&id, &owner]).await?;
+        r.as_ref().map(conv_from_row).transpose()
+    }
+
+    async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>> {
+        let rows = self
+            .query(&format!("SELECT {CONV_COLS} FROM conversations WHERE owner = $1 ORDER BY updated_at DESC, id"), &[&owner])
+            .await?;
+        rows.iter().map(conv_from_row).collect()
+    }
+
+    async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()> {
+        self.exec("UPDATE conversations SET summary = $2 WHERE id = $1", &[&id, &summary]).await?;
+        Ok(())
+    }
+
+    async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool> {
+        // Turns and the token log go with it (ON DELETE CASCADE).
+        Ok(self.exec("DELETE FROM conversations WHERE id = $1 AND owner = $2", &[&id, &owner]).await? > 0)
+    }
+
+    async fn begin_turn(&self, t: &Turn) -> StoreResult<BeginTurn> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await.map_err(db)?;
+        let select = tx
+            .prepare_cached(&format!("SELECT {TURN_COLS} FROM turns WHERE conversation = $1 AND turn_id = $2 FOR UPDATE"))
+            .await
+            .map_err(db)?;
+        if let Some(row) = tx.query_opt(&select, &[&t.conversation, &t.turn_id]).await.map_err(db)? {
+            let existing = turn_from_row(&row)?;
+            if existing.state != TurnState::Failed || existing.request_hash != t.request_hash {
+                return Ok(BeginTurn::Existing(Box::new(existing)));
+            }
+            // A retry of a failed turn generates again: drop the old row and its log.
+            let del = tx.prepare_cached("DELETE FROM turns WHERE conversation = $1 AND turn_id = $2").await.map_err(db)?;
+            tx.execute(&del, &[&t.conversation, &t.turn_id]).await.map_err(db)?;
+        }
+        let insert = tx
+            .prepare_cached(&format!(
+                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                 ON CONFLICT (conversation, turn_id) DO NOTHING"
+            ))
+            .await
+            .map_err(db)?;
+        let inserted = tx
+            .execute(
+                &insert,
+                &[
+                    &t.conversation,
+                    &t.turn_id,
+                    &t.seq,
+                    &t.request_hash,
+                    &t.user_text,
+                    &t.reply_text,
+                    &ids_to_bytes(&t.prompt_ids),
+                    &ids_to_bytes(&t.output_ids),
+                    &i64::from(t.system_prompt_version),
+                    &TurnState::Streaming.as_str(),
+                    &t.finish_reason,
+                    &t.prompt_tokens,
+                    &t.cached_tokens,
+                    &t.completion_tokens,
+                    &t.created_at,
+                    &self.instance,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        if inserted == 0 {
+            // Another replica inserted the same turn ID after our SELECT; its row wins.
+            let row = tx.query_one(&select, &[&t.conversation, &t.turn_id]).await.map_err(db)?;
+            return Ok(BeginTurn::Existing(Box::new(turn_from_row(&row)?)));
+        }
+        let touch = tx.prepare_cached("UPDATE conversations SET updated_at = $2 WHERE id = $1").await.map_err(db)?;
+        tx.execute(&touch, &[&t.conversation, &now_unix()]).await.map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(BeginTurn::Created)
+    }
+
+    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let idx: Vec<i64> = entries.iter().map(|e| e.index).collect();
+        let text: Vec<&str> = entries.iter().map(|e| e.text.as_str()).collect();
+        // One statement, so the batch is stored whole or not at all.
+        self.exec(
+            "INSERT INTO token_log (conversation, turn_id, idx, text) \
+             SELECT $1, $2, u.i, u.t FROM unnest($3::BIGINT[], $4::TEXT[]) AS u(i, t) \
+             ON CONFLICT (conversation, turn_id, idx) DO UPDATE SET text = EXCLUDED.text",
+            &[&conversation, &turn_id, &idx, &text],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn finish_turn(&self, conversation: &str, turn_id: &str, e: &TurnEnd) -> StoreResult<()> {
+        // Zero rows when the conversation was deleted while the turn streamed: nothing to keep.
+        self.exec(
+            "UPDATE turns SET state = $3, reply_text = $4, output_ids = $5, finish_reason = $6, prompt_tokens = $7, \
+             cached_tokens = $8, completion_tokens = $9 WHERE conversation = $1 AND turn_id = $2",
+            &[
+                &conversation,
+                &turn_id,
+                &e.state.as_str(),
+                &e.reply_text,
+                &ids_to_bytes(&e.output_ids),
+                &e.finish_reason,
+                &e.prompt_tokens,
+                &e.cached_tokens,
+                &e.completion_tokens,
+            ],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn discard_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<()> {
+        self.exec("DELETE FROM turns WHERE conversation = $1 AND turn_id = $2", &[&conversation, &turn_id]).await?;
+        Ok(())
+    }
+
+    async fn get_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
+        let r = self
+            .query_opt(&format!("SELECT {TURN_COLS} FROM turns WHERE conversation = $1 AND turn_id = $2"), &[&conversation, &turn_id])
+            .await?;
+        r.as_ref().map(turn_from_row).transpose()
+    }
+
+    async fn list_turns(&self, conversation: &str) -> StoreResult<Vec<Turn>> {
+        let rows = self.query(&format!("SELECT {TURN_COLS} FROM turns WHERE conversation = $1 ORDER BY seq"), &[&conversation]).await?;
+        rows.iter().map(turn_from_row).collect()
+    }
+
+    async fn read_log(&self, conversation: &str, turn_id: &str, from: i64) -> StoreResult<Vec<LogEntry>> {
+        let rows = self
+            .query(
+                "SELECT idx, text FROM token_log WHERE conversation = $1 AND turn_id = $2 AND idx >= $3 ORDER BY idx",
+                &[&conversation, &turn_id, &from],
+            )
+            .await?;
+        rows.iter().map(|r| Ok(LogEntry { index: get(r, 0)?, text: get(r, 1)? })).collect()
+    }
+
+    async fn fail_streaming_turns(&self) -> StoreResult<usize> {
+        // Only turns nobody is streaming any more: this instance's, and those
+        // of instances whose heartbeat stopped (another live replica's stay).
+        let n = self
+            .exec(
+                "UPDATE turns SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming' \
+                 AND (instance IS NULL OR instance = $1 OR instance NOT IN \
+                      (SELECT id FROM gateway_instances WHERE seen_at >= $2))",
+                &[&self.instance, &(now_unix() - INSTANCE_DEAD_AFTER_SECS)],
+            )
+            .await?;
+        Ok(n as usize)
+    }
+
+    async fn delete_older_than(&self, cutoff: i64) -> StoreResult<Vec<String>> {
+        let rows = self.query("DELETE FROM conversations WHERE updated_at < $1 RETURNING id", &[&cutoff]).await?;
+        let mut ids = rows.iter().map(|r| get::<String>(r, 0)).collect::<StoreResult<Vec<_>>>()?;
+        ids.sort();
+        // Heartbeat rows of instances long gone.
+        self.exec("DELETE FROM gateway_instances WHERE seen_at < $1", &[&cutoff]).await?;
+        Ok(ids)
+    }
+
+    async fn set_user_limits(&self, user: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<()> {
+        match limits {
+            Some(l) => {
+                let j = serde_json::to_string(l).map_err(|e| StoreError::Db(format!("user limits: {e}")))?;
+                self.exec(
+                    "INSERT INTO user_limits (user_id, limits) VALUES ($1, $2) ON CONFLICT (user_id) DO UPDATE SET limits = EXCLUDED.limits",
+                    &[&user, &j],
+                )
+                .await?
+            }
+            None => self.exec("DELETE FROM user_limits WHERE user_id = $1", &[&user]).await?,
+        };
+        Ok(())
+    }
+
+    async fn user_limits(&self, user: &str) -> StoreResult<Option<crate::limits::LimitOverrides>> {
+        let r = self.query_opt("SELECT limits FROM user_limits WHERE user_id = $1", &[&user]).await?;
+        r.map(|r| {
+            let j: String = get(&r, 0)?;
+            serde_json::from_str(&j).map_err(|e| StoreError::Corrupt(format!("user limits: {e}")))
+        })
+        .transpose()
+    }
+
+    async fn add_usage(&self, user: &str, u: UsageCounts) -> StoreResult<()> {
+        self.exec(
+            "INSERT INTO usage (user_id, requests, prompt_tokens, cached_tokens, completion_tokens) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (user_id) DO UPDATE SET requests = usage.requests + EXCLUDED.requests, \
+             prompt_tokens = usage.prompt_tokens + EXCLUDED.prompt_tokens, \
+             cached_tokens = usage.cached_tokens + EXCLUDED.cached_tokens, \
+             completion_tokens = usage.completion_tokens + EXCLUDED.completion_tokens",
+            &[&user, &u.requests, &u.prompt_tokens, &u.cached_tokens, &u.completion_tokens],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn usage(&self, user: &str) -> StoreResult<UsageCounts> {
+        let r = self
+            .query_opt("SELECT requests, prompt_tokens, cached_tokens, completion_tokens FROM usage WHERE user_id = $1", &[&user])
+            .await?;
+        match r {
+            Some(r) => Ok(UsageCounts { requests: get(&r, 0)?, prompt_tokens: get(&r, 1)?, cached_tokens: get(&r, 2)?, completion_tokens: get(&r, 3)? }),
+            None => Ok(UsageCounts::default()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_select_postgres_and_hide_passwords() {
+        assert!(is_postgres_url("postgres://u@h/db"));
+        assert!(is_postgres_url("postgresql://u@h/db"));
+        assert!(!is_postgres_url("baton-gateway.db"));
+        assert!(!is_postgres_url("/var/lib/postgres/x.db"));
+        assert_eq!(redact_url("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
+    }
+
+    #[test]
+    fn token_ids_round_trip_and_reject_torn_columns() {
+        let ids = vec![0, 1, u32::MAX, 100_000];
+        assert_eq!(bytes_to_ids(&ids_to_bytes(&ids)).unwrap(), ids);
+        assert!(matches!(bytes_to_ids(&[1, 2, 3]), Err(StoreError::Corrupt(_))));
+    }
+
+    #[test]
+    fn migrations_are_ordered() {
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].0 < w[1].0));
+        assert_eq!(MIGRATIONS[0].0, 1);
+    }
+}

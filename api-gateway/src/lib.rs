@@ -21,6 +21,7 @@ pub mod openai;
 pub mod pipeline;
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod turns;
 
 use anyhow::{Context as _, Result};
@@ -102,6 +103,12 @@ pub struct Args {
     /// (a reconnect with Last-Event-ID within it resumes).
     #[arg(long, env = "BATON_RESUME_GRACE_SECONDS", default_value_t = 10)]
     pub resume_grace_seconds: u64,
+    /// PEM certificate chain (leaf first): with --tls-key, the listener serves HTTPS only.
+    #[arg(long, env = "BATON_GATEWAY_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "BATON_GATEWAY_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// A validated configuration.
@@ -123,6 +130,8 @@ pub struct Config {
     pub summary_threshold_tokens: usize,
     pub summary_keep_turns: usize,
     pub summary_max_tokens: usize,
+    /// HTTPS on the listener; `None`: plain HTTP.
+    pub tls: Option<tls::TlsConfig>,
 }
 
 impl TryFrom<Args> for Config {
@@ -141,7 +150,9 @@ impl TryFrom<Args> for Config {
             Some(p) => RuleCheck::load(p).map_err(anyhow::Error::msg)?,
             None => RuleCheck::default(),
         };
+        let tls = tls::TlsConfig::from_flags(a.tls_cert.as_deref(), a.tls_key.as_deref())?;
         Ok(Config {
+            tls,
             listen: a.listen,
             db: a.db,
             tokenizer_model: a.tokenizer_model,

@@ -1,5 +1,6 @@
 //! The HTTP server: shared state ([`App`]), the router, body reading with a
-//! size limit, the retention job, and serving until shutdown.
+//! size limit, the retention job, and serving (plain HTTP, or HTTPS when the
+//! config has TLS) until shutdown.
 
 use crate::auth::KeyCache;
 use crate::checks::{ContentCheck, LinkPolicy};
@@ -7,6 +8,7 @@ use crate::context::ContextBuilder;
 use crate::error::ApiError;
 use crate::generator::Generator;
 use crate::limits::Limiter;
+use crate::tls::TlsListener;
 use crate::store::ConversationStore;
 use crate::turns::Registry;
 use crate::{conversations, metrics, openai, Config};
@@ -114,14 +116,22 @@ async fn retention_job(app: Arc<App>) {
 /// Serves `app` on `listener` until `shutdown` completes.
 pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
     let job = tokio::spawn(retention_job(app.clone()));
-    // Without TCP_NODELAY, a small SSE frame written after another waits for
-    // the peer's delayed ACK (up to 40 ms): every token would stall.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY not set");
+    let r = match app.config.tls.clone() {
+        Some(tls) => {
+            tracing::info!(addr = %listener.local_addr()?, cert = %tls.cert.display(), "gateway serves HTTPS");
+            axum::serve(TlsListener::new(listener, &tls)?, router(app)).with_graceful_shutdown(shutdown).await
         }
-    });
-    let r = axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await;
+        None => {
+            // Without TCP_NODELAY, a small SSE frame written after another waits for
+            // the peer's delayed ACK (up to 40 ms): every token would stall.
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY not set");
+                }
+            });
+            axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await
+        }
+    };
     job.abort();
     r
 }

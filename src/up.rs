@@ -38,6 +38,12 @@ pub struct UpArgs {
     /// The coordinator's HTTP address (/metrics, /debug/routing).
     #[arg(long, env = "BATON_COORDINATOR_HTTP_LISTEN", default_value = "127.0.0.1:7101")]
     pub coordinator_http_listen: SocketAddr,
+    /// The decode node's HTTP address (/metrics, /healthz): a stable port to scrape.
+    #[arg(long, env = "BATON_DECODE_HTTP_LISTEN", default_value = "127.0.0.1:7201")]
+    pub decode_http_listen: SocketAddr,
+    /// The prefill node's HTTP address (/metrics, /healthz): a stable port to scrape.
+    #[arg(long, env = "BATON_PREFILL_HTTP_LISTEN", default_value = "127.0.0.1:7301")]
+    pub prefill_http_listen: SocketAddr,
     /// Uncached prompt tails shorter than this many tokens are prefilled on the decode
     /// node; longer ones on the prefill node.
     #[arg(long, env = "BATON_LOCAL_PREFILL_THRESHOLD", default_value_t = 512)]
@@ -139,7 +145,7 @@ async fn serve(
         engine: decode_engine.clone(),
         tls: certs.node_tls(DECODE_NAME)?,
         grpc: TcpListener::bind(loopback(0)).await?,
-        http: TcpListener::bind(loopback(0)).await?,
+        http: TcpListener::bind(a.decode_http_listen).await.with_context(|| format!("binding the decode node's HTTP to {}", a.decode_http_listen))?,
     };
     let decode_http = decode_parts.http.local_addr()?;
     tasks.spawn({
@@ -164,7 +170,7 @@ async fn serve(
         engine: prefill_engine.clone(),
         tls: certs.node_tls(PREFILL_NAME)?,
         grpc: TcpListener::bind(loopback(0)).await?,
-        http: TcpListener::bind(loopback(0)).await?,
+        http: TcpListener::bind(a.prefill_http_listen).await.with_context(|| format!("binding the prefill node's HTTP to {}", a.prefill_http_listen))?,
     };
     let prefill_http = prefill_parts.http.local_addr()?;
     tasks.spawn({

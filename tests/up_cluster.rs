@@ -37,6 +37,7 @@ fn start() -> Up {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["up", "--listen", "127.0.0.1:0", "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", "127.0.0.1:0"])
+        .args(["--decode-http-listen", "127.0.0.1:0", "--prefill-http-listen", "127.0.0.1:0"])
         .args(["--local-prefill-threshold", "64", "--threads", "1", "--kv-memory-mib", "64", "--kv-tier2-mib", "0", "--max-context", "2048"])
         .arg("--db")
         .arg(dir.path().join("gateway.db"))

@@ -1,103 +1,244 @@
-//! The gateway's Prometheus metrics, all in one place. Names are constants;
-//! counters are registered without `_total` because the OpenMetrics encoder
-//! appends it (`baton_gateway_requests` is exported as
-//! `baton_gateway_requests_total`). Labels are small bounded sets, never
-//! user, conversation or turn IDs.
+//! The gateway's Prometheus metrics, all in one place.
+//!
+//! Owns: the gateway's own `metrics-exporter-prometheus` recorder. It is never
+//! installed as the process-wide global recorder (`baton up` runs every role in one
+//! process, each with its own recorder); the gateway keeps its handles in one static
+//! because errors are counted where no request state is at hand (`IntoResponse`).
+//! Invariants: names are constants; labels are small bounded sets (route, kind,
+//! outcome, limit, reason), never user, conversation or turn IDs. Per-user metering
+//! is exported without user labels: a histogram of tokens per user turn and a count
+//! of recently active users.
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
-pub const REQUESTS: &str = "baton_gateway_requests";
-pub const ERRORS: &str = "baton_gateway_errors";
-pub const TOKENS: &str = "baton_gateway_tokens";
-pub const TURNS: &str = "baton_gateway_turns";
-pub const RATE_LIMITED: &str = "baton_gateway_rate_limited";
+use ::metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
+
+use baton_engine::Usage;
+
+/// Counter: HTTP requests by route.
+pub const REQUESTS_TOTAL: &str = "baton_gateway_requests_total";
+/// Counter: error responses by type.
+pub const ERRORS_TOTAL: &str = "baton_gateway_errors_total";
+/// Counter: tokens by kind (`prompt`, `cached`, `completion`).
+pub const TOKENS_TOTAL: &str = "baton_gateway_tokens_total";
+/// Counter: turns and completions by outcome.
+pub const TURNS_TOTAL: &str = "baton_gateway_turns_total";
+/// Counter: replies ended, by finish reason.
+pub const FINISHED_TOTAL: &str = "baton_gateway_finished_total";
+/// Counter: requests refused by a per-user limit, by limit.
+pub const RATE_LIMITED_TOTAL: &str = "baton_gateway_rate_limited_total";
+/// Gauge: generations in progress.
 pub const OPEN_STREAMS: &str = "baton_gateway_open_streams";
+/// Histogram: time from request to first token.
 pub const TTFT: &str = "baton_gateway_time_to_first_token_seconds";
+/// Histogram: time between consecutive tokens of one reply, as the gateway sees them.
+pub const ITL: &str = "baton_gateway_inter_token_latency_seconds";
+/// Histogram: time from request to the end of the reply.
 pub const TURN_DURATION: &str = "baton_gateway_turn_duration_seconds";
+/// Histogram: tokens metered per user turn, by kind (`prompt`, `completion`).
+pub const USER_TURN_TOKENS: &str = "baton_gateway_user_turn_tokens";
+/// Gauge: distinct users with a metered turn in the last five minutes.
+pub const ACTIVE_USERS: &str = "baton_gateway_active_users";
+/// Counter: metering writes that failed.
+pub const METERING_FAILURES_TOTAL: &str = "baton_gateway_metering_failures_total";
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteLabels {
-    pub route: &'static str,
-}
+/// The window of [`ACTIVE_USERS`].
+pub const ACTIVE_WINDOW: Duration = Duration::from_secs(300);
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
-    pub kind: &'static str,
-}
+const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0];
+const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+const DURATION_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0];
+const TOKEN_BUCKETS: &[f64] = &[16.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0, 131072.0];
+const META: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
 pub struct Metrics {
-    pub registry: Registry,
-    pub requests: Family<RouteLabels, Counter>,
-    pub errors: Family<KindLabels, Counter>,
-    pub tokens: Family<KindLabels, Counter>,
-    pub turns: Family<KindLabels, Counter>,
-    pub rate_limited: Family<KindLabels, Counter>,
-    pub open_streams: Gauge,
-    pub ttft: Histogram,
-    pub turn_duration: Histogram,
+    recorder: PrometheusRecorder,
+    open_streams: Gauge,
+    ttft: Histogram,
+    itl: Histogram,
+    turn_duration: Histogram,
+    metering_failures: Counter,
+    /// Hash of each recently metered user -> when; only the count is exported.
+    active: Mutex<HashMap<u64, Instant>>,
+    hasher: std::collections::hash_map::RandomState,
 }
 
 fn build() -> Metrics {
-    let mut registry = Registry::default();
-    let requests = Family::<RouteLabels, Counter>::default();
-    let errors = Family::<KindLabels, Counter>::default();
-    let tokens = Family::<KindLabels, Counter>::default();
-    let turns = Family::<KindLabels, Counter>::default();
-    let rate_limited = Family::<KindLabels, Counter>::default();
-    let open_streams = Gauge::default();
-    let ttft = Histogram::new(exponential_buckets(0.005, 2.0, 14));
-    let turn_duration = Histogram::new(exponential_buckets(0.01, 2.0, 14));
-    registry.register(REQUESTS, "HTTP requests by route", requests.clone());
-    registry.register(ERRORS, "Error responses by type", errors.clone());
-    registry.register(TOKENS, "Tokens by kind (prompt, cached, completion)", tokens.clone());
-    registry.register(TURNS, "Turns and completions by outcome", turns.clone());
-    registry.register(RATE_LIMITED, "Requests refused by a per-user limit, by limit", rate_limited.clone());
-    registry.register(OPEN_STREAMS, "Generations in progress", open_streams.clone());
-    registry.register(TTFT, "Time from request to first token", ttft.clone());
-    registry.register(TURN_DURATION, "Time from request to the end of the reply", turn_duration.clone());
-    Metrics { registry, requests, errors, tokens, turns, rate_limited, open_streams, ttft, turn_duration }
+    let mut b = PrometheusBuilder::new();
+    for (name, buckets) in [(TTFT, TTFT_BUCKETS), (ITL, ITL_BUCKETS), (TURN_DURATION, DURATION_BUCKETS), (USER_TURN_TOKENS, TOKEN_BUCKETS)] {
+        b = b.set_buckets_for_metric(Matcher::Full(name.into()), buckets).expect("bucket lists are not empty");
+    }
+    let r = b.build_recorder();
+    let m = Metrics {
+        open_streams: gauge(&r, OPEN_STREAMS, "Generations in progress"),
+        ttft: histogram(&r, TTFT, "Time from request to first token", &[]),
+        itl: histogram(&r, ITL, "Time between consecutive tokens of one reply", &[]),
+        turn_duration: histogram(&r, TURN_DURATION, "Time from request to the end of the reply", &[]),
+        metering_failures: counter(&r, METERING_FAILURES_TOTAL, "Metering writes that failed", &[]),
+        active: Mutex::new(HashMap::new()),
+        hasher: Default::default(),
+        recorder: r,
+    };
+    for kind in ["prompt", "cached", "completion"] {
+        let _ = token_counter(&m.recorder, kind);
+    }
+    for kind in ["prompt", "completion"] {
+        let _ = user_tokens(&m.recorder, kind);
+    }
+    for outcome in ["completed", "failed", "started"] {
+        let _ = turn_counter(&m.recorder, outcome);
+    }
+    for route in ["chat_completions", "models"] {
+        let _ = request_counter(&m.recorder, route);
+    }
+    m
 }
 
-/// The process-wide metrics.
+/// The process's gateway metrics.
 pub fn get() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(build)
 }
 
+fn request_counter(r: &PrometheusRecorder, route: &'static str) -> Counter {
+    counter(r, REQUESTS_TOTAL, "HTTP requests by route", &[("route", route)])
+}
+
+fn token_counter(r: &PrometheusRecorder, kind: &'static str) -> Counter {
+    counter(r, TOKENS_TOTAL, "Tokens by kind (prompt, cached, completion)", &[("kind", kind)])
+}
+
+fn turn_counter(r: &PrometheusRecorder, outcome: &'static str) -> Counter {
+    counter(r, TURNS_TOTAL, "Turns and completions by outcome", &[("outcome", outcome)])
+}
+
+fn user_tokens(r: &PrometheusRecorder, kind: &'static str) -> Histogram {
+    histogram(r, USER_TURN_TOKENS, "Tokens metered per user turn, by kind (no user label)", &[("kind", kind)])
+}
+
 pub fn request(route: &'static str) {
-    get().requests.get_or_create(&RouteLabels { route }).inc();
+    request_counter(&get().recorder, route).increment(1);
 }
 
 pub fn error(kind: &'static str) {
-    get().errors.get_or_create(&KindLabels { kind }).inc();
+    counter(&get().recorder, ERRORS_TOTAL, "Error responses by type", &[("kind", kind)]).increment(1);
 }
 
 pub fn turn(outcome: &'static str) {
-    get().turns.get_or_create(&KindLabels { kind: outcome }).inc();
+    turn_counter(&get().recorder, outcome).increment(1);
 }
 
 pub fn rate_limited(limit: &'static str) {
-    get().rate_limited.get_or_create(&KindLabels { kind: limit }).inc();
+    counter(&get().recorder, RATE_LIMITED_TOTAL, "Requests refused by a per-user limit, by limit", &[("limit", limit)]).increment(1);
 }
 
 pub fn tokens(prompt: usize, cached: usize, completion: usize) {
+    let r = &get().recorder;
+    token_counter(r, "prompt").increment(prompt as u64);
+    token_counter(r, "cached").increment(cached as u64);
+    token_counter(r, "completion").increment(completion as u64);
+}
+
+pub fn stream_opened() {
+    get().open_streams.increment(1.0);
+}
+
+/// A reply ended: its stream, finish reason and duration.
+pub fn stream_closed(finish_reason: &'static str, started: Instant) {
     let m = get();
-    m.tokens.get_or_create(&KindLabels { kind: "prompt" }).inc_by(prompt as u64);
-    m.tokens.get_or_create(&KindLabels { kind: "cached" }).inc_by(cached as u64);
-    m.tokens.get_or_create(&KindLabels { kind: "completion" }).inc_by(completion as u64);
+    m.open_streams.decrement(1.0);
+    counter(&m.recorder, FINISHED_TOTAL, "Replies ended, by finish reason", &[("reason", finish_reason)]).increment(1);
+    m.turn_duration.record(started.elapsed().as_secs_f64());
+}
+
+/// A token reached the gateway: the first one is the TTFT, the others an ITL.
+pub fn token(started: Instant, last: &mut Option<Instant>) {
+    let now = Instant::now();
+    match last {
+        None => get().ttft.record(now.duration_since(started).as_secs_f64()),
+        Some(prev) => get().itl.record(now.duration_since(*prev).as_secs_f64()),
+    }
+    *last = Some(now);
+}
+
+/// One user's turn was metered.
+pub fn metered(user: &str, usage: &Usage) {
+    let m = get();
+    user_tokens(&m.recorder, "prompt").record(usage.prompt_tokens as f64);
+    user_tokens(&m.recorder, "completion").record(usage.completion_tokens as f64);
+    let mut h = m.hasher.build_hasher();
+    h.write(user.as_bytes());
+    let mut active = m.active.lock().unwrap_or_else(|p| p.into_inner());
+    if active.len() >= 1_000_000 {
+        prune(&mut active);
+    }
+    active.insert(h.finish(), Instant::now());
+}
+
+pub fn metering_failed() {
+    get().metering_failures.increment(1);
+}
+
+fn prune(active: &mut HashMap<u64, Instant>) {
+    active.retain(|_, at| at.elapsed() < ACTIVE_WINDOW);
 }
 
 /// The text exposition.
 pub fn encode() -> String {
-    let mut out = String::new();
-    if prometheus_client::encoding::text::encode(&mut out, &get().registry).is_err() {
-        out.clear();
+    let m = get();
+    let users = {
+        let mut active = m.active.lock().unwrap_or_else(|p| p.into_inner());
+        prune(&mut active);
+        active.len()
+    };
+    gauge(&m.recorder, ACTIVE_USERS, "Distinct users with a metered turn in the last five minutes").set(users as f64);
+    m.recorder.handle().render()
+}
+
+fn key(name: &'static str, labels: &[(&'static str, &'static str)]) -> Key {
+    Key::from_parts(name, labels.iter().map(|(k, v)| Label::new(*k, *v)).collect::<Vec<_>>())
+}
+
+fn counter(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Counter {
+    r.describe_counter(name.into(), None, help.into());
+    r.register_counter(&key(name, labels), &META)
+}
+
+fn gauge(r: &PrometheusRecorder, name: &'static str, help: &'static str) -> Gauge {
+    r.describe_gauge(name.into(), None, help.into());
+    r.register_gauge(&key(name, &[]), &META)
+}
+
+fn histogram(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Histogram {
+    r.describe_histogram(name.into(), None, help.into());
+    r.register_histogram(&key(name, labels), &META)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_histograms_and_counts_users_without_labels() {
+        let started = Instant::now();
+        let mut last = None;
+        token(started, &mut last);
+        token(started, &mut last);
+        let usage = Usage { prompt_tokens: 100, cached_tokens: 64, completion_tokens: 8 };
+        metered("alice", &usage);
+        metered("alice", &usage);
+        metered("bob", &usage);
+        let text = encode();
+        assert!(text.contains("baton_gateway_inter_token_latency_seconds_bucket{le=\"0.05\"}"), "{text}");
+        assert!(text.contains("baton_gateway_time_to_first_token_seconds_count"), "{text}");
+        assert!(!text.contains("alice") && !text.contains("bob"), "{text}");
+        let users = text.lines().find(|l| l.starts_with("baton_gateway_active_users ")).expect("active users");
+        let n: f64 = users.split(' ').nth(1).and_then(|v| v.parse().ok()).expect("a number");
+        assert!(n >= 2.0, "{users}");
+        assert!(text.contains("baton_gateway_user_turn_tokens_bucket{kind=\"prompt\",le=\"256\"}"), "{text}");
     }
-    out
 }

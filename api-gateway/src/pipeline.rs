@@ -56,7 +56,8 @@ pub struct Reply {
     permit: Option<Permit>,
     prompt_len: usize,
     started: Instant,
-    first_token: bool,
+    /// When the previous token arrived (inter-token latency).
+    last_token: Option<Instant>,
     queued_end: Option<End>,
     /// Every token ID received, in order (what the next prompt appends).
     pub output_ids: Vec<u32>,
@@ -92,7 +93,7 @@ impl App {
                 sampling,
             })
             .await?;
-        metrics::get().open_streams.inc();
+        metrics::stream_opened();
         Ok(Reply {
             app: self.clone(),
             user: user.to_string(),
@@ -101,7 +102,7 @@ impl App {
             permit: Some(permit),
             prompt_len,
             started,
-            first_token: true,
+            last_token: None,
             queued_end: None,
             output_ids: Vec::new(),
             text: String::new(),
@@ -144,10 +145,7 @@ impl Reply {
         };
         Some(match ev {
             Some(GenEvent::Token(t)) => {
-                if self.first_token {
-                    self.first_token = false;
-                    metrics::get().ttft.observe(self.started.elapsed().as_secs_f64());
-                }
+                metrics::token(self.started, &mut self.last_token);
                 self.output_ids.push(t.id);
                 let token = Some(TokenInfo { id: t.id, logprob: t.logprob, top_logprobs: t.top_logprobs });
                 match self.filter.push(&t.text) {
@@ -220,9 +218,9 @@ impl Reply {
         if let Some(p) = self.permit.take() {
             p.charge_output(u.completion_tokens);
         }
-        metrics::get().open_streams.dec();
+        metrics::stream_closed(end.finish_reason, self.started);
         metrics::tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens);
-        metrics::get().turn_duration.observe(self.started.elapsed().as_secs_f64());
+        metrics::metered(&self.user, &u);
         let store = self.app.store.clone();
         let user = self.user.clone();
         let counts = UsageCounts {
@@ -233,6 +231,7 @@ impl Reply {
         };
         tokio::spawn(async move {
             if let Err(e) = store.add_usage(&user, counts).await {
+                metrics::metering_failed();
                 tracing::warn!(error = %e, "metering write failed");
             }
         });

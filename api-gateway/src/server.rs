@@ -60,7 +60,7 @@ async fn index() -> Html<&'static str> {
 }
 
 async fn metrics_text() -> Response {
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], metrics::encode()).into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], metrics::encode()).into_response()
 }
 
 async fn health() -> &'static str {

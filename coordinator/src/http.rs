@@ -21,8 +21,10 @@ pub(crate) fn router(state: Arc<State>) -> Router {
 }
 
 async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
+    // Refreshes the node gauges and membership changes (expiries show without traffic).
+    let _ = state.members().await;
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         state.metrics.encode(),
     )
         .into_response()

@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status};
 use crate::error::{Error, Result};
 use crate::evict::NodeEvictor;
 use crate::membership::{node_id_of, Member, Membership};
-use crate::metrics::{DecisionLabels, KindLabels, Metrics, ResultLabels, RoleLabels};
+use crate::metrics::Metrics;
 use crate::routing::decode::DecodeRouter;
 use crate::routing::explain::{DecisionKind, ExplainLog, ExplainRecord, Reason};
 use crate::routing::prefill::{choose_prefill, PrefillCandidate, PrefillPolicy};
@@ -125,7 +125,7 @@ impl State {
     }
 
     /// Members with their latest reported load.
-    async fn members(&self) -> Result<Vec<Member>> {
+    pub(crate) async fn members(&self) -> Result<Vec<Member>> {
         let mut ms = self.membership.members().await?;
         let loads = lock(&self.loads);
         for m in &mut ms {
@@ -133,13 +133,7 @@ impl State {
                 m.info.load = Some(*l);
             }
         }
-        let mut counts: HashMap<Role, i64> = HashMap::new();
-        for m in &ms {
-            *counts.entry(role_of(m)).or_default() += 1;
-        }
-        for r in [Role::Prefill, Role::Decode] {
-            self.metrics.nodes.get_or_create(&RoleLabels { role: role_label(r) }).set(counts.get(&r).copied().unwrap_or(0));
-        }
+        self.metrics.members(ms.iter().map(|m| (m.id(), role_label(role_of(m)))));
         Ok(ms)
     }
 
@@ -148,8 +142,7 @@ impl State {
             DecisionKind::Decode => "decode",
             DecisionKind::Prefill => "prefill",
         };
-        self.metrics.decisions.get_or_create(&DecisionLabels { kind, reason: rec.reason.as_str() }).inc();
-        self.metrics.routing_seconds.get_or_create(&KindLabels { kind }).observe(started.elapsed().as_secs_f64());
+        self.metrics.decision(kind, rec.reason.as_str(), started.elapsed().as_secs_f64());
         tracing::debug!(kind, reason = rec.reason.as_str(), chosen = ?rec.chosen, candidates = rec.candidates.len(), "routing decision");
         routing.explain.push(rec)
     }
@@ -168,7 +161,7 @@ impl State {
             .decode
             .route(&req.routing_key, &exclude, started)
             .ok_or(Error::NoNodes { role: "decode" })?;
-        self.metrics.conversations.set(routing.decode.total() as i64);
+        self.metrics.conversations(routing.decode.total() as u64);
         let rec = ExplainRecord::decode(&req.routing_key, &decision, req.prompt_tokens, unix_ms());
         let mut explanation = to_pb(&rec, &req.routing_key);
         explanation.seq = self.record(&mut routing, rec, started);
@@ -258,7 +251,7 @@ impl State {
         let acks: Vec<pb::EvictAck> = futures::future::join_all(calls).await;
         let failed = acks.iter().filter(|a| !a.ok).count();
         let result = if failed == 0 { "ok" } else { "failed" };
-        self.metrics.evictions.get_or_create(&ResultLabels { result }).inc();
+        self.metrics.eviction(result);
         if failed > 0 {
             for a in acks.iter().filter(|a| !a.ok) {
                 tracing::warn!(node = ?a.node_id.as_ref().map(|n| &n.id), error = %a.error, "eviction not acknowledged");
@@ -345,7 +338,7 @@ impl CoordinatorRpc for CoordinatorService {
             lock(&self.state.loads).insert(id.clone(), l);
         }
         let lease = self.state.membership.register(info).await?;
-        self.state.metrics.registrations.inc();
+        self.state.metrics.registration();
         tracing::info!(node = %id, lease_id = lease.id, "node registered");
         Ok(Response::new(pb::RegisterResponse {
             lease_id: lease.id,
@@ -362,7 +355,7 @@ impl CoordinatorRpc for CoordinatorService {
             }
         }
         let result = if alive { "ok" } else { "unknown_lease" };
-        self.state.metrics.renewals.get_or_create(&ResultLabels { result }).inc();
+        self.state.metrics.renewal(result);
         let status = if alive { pb::KeepAliveStatus::Ok } else { pb::KeepAliveStatus::UnknownLease };
         let ttl_ms = self.state.membership.ttl().as_millis().min(u32::MAX as u128) as u32;
         Ok(Response::new(pb::KeepAliveResponse { status: status as i32, ttl_ms }))
@@ -374,6 +367,7 @@ impl CoordinatorRpc for CoordinatorService {
         if removed {
             if let Some(n) = req.node_id {
                 lock(&self.state.loads).remove(&n.id);
+                self.state.metrics.deregistered(&n.id);
                 tracing::info!(node = %n.id, "node deregistered");
             }
         }

@@ -75,6 +75,7 @@ impl DecodeNode for DecodeService {
                     import = Some(i);
                     path = pb::PrefillPath::Remote;
                     self.metrics.remote_prefills.inc();
+                    self.metrics.imported(req.prompt.len().saturating_sub(cached) as u64);
                 }
                 Err(e) => {
                     tracing::warn!(kind = e.kind(), error = %e, "remote prefill failed; prefilling locally");
@@ -149,10 +150,12 @@ pub fn node_stats(engine: &Engine, kv: &KvNode, m: &Metrics) -> pb::NodeStats {
 /// sequence at once (dropping the engine stream cancels it at the next step).
 async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::GenerateEvent, Status>>, path: pb::PrefillPath, metrics: Arc<Metrics>) {
     use pb::generate_event::Event as E;
+    let mut timer = crate::metrics::TokenTimer::new(&metrics);
     loop {
         let ev = tokio::select! {
             _ = tx.closed() => {
                 stream.cancel();
+                metrics.outcome("cancelled", 1);
                 return;
             }
             ev = stream.next() => ev,
@@ -160,9 +163,11 @@ async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::Generate
         let out = match ev {
             Some(Event::Token(t)) => {
                 metrics.generated.inc();
+                timer.token(t.elapsed);
                 Ok(pb::GenerateEvent { event: Some(E::Token(convert::token(&t))) })
             }
             Some(Event::Finished { reason, usage, ttft, trailing_text, .. }) => {
+                metrics.finished(reason, ttft);
                 let fin = pb::FinishedEvent {
                     reason: convert::finish_reason(reason) as i32,
                     usage: Some(pb::Usage {
@@ -178,6 +183,7 @@ async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::Generate
                 return;
             }
             Some(Event::Failed(e)) => {
+                metrics.outcome("failed", 1);
                 let _ = tx.send(Err(convert::status(e))).await;
                 return;
             }

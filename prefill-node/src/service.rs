@@ -103,6 +103,7 @@ impl PrefillService {
             }
         }
         let pulled_tokens = pulled.as_ref().map(|i| i.blocks.len() * bt).unwrap_or(0);
+        self.metrics.imported(pulled_tokens as u64);
         let options = SubmitOptions { import: pulled, export_from_block: Some(start_block) };
         let sub = match self.engine.submit_with(req.clone(), options) {
             Ok(s) => s,
@@ -129,6 +130,7 @@ impl PrefillService {
             return Err(Status::internal("exported blocks do not match the grant"));
         }
         let compute = started.elapsed();
+        self.metrics.ttft.record(compute.as_secs_f64());
         let shipping = Instant::now();
         let n_blocks = export.blocks.len();
         let source = Arc::new(ExportSource { layout: self.kv.layout, blocks: export.blocks });
@@ -143,6 +145,7 @@ impl PrefillService {
         }
         t.finish().await.map_err(unavailable)?;
         self.metrics.shipped.inc_by(n_blocks as u64);
+        self.metrics.ship.record(shipping.elapsed().as_secs_f64());
         Ok(pb::PrefillResponse {
             first_token: Some(first),
             local_cached_tokens: have as u32,

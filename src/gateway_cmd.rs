@@ -8,7 +8,6 @@ use anyhow::{bail, Context, Result};
 use baton_api_gateway::client::{Client, Method};
 use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
 use baton_api_gateway::generator::local::LocalGenerator;
-use baton_api_gateway::store::ConversationStore;
 use baton_api_gateway::{auth, Config};
 use clap::{Args, Subcommand};
 use std::io::{BufRead, Write};

@@ -73,7 +73,8 @@ impl TlsConfig {
         if chain.is_empty() {
             return Err(TlsError::BadCertificate { path: cert.to_path_buf(), detail: "no CERTIFICATE block".into() });
         }
-        let private = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::BadKey { path: key.to_path_buf(), detail: e.to_string() })?;
+        let private =
+            PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::BadKey { path: key.to_path_buf(), detail: e.to_string() })?;
         let config_err = |detail: String| TlsError::Config { cert: cert.to_path_buf(), key: key.to_path_buf(), detail };
         let mut server = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()

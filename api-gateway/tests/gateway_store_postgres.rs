@@ -8,7 +8,9 @@ mod pg;
 
 use baton_api_gateway::error::ApiError;
 use baton_api_gateway::store::postgres::MIGRATIONS;
-use baton_api_gateway::store::{conformance, now_unix, BeginTurn, Conversation, ConversationStore, PostgresStore, StoreError, Turn, TurnState};
+use baton_api_gateway::store::{
+    conformance, now_unix, BeginTurn, Conversation, ConversationStore, PostgresStore, StoreError, Turn, TurnState,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

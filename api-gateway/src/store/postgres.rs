@@ -162,10 +162,11 @@ fn ids_to_bytes(ids: &[u32]) -> Vec<u8> {
 }
 
 fn bytes_to_ids(b: &[u8]) -> StoreResult<Vec<u32>> {
-    if b.len() % 4 != 0 {
+    let chunks = b.chunks_exact(4);
+    if !chunks.remainder().is_empty() {
         return Err(StoreError::Corrupt(format!("token ID column of {} bytes", b.len())));
     }
-    Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    Ok(chunks.map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
 fn version(v: i64) -> StoreResult<u32> {
@@ -233,8 +234,7 @@ impl PostgresStore {
     /// than this gateway.
     pub async fn connect(url: &str) -> StoreResult<Self> {
         let shown = redact_url(url);
-        let mut cfg: tokio_postgres::Config =
-            url.parse().map_err(|e| StoreError::Db(format!("invalid PostgreSQL URL {shown}: {e}")))?;
+        let mut cfg: tokio_postgres::Config = url.parse().map_err(|e| StoreError::Db(format!("invalid PostgreSQL URL {shown}: {e}")))?;
         if cfg.get_connect_timeout().is_none() {
             cfg.connect_timeout(CONNECT_TIMEOUT);
         }
@@ -320,9 +320,7 @@ async fn migrate(client: &mut deadpool_postgres::Client) -> StoreResult<i32> {
     }
     for (v, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
         tx.batch_execute(sql).await.map_err(|e| StoreError::Db(format!("schema migration {v}: {}", db(e))))?;
-        tx.execute("INSERT INTO baton_schema_migrations (version, applied_at) VALUES ($1, $2)", &[v, &now_unix()])
-            .await
-            .map_err(db)?;
+        tx.execute("INSERT INTO baton_schema_migrations (version, applied_at) VALUES ($1, $2)", &[v, &now_unix()]).await.map_err(db)?;
     }
     tx.commit().await.map_err(db)?;
     Ok(current)
@@ -331,7 +329,9 @@ async fn migrate(client: &mut deadpool_postgres::Client) -> StoreResult<i32> {
 async fn beat(pool: &Pool, instance: &str) -> StoreResult<()> {
     let c = pool.get().await.map_err(pool_err)?;
     let st = c
-        .prepare_cached("INSERT INTO gateway_instances (id, seen_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET seen_at = EXCLUDED.seen_at")
+        .prepare_cached(
+            "INSERT INTO gateway_instances (id, seen_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET seen_at = EXCLUDED.seen_at",
+        )
         .await
         .map_err(db)?;
     c.execute(&st, &[&instance, &now_unix()]).await.map_err(db)?;
@@ -369,14 +369,14 @@ impl ConversationStore for PostgresStore {
     async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>> {
         let rows = self.query("SELECT prefix, user_id, label, created_at, revoked FROM api_keys ORDER BY created_at, prefix", &[]).await?;
         rows.iter()
-            .map(|r| Ok(ApiKeyInfo { prefix: get(r, 0)?, user: get(r, 1)?, label: get(r, 2)?, created_at: get(r, 3)?, revoked: get(r, 4)? }))
+            .map(|r| {
+                Ok(ApiKeyInfo { prefix: get(r, 0)?, user: get(r, 1)?, label: get(r, 2)?, created_at: get(r, 3)?, revoked: get(r, 4)? })
+            })
             .collect()
     }
 
     async fn revoke_keys(&self, prefix: &str) -> StoreResult<usize> {
-        let n = self
-            .exec("UPDATE api_keys SET revoked = TRUE WHERE NOT revoked AND left(prefix, length($1)) = $1", &[&prefix])
-            .await?;
+        let n = self.exec("UPDATE api_keys SET revoked = TRUE WHERE NOT revoked AND left(prefix, length($1)) = $1", &[&prefix]).await?;
         Ok(n as usize)
     }
 
@@ -395,9 +395,8 @@ impl ConversationStore for PostgresStore {
     }
 
     async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>> {
-        let rows = self
-            .query(&format!("SELECT {CONV_COLS} FROM conversations WHERE owner = $1 ORDER BY updated_at DESC, id"), &[&owner])
-            .await?;
+        let rows =
+            self.query(&format!("SELECT {CONV_COLS} FROM conversations WHERE owner = $1 ORDER BY updated_at DESC, id"), &[&owner]).await?;
         rows.iter().map(conv_from_row).collect()
     }
 
@@ -599,7 +598,12 @@ impl ConversationStore for PostgresStore {
             .query_opt("SELECT requests, prompt_tokens, cached_tokens, completion_tokens FROM usage WHERE user_id = $1", &[&user])
             .await?;
         match r {
-            Some(r) => Ok(UsageCounts { requests: get(&r, 0)?, prompt_tokens: get(&r, 1)?, cached_tokens: get(&r, 2)?, completion_tokens: get(&r, 3)? }),
+            Some(r) => Ok(UsageCounts {
+                requests: get(&r, 0)?,
+                prompt_tokens: get(&r, 1)?,
+                cached_tokens: get(&r, 2)?,
+                completion_tokens: get(&r, 3)?,
+            }),
             None => Ok(UsageCounts::default()),
         }
     }

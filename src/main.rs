@@ -42,6 +42,9 @@ enum Command {
     Prefill(baton_prefill_node::Args),
     /// A decode node: warm prefixes, continuous batching, token streams.
     Decode(baton_decode_node::Args),
+    /// Drain a node before it stops: no new turns, leave the ring, and (decode
+    /// nodes) hand warm conversations with their KV to the new owners.
+    Drain(node_cmd::DrainArgs),
     /// The coordinator alone: membership, routing, fleet-wide eviction.
     Coordinator(baton_coordinator::Args),
     /// The API gateway (OpenAI-compatible API, conversations, web chat at /)
@@ -79,6 +82,7 @@ fn main() {
         Command::Certs(a) => certs::run(a),
         Command::Prefill(a) => node_cmd::run_prefill(a),
         Command::Decode(a) => node_cmd::run_decode(a),
+        Command::Drain(a) => node_cmd::run_drain(a),
         Command::Coordinator(a) => coordinator_cmd::run(a),
         Command::Gateway(a) => gateway_cmd::run_gateway(a),
         Command::Keys(a) => gateway_cmd::run_keys(a),

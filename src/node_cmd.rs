@@ -15,3 +15,40 @@ pub fn run_prefill(a: baton_prefill_node::Args) -> Result<()> {
     let config = baton_prefill_node::Config::try_from(a)?;
     crate::process::runtime()?.block_on(baton_prefill_node::run(config, crate::process::shutdown_signal()))
 }
+
+/// Flags of `baton drain`.
+#[derive(clap::Args, Debug)]
+pub struct DrainArgs {
+    /// The node's gRPC address (host:port or URL), e.g. 127.0.0.1:7200.
+    #[arg(long, env = "BATON_DRAIN_NODE", default_value = "127.0.0.1:7200")]
+    pub node: String,
+    /// How long the node may take: running turns finish, warm conversations move.
+    #[arg(long, env = "BATON_DRAIN_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub timeout: std::time::Duration,
+}
+
+/// Drains a node (a Kubernetes preStop hook, a rolling upgrade): it stops taking
+/// turns and leaves the ring; a decode node also hands its warm conversations
+/// to their new owners. Prints what moved; fails only when the node cannot be
+/// asked.
+pub fn run_drain(a: DrainArgs) -> Result<()> {
+    use anyhow::Context;
+    use baton_proto::node::node_control_client::NodeControlClient;
+    use baton_proto::node::DrainRequest;
+    let url = if a.node.contains("://") { a.node.clone() } else { format!("http://{}", a.node) };
+    let ms = u32::try_from(a.timeout.as_millis()).context("--timeout is too long")?;
+    crate::process::runtime()?.block_on(async move {
+        let channel = tonic::transport::Endpoint::from_shared(url.clone())?
+            .connect_timeout(std::time::Duration::from_secs(5))
+            .timeout(a.timeout + std::time::Duration::from_secs(5))
+            .connect()
+            .await
+            .with_context(|| format!("connecting to {url}"))?;
+        let r = NodeControlClient::new(channel).drain(DrainRequest { deadline_ms: ms }).await.context("Drain")?.into_inner();
+        println!(
+            "drained {}: deregistered={} still_running={} conversations_moved={} conversations_failed={} blocks_moved={}",
+            a.node, r.deregistered, r.running, r.conversations_moved, r.conversations_failed, r.blocks_moved
+        );
+        Ok(())
+    })
+}

@@ -138,6 +138,8 @@ async fn serve(
         local_prefill_threshold: a.local_prefill_threshold as usize,
         kv_deadline: Duration::from_secs(30),
         kv_staging_bytes: 256 << 20,
+        drain_timeout: Duration::from_secs(60),
+        warm_conversations: 8192,
         certs_dir: Default::default(),
         engine: node_engine(),
     };

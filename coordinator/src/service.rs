@@ -166,8 +166,10 @@ impl State {
         let mut explanation = to_pb(&rec, &req.routing_key);
         explanation.seq = self.record(&mut routing, rec, started);
         drop(routing);
-        let node = members.into_iter().find(|m| m.id() == decision.node).map(|m| m.info);
-        Ok(pb::RouteDecodeResponse { node, explanation: Some(explanation) })
+        let info_of = |id: &str| members.iter().find(|m| m.id() == id).map(|m| m.info.clone());
+        let node = info_of(&decision.node);
+        let previous = decision.previous.as_deref().and_then(info_of);
+        Ok(pb::RouteDecodeResponse { node, explanation: Some(explanation), previous })
     }
 
     pub(crate) async fn route_prefill(&self, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {

@@ -12,11 +12,13 @@
 //! that brings its own listeners, TLS identity and engine.
 
 mod convert;
+pub mod drain;
 pub mod engine_args;
 pub mod handoff;
 pub mod kv;
 pub mod metrics;
 mod service;
+pub mod warm;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -76,6 +78,14 @@ pub struct Args {
     /// Staging memory for KV arriving from prefill nodes, MiB.
     #[arg(long, env = "BATON_KV_STAGING_MIB", default_value_t = 256)]
     pub kv_staging_mib: usize,
+    /// How long a drain (`baton drain`, a preStop hook) may take when the
+    /// request names no deadline: running turns finish, warm conversations move.
+    #[arg(long, env = "BATON_DRAIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+    /// Conversations whose warm tokens the node remembers for a drain to hand
+    /// over (least recently used forgotten first).
+    #[arg(long, env = "BATON_WARM_CONVERSATIONS", default_value_t = 8192)]
+    pub warm_conversations: usize,
     /// Folder with ca.pem and NAME.pem/NAME.key (`baton certs`).
     #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
     pub certs_dir: PathBuf,
@@ -96,6 +106,8 @@ pub struct Config {
     pub local_prefill_threshold: usize,
     pub kv_deadline: Duration,
     pub kv_staging_bytes: usize,
+    pub drain_timeout: Duration,
+    pub warm_conversations: usize,
     pub certs_dir: PathBuf,
     pub engine: EngineSetup,
 }
@@ -112,6 +124,12 @@ impl TryFrom<Args> for Config {
         if a.kv_staging_mib == 0 {
             anyhow::bail!("--kv-staging-mib must be positive");
         }
+        if a.drain_timeout.is_zero() || a.drain_timeout > Duration::from_secs(3600) {
+            anyhow::bail!("--drain-timeout must be in (0, 1h]");
+        }
+        if a.warm_conversations == 0 {
+            anyhow::bail!("--warm-conversations must be positive");
+        }
         Ok(Config {
             name: a.name,
             listen: a.listen,
@@ -123,6 +141,8 @@ impl TryFrom<Args> for Config {
             local_prefill_threshold: a.local_prefill_threshold,
             kv_deadline: a.kv_deadline,
             kv_staging_bytes: a.kv_staging_mib << 20,
+            drain_timeout: a.drain_timeout,
+            warm_conversations: a.warm_conversations,
             certs_dir: a.certs_dir,
             engine: a.engine.try_into()?,
         })
@@ -173,13 +193,30 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let grpc_addr = format!("{host}:{}", grpc_local.port());
     let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.listener.local_addr().ip()), kv.listener.local_addr().port()));
     let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
-    let coordinator = match &config.coordinator {
+    let coordinator: Option<CoordinatorClient<tonic::transport::Channel>> = match &config.coordinator {
         Some(url) => Some(CoordinatorClient::new(tonic::transport::Endpoint::from_shared(url.clone())?.connect_timeout(Duration::from_secs(2)).connect_lazy())),
         None => None,
     };
     let metrics = Arc::new(metrics::Metrics::default());
     let draining = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(AtomicBool::new(config.coordinator.is_none()));
+    let warm = Arc::new(warm::WarmTable::new(config.warm_conversations));
+    let in_flight = drain::InFlight::default();
+    let membership_slot = Arc::new(tokio::sync::Mutex::new(None));
+    let drainer = Arc::new(drain::Drainer {
+        engine: engine.clone(),
+        warm: warm.clone(),
+        in_flight: in_flight.clone(),
+        draining: draining.clone(),
+        ready: ready.clone(),
+        coordinator: coordinator.clone(),
+        membership: membership_slot.clone(),
+        node_id: config.name.clone(),
+        grpc_addr: grpc_addr.clone(),
+        metrics: metrics.clone(),
+        default_deadline: config.drain_timeout,
+        running: tokio::sync::Mutex::new(()),
+    });
     let svc = service::DecodeService {
         engine: engine.clone(),
         kv: kv.clone(),
@@ -193,8 +230,10 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         grpc_addr: grpc_addr.clone(),
         kv_deadline: config.kv_deadline,
         draining: draining.clone(),
+        warm: warm.clone(),
+        in_flight,
     };
-    let control = service::Control { engine: engine.clone(), draining };
+    let control = service::Control { engine: engine.clone(), warm, drainer };
     on_bound(&bound);
 
     let membership = config.coordinator.as_ref().map(|url| {
@@ -210,10 +249,11 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         let e = engine.clone();
         let handle = baton_proto::client::MembershipClient::new(url.clone(), info).with_load(move || load_report(&e)).spawn();
         let mut watch = handle.watch();
-        let ready = ready.clone();
+        let (ready, draining) = (ready.clone(), draining.clone());
         tokio::spawn(async move {
             loop {
-                ready.store(watch.borrow_and_update().lease_id.is_some(), Ordering::SeqCst);
+                let registered = watch.borrow_and_update().lease_id.is_some();
+                ready.store(registered && !draining.load(Ordering::SeqCst), Ordering::SeqCst);
                 if watch.changed().await.is_err() {
                     break;
                 }
@@ -221,6 +261,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         });
         handle
     });
+    *membership_slot.lock().await = membership;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -233,7 +274,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), stopped(stop_rx.clone()));
     let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));
     let (g, h) = tokio::join!(grpc_srv, http_srv);
-    if let Some(m) = membership {
+    if let Some(m) = membership_slot.lock().await.take() {
         m.shutdown().await;
     }
     kv.receiver.shutdown();

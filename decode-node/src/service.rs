@@ -1,5 +1,5 @@
 //! The decode node's gRPC services: `DecodeNode` (Generate, ExportPrefix,
-//! Stats) and `NodeControl` (Evict, Drain).
+//! AdoptPrefix, Stats) and `NodeControl` (Evict, Drain).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,9 +17,11 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use crate::convert;
-use crate::handoff::{remote_prefill, Route, Router};
+use crate::drain::{Drainer, InFlight, InFlightGuard};
+use crate::handoff::{adopt, remote_prefill, Route, Router};
 use crate::kv::{parse_endpoint, ExportSource, KvNode};
 use crate::metrics::Metrics;
+use crate::warm::{WarmConversation, WarmTable};
 
 /// State shared by the node's services.
 pub struct DecodeService {
@@ -31,6 +33,8 @@ pub struct DecodeService {
     pub grpc_addr: String,
     pub kv_deadline: Duration,
     pub draining: Arc<AtomicBool>,
+    pub warm: Arc<WarmTable>,
+    pub in_flight: InFlight,
 }
 
 /// Runs a blocking engine call off the async workers.
@@ -52,10 +56,13 @@ impl DecodeNode for DecodeService {
     type GenerateStream = EventStream;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
+        // Counted before the check, so a drain that starts now waits for this turn.
+        let turn_guard = self.in_flight.enter();
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
         let r = request.into_inner();
+        let prefix_source = r.prefix_source;
         let mut req = convert::request(r.turn, r.sampling)?;
         if !req.sampling.is_greedy() && req.sampling.seed.is_none() {
             // One seed for both nodes, so a remote first token continues here.
@@ -66,7 +73,10 @@ impl DecodeNode for DecodeService {
         self.metrics.turns.inc();
         let engine = self.engine.clone();
         let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
-        let cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
+        let mut cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
+        if !prefix_source.is_empty() && prefix_source != self.grpc_addr && req.conversation.is_some() {
+            cached = self.adopt_moved(&req, &prefix_source, cached).await;
+        }
         let mut path = pb::PrefillPath::Local;
         let mut import = None;
         if let Route::Remote(addr) = self.router.route(&req, cached).await {
@@ -87,6 +97,10 @@ impl DecodeNode for DecodeService {
         if path != pb::PrefillPath::Remote {
             self.metrics.local_prefills.inc();
         }
+        let warm = req.conversation.clone().map(|conversation| {
+            let w = WarmConversation { conversation, owner: req.owner.clone(), platform_prefix_len: req.platform_prefix_len, tokens: req.prompt.clone() };
+            (w, self.warm.clone())
+        });
         let sub = match self.engine.submit_with(req.clone(), SubmitOptions { import, export_from_block: None }) {
             Ok(s) => s,
             Err(baton_engine::EngineError::BadImport { what }) => {
@@ -98,7 +112,7 @@ impl DecodeNode for DecodeService {
             Err(e) => return Err(convert::status(e)),
         };
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(forward(sub.stream, tx, path, self.metrics.clone()));
+        tokio::spawn(forward(sub.stream, tx, path, self.metrics.clone(), warm, turn_guard));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
@@ -124,8 +138,66 @@ impl DecodeNode for DecodeService {
         Ok(Response::new(pb::ExportPrefixResponse { blocks: n as u32 }))
     }
 
+    async fn adopt_prefix(&self, request: Request<pb::AdoptPrefixRequest>) -> Result<Response<pb::AdoptPrefixResponse>, Status> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("the node is draining"));
+        }
+        let r = request.into_inner();
+        if r.source.is_empty() {
+            return Err(Status::invalid_argument("source is empty"));
+        }
+        let turn = r.turn.ok_or_else(|| Status::invalid_argument("turn is missing"))?;
+        let (conversation, owner, platform, tokens) = (turn.conversation.clone(), turn.owner.clone(), turn.platform_prefix_len as usize, turn.prompt.clone());
+        let a = adopt::adopt(&self.engine, &self.kv, turn, &r.source, self.kv_deadline).await?;
+        if a.pulled_tokens > 0 {
+            self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
+        }
+        // Known warm here from now on, should this node drain in turn.
+        self.warm.record(WarmConversation { conversation: ConversationId::new(conversation), owner: UserId::new(owner), platform_prefix_len: platform, tokens });
+        Ok(Response::new(pb::AdoptPrefixResponse { had_tokens: a.had_tokens as u32, pulled_tokens: a.pulled_tokens as u32 }))
+    }
+
+    async fn cached_prefix(&self, request: Request<pb::CachedPrefixRequest>) -> Result<Response<pb::CachedPrefixResponse>, Status> {
+        let r = request.into_inner();
+        if r.owner.is_empty() {
+            return Err(Status::invalid_argument("owner is empty"));
+        }
+        if r.platform_prefix_len as usize > r.tokens.len() {
+            return Err(Status::invalid_argument("platform_prefix_len is past the tokens"));
+        }
+        let engine = self.engine.clone();
+        let (tokens, owner, platform) = (r.tokens, UserId::new(r.owner), r.platform_prefix_len as usize);
+        let cached = blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform)).await?.map_err(convert::status)?;
+        Ok(Response::new(pb::CachedPrefixResponse { cached_tokens: cached as u32 }))
+    }
+
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::NodeStats>, Status> {
         Ok(Response::new(node_stats(&self.engine, &self.kv, &self.metrics)))
+    }
+}
+
+impl DecodeService {
+    /// The first turn of a conversation that moved here when this node joined:
+    /// pulls the warm prefix from its previous owner. Returns the prompt tokens
+    /// cached here now; on any failure the turn just computes more itself.
+    async fn adopt_moved(&self, req: &baton_engine::Request, source: &str, cached: usize) -> usize {
+        let turn = pb::Turn {
+            prompt: req.prompt.clone(),
+            owner: req.owner.as_str().to_string(),
+            platform_prefix_len: req.platform_prefix_len as u32,
+            conversation: req.conversation.as_ref().map(|c| c.as_str().to_string()).unwrap_or_default(),
+        };
+        match adopt::adopt(&self.engine, &self.kv, turn, source, self.kv_deadline).await {
+            Ok(a) if a.pulled_tokens > 0 => {
+                self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
+                cached.max(a.had_tokens + a.pulled_tokens)
+            }
+            Ok(_) => cached,
+            Err(e) => {
+                tracing::warn!(code = ?e.code(), message = e.message(), "pulling the moved conversation's prefix failed; computing it here");
+                cached
+            }
+        }
     }
 }
 
@@ -148,7 +220,15 @@ pub fn node_stats(engine: &Engine, kv: &KvNode, m: &Metrics) -> pb::NodeStats {
 
 /// Streams engine events to the caller; a caller that goes away cancels the
 /// sequence at once (dropping the engine stream cancels it at the next step).
-async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::GenerateEvent, Status>>, path: pb::PrefillPath, metrics: Arc<Metrics>) {
+/// A finished turn's prompt and reply become the conversation's warm tokens.
+async fn forward(
+    mut stream: RequestStream,
+    tx: mpsc::Sender<Result<pb::GenerateEvent, Status>>,
+    path: pb::PrefillPath,
+    metrics: Arc<Metrics>,
+    mut warm: Option<(WarmConversation, Arc<WarmTable>)>,
+    _turn: InFlightGuard,
+) {
     use pb::generate_event::Event as E;
     let mut timer = crate::metrics::TokenTimer::new(&metrics);
     loop {
@@ -164,6 +244,9 @@ async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::Generate
             Some(Event::Token(t)) => {
                 metrics.generated.inc();
                 timer.token(t.elapsed);
+                if let Some((w, _)) = warm.as_mut() {
+                    w.tokens.push(t.id);
+                }
                 Ok(pb::GenerateEvent { event: Some(E::Token(convert::token(&t))) })
             }
             Some(Event::Finished { reason, usage, ttft, trailing_text, .. }) => {
@@ -179,6 +262,9 @@ async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::Generate
                     prefill_path: path as i32,
                     ttft_us: ttft.map(|d| d.as_micros() as u64).unwrap_or(0),
                 };
+                if let Some((w, table)) = warm.take() {
+                    table.record(w);
+                }
                 let _ = tx.send(Ok(pb::GenerateEvent { event: Some(E::Finished(fin)) })).await;
                 return;
             }
@@ -201,7 +287,8 @@ async fn forward(mut stream: RequestStream, tx: mpsc::Sender<Result<pb::Generate
 /// `NodeControl` of a decode node.
 pub struct Control {
     pub engine: Arc<Engine>,
-    pub draining: Arc<AtomicBool>,
+    pub warm: Arc<WarmTable>,
+    pub drainer: Arc<Drainer>,
 }
 
 #[tonic::async_trait]
@@ -211,13 +298,16 @@ impl NodeControl for Control {
         if r.conversation.is_empty() {
             return Err(Status::invalid_argument("conversation is empty"));
         }
+        let conversation = ConversationId::new(r.conversation);
+        self.warm.remove(&conversation);
         let engine = self.engine.clone();
-        let freed = blocking(move || engine.evict_conversation(ConversationId::new(r.conversation))).await?.map_err(convert::status)?;
+        let freed = blocking(move || engine.evict_conversation(conversation)).await?.map_err(convert::status)?;
         Ok(Response::new(pb::EvictResponse { blocks_freed: freed as u64 }))
     }
 
-    async fn drain(&self, _request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
-        self.draining.store(true, Ordering::SeqCst);
-        Ok(Response::new(pb::DrainResponse { running: self.engine.stats().running as u32 }))
+    async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
+        let ms = request.into_inner().deadline_ms;
+        let deadline = (ms > 0).then(|| Duration::from_millis(ms as u64));
+        Ok(Response::new(self.drainer.drain(deadline).await))
     }
 }

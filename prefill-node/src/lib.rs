@@ -170,7 +170,14 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         layer_delay: config.kv_layer_delay,
         draining: draining.clone(),
     };
-    let control = service::Control { engine: engine.clone(), draining };
+    let membership_slot = Arc::new(tokio::sync::Mutex::new(None));
+    let control = service::Control {
+        engine: engine.clone(),
+        draining: draining.clone(),
+        ready: ready.clone(),
+        membership: membership_slot.clone(),
+        default_drain_deadline: Duration::from_secs(60),
+    };
     on_bound(&bound);
 
     let membership = config.coordinator.as_ref().map(|url| {
@@ -186,10 +193,11 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         let e = engine.clone();
         let handle = baton_proto::client::MembershipClient::new(url.clone(), info).with_load(move || load_report(&e)).spawn();
         let mut watch = handle.watch();
-        let ready = ready.clone();
+        let (ready, draining) = (ready.clone(), draining.clone());
         tokio::spawn(async move {
             loop {
-                ready.store(watch.borrow_and_update().lease_id.is_some(), Ordering::SeqCst);
+                let registered = watch.borrow_and_update().lease_id.is_some();
+                ready.store(registered && !draining.load(Ordering::SeqCst), Ordering::SeqCst);
                 if watch.changed().await.is_err() {
                     break;
                 }
@@ -197,6 +205,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         });
         handle
     });
+    *membership_slot.lock().await = membership;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -209,7 +218,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), stopped(stop_rx.clone()));
     let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));
     let (g, h) = tokio::join!(grpc_srv, http_srv);
-    if let Some(m) = membership {
+    if let Some(m) = membership_slot.lock().await.take() {
         m.shutdown().await;
     }
     kv.receiver.shutdown();

@@ -192,6 +192,12 @@ impl PrefillService {
 pub struct Control {
     pub engine: Arc<Engine>,
     pub draining: Arc<AtomicBool>,
+    /// `/healthz` answers 503 once false.
+    pub ready: Arc<AtomicBool>,
+    /// Taken (and deregistered) by the first drain.
+    pub membership: Arc<tokio::sync::Mutex<Option<baton_proto::client::MembershipHandle>>>,
+    /// Used when the request names no deadline.
+    pub default_drain_deadline: Duration,
 }
 
 #[tonic::async_trait]
@@ -206,8 +212,28 @@ impl NodeControl for Control {
         Ok(Response::new(pb::EvictResponse { blocks_freed: freed as u64 }))
     }
 
-    async fn drain(&self, _request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
+    /// A prefill node holds no conversation: draining is refusing new
+    /// prefills, leaving the ring and letting the running ones finish.
+    async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
+        let ms = request.into_inner().deadline_ms;
+        let deadline = if ms > 0 { Duration::from_millis(ms as u64) } else { self.default_drain_deadline };
+        let until = tokio::time::Instant::now() + deadline;
         self.draining.store(true, Ordering::SeqCst);
-        Ok(Response::new(pb::DrainResponse { running: self.engine.stats().running as u32 }))
+        self.ready.store(false, Ordering::SeqCst);
+        let mut out = pb::DrainResponse::default();
+        if let Some(m) = self.membership.lock().await.take() {
+            m.shutdown().await;
+            out.deregistered = true;
+        }
+        // The engine publishes its counts once per step; poll them.
+        loop {
+            let st = self.engine.stats();
+            out.running = (st.running + st.waiting) as u32;
+            if out.running == 0 || tokio::time::Instant::now() >= until {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(Response::new(out))
     }
 }

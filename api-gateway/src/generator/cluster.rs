@@ -77,7 +77,9 @@ impl ClusterGenerator {
         failed.keys().map(|id| NodeId { id: id.clone() }).collect()
     }
 
-    async fn route(&self, req: &GenerateRequest) -> Result<(String, String), GenerateError> {
+    /// The chosen decode node's ID and address, and the address of the node the
+    /// conversation lived on before a join moved it (its warm prefix is there).
+    async fn route(&self, req: &GenerateRequest) -> Result<(String, String, String), GenerateError> {
         let ask = RouteDecodeRequest {
             routing_key: req.routing_key.clone(),
             owner: req.owner.clone(),
@@ -87,10 +89,11 @@ impl ClusterGenerator {
         let r = self.coordinator.clone().route_decode(ask).await.map_err(status_error)?.into_inner();
         let node = r.node.ok_or_else(|| GenerateError::Unavailable("no decode node".into()))?;
         let id = node.node_id.map(|n| n.id).unwrap_or_default();
-        Ok((id, node.grpc_addr))
+        let previous = r.previous.map(|p| p.grpc_addr).unwrap_or_default();
+        Ok((id, node.grpc_addr, previous))
     }
 
-    async fn open(&self, addr: &str, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
+    async fn open(&self, addr: &str, prefix_source: String, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
         let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
         let channel = Endpoint::from_shared(url)
             .map_err(|e| GenerateError::Internal(format!("bad decode node address: {e}")))?
@@ -121,6 +124,7 @@ impl ClusterGenerator {
                 top_logprobs: s.top_logprobs as u32,
                 ignore_eos: false,
             }),
+            prefix_source,
         };
         let r = DecodeNodeClient::new(channel).generate(wire).await.map_err(status_error)?;
         Ok(r.into_inner())
@@ -142,8 +146,8 @@ impl Generator for ClusterGenerator {
         let mut last = None;
         let mut opened = None;
         for _ in 0..2 {
-            let (id, addr) = self.route(&req).await?;
-            match self.open(&addr, &req).await {
+            let (id, addr, previous) = self.route(&req).await?;
+            match self.open(&addr, previous, &req).await {
                 Ok(s) => {
                     opened = Some((id, s));
                     break;

@@ -42,12 +42,18 @@ pub struct DecodeDecision {
     /// The most conversations one node may hold when this one arrived.
     pub bound: u64,
     pub candidates: Vec<DecodeCandidate>,
+    /// The node the conversation was on before a join moved it to `node`
+    /// (reported once, on the first turn after the move): it may still hold
+    /// the warm prefix for `node` to pull.
+    pub previous: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Placement {
     slot: Slot,
     last_used: Instant,
+    /// Set when a joining node became the conversation's home; taken by the next turn.
+    moved_from: Option<Slot>,
 }
 
 /// The decode router's state: ring, node names, and conversation placements.
@@ -133,6 +139,11 @@ impl DecodeRouter {
         if !gone.is_empty() {
             let left: HashSet<Slot> = gone.iter().map(|(_, s)| *s).collect();
             self.placements.retain(|_, p| !left.contains(&p.slot));
+            for p in self.placements.values_mut() {
+                if p.moved_from.is_some_and(|s| left.contains(&s)) {
+                    p.moved_from = None;
+                }
+            }
         }
         let mut joined = HashSet::new();
         let mut names: Vec<&str> = want.into_iter().filter(|n| !self.slots.contains_key(*n)).collect();
@@ -154,6 +165,7 @@ impl DecodeRouter {
                             *c = c.saturating_sub(1);
                         }
                         *counts.entry(home).or_insert(0) += 1;
+                        p.moved_from = Some(p.slot);
                         p.slot = home;
                     }
                 }
@@ -209,11 +221,13 @@ impl DecodeRouter {
         if let Some(p) = self.placements.get_mut(&key) {
             if !excluded.contains(&p.slot) {
                 p.last_used = now;
+                let previous = p.moved_from.take().and_then(|s| self.names.get(&s).cloned());
                 return Some(DecodeDecision {
                     node: self.names[&p.slot].clone(),
                     reason: DecodeReason::Sticky,
                     bound: self.ring.bound(self.total.saturating_sub(1)),
                     candidates,
+                    previous,
                 });
             }
             let old = p.slot;
@@ -231,7 +245,7 @@ impl DecodeRouter {
             |s| counts.get(&s).copied().unwrap_or(0),
             |s| !excluded.contains(&s),
         )?;
-        self.placements.insert(key, Placement { slot, last_used: now });
+        self.placements.insert(key, Placement { slot, last_used: now, moved_from: None });
         *self.counts.entry(slot).or_insert(0) += 1;
         self.total += 1;
         let _ = bound;
@@ -240,6 +254,7 @@ impl DecodeRouter {
             reason: if spilled { DecodeReason::Spilled } else { DecodeReason::Home },
             bound: bound_now,
             candidates,
+            previous: None,
         })
     }
 }
@@ -281,8 +296,13 @@ mod tests {
             assert_eq!(d.reason, DecodeReason::Sticky);
             if d.node != *b {
                 assert_eq!(d.node, "d4");
+                // The first turn after the move names where the warm prefix is.
+                assert_eq!(d.previous.as_deref(), Some(b.as_str()));
                 moved += 1;
+            } else {
+                assert_eq!(d.previous, None);
             }
+            assert_eq!(r.route(k, &[], now).unwrap().previous, None, "reported once");
         }
         let share = moved as f64 / 1000.0;
         assert!((0.12..=0.28).contains(&share), "moved share {share}");

@@ -214,6 +214,7 @@ mod tests {
             reason: DecodeReason::Home,
             bound: 3,
             candidates: vec![DecodeCandidate { node: "a".into(), load: 1, eligible: true }],
+            previous: None,
         };
         ExplainRecord::decode(key, &d, 10, 0)
     }

@@ -5,6 +5,8 @@
 //! fallback to local prefill, and the reservation is released by the
 //! transport (dropping the `Reservation` releases whatever was not taken).
 
+pub mod adopt;
+
 use std::time::{Duration, Instant};
 
 use baton_engine::{ImportedToken, KvImport, Request};

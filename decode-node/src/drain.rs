@@ -1,0 +1,182 @@
+//! Draining a decode node before it goes away (a rolling upgrade, a scale
+//! down, a Kubernetes preStop hook): the node stops taking turns, leaves the
+//! coordinator's ring, lets the running sequences finish, and hands every
+//! warm conversation to its new owner, which pulls the prefix blocks over the
+//! KV transport (`AdoptPrefix`). The conversation's next turn then starts
+//! warm on the new owner instead of recomputing its whole history.
+//!
+//! Order matters: leaving the ring first means no new turn is routed here;
+//! waiting for running sequences means their replies' blocks are published
+//! before they are moved. Every step is bounded by the drain's deadline; a
+//! conversation that could not move just starts cold, nothing is lost.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_engine::Engine;
+use baton_proto::client::MembershipHandle;
+use baton_proto::common::NodeId;
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator::RouteDecodeRequest;
+use baton_proto::node as pb;
+use baton_proto::node::decode_node_client::DecodeNodeClient;
+use futures::StreamExt;
+use tokio::sync::{watch, Mutex};
+use tonic::transport::Channel;
+use tonic::Status;
+
+use crate::metrics::Metrics;
+use crate::warm::{WarmConversation, WarmTable};
+
+/// Conversations moved at once.
+const PARALLEL_MOVES: usize = 4;
+
+/// Counts the turns streaming on this node, so a drain can wait for them.
+#[derive(Clone)]
+pub struct InFlight {
+    tx: Arc<watch::Sender<usize>>,
+}
+
+/// Held while one turn streams; dropping it ends the turn's count.
+pub struct InFlightGuard {
+    tx: Arc<watch::Sender<usize>>,
+}
+
+impl Default for InFlight {
+    fn default() -> Self {
+        InFlight { tx: Arc::new(watch::channel(0).0) }
+    }
+}
+
+impl InFlight {
+    pub fn enter(&self) -> InFlightGuard {
+        self.tx.send_modify(|n| *n += 1);
+        InFlightGuard { tx: self.tx.clone() }
+    }
+
+    /// Waits until no turn streams, or `within` passed; returns how many still do.
+    pub async fn wait_idle(&self, within: Duration) -> usize {
+        let mut rx = self.tx.subscribe();
+        let _ = tokio::time::timeout(within, rx.wait_for(|n| *n == 0)).await;
+        *self.tx.borrow()
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.tx.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// Everything a drain touches.
+pub struct Drainer {
+    pub engine: Arc<Engine>,
+    pub warm: Arc<WarmTable>,
+    pub in_flight: InFlight,
+    pub draining: Arc<AtomicBool>,
+    /// `/healthz` answers 503 once false.
+    pub ready: Arc<AtomicBool>,
+    pub coordinator: Option<CoordinatorClient<Channel>>,
+    /// Taken (and deregistered) by the first drain.
+    pub membership: Arc<Mutex<Option<MembershipHandle>>>,
+    pub node_id: String,
+    /// This node's gRPC address as the new owners reach it (they pull from here).
+    pub grpc_addr: String,
+    pub metrics: Arc<Metrics>,
+    /// Used when the request names none.
+    pub default_deadline: Duration,
+    /// One drain at a time.
+    pub running: Mutex<()>,
+}
+
+impl Drainer {
+    pub async fn drain(&self, deadline: Option<Duration>) -> pb::DrainResponse {
+        let _one = self.running.lock().await;
+        let deadline = deadline.unwrap_or(self.default_deadline);
+        let started = Instant::now();
+        let left = || deadline.saturating_sub(started.elapsed());
+        self.draining.store(true, Ordering::SeqCst);
+        self.ready.store(false, Ordering::SeqCst);
+        let mut out = pb::DrainResponse::default();
+        if let Some(m) = self.membership.lock().await.take() {
+            m.shutdown().await;
+            out.deregistered = true;
+        }
+        // Half the deadline for the running turns, the rest for moving.
+        out.running = self.in_flight.wait_idle(left() / 2).await as u32;
+        let Some(coordinator) = self.coordinator.clone() else {
+            tracing::info!(warm = self.warm.len(), "drained without a coordinator: no new owners to hand conversations to");
+            return out;
+        };
+        let warm = self.warm.most_recent_first();
+        tracing::info!(conversations = warm.len(), "handing warm conversations to their new owners");
+        let moves = futures::stream::iter(warm)
+            .map(|w| {
+                let coordinator = coordinator.clone();
+                let remaining = left();
+                async move { tokio::time::timeout(remaining, self.move_one(coordinator, w)).await.unwrap_or_else(|_| Err(Status::deadline_exceeded("drain deadline"))) }
+            })
+            .buffer_unordered(PARALLEL_MOVES);
+        futures::pin_mut!(moves);
+        while let Some(r) = moves.next().await {
+            match r {
+                Ok(None) => {}
+                Ok(Some(blocks)) => {
+                    out.conversations_moved += 1;
+                    out.blocks_moved += blocks;
+                    self.metrics.migration("moved", blocks);
+                }
+                Err(e) => {
+                    tracing::warn!(code = ?e.code(), message = e.message(), "a warm conversation could not move; its next turn starts cold");
+                    out.conversations_failed += 1;
+                    self.metrics.migration("failed", 0);
+                }
+            }
+        }
+        tracing::info!(moved = out.conversations_moved, failed = out.conversations_failed, blocks = out.blocks_moved, "drain done");
+        out
+    }
+
+    /// Moves one conversation; `None` when nothing of it is cached any more.
+    async fn move_one(&self, mut coordinator: CoordinatorClient<Channel>, w: WarmConversation) -> Result<Option<u64>, Status> {
+        let engine = self.engine.clone();
+        let (tokens, owner, platform) = (w.tokens.clone(), w.owner.clone(), w.platform_prefix_len.min(w.tokens.len()));
+        let cached = tokio::task::spawn_blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform))
+            .await
+            .map_err(|_| Status::internal("engine call panicked"))?
+            .map_err(crate::convert::status)?;
+        if cached == 0 {
+            return Ok(None);
+        }
+        let ask = RouteDecodeRequest {
+            routing_key: w.conversation.as_str().to_string(),
+            owner: w.owner.as_str().to_string(),
+            prompt_tokens: (cached + 1) as u32,
+            exclude: vec![NodeId { id: self.node_id.clone() }],
+        };
+        let target = coordinator.route_decode(ask).await?.into_inner().node.ok_or_else(|| Status::unavailable("no decode node to move to"))?;
+        if target.node_id.as_ref().is_some_and(|n| n.id == self.node_id) {
+            return Err(Status::failed_precondition("the coordinator routed the conversation back to the draining node"));
+        }
+        let url = if target.grpc_addr.contains("://") { target.grpc_addr.clone() } else { format!("http://{}", target.grpc_addr) };
+        let channel = tonic::transport::Endpoint::from_shared(url)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot reach the new owner: {e}")))?;
+        let adopt = pb::AdoptPrefixRequest {
+            turn: Some(pb::Turn {
+                prompt: w.tokens[..cached + 1].to_vec(),
+                owner: w.owner.as_str().to_string(),
+                platform_prefix_len: platform.min(cached + 1) as u32,
+                conversation: w.conversation.as_str().to_string(),
+            }),
+            source: self.grpc_addr.clone(),
+        };
+        let r = DecodeNodeClient::new(channel).adopt_prefix(adopt).await?.into_inner();
+        let bt = self.engine.info.kv_layout.block_tokens as u64;
+        Ok(Some(r.pulled_tokens as u64 / bt))
+    }
+}

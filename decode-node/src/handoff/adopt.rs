@@ -1,0 +1,143 @@
+//! Adopting a warm conversation from a draining decode node: pull the prefix
+//! blocks this node lacks from the source (`ExportPrefix` into a reservation
+//! of staging blocks here), then admit a one-token request over the prefix
+//! with the blocks as its import, so the engine publishes them to its prefix
+//! cache under the conversation's owner and tag. The conversation's next turn
+//! then matches them like any warm prefix.
+//!
+//! The same pull serves a conversation that moved here because this node
+//! joined and became its home: its first turn here names the previous owner
+//! (`GenerateRequest.prefix_source`) and the prefix is adopted before prefill.
+//!
+//! What is adopted is the whole blocks both the prompt and the source hold,
+//! short of the prompt's last token (the engine computes at least one prompt
+//! token itself). A pull that fails
+//! leaves nothing behind: the reservation is released by the transport, and
+//! the next turn simply starts cold.
+
+use std::time::{Duration, Instant};
+
+use baton_engine::kv::UserId;
+use baton_engine::{Engine, EngineError, Event, KvImport, Request, SubmitOptions};
+use baton_proto::node as pb;
+use baton_proto::node::decode_node_client::DecodeNodeClient;
+use tonic::transport::Channel;
+use tonic::Status;
+
+use crate::convert;
+use crate::kv::KvNode;
+
+/// What an adoption did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Adopted {
+    /// Prompt tokens this node held already.
+    pub had_tokens: usize,
+    /// Prompt tokens pulled from the source.
+    pub pulled_tokens: usize,
+}
+
+/// Makes `turn.prompt`'s whole blocks (all but its last token) warm here, as
+/// far as the decode node at `source` holds them, pulling what is missing.
+pub async fn adopt(engine: &std::sync::Arc<Engine>, kv: &KvNode, turn: pb::Turn, source: &str, deadline: Duration) -> Result<Adopted, Status> {
+    let started = Instant::now();
+    let sampling = pb::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() };
+    let req = convert::request(Some(turn), Some(sampling))?;
+    if req.prompt.is_empty() {
+        return Err(Status::invalid_argument("the adopted prefix is empty"));
+    }
+    if req.conversation.is_none() {
+        return Err(Status::invalid_argument("an adopted prefix needs its conversation"));
+    }
+    let bt = kv.layout.block_tokens as usize;
+    if (req.prompt.len() - 1) / bt == 0 {
+        return Ok(Adopted::default());
+    }
+    let e = engine.clone();
+    let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
+    let had = tokio::task::spawn_blocking(move || e.cached_prefix_tokens(&prompt, &owner, platform))
+        .await
+        .map_err(|_| Status::internal("engine call panicked"))?
+        .map_err(convert::status)?;
+    let had_blocks = had / bt;
+    if had_blocks >= (req.prompt.len() - 1) / bt {
+        return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
+    }
+    let mut client = tokio::time::timeout(deadline, connect(source)).await.map_err(|_| Status::deadline_exceeded("connecting to the prefix source"))??;
+    let peek = pb::CachedPrefixRequest { tokens: req.prompt.clone(), owner: req.owner.as_str().to_string(), platform_prefix_len: req.platform_prefix_len as u32 };
+    let theirs = tokio::time::timeout(deadline, client.cached_prefix(peek)).await.map_err(|_| Status::deadline_exceeded("asking the prefix source"))??.into_inner();
+    let whole = theirs.cached_tokens as usize / bt;
+    if whole <= had_blocks {
+        return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
+    }
+    let left = deadline.saturating_sub(started.elapsed());
+    let import = pull_prefix(kv, &mut client, &req.prompt[..whole * bt], &req.owner, req.platform_prefix_len, had_blocks, left).await?;
+    let pulled_tokens = import.blocks.len() * bt;
+    let mut req = req;
+    // One token past the adopted blocks, so the engine computes exactly it.
+    req.prompt.truncate(whole * bt + 1);
+    req.platform_prefix_len = req.platform_prefix_len.min(req.prompt.len());
+    let left = deadline.saturating_sub(started.elapsed());
+    tokio::time::timeout(left, publish(engine, req, import)).await.map_err(|_| Status::deadline_exceeded("adopting the prefix"))??;
+    Ok(Adopted { had_tokens: had, pulled_tokens })
+}
+
+/// Runs the one-token request that publishes the imported blocks.
+async fn publish(engine: &Engine, req: Request, import: KvImport) -> Result<(), Status> {
+    let sub = match engine.submit_with(req, SubmitOptions { import: Some(import), export_from_block: None }) {
+        Ok(s) => s,
+        Err(EngineError::BadImport { what }) => return Err(Status::internal(format!("the pulled prefix was refused: {what}"))),
+        Err(e) => return Err(convert::status(e)),
+    };
+    let mut stream = sub.stream;
+    loop {
+        match stream.next().await {
+            Some(Event::Token(_)) => {}
+            Some(Event::Finished { .. }) => return Ok(()),
+            Some(Event::Failed(e)) => return Err(convert::status(e)),
+            None => return Err(Status::unavailable("the engine has stopped")),
+        }
+    }
+}
+
+async fn connect(source: &str) -> Result<DecodeNodeClient<Channel>, Status> {
+    let url = if source.contains("://") { source.to_string() } else { format!("http://{source}") };
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .map_err(|e| Status::invalid_argument(e.to_string()))?
+        .connect_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("cannot reach the prefix source: {e}")))?;
+    Ok(DecodeNodeClient::new(channel))
+}
+
+/// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node
+/// behind `client` into staging here and hands them over as an engine import.
+async fn pull_prefix(
+    kv: &KvNode,
+    client: &mut DecodeNodeClient<Channel>,
+    prefix: &[u32],
+    owner: &UserId,
+    platform: usize,
+    start_block: usize,
+    deadline: Duration,
+) -> Result<KvImport, Status> {
+    let bt = kv.layout.block_tokens as usize;
+    let blocks = prefix.len() / bt - start_block;
+    let reservation = kv.receiver.reserve(blocks, Some(deadline)).map_err(|e| Status::resource_exhausted(e.to_string()))?;
+    let ask = pb::ExportPrefixRequest {
+        tokens: prefix.to_vec(),
+        owner: owner.as_str().to_string(),
+        platform_prefix_len: platform.min(prefix.len()) as u32,
+        start_block: start_block as u32,
+        grant: reservation.grant().to_bytes(),
+        kv_endpoint: kv.endpoint.clone(),
+    };
+    let started = Instant::now();
+    tokio::time::timeout(deadline, client.export_prefix(ask)).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
+    let ids = tokio::time::timeout(deadline.saturating_sub(started.elapsed()), reservation.finished())
+        .await
+        .map_err(|_| Status::deadline_exceeded("prefix pull"))?
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let bytes = kv.take_blocks(&ids).map_err(|e| Status::internal(e.to_string()))?;
+    Ok(KvImport { start_block, blocks: bytes, first_token: None })
+}

@@ -1,0 +1,127 @@
+//! Which conversations this node holds warm, and the tokens of each one's
+//! latest turn (prompt plus reply), so a drain can hand every conversation to
+//! its new owner: the engine's prefix cache is keyed by block hashes and
+//! cannot give the tokens back.
+//!
+//! The table is bounded: past `capacity` conversations the least recently
+//! used one is forgotten (its next turn after a drain then starts cold, which
+//! is also what the engine's own LRU would have done to its blocks). Entries
+//! are hints: the drain asks the engine what is still cached before moving.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use baton_engine::kv::{ConversationId, UserId};
+
+/// One warm conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WarmConversation {
+    pub conversation: ConversationId,
+    pub owner: UserId,
+    pub platform_prefix_len: usize,
+    /// The latest turn's prompt followed by its reply.
+    pub tokens: Vec<u32>,
+}
+
+struct Entry {
+    warm: WarmConversation,
+    stamp: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    entries: HashMap<ConversationId, Entry>,
+    clock: u64,
+}
+
+/// The bounded table of warm conversations.
+pub struct WarmTable {
+    inner: Mutex<Inner>,
+    capacity: usize,
+}
+
+impl WarmTable {
+    pub fn new(capacity: usize) -> Self {
+        WarmTable { inner: Mutex::default(), capacity: capacity.max(1) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a finished turn: its tokens replace the conversation's previous ones.
+    pub fn record(&self, warm: WarmConversation) {
+        let mut g = self.lock();
+        g.clock += 1;
+        let stamp = g.clock;
+        g.entries.insert(warm.conversation.clone(), Entry { warm, stamp });
+        if g.entries.len() > self.capacity {
+            // O(n) over a bounded map, once per insertion past the bound.
+            if let Some(oldest) = g.entries.iter().min_by_key(|(_, e)| e.stamp).map(|(k, _)| k.clone()) {
+                g.entries.remove(&oldest);
+            }
+        }
+    }
+
+    /// Forgets a conversation (it was evicted).
+    pub fn remove(&self, conversation: &ConversationId) {
+        self.lock().entries.remove(conversation);
+    }
+
+    /// Every warm conversation, most recently used first (the ones most
+    /// likely to have a next turn move first).
+    pub fn most_recent_first(&self) -> Vec<WarmConversation> {
+        let g = self.lock();
+        let mut all: Vec<&Entry> = g.entries.values().collect();
+        all.sort_by_key(|e| std::cmp::Reverse(e.stamp));
+        all.into_iter().map(|e| e.warm.clone()).collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warm(c: &str, tokens: &[u32]) -> WarmConversation {
+        WarmConversation { conversation: ConversationId::new(c.to_string()), owner: UserId::new("u".to_string()), platform_prefix_len: 0, tokens: tokens.to_vec() }
+    }
+
+    #[test]
+    fn latest_turn_wins_and_order_is_most_recent_first() {
+        let t = WarmTable::new(8);
+        t.record(warm("a", &[1]));
+        t.record(warm("b", &[2]));
+        t.record(warm("a", &[1, 3, 4]));
+        let all = t.most_recent_first();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0], warm("a", &[1, 3, 4]));
+        assert_eq!(all[1], warm("b", &[2]));
+    }
+
+    #[test]
+    fn bounded_by_capacity_forgetting_the_least_recent() {
+        let t = WarmTable::new(2);
+        t.record(warm("a", &[1]));
+        t.record(warm("b", &[2]));
+        t.record(warm("a", &[1, 5]));
+        t.record(warm("c", &[3]));
+        let names: Vec<String> = t.most_recent_first().iter().map(|w| w.conversation.as_str().to_string()).collect();
+        assert_eq!(names, vec!["c", "a"]);
+    }
+
+    #[test]
+    fn eviction_forgets() {
+        let t = WarmTable::new(4);
+        t.record(warm("a", &[1]));
+        t.remove(&ConversationId::new("a".to_string()));
+        assert!(t.is_empty());
+    }
+}

@@ -4,6 +4,8 @@
 //! single in-process engine as the reference.
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -234,6 +236,7 @@ pub fn generate_request(prompt: &[u32], owner: &str, conversation: &str, max_tok
     pb::GenerateRequest {
         turn: Some(pb::Turn { prompt: prompt.to_vec(), owner: owner.into(), platform_prefix_len: 0, conversation: conversation.into() }),
         sampling: Some(pb::SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, top_p: 1.0, ..Default::default() }),
+        prefix_source: String::new(),
     }
 }
 

@@ -371,3 +371,58 @@ async fn scrape(State(s): State<HttpState>) -> Response {
     let text = s.metrics.render(&s.engine, s.kv.as_deref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_kv_transport::Side;
+
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn token_timer_records_gaps_and_drain_series_render() {
+        let m = Metrics::new();
+        let mut t = TokenTimer::new(&m);
+        for ms in [100, 120, 150] {
+            t.token(Duration::from_millis(ms));
+        }
+        m.finished(baton_engine::FinishReason::Stop, Some(Duration::from_millis(100)));
+        m.migration("moved", 7);
+        m.migration("failed", 0);
+        m.adopted(3);
+        let text = m.recorder.handle().render();
+        assert_eq!(value(&text, "baton_decode_inter_token_latency_seconds_count"), Some(2.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_inter_token_latency_seconds_bucket{le=\"0.02\"}"), Some(1.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_time_to_first_token_seconds_bucket{le=\"0.1\"}"), Some(1.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_turn_outcomes_total{outcome=\"stop\"}"), Some(1.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_drain_migrations_total{outcome=\"moved\"}"), Some(1.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_drain_migrated_blocks_total"), Some(7.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_adopted_prefixes_total"), Some(1.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_adopted_blocks_total"), Some(3.0), "{text}");
+    }
+
+    #[test]
+    fn transport_stats_render_as_prometheus_families() {
+        let link = Arc::new(TransportStats::new("quic", Side::Receiver));
+        link.bytes.fetch_add(4096, Ordering::Relaxed);
+        link.duration_buckets[3].fetch_add(1, Ordering::Relaxed);
+        link.duration_buckets[baton_kv_transport::metrics::DURATION_BUCKETS_SECONDS.len()].fetch_add(1, Ordering::Relaxed);
+        let all = TransportStats::new("all", Side::Receiver);
+        all.reservations_live.fetch_add(2, Ordering::Relaxed);
+        all.reservations_expired.fetch_add(1, Ordering::Relaxed);
+        let mut out = String::new();
+        render_transport(&mut out, &[link], &all);
+        let l = "transport=\"quic\",side=\"receiver\"";
+        assert_eq!(value(&out, &format!("baton_kv_transport_bytes_total{{{l}}}")), Some(4096.0), "{out}");
+        assert_eq!(value(&out, &format!("baton_kv_transport_transfer_duration_seconds_bucket{{{l},le=\"+Inf\"}}")), Some(1.0), "{out}");
+        assert_eq!(value(&out, &format!("baton_kv_transport_failures_total{{{l},kind=\"reservation_expired\"}}")), Some(0.0), "{out}");
+        let a = "transport=\"all\",side=\"receiver\"";
+        assert_eq!(value(&out, &format!("baton_kv_transport_reservations_live{{{a}}}")), Some(2.0), "{out}");
+        assert_eq!(value(&out, &format!("baton_kv_transport_reservations_expired_total{{{a}}}")), Some(1.0), "{out}");
+        for family in out.split("\n\n").filter(|f| !f.trim().is_empty()) {
+            assert_eq!(family.matches("# TYPE ").count(), 1, "one TYPE per family:\n{family}");
+        }
+    }
+}

@@ -161,7 +161,7 @@ impl State {
             .decode
             .route(&req.routing_key, &exclude, started)
             .ok_or(Error::NoNodes { role: "decode" })?;
-        self.metrics.conversations(routing.decode.total() as u64);
+        self.metrics.conversations(routing.decode.total());
         let rec = ExplainRecord::decode(&req.routing_key, &decision, req.prompt_tokens, unix_ms());
         let mut explanation = to_pb(&rec, &req.routing_key);
         explanation.seq = self.record(&mut routing, rec, started);

@@ -1,5 +1,6 @@
 //! `baton`: one binary for every role of the Baton serving cluster.
 
+mod bench_cluster;
 mod bench_engine;
 mod certs;
 mod coordinator_cmd;
@@ -61,6 +62,9 @@ enum BenchCommand {
     /// Prefill and decode throughput of the engine on this machine, beside
     /// llama.cpp's llama-bench when a build is present.
     Engine(bench_engine::BenchEngineArgs),
+    /// Time to first token of a cold long turn and the warm next turn through the
+    /// cluster (local and remote prefill) beside a single in-process engine.
+    Cluster(bench_cluster::BenchClusterArgs),
     /// Multi-turn chat traffic against any OpenAI-compatible endpoint: TTFT, ITL,
     /// throughput, cached share and goodput per offered-load level.
     Load(baton_bench::LoadArgs),
@@ -77,6 +81,7 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine::run(a),
         Command::Bench(BenchCommand::Load(a)) => baton_bench::load::run(a),
+        Command::Bench(BenchCommand::Cluster(a)) => bench_cluster::run(a),
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
         Command::Certs(a) => certs::run(a),

@@ -88,7 +88,7 @@ pub fn run(a: UpArgs) -> Result<()> {
 }
 
 /// The decode node's and the prefill node's engines, loaded side by side.
-async fn start_engines(args: &EngineArgs) -> Result<(Arc<Engine>, Arc<Engine>)> {
+pub(crate) async fn start_engines(args: &EngineArgs) -> Result<(Arc<Engine>, Arc<Engine>)> {
     let (d, p) = (args.clone(), args.clone());
     let decode = tokio::task::spawn_blocking(move || d.start());
     let prefill = tokio::task::spawn_blocking(move || p.start());
@@ -97,21 +97,36 @@ async fn start_engines(args: &EngineArgs) -> Result<(Arc<Engine>, Arc<Engine>)> 
     Ok((decode, prefill))
 }
 
-async fn serve(
-    a: &UpArgs,
-    model: &Path,
-    gateway_config: baton_api_gateway::Config,
-    (decode_engine, prefill_engine): (Arc<Engine>, Arc<Engine>),
-    stop: watch::Receiver<bool>,
-) -> Result<()> {
-    let started = Instant::now();
-    let gateway_listener = TcpListener::bind(gateway_config.listen).await.with_context(|| format!("binding the gateway to {}", gateway_config.listen))?;
-    let certs = baton_kv_transport::generate_dev_certs("baton-up", &[DECODE_NAME, PREFILL_NAME]).context("making the cluster's TLS certificates")?;
+/// Where the cluster's parts (without the gateway) listen, and what to bind.
+pub(crate) struct ClusterSpec<'a> {
+    pub engine: &'a EngineArgs,
+    pub model: &'a Path,
+    pub coordinator_listen: SocketAddr,
+    pub coordinator_http_listen: SocketAddr,
+    pub decode_http_listen: SocketAddr,
+    pub prefill_http_listen: SocketAddr,
+    pub local_prefill_threshold: u32,
+}
 
+/// The coordinator, the decode node and the prefill node, serving in this
+/// process until `stop`; the first task to end with an error is in `tasks`.
+pub(crate) struct LocalCluster {
+    pub coordinator: SocketAddr,
+    pub coordinator_http: SocketAddr,
+    pub coordinator_url: String,
+    pub decode_grpc: SocketAddr,
+    pub decode_http: SocketAddr,
+    pub prefill_http: SocketAddr,
+    pub tasks: tokio::task::JoinSet<Result<()>>,
+}
+
+/// Starts the cluster without its gateway and waits until both nodes are registered.
+pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill_engine): (Arc<Engine>, Arc<Engine>), stop: watch::Receiver<bool>) -> Result<LocalCluster> {
+    let certs = baton_kv_transport::generate_dev_certs("baton-up", &[DECODE_NAME, PREFILL_NAME]).context("making the cluster's TLS certificates")?;
     let coordinator_config = baton_coordinator::Config {
-        listen: a.coordinator_listen,
-        http_listen: a.coordinator_http_listen,
-        local_prefill_threshold: a.local_prefill_threshold,
+        listen: spec.coordinator_listen,
+        http_listen: spec.coordinator_http_listen,
+        local_prefill_threshold: spec.local_prefill_threshold,
         ..baton_coordinator::Config::default()
     };
     let coordinator = baton_coordinator::Coordinator::bind(coordinator_config).await.context("starting the coordinator")?;
@@ -123,8 +138,8 @@ async fn serve(
         let stop = stop.clone();
         async move { coordinator.serve(stopped(stop)).await.context("coordinator") }
     });
-
-    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), threads: a.engine.threads, config: a.engine.engine_config() };
+    let (model, a) = (spec.model, spec.engine);
+    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), threads: a.threads, config: a.engine_config() };
     let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
 
     let decode_config = baton_decode_node::Config {
@@ -135,7 +150,7 @@ async fn serve(
         advertise_host: None,
         coordinator: Some(coordinator_url.clone()),
         prefill_addr: None,
-        local_prefill_threshold: a.local_prefill_threshold as usize,
+        local_prefill_threshold: spec.local_prefill_threshold as usize,
         kv_deadline: Duration::from_secs(30),
         kv_staging_bytes: 256 << 20,
         drain_timeout: Duration::from_secs(60),
@@ -147,9 +162,10 @@ async fn serve(
         engine: decode_engine.clone(),
         tls: certs.node_tls(DECODE_NAME)?,
         grpc: TcpListener::bind(loopback(0)).await?,
-        http: TcpListener::bind(a.decode_http_listen).await.with_context(|| format!("binding the decode node's HTTP to {}", a.decode_http_listen))?,
+        http: TcpListener::bind(spec.decode_http_listen).await.with_context(|| format!("binding the decode node's HTTP to {}", spec.decode_http_listen))?,
     };
     let decode_http = decode_parts.http.local_addr()?;
+    let decode_grpc = decode_parts.grpc.local_addr()?;
     tasks.spawn({
         let stop = stop.clone();
         async move { baton_decode_node::serve(decode_config, decode_parts, |_| {}, stopped(stop)).await.context("decode node") }
@@ -166,13 +182,13 @@ async fn serve(
         kv_staging_bytes: 256 << 20,
         certs_dir: Default::default(),
         kv_layer_delay: None,
-        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), threads: a.engine.threads, config: a.engine.engine_config() },
+        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), threads: a.threads, config: a.engine_config() },
     };
     let prefill_parts = baton_prefill_node::Parts {
         engine: prefill_engine.clone(),
         tls: certs.node_tls(PREFILL_NAME)?,
         grpc: TcpListener::bind(loopback(0)).await?,
-        http: TcpListener::bind(a.prefill_http_listen).await.with_context(|| format!("binding the prefill node's HTTP to {}", a.prefill_http_listen))?,
+        http: TcpListener::bind(spec.prefill_http_listen).await.with_context(|| format!("binding the prefill node's HTTP to {}", spec.prefill_http_listen))?,
     };
     let prefill_http = prefill_parts.http.local_addr()?;
     tasks.spawn({
@@ -181,6 +197,28 @@ async fn serve(
     });
 
     wait_for_members(&coordinator_url, &mut tasks).await?;
+    Ok(LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_grpc, decode_http, prefill_http, tasks })
+}
+
+async fn serve(
+    a: &UpArgs,
+    model: &Path,
+    gateway_config: baton_api_gateway::Config,
+    engines: (Arc<Engine>, Arc<Engine>),
+    stop: watch::Receiver<bool>,
+) -> Result<()> {
+    let started = Instant::now();
+    let gateway_listener = TcpListener::bind(gateway_config.listen).await.with_context(|| format!("binding the gateway to {}", gateway_config.listen))?;
+    let spec = ClusterSpec {
+        engine: &a.engine,
+        model,
+        coordinator_listen: a.coordinator_listen,
+        coordinator_http_listen: a.coordinator_http_listen,
+        decode_http_listen: a.decode_http_listen,
+        prefill_http_listen: a.prefill_http_listen,
+        local_prefill_threshold: a.local_prefill_threshold,
+    };
+    let LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_http, prefill_http, mut tasks, .. } = start_cluster(spec, engines, stop.clone()).await?;
 
     // The gateway: the key first, so the banner can show it.
     let store = baton_api_gateway::open_store(&gateway_config).await?;

@@ -228,6 +228,7 @@ async fn serve(
         model.file_stem().map_or_else(|| "baton".to_string(), |s| s.to_string_lossy().into_owned())
     });
     let generator = Arc::new(ClusterGenerator::new(&coordinator_url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?);
+    let tls = gateway_config.tls.is_some();
     let app = baton_api_gateway::build_app(gateway_config, generator, store, tokenizer, template, model_id)?;
     let gateway_addr = gateway_listener.local_addr()?;
     tasks.spawn({
@@ -236,6 +237,7 @@ async fn serve(
     });
     print_banner(
         gateway_addr,
+        tls,
         &key,
         a.api_key.is_some(),
         &Started { coordinator: coordinator_addr, coordinator_http, decode_http, prefill_http },
@@ -284,18 +286,21 @@ async fn wait_for_members(coordinator_url: &str, tasks: &mut tokio::task::JoinSe
     }
 }
 
-fn print_banner(gateway: SocketAddr, key: &str, key_given: bool, s: &Started, took: Duration) {
+/// `tls`: the gateway serves HTTPS (its URLs say so; `curl -k` for a self-signed certificate).
+fn print_banner(gateway: SocketAddr, tls: bool, key: &str, key_given: bool, s: &Started, took: Duration) {
     let key_line = if key_given { "the key from BATON_API_KEY".to_string() } else { key.to_string() };
+    let g = format!("{}://{gateway}", if tls { "https" } else { "http" });
     println!(
         "Baton is up ({:.1} s).\n\
-         \n  web chat     http://{gateway}/\n  API          http://{gateway}/v1  (OpenAI-compatible)\n  API key      {key_line}\n\
-         \n  coordinator  grpc {}  http http://{}/debug/routing?key=ID\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
-         \nTry:\n  curl -N http://{gateway}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
+         \n  web chat     {g}/\n  API          {g}/v1  (OpenAI-compatible)\n  API key      {key_line}\n\
+         \n  metrics      gateway {g}/metrics\n  coordinator  grpc {}  http http://{}/debug/routing?key=ID  http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
+         \nTry:\n  curl -N {g}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
          -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\":\"baton\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n\
          \nCtrl-C stops the cluster.",
         took.as_secs_f64(),
         s.coordinator,
+        s.coordinator_http,
         s.coordinator_http,
         s.decode_http,
         s.prefill_http,

@@ -8,6 +8,8 @@
 //! - Faults: the prefill node killed mid-transfer -> the decode node falls
 //!   back to local prefill and releases its reservation; the decode node
 //!   killed mid-stream -> the stream ends with an error within 5 s.
+//! - Isolation: two users with the same system prompt share only its blocks;
+//!   a user sending another's exact history hits nothing of theirs.
 //! - After each test every live node is back to its block baseline.
 
 mod cluster_support;
@@ -122,11 +124,9 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
         let mut c = DecodeNodeClient::connect(format!("http://{grpc}")).await.unwrap();
         let mut s = c.generate(generate_request(&prompt, "bob", "conv-b", 1000)).await.unwrap().into_inner();
         // Wait for the first token so the kill lands mid-stream.
-        loop {
-            match s.message().await.unwrap().and_then(|e| e.event) {
-                Some(GenEv::Token(_)) => break,
-                other => panic!("expected a token, got {other:?}"),
-            }
+        match s.message().await.unwrap().and_then(|e| e.event) {
+            Some(GenEv::Token(_)) => {}
+            other => panic!("expected a token, got {other:?}"),
         }
         s
     });
@@ -146,6 +146,46 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
     });
     assert!(ended.is_ok(), "the stream did not end within 5 s of the kill");
     assert!(killed.elapsed() < Duration::from_secs(5));
+    reference.shutdown();
+}
+
+#[test]
+fn cluster_isolation_users_share_only_the_platform_blocks() {
+    let Some(cluster) = Cluster::start("decode-0", THRESHOLD) else { return };
+    // Every tail local: isolation is the decode node's prefix cache's business.
+    let decode = cluster.node("decode", "decode-0", 100_000, &[]);
+    let reference = reference_engine(&cluster.model);
+    let grpc = decode.addr("grpc");
+    let rt = runtime();
+    let bt = 16;
+
+    let alice = chat(&reference, SYSTEM, "Why does ice float on water? Explain the hydrogen bonds.");
+    let bob = chat(&reference, SYSTEM, "How do magnets attract iron? Explain the domains.");
+    // The platform prefix: what the two prompts share (the platform's system prompt).
+    let platform = alice.iter().zip(&bob).take_while(|(a, b)| a == b).count();
+    assert!(platform >= 2 * bt, "the system prompt spans whole blocks ({platform} tokens)");
+    let turn = |prompt: &[u32], owner: &str, conv: &str| {
+        let mut req = generate_request(prompt, owner, conv, 8);
+        req.turn.as_mut().unwrap().platform_prefix_len = platform as u32;
+        rt.block_on(generate(grpc.clone(), req))
+    };
+
+    let (_, fin) = turn(&alice, "alice", "conv-a");
+    assert_eq!(fin.usage.unwrap().cached_tokens, 0, "a cold node");
+    // Bob shares alice's system prompt: he hits its whole blocks and nothing else.
+    let (_, fin) = turn(&bob, "bob", "conv-b");
+    assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "bob hits only the platform blocks");
+    // Mallory sends alice's exact history: still only the platform blocks, and the
+    // reply is what a fresh engine gives.
+    let want = reference_tokens(&reference, &alice, "mallory-ref", 8);
+    let (got, fin) = turn(&alice, "mallory", "conv-m");
+    assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "mallory must not hit alice's blocks");
+    assert_eq!(got, want);
+    // Alice herself hits all of her prompt but the last partial block.
+    let (_, fin) = turn(&alice, "alice", "conv-a");
+    assert!(fin.usage.unwrap().cached_tokens as usize >= (alice.len() - 1) / bt * bt, "alice reuses her own prefix");
+
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(grpc.clone()))));
     reference.shutdown();
 }
 

@@ -19,7 +19,6 @@ use axum::routing::get;
 use axum::Router;
 use baton_engine::Engine;
 use ::metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
-use baton_kv_transport::TransportStats;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
 use crate::kv::KvNode;
@@ -240,7 +239,7 @@ impl Metrics {
         if let Some(kv) = kv {
             let mut stats = kv.receiver.transport_stats();
             stats.push(kv.sender.stats().clone());
-            render_transport(&mut out, &stats, kv.receiver.stats());
+            baton_kv_transport::metrics::render_prometheus(&mut out, &stats, kv.receiver.stats());
         }
         out
     }
@@ -271,60 +270,6 @@ fn float_counter(out: &mut String, name: &str, help: &str, value: f64) {
     let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n\n");
 }
 
-/// Renders the KV transport's statistics under its `baton_kv_transport_*` names:
-/// traffic, transfers and failures per link kind (`transport`, `side`), reservations
-/// of this node's receiver (`transport="all"`).
-fn render_transport(out: &mut String, links: &[Arc<TransportStats>], receiver: &TransportStats) {
-    use baton_kv_transport::error::KINDS;
-    use baton_kv_transport::metrics as t;
-    use std::fmt::Write;
-    let lab = |s: &TransportStats| format!("transport=\"{}\",side=\"{}\"", s.transport, s.side);
-    let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    fn family(out: &mut String, name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, v) in rows {
-            let _ = writeln!(out, "{name}{{{labels}}} {v}");
-        }
-        out.push('\n');
-    }
-    let per = |f: &dyn Fn(&TransportStats) -> u64| links.iter().map(|s| (lab(s), f(s) as f64)).collect::<Vec<_>>();
-    family(out, t::BYTES_TOTAL, "counter", "KV frame bytes sent or received", per(&|s| load(&s.bytes)));
-    family(out, t::FRAMES_TOTAL, "counter", "KV frames sent or received", per(&|s| load(&s.frames)));
-    family(out, t::BLOCK_LAYERS_TOTAL, "counter", "Block-layers sent or installed", per(&|s| load(&s.block_layers)));
-    family(out, t::REJECTED_FRAMES_TOTAL, "counter", "Frames a receiver rejected", per(&|s| load(&s.rejected_frames)));
-    family(out, t::TRANSFERS_TOTAL, "counter", "KV transfers completed", per(&|s| load(&s.transfers)));
-    let mut rows = Vec::new();
-    for s in links.iter().map(|s| s.as_ref()).chain([receiver]) {
-        for kind in KINDS {
-            rows.push((format!("{},kind=\"{kind}\"", lab(s)), s.failures_of(kind) as f64));
-        }
-    }
-    family(out, t::FAILURES_TOTAL, "counter", "KV transfer failures by kind", rows);
-    let name = t::TRANSFER_DURATION_SECONDS;
-    let _ = writeln!(out, "# HELP {name} Seconds from the start of a KV transfer to its completion\n# TYPE {name} histogram");
-    for s in links {
-        let l = lab(s);
-        for (i, le) in t::DURATION_BUCKETS_SECONDS.iter().enumerate() {
-            let _ = writeln!(out, "{name}_bucket{{{l},le=\"{le}\"}} {}", load(&s.duration_buckets[i]));
-        }
-        let count = load(&s.duration_buckets[t::DURATION_BUCKETS_SECONDS.len()]);
-        let _ = writeln!(out, "{name}_bucket{{{l},le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum{{{l}}} {}", load(&s.duration_sum_nanos) as f64 / 1e9);
-        let _ = writeln!(out, "{name}_count{{{l}}} {count}");
-    }
-    out.push('\n');
-    let l = lab(receiver);
-    let live = receiver.reservations_live.load(Ordering::Relaxed) as f64;
-    family(out, t::RESERVATIONS_LIVE, "gauge", "Reservations granted and not yet completed or released", vec![(l.clone(), live)]);
-    for (name, help, c) in [
-        (t::RESERVATIONS_CREATED_TOTAL, "Reservations granted", &receiver.reservations_created),
-        (t::RESERVATIONS_EXPIRED_TOTAL, "Reservations whose deadline passed", &receiver.reservations_expired),
-        (t::RESERVATIONS_RELEASED_TOTAL, "Reservations whose blocks went back to the pool", &receiver.reservations_released),
-        (t::RESERVATIONS_COMPLETED_TOTAL, "Reservations completed and handed over", &receiver.reservations_completed),
-    ] {
-        family(out, name, "counter", help, vec![(l.clone(), load(c) as f64)]);
-    }
-}
 
 /// Records the timings of one reply's tokens: `elapsed` is the time since submission.
 pub struct TokenTimer<'a> {
@@ -375,7 +320,6 @@ async fn scrape(State(s): State<HttpState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use baton_kv_transport::Side;
 
     fn value(text: &str, series: &str) -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
@@ -401,28 +345,5 @@ mod tests {
         assert_eq!(value(&text, "baton_decode_drain_migrated_blocks_total"), Some(7.0), "{text}");
         assert_eq!(value(&text, "baton_decode_adopted_prefixes_total"), Some(1.0), "{text}");
         assert_eq!(value(&text, "baton_decode_adopted_blocks_total"), Some(3.0), "{text}");
-    }
-
-    #[test]
-    fn transport_stats_render_as_prometheus_families() {
-        let link = Arc::new(TransportStats::new("quic", Side::Receiver));
-        link.bytes.fetch_add(4096, Ordering::Relaxed);
-        link.duration_buckets[3].fetch_add(1, Ordering::Relaxed);
-        link.duration_buckets[baton_kv_transport::metrics::DURATION_BUCKETS_SECONDS.len()].fetch_add(1, Ordering::Relaxed);
-        let all = TransportStats::new("all", Side::Receiver);
-        all.reservations_live.fetch_add(2, Ordering::Relaxed);
-        all.reservations_expired.fetch_add(1, Ordering::Relaxed);
-        let mut out = String::new();
-        render_transport(&mut out, &[link], &all);
-        let l = "transport=\"quic\",side=\"receiver\"";
-        assert_eq!(value(&out, &format!("baton_kv_transport_bytes_total{{{l}}}")), Some(4096.0), "{out}");
-        assert_eq!(value(&out, &format!("baton_kv_transport_transfer_duration_seconds_bucket{{{l},le=\"+Inf\"}}")), Some(1.0), "{out}");
-        assert_eq!(value(&out, &format!("baton_kv_transport_failures_total{{{l},kind=\"reservation_expired\"}}")), Some(0.0), "{out}");
-        let a = "transport=\"all\",side=\"receiver\"";
-        assert_eq!(value(&out, &format!("baton_kv_transport_reservations_live{{{a}}}")), Some(2.0), "{out}");
-        assert_eq!(value(&out, &format!("baton_kv_transport_reservations_expired_total{{{a}}}")), Some(1.0), "{out}");
-        for family in out.split("\n\n").filter(|f| !f.trim().is_empty()) {
-            assert_eq!(family.matches("# TYPE ").count(), 1, "one TYPE per family:\n{family}");
-        }
     }
 }

@@ -7,6 +7,7 @@
 //! (transport, side, failure kind), never reservation, turn or user IDs.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Side, KINDS};
@@ -178,6 +179,59 @@ impl TransportStats {
     }
 }
 
+/// Renders transport statistics as Prometheus text under the names above:
+/// traffic, transfers and failures per link kind (`transport`, `side`), reservations
+/// of this node's receiver (`transport="all"`).
+pub fn render_prometheus(out: &mut String, links: &[Arc<TransportStats>], receiver: &TransportStats) {
+    use std::fmt::Write;
+    let lab = |s: &TransportStats| format!("transport=\"{}\",side=\"{}\"", s.transport, s.side);
+    let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    fn family(out: &mut String, name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (labels, v) in rows {
+            let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        }
+        out.push('\n');
+    }
+    let per = |f: &dyn Fn(&TransportStats) -> u64| links.iter().map(|s| (lab(s), f(s) as f64)).collect::<Vec<_>>();
+    family(out, BYTES_TOTAL, "counter", "KV frame bytes sent or received", per(&|s| load(&s.bytes)));
+    family(out, FRAMES_TOTAL, "counter", "KV frames sent or received", per(&|s| load(&s.frames)));
+    family(out, BLOCK_LAYERS_TOTAL, "counter", "Block-layers sent or installed", per(&|s| load(&s.block_layers)));
+    family(out, REJECTED_FRAMES_TOTAL, "counter", "Frames a receiver rejected", per(&|s| load(&s.rejected_frames)));
+    family(out, TRANSFERS_TOTAL, "counter", "KV transfers completed", per(&|s| load(&s.transfers)));
+    let mut rows = Vec::new();
+    for s in links.iter().map(|s| s.as_ref()).chain([receiver]) {
+        for kind in KINDS {
+            rows.push((format!("{},kind=\"{kind}\"", lab(s)), s.failures_of(kind) as f64));
+        }
+    }
+    family(out, FAILURES_TOTAL, "counter", "KV transfer failures by kind", rows);
+    let name = TRANSFER_DURATION_SECONDS;
+    let _ = writeln!(out, "# HELP {name} Seconds from the start of a KV transfer to its completion\n# TYPE {name} histogram");
+    for s in links {
+        let l = lab(s);
+        for (i, le) in DURATION_BUCKETS_SECONDS.iter().enumerate() {
+            let _ = writeln!(out, "{name}_bucket{{{l},le=\"{le}\"}} {}", load(&s.duration_buckets[i]));
+        }
+        let count = load(&s.duration_buckets[DURATION_BUCKETS_SECONDS.len()]);
+        let _ = writeln!(out, "{name}_bucket{{{l},le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum{{{l}}} {}", load(&s.duration_sum_nanos) as f64 / 1e9);
+        let _ = writeln!(out, "{name}_count{{{l}}} {count}");
+    }
+    out.push('\n');
+    let l = lab(receiver);
+    let live = receiver.reservations_live.load(Ordering::Relaxed) as f64;
+    family(out, RESERVATIONS_LIVE, "gauge", "Reservations granted and not yet completed or released", vec![(l.clone(), live)]);
+    for (name, help, c) in [
+        (RESERVATIONS_CREATED_TOTAL, "Reservations granted", &receiver.reservations_created),
+        (RESERVATIONS_EXPIRED_TOTAL, "Reservations whose deadline passed", &receiver.reservations_expired),
+        (RESERVATIONS_RELEASED_TOTAL, "Reservations whose blocks went back to the pool", &receiver.reservations_released),
+        (RESERVATIONS_COMPLETED_TOTAL, "Reservations completed and handed over", &receiver.reservations_completed),
+    ] {
+        family(out, name, "counter", help, vec![(l.clone(), load(c) as f64)]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,5 +268,32 @@ mod tests {
         assert_eq!(s.duration_buckets[0].load(Ordering::Relaxed), 0);
         assert_eq!(s.duration_buckets[2].load(Ordering::Relaxed), 1);
         assert_eq!(snap.failures, vec![("reservation_expired", 1)]);
+    }
+
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn transport_stats_render_as_prometheus_families() {
+        let link = Arc::new(TransportStats::new("quic", Side::Receiver));
+        link.bytes.fetch_add(4096, Ordering::Relaxed);
+        link.duration_buckets[3].fetch_add(1, Ordering::Relaxed);
+        link.duration_buckets[DURATION_BUCKETS_SECONDS.len()].fetch_add(1, Ordering::Relaxed);
+        let all = TransportStats::new("all", Side::Receiver);
+        all.reservations_live.fetch_add(2, Ordering::Relaxed);
+        all.reservations_expired.fetch_add(1, Ordering::Relaxed);
+        let mut out = String::new();
+        render_prometheus(&mut out, &[link], &all);
+        let l = "transport=\"quic\",side=\"receiver\"";
+        assert_eq!(value(&out, &format!("baton_kv_transport_bytes_total{{{l}}}")), Some(4096.0), "{out}");
+        assert_eq!(value(&out, &format!("baton_kv_transport_transfer_duration_seconds_bucket{{{l},le=\"+Inf\"}}")), Some(1.0), "{out}");
+        assert_eq!(value(&out, &format!("baton_kv_transport_failures_total{{{l},kind=\"reservation_expired\"}}")), Some(0.0), "{out}");
+        let a = "transport=\"all\",side=\"receiver\"";
+        assert_eq!(value(&out, &format!("baton_kv_transport_reservations_live{{{a}}}")), Some(2.0), "{out}");
+        assert_eq!(value(&out, &format!("baton_kv_transport_reservations_expired_total{{{a}}}")), Some(1.0), "{out}");
+        for family in out.split("\n\n").filter(|f| !f.trim().is_empty()) {
+            assert_eq!(family.matches("# TYPE ").count(), 1, "one TYPE per family:\n{family}");
+        }
     }
 }

@@ -18,7 +18,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use baton_engine::Engine;
-use baton_kv_transport::TransportStats;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
 use crate::kv::KvNode;
@@ -179,7 +178,7 @@ impl Metrics {
         if let Some(kv) = kv {
             let mut stats = kv.receiver.transport_stats();
             stats.push(kv.sender.stats().clone());
-            render_transport(&mut out, &stats, kv.receiver.stats());
+            baton_kv_transport::metrics::render_prometheus(&mut out, &stats, kv.receiver.stats());
         }
         out
     }
@@ -210,60 +209,6 @@ fn float_counter(out: &mut String, name: &str, help: &str, value: f64) {
     let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n\n");
 }
 
-/// Renders the KV transport's statistics under its `baton_kv_transport_*` names:
-/// traffic, transfers and failures per link kind (`transport`, `side`), reservations
-/// of this node's receiver (`transport="all"`).
-fn render_transport(out: &mut String, links: &[Arc<TransportStats>], receiver: &TransportStats) {
-    use baton_kv_transport::error::KINDS;
-    use baton_kv_transport::metrics as t;
-    use std::fmt::Write;
-    let lab = |s: &TransportStats| format!("transport=\"{}\",side=\"{}\"", s.transport, s.side);
-    let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    fn family(out: &mut String, name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, v) in rows {
-            let _ = writeln!(out, "{name}{{{labels}}} {v}");
-        }
-        out.push('\n');
-    }
-    let per = |f: &dyn Fn(&TransportStats) -> u64| links.iter().map(|s| (lab(s), f(s) as f64)).collect::<Vec<_>>();
-    family(out, t::BYTES_TOTAL, "counter", "KV frame bytes sent or received", per(&|s| load(&s.bytes)));
-    family(out, t::FRAMES_TOTAL, "counter", "KV frames sent or received", per(&|s| load(&s.frames)));
-    family(out, t::BLOCK_LAYERS_TOTAL, "counter", "Block-layers sent or installed", per(&|s| load(&s.block_layers)));
-    family(out, t::REJECTED_FRAMES_TOTAL, "counter", "Frames a receiver rejected", per(&|s| load(&s.rejected_frames)));
-    family(out, t::TRANSFERS_TOTAL, "counter", "KV transfers completed", per(&|s| load(&s.transfers)));
-    let mut rows = Vec::new();
-    for s in links.iter().map(|s| s.as_ref()).chain([receiver]) {
-        for kind in KINDS {
-            rows.push((format!("{},kind=\"{kind}\"", lab(s)), s.failures_of(kind) as f64));
-        }
-    }
-    family(out, t::FAILURES_TOTAL, "counter", "KV transfer failures by kind", rows);
-    let name = t::TRANSFER_DURATION_SECONDS;
-    let _ = writeln!(out, "# HELP {name} Seconds from the start of a KV transfer to its completion\n# TYPE {name} histogram");
-    for s in links {
-        let l = lab(s);
-        for (i, le) in t::DURATION_BUCKETS_SECONDS.iter().enumerate() {
-            let _ = writeln!(out, "{name}_bucket{{{l},le=\"{le}\"}} {}", load(&s.duration_buckets[i]));
-        }
-        let count = load(&s.duration_buckets[t::DURATION_BUCKETS_SECONDS.len()]);
-        let _ = writeln!(out, "{name}_bucket{{{l},le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum{{{l}}} {}", load(&s.duration_sum_nanos) as f64 / 1e9);
-        let _ = writeln!(out, "{name}_count{{{l}}} {count}");
-    }
-    out.push('\n');
-    let l = lab(receiver);
-    let live = receiver.reservations_live.load(Ordering::Relaxed) as f64;
-    family(out, t::RESERVATIONS_LIVE, "gauge", "Reservations granted and not yet completed or released", vec![(l.clone(), live)]);
-    for (name, help, c) in [
-        (t::RESERVATIONS_CREATED_TOTAL, "Reservations granted", &receiver.reservations_created),
-        (t::RESERVATIONS_EXPIRED_TOTAL, "Reservations whose deadline passed", &receiver.reservations_expired),
-        (t::RESERVATIONS_RELEASED_TOTAL, "Reservations whose blocks went back to the pool", &receiver.reservations_released),
-        (t::RESERVATIONS_COMPLETED_TOTAL, "Reservations completed and handed over", &receiver.reservations_completed),
-    ] {
-        family(out, name, "counter", help, vec![(l.clone(), load(c) as f64)]);
-    }
-}
 
 /// What the HTTP endpoints read.
 #[derive(Clone)]

@@ -20,7 +20,6 @@ use baton_proto::common::NodeId;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::RouteDecodeRequest;
 use baton_proto::node as pb;
-use baton_proto::node::decode_node_client::DecodeNodeClient;
 use futures::StreamExt;
 use tokio::sync::{watch, Mutex};
 use tonic::transport::Channel;
@@ -159,13 +158,7 @@ impl Drainer {
         if target.node_id.as_ref().is_some_and(|n| n.id == self.node_id) {
             return Err(Status::failed_precondition("the coordinator routed the conversation back to the draining node"));
         }
-        let url = if target.grpc_addr.contains("://") { target.grpc_addr.clone() } else { format!("http://{}", target.grpc_addr) };
-        let channel = tonic::transport::Endpoint::from_shared(url)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?
-            .connect_timeout(Duration::from_secs(2))
-            .connect()
-            .await
-            .map_err(|e| Status::unavailable(format!("cannot reach the new owner: {e}")))?;
+        let mut client = crate::handoff::adopt::connect(&target.grpc_addr).await?;
         let adopt = pb::AdoptPrefixRequest {
             turn: Some(pb::Turn {
                 prompt: w.tokens[..cached + 1].to_vec(),
@@ -175,7 +168,7 @@ impl Drainer {
             }),
             source: self.grpc_addr.clone(),
         };
-        let r = DecodeNodeClient::new(channel).adopt_prefix(adopt).await?.into_inner();
+        let r = client.adopt_prefix(adopt).await?.into_inner();
         let bt = self.engine.info.kv_layout.block_tokens as u64;
         Ok(Some(r.pulled_tokens as u64 / bt))
     }

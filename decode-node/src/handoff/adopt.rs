@@ -99,14 +99,15 @@ async fn publish(engine: &Engine, req: Request, import: KvImport) -> Result<(), 
     }
 }
 
-async fn connect(source: &str) -> Result<DecodeNodeClient<Channel>, Status> {
-    let url = if source.contains("://") { source.to_string() } else { format!("http://{source}") };
+/// A client of the decode node at `addr` (host:port or URL).
+pub(crate) async fn connect(addr: &str) -> Result<DecodeNodeClient<Channel>, Status> {
+    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
     let channel = tonic::transport::Endpoint::from_shared(url)
         .map_err(|e| Status::invalid_argument(e.to_string()))?
         .connect_timeout(Duration::from_secs(2))
         .connect()
         .await
-        .map_err(|e| Status::unavailable(format!("cannot reach the prefix source: {e}")))?;
+        .map_err(|e| Status::unavailable(format!("cannot reach the decode node at {addr}: {e}")))?;
     Ok(DecodeNodeClient::new(channel))
 }
 

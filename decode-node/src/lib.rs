@@ -83,7 +83,8 @@ pub struct Args {
     #[arg(long, env = "BATON_DRAIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
     /// Conversations whose warm tokens the node remembers for a drain to hand
-    /// over (least recently used forgotten first).
+    /// over (least recently used forgotten first; also bounded to twice the
+    /// tokens the KV tiers hold).
     #[arg(long, env = "BATON_WARM_CONVERSATIONS", default_value_t = 8192)]
     pub warm_conversations: usize,
     /// Folder with ca.pem and NAME.pem/NAME.key (`baton certs`).
@@ -200,7 +201,9 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let metrics = Arc::new(metrics::Metrics::default());
     let draining = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(AtomicBool::new(config.coordinator.is_none()));
-    let warm = Arc::new(warm::WarmTable::new(config.warm_conversations));
+    // Remembering more tokens than the KV tiers can hold is pointless; twice that is slack.
+    let warm_tokens = 2 * (engine.info.kv_blocks + engine.info.tier2_blocks) * engine.info.kv_layout.block_tokens;
+    let warm = Arc::new(warm::WarmTable::new(config.warm_conversations, warm_tokens));
     let in_flight = drain::InFlight::default();
     let membership_slot = Arc::new(tokio::sync::Mutex::new(None));
     let drainer = Arc::new(drain::Drainer {

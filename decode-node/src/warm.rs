@@ -3,10 +3,13 @@
 //! its new owner: the engine's prefix cache is keyed by block hashes and
 //! cannot give the tokens back.
 //!
-//! The table is bounded: past `capacity` conversations the least recently
-//! used one is forgotten (its next turn after a drain then starts cold, which
-//! is also what the engine's own LRU would have done to its blocks). Entries
-//! are hints: the drain asks the engine what is still cached before moving.
+//! The table is bounded twice: past `capacity` conversations, or past
+//! `max_tokens` tokens in all (the launcher sizes it from the KV memory: the
+//! table cannot usefully remember more than the cache can hold), the least
+//! recently used conversation is forgotten (its next turn after a drain then
+//! starts cold, which is also what the engine's own LRU would have done to its
+//! blocks). Entries are hints: the drain asks the engine what is still cached
+//! before moving.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -32,17 +35,20 @@ struct Entry {
 struct Inner {
     entries: HashMap<ConversationId, Entry>,
     clock: u64,
+    /// Tokens held by all entries.
+    tokens: usize,
 }
 
 /// The bounded table of warm conversations.
 pub struct WarmTable {
     inner: Mutex<Inner>,
     capacity: usize,
+    max_tokens: usize,
 }
 
 impl WarmTable {
-    pub fn new(capacity: usize) -> Self {
-        WarmTable { inner: Mutex::default(), capacity: capacity.max(1) }
+    pub fn new(capacity: usize, max_tokens: usize) -> Self {
+        WarmTable { inner: Mutex::default(), capacity: capacity.max(1), max_tokens: max_tokens.max(1) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -54,18 +60,26 @@ impl WarmTable {
         let mut g = self.lock();
         g.clock += 1;
         let stamp = g.clock;
-        g.entries.insert(warm.conversation.clone(), Entry { warm, stamp });
-        if g.entries.len() > self.capacity {
-            // O(n) over a bounded map, once per insertion past the bound.
-            if let Some(oldest) = g.entries.iter().min_by_key(|(_, e)| e.stamp).map(|(k, _)| k.clone()) {
-                g.entries.remove(&oldest);
+        g.tokens += warm.tokens.len();
+        if let Some(old) = g.entries.insert(warm.conversation.clone(), Entry { warm, stamp }) {
+            g.tokens -= old.warm.tokens.len();
+        }
+        // O(n) over a bounded map, once per eviction; the newest entry stays
+        // even when it alone is over the token bound.
+        while g.entries.len() > 1 && (g.entries.len() > self.capacity || g.tokens > self.max_tokens) {
+            let Some(oldest) = g.entries.iter().min_by_key(|(_, e)| e.stamp).map(|(k, _)| k.clone()) else { break };
+            if let Some(e) = g.entries.remove(&oldest) {
+                g.tokens -= e.warm.tokens.len();
             }
         }
     }
 
     /// Forgets a conversation (it was evicted).
     pub fn remove(&self, conversation: &ConversationId) {
-        self.lock().entries.remove(conversation);
+        let mut g = self.lock();
+        if let Some(e) = g.entries.remove(conversation) {
+            g.tokens -= e.warm.tokens.len();
+        }
     }
 
     /// Every warm conversation, most recently used first (the ones most
@@ -96,7 +110,7 @@ mod tests {
 
     #[test]
     fn latest_turn_wins_and_order_is_most_recent_first() {
-        let t = WarmTable::new(8);
+        let t = WarmTable::new(8, 1000);
         t.record(warm("a", &[1]));
         t.record(warm("b", &[2]));
         t.record(warm("a", &[1, 3, 4]));
@@ -108,7 +122,7 @@ mod tests {
 
     #[test]
     fn bounded_by_capacity_forgetting_the_least_recent() {
-        let t = WarmTable::new(2);
+        let t = WarmTable::new(2, 1000);
         t.record(warm("a", &[1]));
         t.record(warm("b", &[2]));
         t.record(warm("a", &[1, 5]));
@@ -118,8 +132,23 @@ mod tests {
     }
 
     #[test]
+    fn bounded_by_tokens_keeping_the_newest() {
+        let t = WarmTable::new(100, 10);
+        t.record(warm("a", &[1, 2, 3, 4]));
+        t.record(warm("b", &[1, 2, 3, 4]));
+        t.record(warm("c", &[1, 2, 3, 4]));
+        let names: Vec<String> = t.most_recent_first().iter().map(|w| w.conversation.as_str().to_string()).collect();
+        assert_eq!(names, vec!["c", "b"], "12 tokens > 10: the oldest goes");
+        t.record(warm("d", &[0; 50]));
+        assert_eq!(t.len(), 1, "an entry over the bound alone is kept, the rest go");
+        t.remove(&ConversationId::new("d".to_string()));
+        t.record(warm("e", &[1; 10]));
+        assert_eq!(t.len(), 1, "token count went back to zero on removal");
+    }
+
+    #[test]
     fn eviction_forgets() {
-        let t = WarmTable::new(4);
+        let t = WarmTable::new(4, 1000);
         t.record(warm("a", &[1]));
         t.remove(&ConversationId::new("a".to_string()));
         assert!(t.is_empty());

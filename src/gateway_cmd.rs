@@ -59,10 +59,15 @@ pub enum KeysCommand {
     List,
     /// Revoke every key starting with PREFIX.
     Revoke { prefix: String },
-    /// Override a user's limits (unset flags keep the defaults); --clear removes them.
+    /// Override the limits of a user (--user) or of one key (--key PREFIX); unset
+    /// flags keep the defaults, --clear removes the overrides. A key's overrides
+    /// apply on top of its user's, and a key with overrides has its own buckets.
     Limits {
+        #[arg(long, required_unless_present = "key", conflicts_with = "key")]
+        user: Option<String>,
+        /// The key's first characters, as `baton keys list` shows them.
         #[arg(long)]
-        user: String,
+        key: Option<String>,
         #[arg(long)]
         turns_per_minute: Option<f64>,
         #[arg(long)]
@@ -97,7 +102,8 @@ pub fn run_keys(a: KeysArgs) -> Result<()> {
             }
             KeysCommand::List => {
                 for k in store.list_keys().await? {
-                    println!("{}\t{}\t{}\t{}", k.prefix, k.user, if k.revoked { "revoked" } else { "active" }, k.label);
+                    let limits = k.limits.map(|l| serde_json::to_string(&l)).transpose()?.unwrap_or_default();
+                    println!("{}\t{}\t{}\t{}\t{limits}", k.prefix, k.user, if k.revoked { "revoked" } else { "active" }, k.label);
                 }
             }
             KeysCommand::Revoke { prefix } => {
@@ -105,19 +111,31 @@ pub fn run_keys(a: KeysArgs) -> Result<()> {
                 let n = store.revoke_keys(&prefix).await?;
                 println!("revoked {n} key(s)");
             }
-            KeysCommand::Limits { user, turns_per_minute, open_streams, prompt_tokens_per_hour, output_tokens_per_hour, clear } => {
-                if clear {
-                    store.set_user_limits(&user, None).await?;
-                } else {
-                    let o = baton_api_gateway::limits::LimitOverrides {
-                        turns_per_minute,
-                        open_streams,
-                        prompt_tokens_per_hour,
-                        output_tokens_per_hour,
-                    };
-                    store.set_user_limits(&user, Some(&o)).await?;
+            KeysCommand::Limits { user, key, turns_per_minute, open_streams, prompt_tokens_per_hour, output_tokens_per_hour, clear } => {
+                let o = baton_api_gateway::limits::LimitOverrides { turns_per_minute, open_streams, prompt_tokens_per_hour, output_tokens_per_hour };
+                let o = (!clear).then_some(&o);
+                match (user, key) {
+                    (Some(user), _) => {
+                        store.set_user_limits(&user, o).await?;
+                        println!("{}", serde_json::to_string(&store.user_limits(&user).await?)?);
+                    }
+                    (None, Some(prefix)) => {
+                        anyhow::ensure!(prefix.len() >= 6, "give at least 6 characters of the key");
+                        let active = |keys: Vec<baton_api_gateway::store::ApiKeyInfo>| {
+                            keys.into_iter().filter(|k| !k.revoked && k.prefix.starts_with(&prefix)).collect::<Vec<_>>()
+                        };
+                        let matching = active(store.list_keys().await?);
+                        if matching.len() != 1 {
+                            bail!("{} active keys start with {prefix:?}; give one key's prefix (see `baton keys list`)", matching.len());
+                        }
+                        if store.set_key_limits(&matching[0].prefix, o).await? == 0 && o.is_some() {
+                            bail!("another key shares the prefix {:?}; revoke one of them", matching[0].prefix);
+                        }
+                        let now = active(store.list_keys().await?).pop().and_then(|k| k.limits);
+                        println!("{}", serde_json::to_string(&now)?);
+                    }
+                    (None, None) => bail!("give --user or --key"),
                 }
-                println!("{}", serde_json::to_string(&store.user_limits(&user).await?)?);
             }
         }
         Ok(())

@@ -51,9 +51,14 @@ pub async fn ensure_key(store: &dyn ConversationStore, key: Option<String>, user
     }
 }
 
-/// The authenticated user of a request.
+/// The authenticated user of a request and the key it came with.
 #[derive(Clone, Debug)]
-pub struct AuthUser(pub String);
+pub struct AuthUser(pub String, pub KeyHash);
+
+/// The stored hash of the API key a request came with (its limits may differ
+/// from its user's).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KeyHash(pub String);
 
 fn bearer(parts: &Parts) -> Option<String> {
     if let Some(v) = parts.headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
@@ -72,12 +77,12 @@ impl FromRequestParts<Arc<App>> for AuthUser {
         let key = bearer(parts).ok_or_else(ApiError::unauthorized)?;
         let h = hash_key(&key);
         if let Some(u) = app.key_cache.get(&h) {
-            return Ok(AuthUser(u));
+            return Ok(AuthUser(u, KeyHash(h)));
         }
         match app.store.user_for_key(&h).await? {
             Some(u) => {
-                app.key_cache.put(h, u.clone());
-                Ok(AuthUser(u))
+                app.key_cache.put(h.clone(), u.clone());
+                Ok(AuthUser(u, KeyHash(h)))
             }
             None => Err(ApiError::unauthorized()),
         }

@@ -176,6 +176,35 @@ impl ContextBuilder {
         Ok(Prompt { ids, platform_prefix_len })
     }
 
+    /// The output IDs that enter the context: exactly the text the user was
+    /// shown. Usually that is every generated ID; a stop string, a held-back
+    /// or rewritten chunk (output check, stop button) makes them differ, and
+    /// then the longest prefix of IDs that spells a prefix of `shown` is kept
+    /// (its KV is still cached) and the rest of `shown` is tokenized.
+    pub fn visible_output(&self, output: &[u32], shown: &str) -> Result<Vec<u32>, ContextError> {
+        if self.tokenizer.decode(output) == shown {
+            return Ok(output.to_vec());
+        }
+        let bytes = shown.as_bytes();
+        let (mut at, mut keep, mut keep_at) = (0, 0, 0);
+        for (i, &id) in output.iter().enumerate() {
+            if self.tokenizer.is_special(id) {
+                break;
+            }
+            match self.tokenizer.token_piece(id) {
+                Some(p) if bytes[at..].starts_with(p) => at += p.len(),
+                _ => break,
+            }
+            // A token may end inside a multi-byte character; cut only between characters.
+            if shown.is_char_boundary(at) {
+                (keep, keep_at) = (i + 1, at);
+            }
+        }
+        let mut ids = output[..keep].to_vec();
+        ids.extend(self.encode_content(&shown[keep_at..])?);
+        Ok(ids)
+    }
+
     /// The next prompt: the previous turn's prompt and output IDs, exactly,
     /// then the framing and the new message.
     pub fn next_turn(&self, prev_prompt: &[u32], prev_output: &[u32], message: &str) -> Result<Prompt, ContextError> {

@@ -49,7 +49,7 @@ async fn owned(app: &App, user: &str, id: &str) -> Result<Conversation, ApiError
     app.store.get_conversation(user, id).await?.ok_or_else(|| ApiError::not_found("conversation"))
 }
 
-pub async fn create(State(app): State<Arc<App>>, AuthUser(user): AuthUser, body: Body) -> Result<Response, ApiError> {
+pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, body: Body) -> Result<Response, ApiError> {
     metrics::request("conversations_create");
     let body = read_body(body, app.config.max_body_bytes).await?;
     let b: CreateBody = if body.iter().all(u8::is_ascii_whitespace) {
@@ -72,7 +72,7 @@ pub async fn create(State(app): State<Arc<App>>, AuthUser(user): AuthUser, body:
     Ok((StatusCode::CREATED, Json(conv_json(&c))).into_response())
 }
 
-pub async fn list(State(app): State<Arc<App>>, AuthUser(user): AuthUser) -> Result<Json<Value>, ApiError> {
+pub async fn list(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_list");
     let cs = app.store.list_conversations(&user).await?;
     Ok(Json(json!({"object": "list", "data": cs.iter().map(conv_json).collect::<Vec<_>>()})))
@@ -84,7 +84,7 @@ fn turn_json(t: &Turn) -> Value {
            "created_at": t.created_at})
 }
 
-pub async fn get(State(app): State<Arc<App>>, AuthUser(user): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn get(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_get");
     let c = owned(&app, &user, &id).await?;
     let turns = app.store.list_turns(&id).await?;
@@ -93,7 +93,7 @@ pub async fn get(State(app): State<Arc<App>>, AuthUser(user): AuthUser, Path(id)
     Ok(Json(v))
 }
 
-pub async fn delete(State(app): State<Arc<App>>, AuthUser(user): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_delete");
     owned(&app, &user, &id).await?;
     let _admission = app.admission.lock().await;
@@ -131,12 +131,29 @@ pub struct TurnBody {
     pub seed: Option<u64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    /// Stop strings (one or a list, as in the OpenAI API); the reply ends before the first.
+    #[serde(default)]
+    pub stop: Option<crate::openai::Stop>,
+}
+
+impl TurnBody {
+    fn stop_strings(&self) -> Vec<String> {
+        match &self.stop {
+            None => vec![],
+            Some(crate::openai::Stop::One(s)) => vec![s.clone()],
+            Some(crate::openai::Stop::Many(v)) => v.clone(),
+        }
+    }
 }
 
 /// What identifies a turn's content for idempotency (everything but the
 /// turn ID and the response mode).
 fn request_hash(b: &TurnBody) -> String {
-    let canon = json!({"m": b.message, "max": b.max_tokens, "t": b.temperature, "p": b.top_p, "s": b.seed});
+    let mut canon = json!({"m": b.message, "max": b.max_tokens, "t": b.temperature, "p": b.top_p, "s": b.seed});
+    // Added only when set, so that turns stored before stop strings keep their hash.
+    if b.stop.is_some() {
+        canon["stop"] = json!(b.stop_strings());
+    }
     let d = Sha256::digest(canon.to_string().as_bytes());
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -151,7 +168,7 @@ fn last_event_id(headers: &HeaderMap) -> Result<Option<usize>, ApiError> {
 
 pub async fn add_turn(
     State(app): State<Arc<App>>,
-    AuthUser(user): AuthUser,
+    AuthUser(user, key): AuthUser,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Body,
@@ -176,6 +193,7 @@ pub async fn add_turn(
         temperature: body.temperature.unwrap_or(0.7),
         top_p: body.top_p.unwrap_or(1.0),
         seed: body.seed,
+        stop_strings: body.stop_strings(),
         ..SamplingParams::default()
     };
     sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
@@ -241,7 +259,7 @@ pub async fn add_turn(
         completion_tokens: 0,
         created_at: crate::store::now_unix(),
     };
-    let reply = app.start_reply(&user, prompt, id.clone(), sampling).await?;
+    let reply = app.start_reply(&user, &key, prompt, id.clone(), sampling).await?;
     match app.store.begin_turn(&row).await? {
         BeginTurn::Created => {}
         BeginTurn::Existing(_) => return Err(ApiError::conflict("this turn ID is already in use")),
@@ -346,7 +364,7 @@ pub struct EventsQuery {
 /// `GET /v1/conversations/{id}/turns/{turn_id}/events`: follow or resume.
 pub async fn events(
     State(app): State<Arc<App>>,
-    AuthUser(user): AuthUser,
+    AuthUser(user, _): AuthUser,
     Path((id, turn_id)): Path<(String, String)>,
     Query(q): Query<EventsQuery>,
     headers: HeaderMap,
@@ -366,7 +384,7 @@ pub async fn events(
 /// answers with what was stored.
 pub async fn stop(
     State(app): State<Arc<App>>,
-    AuthUser(user): AuthUser,
+    AuthUser(user, _): AuthUser,
     Path((id, turn_id)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     metrics::request("turns_stop");

@@ -31,6 +31,18 @@ pub struct LimitOverrides {
     pub output_tokens_per_hour: Option<f64>,
 }
 
+impl LimitOverrides {
+    /// These overrides with `top`'s set fields replacing them.
+    pub fn under(&self, top: &LimitOverrides) -> LimitOverrides {
+        LimitOverrides {
+            turns_per_minute: top.turns_per_minute.or(self.turns_per_minute),
+            open_streams: top.open_streams.or(self.open_streams),
+            prompt_tokens_per_hour: top.prompt_tokens_per_hour.or(self.prompt_tokens_per_hour),
+            output_tokens_per_hour: top.output_tokens_per_hour.or(self.output_tokens_per_hour),
+        }
+    }
+}
+
 impl LimitConfig {
     /// The defaults with `o` applied.
     pub fn with(&self, o: Option<&LimitOverrides>) -> LimitConfig {

@@ -53,7 +53,7 @@ pub struct Message {
     pub content: Option<Content>,
 }
 
-#[derive(Deserialize, Debug)]
+#[derive(Deserialize, Debug, Clone)]
 #[serde(untagged)]
 pub enum Stop {
     One(String),
@@ -188,7 +188,7 @@ pub async fn models(State(app): State<Arc<App>>, _user: AuthUser) -> Json<Value>
 
 pub async fn chat_completions(
     State(app): State<Arc<App>>,
-    AuthUser(user): AuthUser,
+    AuthUser(user, api_key): AuthUser,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -208,7 +208,7 @@ pub async fn chat_completions(
     };
     let id = format!("chatcmpl-{}", request_id());
     tracing::info!(request = %id, user = %user, prompt_tokens = prompt.ids.len(), "chat completion");
-    let reply = app.start_reply(&user, prompt, key, chat.sampling.clone()).await?;
+    let reply = app.start_reply(&user, &api_key, prompt, key, chat.sampling.clone()).await?;
     let created = crate::store::now_unix();
     if chat.stream {
         Ok(stream_response(app, reply, id, created, chat).into_response())

@@ -9,7 +9,8 @@ use crate::checks::{Filtered, OutputFilter};
 use crate::context::Prompt;
 use crate::error::ApiError;
 use crate::generator::{GenEvent, GenerateError, GenerateRequest, GenerationStream};
-use crate::limits::Permit;
+use crate::auth::KeyHash;
+use crate::limits::{LimitOverrides, Permit};
 use crate::metrics;
 use crate::server::App;
 use crate::store::UsageCounts;
@@ -71,13 +72,14 @@ impl App {
     pub async fn start_reply(
         self: &Arc<Self>,
         user: &str,
+        key: &KeyHash,
         prompt: Prompt,
         routing_key: String,
         sampling: SamplingParams,
     ) -> Result<Reply, ApiError> {
         let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
-        let overrides = self.limit_overrides(user).await?;
-        let permit = self.limiter.admit_with(user, prompt.ids.len(), overrides.as_ref()).map_err(|r| {
+        let (bucket, overrides) = self.limits_for(user, key).await?;
+        let permit = self.limiter.admit_with(&bucket, prompt.ids.len(), overrides.as_ref()).map_err(|r| {
             metrics::rate_limited(r.limit);
             ApiError::rate_limited(r.limit, r.retry_after)
         })?;
@@ -111,21 +113,45 @@ impl App {
     }
 }
 
+/// Whose limit overrides a cache entry holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum LimitSubject {
+    User(String),
+    Key(KeyHash),
+}
+
 impl App {
-    /// The user's limit overrides, cached for a few seconds.
-    async fn limit_overrides(&self, user: &str) -> Result<Option<crate::limits::LimitOverrides>, ApiError> {
+    /// The buckets a request is charged to and the overrides they run under:
+    /// the user's overrides with its key's on top. A key with overrides of
+    /// its own has its own buckets (its user's ID plus the key hash), so a
+    /// batch key's budget neither starves nor is starved by the user's other
+    /// keys; every other key of a user shares the user's buckets.
+    async fn limits_for(&self, user: &str, key: &KeyHash) -> Result<(String, Option<LimitOverrides>), ApiError> {
+        let of_user = self.cached_overrides(LimitSubject::User(user.to_string())).await?;
+        match self.cached_overrides(LimitSubject::Key(key.clone())).await? {
+            None => Ok((user.to_string(), of_user)),
+            Some(k) => Ok((format!("{user}\u{0}{}", key.0), Some(of_user.unwrap_or_default().under(&k)))),
+        }
+    }
+
+    /// Overrides from the store, cached for a few seconds (a change takes
+    /// effect within that time on every gateway replica).
+    async fn cached_overrides(&self, subject: LimitSubject) -> Result<Option<LimitOverrides>, ApiError> {
         const TTL: std::time::Duration = std::time::Duration::from_secs(10);
-        if let Some((o, at)) = self.overrides_cache.lock().unwrap_or_else(|p| p.into_inner()).get(user) {
+        if let Some((o, at)) = self.overrides_cache.lock().unwrap_or_else(|p| p.into_inner()).get(&subject) {
             if at.elapsed() < TTL {
                 return Ok(o.clone());
             }
         }
-        let o = self.store.user_limits(user).await?;
+        let o = match &subject {
+            LimitSubject::User(u) => self.store.user_limits(u).await?,
+            LimitSubject::Key(k) => self.store.key_limits(&k.0).await?,
+        };
         let mut cache = self.overrides_cache.lock().unwrap_or_else(|p| p.into_inner());
         if cache.len() > 100_000 {
             cache.clear();
         }
-        cache.insert(user.to_string(), (o.clone(), Instant::now()));
+        cache.insert(subject, (o.clone(), Instant::now()));
         Ok(o)
     }
 }

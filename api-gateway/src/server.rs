@@ -41,8 +41,10 @@ pub struct App {
     /// Serializes turn admission (idempotency decisions see each other).
     pub admission: tokio::sync::Mutex<()>,
     pub model_id: String,
-    /// Users' limit overrides with when they were read.
-    pub overrides_cache: std::sync::Mutex<std::collections::HashMap<String, (Option<crate::limits::LimitOverrides>, std::time::Instant)>>,
+    /// Users' and keys' limit overrides with when they were read.
+    pub overrides_cache: std::sync::Mutex<
+        std::collections::HashMap<crate::pipeline::LimitSubject, (Option<crate::limits::LimitOverrides>, std::time::Instant)>,
+    >,
 }
 
 /// Reads a whole body, refusing more than `limit` bytes with 413.

@@ -201,10 +201,14 @@ async fn run(app: Arc<App>, live: Arc<LiveTurn>, conversation: String, turn_id: 
         None => end.finish_reason.to_string(),
     };
     let u = end.usage;
+    let output_ids = app.context.visible_output(&reply.output_ids, &reply.text).unwrap_or_else(|e| {
+        tracing::warn!(conversation = %conversation, turn = %turn_id, error = %e, "keeping the generated IDs");
+        reply.output_ids.clone()
+    });
     let stored = TurnEnd {
         state,
         reply_text: reply.text.clone(),
-        output_ids: reply.output_ids.clone(),
+        output_ids,
         finish_reason: finish_reason.clone(),
         prompt_tokens: u.prompt_tokens as i64,
         cached_tokens: u.cached_tokens as i64,

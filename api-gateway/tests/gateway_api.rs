@@ -246,6 +246,36 @@ async fn stopped_turn_next_prompt_holds_exactly_the_partial_reply() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_string_leaves_the_next_prompt_with_only_the_text_shown() {
+    let Some(s) = common::start(&[]).await else { return };
+    let c = s.client();
+    let body = json!({"turn_id": "t", "message": "Count from one to twenty in words.", "max_tokens": 40, "temperature": 0});
+    let (_, full, _) = read_turn(turn(&c, &new_conversation(&c).await, body.clone(), &[]).await).await;
+    // Greedy decoding repeats the reply; stop in the middle of a word, which is
+    // inside a token, so the stop string's first token is only partly shown.
+    let words: Vec<(usize, &str)> = full.match_indices(|ch: char| ch.is_alphabetic()).map(|(i, _)| (i, &full[i..])).collect();
+    let (cut, _) = words.iter().copied().find(|&(i, rest)| i > full.len() / 2 && rest.len() > 3 && full[..i].ends_with(|ch: char| ch.is_alphabetic())).expect("a word to cut");
+    let stop = full[cut..].chars().take(3).collect::<String>();
+    let shown_expected = &full[..full.find(&stop).unwrap()];
+    let conv = new_conversation(&c).await;
+    let mut b = body.clone();
+    b["stop"] = json!([stop]);
+    let (_, shown, done) = read_turn(turn(&c, &conv, b, &[]).await).await;
+    assert_eq!(shown, shown_expected, "the reply ends before the stop string");
+    assert_eq!(done["finish_reason"], "stop", "{done}");
+    let t = s.store.get_turn(&conv, "t").await.unwrap().unwrap();
+    assert_eq!(s.engine.tokenizer.decode(&t.output_ids), shown, "stored IDs spell exactly what was shown");
+    let (st, _) = c
+        .json(Method::POST, &format!("/v1/conversations/{conv}/turns"), Some(&json!({"turn_id": "n", "message": "Go on.", "max_tokens": 2, "stream": false})))
+        .await
+        .unwrap();
+    assert_eq!(st, StatusCode::OK);
+    let next = s.store.get_turn(&conv, "n").await.unwrap().unwrap();
+    let after = s.engine.tokenizer.decode_with_special(&next.prompt_ids[t.prompt_ids.len()..], true);
+    assert!(after.starts_with(&format!("{shown}<|im_end|>\n<|im_start|>user\nGo on.")), "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sse_resume_with_last_event_id() {
     let Some(s) = common::start(&["--resume-grace-seconds", "30"]).await else { return };
     let c = s.client();
@@ -325,6 +355,16 @@ async fn limits_answer_429_with_retry_after() {
     assert!((20..=31).contains(&retry), "retry-after {retry}");
     // Other users are not affected.
     assert_eq!(s.client2().json(Method::POST, "/v1/chat/completions", Some(&body)).await.unwrap().0, StatusCode::OK);
+
+    // Per-key overrides: alice's batch key has its own, larger budget; her first key stays limited.
+    let batch = baton_api_gateway::auth::create_key(&s.store, "alice", "batch").await.unwrap();
+    let o = baton_api_gateway::limits::LimitOverrides { turns_per_minute: Some(600.0), ..Default::default() };
+    assert_eq!(s.store.set_key_limits(&baton_api_gateway::auth::key_prefix(&batch), Some(&o)).await.unwrap(), 1);
+    let batch_client = Client::new(s.base.clone(), Some(batch));
+    for _ in 0..3 {
+        assert_eq!(batch_client.json(Method::POST, "/v1/chat/completions", Some(&body)).await.unwrap().0, StatusCode::OK);
+    }
+    assert_eq!(c.send(Method::POST, "/v1/chat/completions", Some(body.to_string().into_bytes()), &[]).await.unwrap().status, StatusCode::TOO_MANY_REQUESTS);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -47,6 +47,24 @@ async fn limit_overrides(s: &dyn ConversationStore) {
     assert_eq!(s.user_limits("erin").await.unwrap(), Some(l));
     s.set_user_limits("erin", None).await.unwrap();
     assert_eq!(s.user_limits("erin").await.unwrap(), None);
+
+    // Per-key overrides: only a prefix naming exactly one live key changes anything.
+    s.add_key("hk1", "bk-k1aaaa", "erin", "batch").await.unwrap();
+    s.add_key("hk2", "bk-k1bbbb", "erin", "laptop").await.unwrap();
+    let k = LimitOverrides { output_tokens_per_hour: Some(1e6), ..Default::default() };
+    assert_eq!(s.set_key_limits("bk-k1", Some(&k)).await.unwrap(), 0, "an ambiguous prefix changes nothing");
+    assert_eq!(s.key_limits("hk1").await.unwrap(), None);
+    assert_eq!(s.set_key_limits("bk-k1a", Some(&k)).await.unwrap(), 1);
+    assert_eq!(s.set_key_limits("bk-k1a", Some(&k)).await.unwrap(), 1, "setting again replaces");
+    assert_eq!(s.key_limits("hk1").await.unwrap(), Some(k.clone()));
+    assert_eq!(s.key_limits("hk2").await.unwrap(), None);
+    let listed = s.list_keys().await.unwrap();
+    assert_eq!(listed.iter().find(|i| i.prefix == "bk-k1aaaa").unwrap().limits, Some(k));
+    assert_eq!(listed.iter().find(|i| i.prefix == "bk-k1bbbb").unwrap().limits, None);
+    assert_eq!(s.set_key_limits("bk-k1a", None).await.unwrap(), 1);
+    assert_eq!(s.key_limits("hk1").await.unwrap(), None);
+    assert_eq!(s.revoke_keys("bk-k1b").await.unwrap(), 1);
+    assert_eq!(s.set_key_limits("bk-k1b", Some(&LimitOverrides::default())).await.unwrap(), 0, "a revoked key gets no limits");
 }
 
 async fn keys(s: &dyn ConversationStore) {

@@ -45,7 +45,7 @@ impl StoreError {
 pub type StoreResult<T> = Result<T, StoreError>;
 
 /// One API key as listed (never the key itself).
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct ApiKeyInfo {
     /// First characters of the key, to tell keys apart.
     pub prefix: String,
@@ -53,6 +53,8 @@ pub struct ApiKeyInfo {
     pub label: String,
     pub created_at: i64,
     pub revoked: bool,
+    /// The key's own limit overrides, if any.
+    pub limits: Option<crate::limits::LimitOverrides>,
 }
 
 /// A conversation's header.
@@ -218,6 +220,12 @@ pub trait ConversationStore: Send + Sync + 'static {
     /// Sets (or with `None` clears) a user's limit overrides.
     async fn set_user_limits(&self, user: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<()>;
     async fn user_limits(&self, user: &str) -> StoreResult<Option<crate::limits::LimitOverrides>>;
+    /// Sets (or with `None` clears) the limit overrides of the one live key
+    /// whose prefix starts with `prefix`; returns how many keys changed (0
+    /// when none or several match, so an ambiguous prefix changes nothing).
+    async fn set_key_limits(&self, prefix: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<usize>;
+    /// The limit overrides of a key (by hash).
+    async fn key_limits(&self, key_hash: &str) -> StoreResult<Option<crate::limits::LimitOverrides>>;
 
     async fn add_usage(&self, user: &str, usage: UsageCounts) -> StoreResult<()>;
     async fn usage(&self, user: &str) -> StoreResult<UsageCounts>;

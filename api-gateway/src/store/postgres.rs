@@ -24,9 +24,10 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{NoTls, Row};
 
 /// The schema, one entry per version; never edit a released entry, append.
-pub const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    r#"
+pub const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        r#"
 CREATE TABLE api_keys (
     key_hash TEXT PRIMARY KEY,
     prefix TEXT COLLATE "C" NOT NULL,
@@ -90,7 +91,17 @@ CREATE TABLE gateway_instances (
     seen_at BIGINT NOT NULL
 );
 "#,
-)];
+    ),
+    (
+        2,
+        r#"
+CREATE TABLE key_limits (
+    key_hash TEXT PRIMARY KEY REFERENCES api_keys(key_hash),
+    limits TEXT NOT NULL
+);
+"#,
+    ),
+];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").
 const MIGRATION_LOCK: i64 = 0x6261_746f_6e2d_6777;
@@ -367,10 +378,24 @@ impl ConversationStore for PostgresStore {
     }
 
     async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>> {
-        let rows = self.query("SELECT prefix, user_id, label, created_at, revoked FROM api_keys ORDER BY created_at, prefix", &[]).await?;
+        let rows = self
+            .query(
+                "SELECT k.prefix, k.user_id, k.label, k.created_at, k.revoked, l.limits FROM api_keys k \
+                 LEFT JOIN key_limits l ON l.key_hash = k.key_hash ORDER BY k.created_at, k.prefix",
+                &[],
+            )
+            .await?;
         rows.iter()
             .map(|r| {
-                Ok(ApiKeyInfo { prefix: get(r, 0)?, user: get(r, 1)?, label: get(r, 2)?, created_at: get(r, 3)?, revoked: get(r, 4)? })
+                let limits: Option<String> = get(r, 5)?;
+                Ok(ApiKeyInfo {
+                    prefix: get(r, 0)?,
+                    user: get(r, 1)?,
+                    label: get(r, 2)?,
+                    created_at: get(r, 3)?,
+                    revoked: get(r, 4)?,
+                    limits: limits.as_deref().map(parse_limits).transpose()?,
+                })
             })
             .collect()
     }
@@ -580,6 +605,35 @@ impl ConversationStore for PostgresStore {
         .transpose()
     }
 
+    async fn set_key_limits(&self, prefix: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<usize> {
+        // Only when exactly one live key matches: an ambiguous prefix changes nothing.
+        const ONE_LIVE_KEY: &str = "NOT revoked AND left(prefix, length($1)) = $1 \
+             AND (SELECT count(*) FROM api_keys WHERE NOT revoked AND left(prefix, length($1)) = $1) = 1";
+        let n = match limits {
+            Some(l) => {
+                let j = serde_json::to_string(l).map_err(|e| StoreError::Db(format!("key limits: {e}")))?;
+                self.exec(
+                    &format!(
+                        "INSERT INTO key_limits (key_hash, limits) SELECT key_hash, $2::text FROM api_keys WHERE {ONE_LIVE_KEY} \
+                         ON CONFLICT (key_hash) DO UPDATE SET limits = EXCLUDED.limits"
+                    ),
+                    &[&prefix, &j],
+                )
+                .await?
+            }
+            None => {
+                self.exec(&format!("DELETE FROM key_limits WHERE key_hash IN (SELECT key_hash FROM api_keys WHERE {ONE_LIVE_KEY})"), &[&prefix])
+                    .await?
+            }
+        };
+        Ok(n as usize)
+    }
+
+    async fn key_limits(&self, key_hash: &str) -> StoreResult<Option<crate::limits::LimitOverrides>> {
+        let r = self.query_opt("SELECT limits FROM key_limits WHERE key_hash = $1", &[&key_hash]).await?;
+        r.map(|r| parse_limits(&get::<String>(&r, 0)?)).transpose()
+    }
+
     async fn add_usage(&self, user: &str, u: UsageCounts) -> StoreResult<()> {
         self.exec(
             "INSERT INTO usage (user_id, requests, prompt_tokens, cached_tokens, completion_tokens) VALUES ($1, $2, $3, $4, $5) \
@@ -607,6 +661,10 @@ impl ConversationStore for PostgresStore {
             None => Ok(UsageCounts::default()),
         }
     }
+}
+
+fn parse_limits(j: &str) -> StoreResult<crate::limits::LimitOverrides> {
+    serde_json::from_str(j).map_err(|e| StoreError::Corrupt(format!("limits: {e}")))
 }
 
 #[cfg(test)]

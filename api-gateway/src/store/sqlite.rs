@@ -58,6 +58,10 @@ CREATE TABLE IF NOT EXISTS user_limits (
     user_id TEXT PRIMARY KEY,
     limits TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS key_limits (
+    key_hash TEXT PRIMARY KEY REFERENCES api_keys(key_hash),
+    limits TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS usage (
     user_id TEXT PRIMARY KEY,
     requests INTEGER NOT NULL,
@@ -210,20 +214,31 @@ impl ConversationStore for SqliteStore {
 
     async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>> {
         self.with(|c| {
-            let mut st =
-                c.prepare("SELECT prefix, user_id, label, created_at, revoked FROM api_keys ORDER BY created_at, prefix").map_err(db)?;
+            let mut st = c
+                .prepare(
+                    "SELECT k.prefix, k.user_id, k.label, k.created_at, k.revoked, l.limits FROM api_keys k \
+                     LEFT JOIN key_limits l ON l.key_hash = k.key_hash ORDER BY k.created_at, k.prefix",
+                )
+                .map_err(db)?;
             let rows = st
                 .query_map([], |r| {
-                    Ok(ApiKeyInfo {
+                    let info = ApiKeyInfo {
                         prefix: r.get(0)?,
                         user: r.get(1)?,
                         label: r.get(2)?,
                         created_at: r.get(3)?,
                         revoked: r.get::<_, i64>(4)? != 0,
-                    })
+                        limits: None,
+                    };
+                    Ok((info, r.get::<_, Option<String>>(5)?))
                 })
                 .map_err(db)?;
-            rows.collect::<Result<Vec<_>, _>>().map_err(db)
+            rows.map(|row| {
+                let (mut info, limits) = row.map_err(db)?;
+                info.limits = limits.as_deref().map(parse_limits).transpose()?;
+                Ok(info)
+            })
+            .collect()
         })
         .await
     }
@@ -469,6 +484,38 @@ impl ConversationStore for SqliteStore {
         .await
     }
 
+    async fn set_key_limits(&self, prefix: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<usize> {
+        let p = prefix.to_string();
+        let json = limits.map(|l| serde_json::to_string(l).unwrap_or_default());
+        self.with(move |c| {
+            // Only when exactly one live key matches: an ambiguous prefix changes nothing.
+            const ONE_LIVE_KEY: &str = "revoked = 0 AND substr(prefix, 1, length(?1)) = ?1 \
+                 AND (SELECT count(*) FROM api_keys WHERE revoked = 0 AND substr(prefix, 1, length(?1)) = ?1) = 1";
+            match json {
+                Some(j) => c.execute(
+                    &format!(
+                        "INSERT INTO key_limits (key_hash, limits) SELECT key_hash, ?2 FROM api_keys WHERE {ONE_LIVE_KEY} \
+                         ON CONFLICT(key_hash) DO UPDATE SET limits = excluded.limits"
+                    ),
+                    params![p, j],
+                ),
+                None => c.execute(&format!("DELETE FROM key_limits WHERE key_hash IN (SELECT key_hash FROM api_keys WHERE {ONE_LIVE_KEY})"), params![p]),
+            }
+            .map_err(db)
+        })
+        .await
+    }
+
+    async fn key_limits(&self, key_hash: &str) -> StoreResult<Option<crate::limits::LimitOverrides>> {
+        let h = key_hash.to_string();
+        self.with(move |c| {
+            let j: Option<String> =
+                c.query_row("SELECT limits FROM key_limits WHERE key_hash = ?1", params![h], |r| r.get(0)).optional().map_err(db)?;
+            j.as_deref().map(parse_limits).transpose()
+        })
+        .await
+    }
+
     async fn add_usage(&self, user: &str, u: UsageCounts) -> StoreResult<()> {
         let user = user.to_string();
         self.with(move |c| {
@@ -505,4 +552,8 @@ impl ConversationStore for SqliteStore {
         })
         .await
     }
+}
+
+fn parse_limits(j: &str) -> StoreResult<crate::limits::LimitOverrides> {
+    serde_json::from_str(j).map_err(|e| StoreError::Corrupt(format!("limits: {e}")))
 }

@@ -1,8 +1,11 @@
 //! Load benchmark of the gateway alone: the engine is replaced by a fast
 //! in-process token source (used only here), so what is measured is the
 //! gateway's own cost: auth, parsing, context building, limits, the output
-//! filter, SSE encoding, metering. Reports requests per second and the added
-//! latency per turn (request to first token) and per streamed token, p50/p99.
+//! filter, SSE encoding, metering. Reports requests per second and the
+//! latency per turn (request to first token) and per streamed token, p50/p99,
+//! side by side with a baseline: a bare axum handler that streams the same
+//! chunks with no gateway work, driven by the same client in the same process.
+//! The difference is what the gateway adds.
 //!
 //! `cargo bench -p baton-api-gateway` (BENCH_CONCURRENCY, BENCH_REQUESTS,
 //! BENCH_TOKENS tune it). Needs the default model's tokenizer.
@@ -84,22 +87,62 @@ fn main() {
         let key = auth::create_key(&store, "bench", "").await.unwrap();
         let app = build_app(config, Arc::new(FastTokens), Arc::new(store), tok, tmpl, "bench".into()).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
+        let gateway = Client::new(format!("http://{}", listener.local_addr().unwrap()), Some(key.clone()));
         tokio::spawn(baton_api_gateway::server::serve(listener, app, std::future::pending()));
-        let client = Client::new(base, Some(key));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let baseline = Client::new(format!("http://{}", listener.local_addr().unwrap()), Some(key));
+        let bare = axum::Router::new().route("/v1/chat/completions", axum::routing::post(bare_stream));
+        // TCP_NODELAY as the gateway sets it, or every small SSE frame waits for a delayed ACK.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        tokio::spawn(async move { axum::serve(listener, bare).await });
         let body = serde_json::json!({
             "model": "bench", "stream": true, "max_tokens": tokens,
             "messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Tell me about the sea and its creatures, please."}]
         })
         .to_string();
-        for conc in [1, concurrency] {
+        println!("gateway load benchmark: {tokens} streamed tokens per request; baseline = bare axum SSE handler, same client");
+        println!("{:>11}  {:<8}  {:>8}  {:>10}  {:>10}  {:>11}  {:>11}", "concurrent", "server", "req/s", "turn p50", "turn p99", "token p50", "token p99");
+        let mut levels = vec![1, 4, concurrency];
+        levels.dedup();
+        for conc in levels {
             let requests = if conc == 1 { requests.min(500) } else { requests };
-            phase(&client, &body, conc, requests, tokens).await;
+            for (name, client) in [("baseline", &baseline), ("gateway", &gateway)] {
+                let r = phase(client, &body, conc, requests).await;
+                println!(
+                    "{conc:>11}  {name:<8}  {:>8.0}  {:>7.3} ms  {:>7.3} ms  {:>8.1} us  {:>8.1} us",
+                    r.requests_per_s, r.turn_p50 * 1e3, r.turn_p99 * 1e3, r.token_p50 * 1e6, r.token_p99 * 1e6
+                );
+            }
         }
     });
 }
 
-async fn phase(client: &Client, body: &str, concurrency: usize, requests: usize, tokens: usize) {
+/// The baseline: reads the body and streams `max_tokens` OpenAI-shaped chunks
+/// and `[DONE]`, with none of the gateway's work.
+async fn bare_stream(body: axum::body::Bytes) -> axum::response::Response {
+    use axum::response::sse::{Event, Sse};
+    use axum::response::IntoResponse;
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let n = v["max_tokens"].as_u64().unwrap_or(16) as usize;
+    let chunk = serde_json::json!({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": " word"}}]}).to_string();
+    let events = (0..n)
+        .map(move |_| Ok::<_, std::convert::Infallible>(Event::default().data(chunk.clone())))
+        .chain(std::iter::once(Ok(Event::default().data("[DONE]"))));
+    Sse::new(futures::stream::iter(events)).into_response()
+}
+
+/// Seconds: per-turn (request to first token) and per-token percentiles.
+struct PhaseResult {
+    requests_per_s: f64,
+    turn_p50: f64,
+    turn_p99: f64,
+    token_p50: f64,
+    token_p99: f64,
+}
+
+async fn phase(client: &Client, body: &str, concurrency: usize, requests: usize) -> PhaseResult {
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -135,19 +178,11 @@ async fn phase(client: &Client, body: &str, concurrency: usize, requests: usize,
         first.extend(f);
         per_token.extend(p);
     }
-    let secs = started.elapsed().as_secs_f64();
-    let ms = |s: f64| s * 1e3;
-    let us = |s: f64| s * 1e6;
-    println!("gateway load benchmark (fast in-process token source): {requests} streamed requests, {tokens} tokens each, {concurrency} concurrent");
-    println!("  throughput          {:.0} requests/s, {:.0} tokens/s", requests as f64 / secs, (requests * tokens) as f64 / secs);
-    println!(
-        "  added latency/turn  p50 {:.3} ms  p99 {:.3} ms (request to first token)",
-        ms(pct(&mut first, 0.5)),
-        ms(pct(&mut first, 0.99))
-    );
-    println!(
-        "  added latency/token p50 {:.1} us  p99 {:.1} us (between streamed tokens)",
-        us(pct(&mut per_token, 0.5)),
-        us(pct(&mut per_token, 0.99))
-    );
+    PhaseResult {
+        requests_per_s: requests as f64 / started.elapsed().as_secs_f64(),
+        turn_p50: pct(&mut first, 0.5),
+        turn_p99: pct(&mut first, 0.99),
+        token_p50: pct(&mut per_token, 0.5),
+        token_p99: pct(&mut per_token, 0.99),
+    }
 }

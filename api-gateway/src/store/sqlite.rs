@@ -159,6 +159,7 @@ impl SqliteStore {
         conn.pragma_update(None, "foreign_keys", "ON").map_err(db)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(db)?;
         conn.execute_batch(SCHEMA).map_err(db)?;
+        conn.set_prepared_statement_cache_capacity(64);
         Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)) })
     }
 
@@ -177,9 +178,33 @@ impl SqliteStore {
     }
 }
 
+/// Statements through the connection's prepared-statement cache, so that a
+/// request's SQL is parsed once per connection rather than on every call.
+trait CachedSql {
+    fn run<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
+    fn row<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>;
+}
+
+impl CachedSql for Connection {
+    fn run<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.prepare_cached(sql)?.execute(params)
+    }
+
+    fn row<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    {
+        self.prepare_cached(sql)?.query_row(params, f)
+    }
+}
+
 fn get_turn_sync(c: &Connection, conversation: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
     let row = c
-        .query_row(
+        .row(
             &format!("SELECT {TURN_COLS} FROM turns WHERE conversation = ?1 AND turn_id = ?2"),
             params![conversation, turn_id],
             turn_from_row,
@@ -194,7 +219,7 @@ impl ConversationStore for SqliteStore {
     async fn add_key(&self, key_hash: &str, prefix: &str, user: &str, label: &str) -> StoreResult<()> {
         let (h, p, u, l) = (key_hash.to_string(), prefix.to_string(), user.to_string(), label.to_string());
         self.with(move |c| {
-            c.execute(
+            c.run(
                 "INSERT OR IGNORE INTO api_keys (key_hash, prefix, user_id, label, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
                 params![h, p, u, l, now_unix()],
             )
@@ -207,7 +232,7 @@ impl ConversationStore for SqliteStore {
     async fn user_for_key(&self, key_hash: &str) -> StoreResult<Option<String>> {
         let h = key_hash.to_string();
         self.with(move |c| {
-            c.query_row("SELECT user_id FROM api_keys WHERE key_hash = ?1 AND revoked = 0", params![h], |r| r.get(0)).optional().map_err(db)
+            c.row("SELECT user_id FROM api_keys WHERE key_hash = ?1 AND revoked = 0", params![h], |r| r.get(0)).optional().map_err(db)
         })
         .await
     }
@@ -215,7 +240,7 @@ impl ConversationStore for SqliteStore {
     async fn list_keys(&self) -> StoreResult<Vec<ApiKeyInfo>> {
         self.with(|c| {
             let mut st = c
-                .prepare(
+                .prepare_cached(
                     "SELECT k.prefix, k.user_id, k.label, k.created_at, k.revoked, l.limits FROM api_keys k \
                      LEFT JOIN key_limits l ON l.key_hash = k.key_hash ORDER BY k.created_at, k.prefix",
                 )
@@ -246,7 +271,7 @@ impl ConversationStore for SqliteStore {
     async fn revoke_keys(&self, prefix: &str) -> StoreResult<usize> {
         let p = prefix.to_string();
         self.with(move |c| {
-            c.execute("UPDATE api_keys SET revoked = 1 WHERE revoked = 0 AND substr(prefix, 1, length(?1)) = ?1", params![p]).map_err(db)
+            c.run("UPDATE api_keys SET revoked = 1 WHERE revoked = 0 AND substr(prefix, 1, length(?1)) = ?1", params![p]).map_err(db)
         })
         .await
     }
@@ -254,7 +279,7 @@ impl ConversationStore for SqliteStore {
     async fn create_conversation(&self, conv: &Conversation) -> StoreResult<()> {
         let cv = conv.clone();
         self.with(move |c| {
-            c.execute(
+            c.run(
                 "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 params![cv.id, cv.owner, cv.title, cv.system_prompt_version, cv.created_at, cv.updated_at],
             )
@@ -267,7 +292,7 @@ impl ConversationStore for SqliteStore {
     async fn get_conversation(&self, owner: &str, id: &str) -> StoreResult<Option<Conversation>> {
         let (o, i) = (owner.to_string(), id.to_string());
         self.with(move |c| {
-            c.query_row(
+            c.row(
                 "SELECT id, owner, title, system_prompt_version, created_at, updated_at, summary FROM conversations WHERE id = ?1 AND owner = ?2",
                 params![i, o],
                 conv_from_row,
@@ -282,7 +307,7 @@ impl ConversationStore for SqliteStore {
         let o = owner.to_string();
         self.with(move |c| {
             let mut st = c
-                .prepare(
+                .prepare_cached(
                     "SELECT id, owner, title, system_prompt_version, created_at, updated_at, summary FROM conversations \
                      WHERE owner = ?1 ORDER BY updated_at DESC, id",
                 )
@@ -296,7 +321,7 @@ impl ConversationStore for SqliteStore {
     async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()> {
         let (i, sm) = (id.to_string(), summary.to_string());
         self.with(move |c| {
-            c.execute("UPDATE conversations SET summary = ?2 WHERE id = ?1", params![i, sm]).map_err(db)?;
+            c.run("UPDATE conversations SET summary = ?2 WHERE id = ?1", params![i, sm]).map_err(db)?;
             Ok(())
         })
         .await
@@ -305,7 +330,7 @@ impl ConversationStore for SqliteStore {
     async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool> {
         let (o, i) = (owner.to_string(), id.to_string());
         self.with(move |c| {
-            let n = c.execute("DELETE FROM conversations WHERE id = ?1 AND owner = ?2", params![i, o]).map_err(db)?;
+            let n = c.run("DELETE FROM conversations WHERE id = ?1 AND owner = ?2", params![i, o]).map_err(db)?;
             Ok(n > 0)
         })
         .await
@@ -319,9 +344,9 @@ impl ConversationStore for SqliteStore {
                 if existing.state != TurnState::Failed || existing.request_hash != t.request_hash {
                     return Ok(BeginTurn::Existing(Box::new(existing)));
                 }
-                tx.execute("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![t.conversation, t.turn_id]).map_err(db)?;
+                tx.run("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![t.conversation, t.turn_id]).map_err(db)?;
             }
-            tx.execute(
+            tx.run(
                 &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"),
                 params![
                     t.conversation,
@@ -342,7 +367,7 @@ impl ConversationStore for SqliteStore {
                 ],
             )
             .map_err(db)?;
-            tx.execute("UPDATE conversations SET updated_at = ?2 WHERE id = ?1", params![t.conversation, now_unix()]).map_err(db)?;
+            tx.run("UPDATE conversations SET updated_at = ?2 WHERE id = ?1", params![t.conversation, now_unix()]).map_err(db)?;
             tx.commit().map_err(db)?;
             Ok(BeginTurn::Created)
         })
@@ -373,7 +398,7 @@ impl ConversationStore for SqliteStore {
         let (cv, t, e) = (conversation.to_string(), turn_id.to_string(), end.clone());
         self.with(move |c| {
             let n = c
-                .execute(
+                .run(
                     "UPDATE turns SET state = ?3, reply_text = ?4, output_ids = ?5, finish_reason = ?6, prompt_tokens = ?7, \
                      cached_tokens = ?8, completion_tokens = ?9 WHERE conversation = ?1 AND turn_id = ?2",
                     params![
@@ -401,7 +426,7 @@ impl ConversationStore for SqliteStore {
     async fn discard_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<()> {
         let (cv, t) = (conversation.to_string(), turn_id.to_string());
         self.with(move |c| {
-            c.execute("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![cv, t]).map_err(db)?;
+            c.run("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![cv, t]).map_err(db)?;
             Ok(())
         })
         .await
@@ -415,7 +440,7 @@ impl ConversationStore for SqliteStore {
     async fn list_turns(&self, conversation: &str) -> StoreResult<Vec<Turn>> {
         let cv = conversation.to_string();
         self.with(move |c| {
-            let mut st = c.prepare(&format!("SELECT {TURN_COLS} FROM turns WHERE conversation = ?1 ORDER BY seq")).map_err(db)?;
+            let mut st = c.prepare_cached(&format!("SELECT {TURN_COLS} FROM turns WHERE conversation = ?1 ORDER BY seq")).map_err(db)?;
             let rows = st.query_map(params![cv], turn_from_row).map_err(db)?;
             let rows = rows.collect::<Result<Vec<_>, _>>().map_err(db)?;
             rows.into_iter().map(finish_turn_row).collect()
@@ -427,7 +452,7 @@ impl ConversationStore for SqliteStore {
         let (cv, t) = (conversation.to_string(), turn_id.to_string());
         self.with(move |c| {
             let mut st = c
-                .prepare("SELECT idx, text FROM token_log WHERE conversation = ?1 AND turn_id = ?2 AND idx >= ?3 ORDER BY idx")
+                .prepare_cached("SELECT idx, text FROM token_log WHERE conversation = ?1 AND turn_id = ?2 AND idx >= ?3 ORDER BY idx")
                 .map_err(db)?;
             let rows = st.query_map(params![cv, t, from], |r| Ok(LogEntry { index: r.get(0)?, text: r.get(1)? })).map_err(db)?;
             rows.collect::<Result<Vec<_>, _>>().map_err(db)
@@ -437,7 +462,7 @@ impl ConversationStore for SqliteStore {
 
     async fn fail_streaming_turns(&self) -> StoreResult<usize> {
         self.with(|c| {
-            c.execute("UPDATE turns SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming'", []).map_err(db)
+            c.run("UPDATE turns SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming'", []).map_err(db)
         })
         .await
     }
@@ -446,11 +471,11 @@ impl ConversationStore for SqliteStore {
         self.with(move |c| {
             let tx = c.transaction().map_err(db)?;
             let ids = {
-                let mut st = tx.prepare("SELECT id FROM conversations WHERE updated_at < ?1").map_err(db)?;
+                let mut st = tx.prepare_cached("SELECT id FROM conversations WHERE updated_at < ?1").map_err(db)?;
                 let rows = st.query_map(params![cutoff], |r| r.get::<_, String>(0)).map_err(db)?;
                 rows.collect::<Result<Vec<_>, _>>().map_err(db)?
             };
-            tx.execute("DELETE FROM conversations WHERE updated_at < ?1", params![cutoff]).map_err(db)?;
+            tx.run("DELETE FROM conversations WHERE updated_at < ?1", params![cutoff]).map_err(db)?;
             tx.commit().map_err(db)?;
             Ok(ids)
         })
@@ -462,11 +487,11 @@ impl ConversationStore for SqliteStore {
         let json = limits.map(|l| serde_json::to_string(l).unwrap_or_default());
         self.with(move |c| {
             match json {
-                Some(j) => c.execute(
+                Some(j) => c.run(
                     "INSERT INTO user_limits (user_id, limits) VALUES (?1, ?2) ON CONFLICT(user_id) DO UPDATE SET limits = ?2",
                     params![user, j],
                 ),
-                None => c.execute("DELETE FROM user_limits WHERE user_id = ?1", params![user]),
+                None => c.run("DELETE FROM user_limits WHERE user_id = ?1", params![user]),
             }
             .map_err(db)?;
             Ok(())
@@ -478,7 +503,7 @@ impl ConversationStore for SqliteStore {
         let user = user.to_string();
         self.with(move |c| {
             let j: Option<String> =
-                c.query_row("SELECT limits FROM user_limits WHERE user_id = ?1", params![user], |r| r.get(0)).optional().map_err(db)?;
+                c.row("SELECT limits FROM user_limits WHERE user_id = ?1", params![user], |r| r.get(0)).optional().map_err(db)?;
             j.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Corrupt(format!("user limits: {e}")))).transpose()
         })
         .await
@@ -492,14 +517,14 @@ impl ConversationStore for SqliteStore {
             const ONE_LIVE_KEY: &str = "revoked = 0 AND substr(prefix, 1, length(?1)) = ?1 \
                  AND (SELECT count(*) FROM api_keys WHERE revoked = 0 AND substr(prefix, 1, length(?1)) = ?1) = 1";
             match json {
-                Some(j) => c.execute(
+                Some(j) => c.run(
                     &format!(
                         "INSERT INTO key_limits (key_hash, limits) SELECT key_hash, ?2 FROM api_keys WHERE {ONE_LIVE_KEY} \
                          ON CONFLICT(key_hash) DO UPDATE SET limits = excluded.limits"
                     ),
                     params![p, j],
                 ),
-                None => c.execute(&format!("DELETE FROM key_limits WHERE key_hash IN (SELECT key_hash FROM api_keys WHERE {ONE_LIVE_KEY})"), params![p]),
+                None => c.run(&format!("DELETE FROM key_limits WHERE key_hash IN (SELECT key_hash FROM api_keys WHERE {ONE_LIVE_KEY})"), params![p]),
             }
             .map_err(db)
         })
@@ -510,7 +535,7 @@ impl ConversationStore for SqliteStore {
         let h = key_hash.to_string();
         self.with(move |c| {
             let j: Option<String> =
-                c.query_row("SELECT limits FROM key_limits WHERE key_hash = ?1", params![h], |r| r.get(0)).optional().map_err(db)?;
+                c.row("SELECT limits FROM key_limits WHERE key_hash = ?1", params![h], |r| r.get(0)).optional().map_err(db)?;
             j.as_deref().map(parse_limits).transpose()
         })
         .await
@@ -519,7 +544,7 @@ impl ConversationStore for SqliteStore {
     async fn add_usage(&self, user: &str, u: UsageCounts) -> StoreResult<()> {
         let user = user.to_string();
         self.with(move |c| {
-            c.execute(
+            c.run(
                 "INSERT INTO usage (user_id, requests, prompt_tokens, cached_tokens, completion_tokens) VALUES (?1, ?2, ?3, ?4, ?5) \
                  ON CONFLICT(user_id) DO UPDATE SET requests = requests + ?2, prompt_tokens = prompt_tokens + ?3, \
                  cached_tokens = cached_tokens + ?4, completion_tokens = completion_tokens + ?5",
@@ -534,7 +559,7 @@ impl ConversationStore for SqliteStore {
     async fn usage(&self, user: &str) -> StoreResult<UsageCounts> {
         let user = user.to_string();
         self.with(move |c| {
-            Ok(c.query_row(
+            Ok(c.row(
                 "SELECT requests, prompt_tokens, cached_tokens, completion_tokens FROM usage WHERE user_id = ?1",
                 params![user],
                 |r| {

@@ -74,8 +74,7 @@ const ROW_GROUP: usize = 16;
 /// two-pass softmax, values accumulated in position order.
 pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut [f32]) {
     let l = &kv.layout;
-    let (hd, kvh, bt) = (l.head_dim, l.kv_heads, l.block_tokens);
-    let group = n_heads / kvh;
+    let (hd, kvh) = (l.head_dim, l.kv_heads);
     let width = n_heads * hd;
     assert!(q.len() >= rows.len() * width && out.len() >= rows.len() * width);
     // Split rows into runs that share a block table, at most ROW_GROUP long.
@@ -90,9 +89,45 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
         i = j;
     }
     let ptr = OutPtr(out.as_mut_ptr());
-    pool.run(runs.len() * kvh, &|task| {
-        let p = ptr;
-        let ((r0, r1), h) = (runs[task / kvh], task % kvh);
+    let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale };
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked just above).
+        pool.run(runs.len() * kvh, &|i| unsafe { task.run_avx2(i, ptr) });
+        return;
+    }
+    pool.run(runs.len() * kvh, &|i| task.run(i, ptr));
+}
+
+/// What every task of one [`attention`] call shares; task `i` computes run
+/// `i / kv_heads` for KV head `i % kv_heads`.
+struct Task<'a> {
+    kv: &'a KvStorage,
+    layer: usize,
+    q: &'a [f32],
+    rows: &'a [AttnRow<'a>],
+    runs: &'a [(usize, usize)],
+    n_heads: usize,
+    scale: f32,
+}
+
+impl Task<'_> {
+    /// [`Self::run`] compiled with AVX2: the same operations in the same
+    /// order (no FMA contraction), eight lanes wide, so results are equal.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn run_avx2(&self, i: usize, out: OutPtr) {
+        self.run(i, out)
+    }
+
+    #[inline(always)]
+    fn run(&self, task: usize, p: OutPtr) {
+        let (kv, layer, q, rows, scale) = (self.kv, self.layer, self.q, self.rows, self.scale);
+        let l = &kv.layout;
+        let (hd, kvh, bt) = (l.head_dim, l.kv_heads, l.block_tokens);
+        let group = self.n_heads / kvh;
+        let width = self.n_heads * hd;
+        let ((r0, r1), h) = (self.runs[task / kvh], task % kvh);
         let max_ctx = rows[r0..r1].iter().map(|r| r.pos + 1).max().unwrap_or(0);
         let table = rows[r0].block_table;
         let nr = r1 - r0;
@@ -107,10 +142,8 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
                 let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
                 for g in 0..group {
                     let qh = &qrow[(h * group + g) * hd..(h * group + g + 1) * hd];
-                    let srow = &mut scores[(ri * group + g) * max_ctx..];
-                    for j in 0..m {
-                        srow[bi * bt + j] = dot8(qh, &buf[j * hd..(j + 1) * hd]) * scale;
-                    }
+                    let srow = &mut scores[(ri * group + g) * max_ctx + bi * bt..];
+                    scores_into(qh, &buf, hd, m, scale, srow);
                 }
             }
         }
@@ -136,13 +169,8 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
                 let m = n.min((row.pos + 1).saturating_sub(bi * bt));
                 for g in 0..group {
                     let a = &mut acc[(ri * group + g) * hd..(ri * group + g + 1) * hd];
-                    let srow = &scores[(ri * group + g) * max_ctx..];
-                    for j in 0..m {
-                        let pj = srow[bi * bt + j];
-                        for (x, &v) in a.iter_mut().zip(&buf[j * hd..(j + 1) * hd]) {
-                            *x += pj * v;
-                        }
-                    }
+                    let srow = &scores[(ri * group + g) * max_ctx + bi * bt..];
+                    accumulate(a, &srow[..m], &buf, hd);
                 }
             }
         }
@@ -152,12 +180,127 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
                 let head = h * group + g;
                 for d in 0..hd {
                     // SAFETY: task (run, h) alone writes heads h*group..(h+1)*group
-                    // of the run's rows, inside `out` (asserted above).
+                    // of the run's rows, inside `out` (asserted in `attention`).
                     unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = acc[(ri * group + g) * hd + d] * inv };
                 }
             }
         }
-    });
+    }
+}
+
+/// `out[j] = dot8(qh, key j) * scale` for the first `m` keys of `keys` (rows of
+/// `hd`). Four keys at a time with independent accumulators, so the adds do
+/// not wait on each other; each score's arithmetic is exactly [`dot8`]'s.
+#[inline(always)]
+fn scores_into(qh: &[f32], keys: &[f32], hd: usize, m: usize, scale: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present; the bounds are checked inside.
+        return unsafe { avx2::scores_into(qh, keys, hd, m, scale, out) };
+    }
+    let chunks = hd / 8;
+    let mut j = 0;
+    while j + 4 <= m {
+        let mut acc = [[0f32; 8]; 4];
+        for c in 0..chunks {
+            let qc: &[f32; 8] = qh[c * 8..c * 8 + 8].try_into().unwrap();
+            for (t, at) in acc.iter_mut().enumerate() {
+                let o = (j + t) * hd + c * 8;
+                let kc: &[f32; 8] = keys[o..o + 8].try_into().unwrap();
+                for l in 0..8 {
+                    at[l] += qc[l] * kc[l];
+                }
+            }
+        }
+        for (t, at) in acc.into_iter().enumerate() {
+            out[j + t] = crate::matmul::hsum8(at) * scale;
+        }
+        j += 4;
+    }
+    for j in j..m {
+        out[j] = dot8(qh, &keys[j * hd..(j + 1) * hd]) * scale;
+    }
+}
+
+/// Explicit AVX2 forms where the compiler's own vectorization of the plain
+/// loops is poor. Lane for lane the same operations as the plain code.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`crate::matmul::hsum8`] of the eight lanes, in its order:
+    /// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn hsum8(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps::<1>(t, t)))
+    }
+
+    /// [`super::scores_into`]: four keys per iteration, one accumulator each.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn scores_into(qh: &[f32], keys: &[f32], hd: usize, m: usize, scale: f32, out: &mut [f32]) {
+        let chunks = hd / 8;
+        assert!(qh.len() >= chunks * 8 && keys.len() >= m.saturating_sub(1) * hd + chunks * 8 && out.len() >= m);
+        let (q, k) = (qh.as_ptr(), keys.as_ptr());
+        let mut j = 0;
+        while j + 4 <= m {
+            let (k0, k1, k2, k3) = (k.add(j * hd), k.add((j + 1) * hd), k.add((j + 2) * hd), k.add((j + 3) * hd));
+            let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            for c in 0..chunks {
+                let qc = _mm256_loadu_ps(q.add(c * 8));
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(qc, _mm256_loadu_ps(k0.add(c * 8))));
+                a1 = _mm256_add_ps(a1, _mm256_mul_ps(qc, _mm256_loadu_ps(k1.add(c * 8))));
+                a2 = _mm256_add_ps(a2, _mm256_mul_ps(qc, _mm256_loadu_ps(k2.add(c * 8))));
+                a3 = _mm256_add_ps(a3, _mm256_mul_ps(qc, _mm256_loadu_ps(k3.add(c * 8))));
+            }
+            out[j] = hsum8(a0) * scale;
+            out[j + 1] = hsum8(a1) * scale;
+            out[j + 2] = hsum8(a2) * scale;
+            out[j + 3] = hsum8(a3) * scale;
+            j += 4;
+        }
+        while j < m {
+            let kj = k.add(j * hd);
+            let mut a = _mm256_setzero_ps();
+            for c in 0..chunks {
+                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q.add(c * 8)), _mm256_loadu_ps(kj.add(c * 8))));
+            }
+            out[j] = hsum8(a) * scale;
+            j += 1;
+        }
+    }
+}
+
+/// `a += p[j] * value j` for each `j` in order (values are rows of `hd`). For
+/// the usual head sizes the accumulator lives in registers across `j`; the
+/// per-element order of operations is the same either way.
+#[inline(always)]
+fn accumulate(a: &mut [f32], p: &[f32], vals: &[f32], hd: usize) {
+    match hd {
+        64 => accumulate_fixed::<64>(a, p, vals),
+        128 => accumulate_fixed::<128>(a, p, vals),
+        _ => {
+            for (j, &pj) in p.iter().enumerate() {
+                for (x, &v) in a.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
+                    *x += pj * v;
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn accumulate_fixed<const HD: usize>(a: &mut [f32], p: &[f32], vals: &[f32]) {
+    let mut r: [f32; HD] = a[..HD].try_into().unwrap();
+    for (j, &pj) in p.iter().enumerate() {
+        let v: &[f32; HD] = vals[j * HD..(j + 1) * HD].try_into().unwrap();
+        for d in 0..HD {
+            r[d] += pj * v[d];
+        }
+    }
+    a[..HD].copy_from_slice(&r);
 }
 
 #[cfg(test)]
@@ -168,6 +311,67 @@ mod tests {
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    /// The arithmetic the kernel promises, written plainly: scores with
+    /// [`dot8`] in position order, two-pass softmax, values accumulated in
+    /// position order. The kernel must equal it bit for bit (its reordering
+    /// of independent work and its SIMD widths may not change a result).
+    fn plain(kv: &KvStorage, q: &[f32], table: &[u32], pos: usize, nh: usize, scale: f32) -> Vec<f32> {
+        let l = &kv.layout;
+        let (hd, group) = (l.head_dim, nh / l.kv_heads);
+        let read = |which: usize, h: usize, j: usize| {
+            let mut b = vec![0f32; l.block_tokens * hd];
+            kv.read_head_slots(0, table[j / l.block_tokens] as usize, which, h, l.block_tokens, &mut b);
+            b[(j % l.block_tokens) * hd..(j % l.block_tokens + 1) * hd].to_vec()
+        };
+        let mut out = vec![0f32; nh * hd];
+        for head in 0..nh {
+            let h = head / group;
+            let qh = &q[head * hd..(head + 1) * hd];
+            let mut s: Vec<f32> = (0..=pos).map(|j| dot8(qh, &read(0, h, j)) * scale).collect();
+            let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut sum = 0f32;
+            for v in s.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            let mut a = vec![0f32; hd];
+            for (j, &pj) in s.iter().enumerate() {
+                for (x, v) in a.iter_mut().zip(read(1, h, j)) {
+                    *x += pj * v;
+                }
+            }
+            for d in 0..hd {
+                out[head * hd + d] = a[d] * (1.0 / sum);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn equals_the_plain_arithmetic_bit_for_bit() {
+        for (hd, dtype) in [(64, KvDtype::F16), (128, KvDtype::F32), (24, KvDtype::BF16)] {
+            let layout = KvLayout { layers: 1, block_tokens: 16, kv_heads: 3, head_dim: hd, dtype };
+            let (nh, te, len) = (9, 3 * hd, 70);
+            let mut kv = KvStorage::new(layout, 8);
+            let table = [7u32, 2, 5, 0, 4];
+            let mut seed = 11;
+            for p in 0..len {
+                let k: Vec<f32> = (0..te).map(|_| lcg(&mut seed)).collect();
+                let v: Vec<f32> = (0..te).map(|_| lcg(&mut seed)).collect();
+                kv.write_token(0, table[p / 16] as usize, p % 16, &k, &v);
+            }
+            let q: Vec<f32> = (0..len * nh * hd).map(|_| lcg(&mut seed) * 3.0).collect();
+            let rows: Vec<AttnRow> = (0..len).map(|p| AttnRow { block_table: &table, pos: p }).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            let mut out = vec![0f32; len * nh * hd];
+            attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, &mut out);
+            for p in 0..len {
+                let want = plain(&kv, &q[p * nh * hd..(p + 1) * nh * hd], &table, p, nh, scale);
+                assert_eq!(out[p * nh * hd..(p + 1) * nh * hd], want[..], "head_dim {hd}, position {p}");
+            }
+        }
     }
 
     #[test]

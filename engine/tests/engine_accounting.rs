@@ -151,3 +151,35 @@ fn users_share_platform_blocks_only_and_deletion_evicts() {
     assert_no_leaks(&e);
     e.shutdown();
 }
+
+#[test]
+fn prompt_tokens_from_the_second_tier_are_counted_exactly() {
+    // 24 primary blocks: three other users' prompts push the first one's
+    // blocks out to the second tier, and its next turn promotes them back.
+    let layout_bytes_per_token = 2 * 30 * 3 * 64 * 4;
+    let config = EngineConfig {
+        kv_memory_bytes: 24 * 16 * layout_bytes_per_token,
+        kv_dtype: KvDtype::F32,
+        max_context: Some(300),
+        tier2_bytes: 16 << 20,
+        ..EngineConfig::default()
+    };
+    let Some(e) = engine(config) else { return };
+    let first = chat_prompt(&e, "You are a poet.", &"Write a short poem about the sea and the ships that sail on it at night. ".repeat(4));
+    collect(e.submit(request(first.clone(), "a", 4)).unwrap());
+    for (i, user) in ["b", "c", "d"].into_iter().enumerate() {
+        let story = format!("Tell me, in detail, story number {i} about old harbours, lighthouses and the keepers who lived in them. ");
+        collect(e.submit(request(chat_prompt(&e, "You are a historian.", &story.repeat(6)), user, 4)).unwrap());
+    }
+    let before = settled(&e);
+    let again = collect(e.submit(request(first, "a", 4)).unwrap());
+    let after = settled(&e);
+    let bt = 16;
+    let from_tier2 = (after.kv.tier2_hits - before.kv.tier2_hits) as u64 * bt;
+    assert!(from_tier2 > 0, "the test must promote blocks from the second tier: {after:?}");
+    assert_eq!(after.cached_tier2_prompt_tokens - before.cached_tier2_prompt_tokens, from_tier2);
+    assert_eq!(after.cached_prompt_tokens - before.cached_prompt_tokens, again.usage.cached_tokens as u64);
+    assert!(again.usage.cached_tokens as u64 >= from_tier2);
+    assert_no_leaks(&e);
+    e.shutdown();
+}

@@ -140,7 +140,7 @@ impl Metrics {
         let st = engine.stats();
         let bt = engine.info.kv_layout.block_tokens.max(1) as u64;
         let cached = st.cached_prompt_tokens;
-        let tier2 = (st.kv.tier2_hits * bt).min(cached);
+        let tier2 = st.cached_tier2_prompt_tokens.min(cached);
         let imported = self.imported_tokens.load(Ordering::Relaxed).min(st.prompt_tokens - cached.min(st.prompt_tokens));
         let computed = st.prompt_tokens.saturating_sub(cached + imported);
         let help = "Prompt tokens by source: prefix cache (tier), pulled from a decode node, computed here";

@@ -198,6 +198,8 @@ pub struct EngineStats {
     pub decode_tokens: u64,
     pub prompt_tokens: u64,
     pub cached_prompt_tokens: u64,
+    /// The part of `cached_prompt_tokens` promoted from the second tier.
+    pub cached_tier2_prompt_tokens: u64,
     pub generated_tokens: u64,
     pub preemptions: u64,
     pub finished: u64,

@@ -448,6 +448,7 @@ impl<B: Backend> Worker<B> {
             Ok(more) => {
                 let matched = m.blocks.len();
                 let cached = matched * bt;
+                let cached_tier2 = m.tier2_hits * bt;
                 seq.blocks = m.blocks;
                 seq.blocks.extend(more);
                 seq.computed = cached;
@@ -472,6 +473,7 @@ impl<B: Backend> Worker<B> {
                     let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
                     st.prompt_tokens += seq.prompt_len as u64;
                     st.cached_prompt_tokens += cached.min(seq.prompt_len) as u64;
+                    st.cached_tier2_prompt_tokens += cached_tier2.min(seq.prompt_len) as u64;
                 }
                 true
             }

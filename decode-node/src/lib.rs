@@ -11,14 +11,12 @@
 //! (`TryFrom<Args>`) and [`run`]; plus [`serve`] for an in-process launcher
 //! that brings its own listeners, TLS identity and engine.
 
-mod convert;
 pub mod drain;
-pub mod engine_args;
 pub mod handoff;
-pub mod kv;
 pub mod metrics;
 mod service;
 pub mod warm;
+pub use baton_node_common::{convert, engine_args, kv};
 
 use std::future::Future;
 use std::net::SocketAddr;

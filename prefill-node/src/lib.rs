@@ -7,11 +7,9 @@
 //! (`TryFrom<Args>`) and [`run`]; plus [`serve`] for an in-process launcher
 //! that brings its own listeners, TLS identity and engine.
 
-mod convert;
-pub mod engine_args;
-pub mod kv;
 pub mod metrics;
 mod service;
+pub use baton_node_common::{convert, engine_args, kv};
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use ::metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
+use ::metrics::Histogram;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -21,6 +21,8 @@ use baton_engine::Engine;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
 use crate::kv::KvNode;
+pub use baton_node_common::engine_metrics::Count;
+use baton_node_common::engine_metrics::{histogram, EngineSeries};
 
 /// Counter: prefills received.
 pub const TURNS_TOTAL: &str = "baton_prefill_turns_total";
@@ -64,28 +66,22 @@ pub const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0,
 /// Buckets (seconds) of KV shipping.
 pub const SHIP_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 
-const META: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
-/// A counter exported through the recorder whose value the node can also read.
-pub struct Count {
-    handle: Counter,
-    value: AtomicU64,
-}
-
-impl Count {
-    pub fn inc(&self) {
-        self.inc_by(1);
-    }
-
-    pub fn inc_by(&self, n: u64) {
-        self.value.fetch_add(n, Ordering::Relaxed);
-        self.handle.increment(n);
-    }
-
-    pub fn get(&self) -> u64 {
-        self.value.load(Ordering::Relaxed)
-    }
-}
+/// This role's names of the engine-derived series.
+const ENGINE_SERIES: EngineSeries = EngineSeries {
+    prompt_tokens: PROMPT_TOKENS_TOTAL,
+    prompt_tokens_help: "Prompt tokens by source: prefix cache (tier), pulled from a decode node, computed here",
+    prefix_hit_tokens: PREFIX_HIT_TOKENS_TOTAL,
+    busy_seconds: BUSY_SECONDS_TOTAL,
+    engine_tokens: ENGINE_TOKENS_TOTAL,
+    preemptions: PREEMPTIONS_TOTAL,
+    queue_depth: QUEUE_DEPTH,
+    running: RUNNING,
+    swapped: SWAPPED,
+    kv_blocks: KV_BLOCKS,
+    kv_block_bytes: KV_BLOCK_BYTES,
+    staging_blocks_used: STAGING_BLOCKS_USED,
+};
 
 /// Handles to every series of one prefill node, and the recorder that renders them.
 pub struct Metrics {
@@ -114,7 +110,7 @@ impl Metrics {
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full(SHIP_SECONDS.into()), SHIP_BUCKETS))
             .expect("bucket lists are not empty")
             .build_recorder();
-        let count = |name: &'static str, help: &'static str| Count { handle: counter(&recorder, name, help, &[]), value: AtomicU64::new(0) };
+        let count = |name: &'static str, help: &'static str| Count::new(&recorder, name, help);
         Metrics {
             turns: count(TURNS_TOTAL, "Prefills received"),
             pulled: count(PULLED_TOTAL, "Prefixes pulled from a decode node"),
@@ -136,79 +132,9 @@ impl Metrics {
     /// Refreshes the series derived from the engine and KV transport, then renders
     /// everything in the Prometheus text format.
     pub fn render(&self, engine: &Engine, kv: Option<&KvNode>) -> String {
-        let r = &self.recorder;
-        let st = engine.stats();
-        let bt = engine.info.kv_layout.block_tokens.max(1) as u64;
-        let cached = st.cached_prompt_tokens;
-        let tier2 = st.cached_tier2_prompt_tokens.min(cached);
-        let imported = self.imported_tokens.load(Ordering::Relaxed).min(st.prompt_tokens - cached.min(st.prompt_tokens));
-        let computed = st.prompt_tokens.saturating_sub(cached + imported);
-        let help = "Prompt tokens by source: prefix cache (tier), pulled from a decode node, computed here";
-        for (source, n) in [("cached_tier1", cached - tier2), ("cached_tier2", tier2), ("imported", imported), ("computed", computed)] {
-            counter(r, PROMPT_TOKENS_TOTAL, help, &[("source", source)]).absolute(n);
-        }
-        let help = "Prompt tokens matched in the prefix cache, by tier";
-        counter(r, PREFIX_HIT_TOKENS_TOTAL, help, &[("tier", "1")]).absolute(st.kv.primary_hits * bt);
-        counter(r, PREFIX_HIT_TOKENS_TOTAL, help, &[("tier", "2")]).absolute(st.kv.tier2_hits * bt);
-        let help = "Tokens the engine computed, by phase";
-        counter(r, ENGINE_TOKENS_TOTAL, help, &[("phase", "prefill")]).absolute(st.prefill_tokens);
-        counter(r, ENGINE_TOKENS_TOTAL, help, &[("phase", "decode")]).absolute(st.decode_tokens);
-        counter(r, PREEMPTIONS_TOTAL, "Sequences preempted to make room", &[]).absolute(st.preemptions);
-        gauge(r, QUEUE_DEPTH, "Sequences waiting for admission", &[]).set(st.waiting as f64);
-        gauge(r, RUNNING, "Sequences running", &[]).set(st.running as f64);
-        gauge(r, SWAPPED, "Sequences swapped out to the second tier", &[]).set(st.swapped as f64);
-        let k = &st.kv;
-        let tier2_free = k.tier2_capacity.saturating_sub(k.tier2_blocks + k.swapped);
-        for (state, tier, n) in [
-            ("free", "1", k.free),
-            ("used", "1", k.used),
-            ("cached", "1", k.cached),
-            ("free", "2", tier2_free),
-            ("used", "2", k.swapped),
-            ("cached", "2", k.tier2_blocks),
-        ] {
-            gauge(r, KV_BLOCKS, "KV blocks by state and tier", &[("state", state), ("tier", tier)]).set(n as f64);
-        }
-        gauge(r, KV_BLOCK_BYTES, "Bytes of one KV block (all layers, K and V)", &[]).set(engine.info.kv_layout.block_bytes() as f64);
-        if let Some(kv) = kv {
-            gauge(r, STAGING_BLOCKS_USED, "Staging blocks held by in-flight KV imports", &[]).set(kv.staging_used() as f64);
-        }
-        let mut out = r.handle().render();
-        float_counter(&mut out, BUSY_SECONDS_TOTAL, "Seconds the engine spent computing steps", st.busy_seconds);
-        if let Some(kv) = kv {
-            let mut stats = kv.receiver.transport_stats();
-            stats.push(kv.sender.stats().clone());
-            baton_kv_transport::metrics::render_prometheus(&mut out, &stats, kv.receiver.stats());
-        }
-        out
+        ENGINE_SERIES.render(&self.recorder, engine, kv, self.imported_tokens.load(Ordering::Relaxed))
     }
 }
-
-fn key(name: &'static str, labels: &[(&'static str, &'static str)]) -> Key {
-    Key::from_parts(name, labels.iter().map(|(k, v)| Label::new(*k, *v)).collect::<Vec<_>>())
-}
-
-fn counter(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Counter {
-    r.describe_counter(name.into(), None, help.into());
-    r.register_counter(&key(name, labels), &META)
-}
-
-fn gauge(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Gauge {
-    r.describe_gauge(name.into(), None, help.into());
-    r.register_gauge(&key(name, labels), &META)
-}
-
-fn histogram(r: &PrometheusRecorder, name: &'static str, help: &'static str) -> Histogram {
-    r.describe_histogram(name.into(), None, help.into());
-    r.register_histogram(&key(name, &[]), &META)
-}
-
-/// A counter with a fractional value (the `metrics` counters are integers).
-fn float_counter(out: &mut String, name: &str, help: &str, value: f64) {
-    use std::fmt::Write;
-    let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n\n");
-}
-
 
 /// What the HTTP endpoints read.
 #[derive(Clone)]

@@ -7,7 +7,8 @@
 //! - Multi-turn: the next turn reuses the conversation's prefix.
 //! - Faults: the prefill node killed mid-transfer -> the decode node falls
 //!   back to local prefill and releases its reservation; the decode node
-//!   killed mid-stream -> the stream ends with an error within 5 s.
+//!   killed mid-stream -> the stream ends with an error within 5 s; a drained
+//!   prefill node reports idle only once the KV it computed has arrived.
 //! - Isolation: two users with the same system prompt share only its blocks;
 //!   a user sending another's exact history hits nothing of theirs.
 //! - After each test every live node is back to its block baseline.
@@ -146,6 +147,41 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
     });
     assert!(ended.is_ok(), "the stream did not end within 5 s of the kill");
     assert!(killed.elapsed() < Duration::from_secs(5));
+    reference.shutdown();
+}
+
+#[test]
+fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
+    let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
+    // 30 layers at 100 ms each: shipping outlasts the engine's work by seconds.
+    let mut prefill = cluster.node("prefill", "prefill-0", THRESHOLD, &["--kv-layer-delay", "100ms"]);
+    let decode = cluster.node("decode", "decode-0", THRESHOLD, &["--kv-deadline", "20s"]);
+    let reference = reference_engine(&cluster.model);
+    let grpc = decode.addr("grpc");
+    let rt = runtime();
+    let prompt = chat(&reference, SYSTEM, "Why is the sky blue at noon? Explain Rayleigh scattering by air molecules.");
+    let want = reference_tokens(&reference, &prompt, "carol", 12);
+    let turn = rt.spawn(generate(grpc.clone(), generate_request(&prompt, "carol", "conv-c", 12)));
+    let phttp = prefill.addr("http");
+    let t0 = Instant::now();
+    while !metrics(&phttp).contains("baton_prefill_generated_tokens_total 1") {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the prefill node never sampled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The engine is done; the KV is still on its way. A drain (a preStop hook)
+    // must wait for it, and the node may then be killed without harm.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["drain", "--node", &prefill.addr("grpc"), "--timeout", "30s"])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "baton drain failed: {report} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(report.contains("still_running=0"), "{report}");
+    prefill.kill9();
+    let (got, fin) = rt.block_on(turn).unwrap();
+    assert_eq!(fin.prefill_path, PrefillPath::Remote as i32, "the tail arrived before the drained node went away");
+    assert_eq!(got, want, "remote prefill tokens vs single engine");
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(grpc.clone()))));
     reference.shutdown();
 }
 

@@ -21,7 +21,7 @@ use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::RouteDecodeRequest;
 use baton_proto::node as pb;
 use futures::StreamExt;
-use tokio::sync::{watch, Mutex};
+use tokio::sync::Mutex;
 use tonic::transport::Channel;
 use tonic::Status;
 
@@ -31,42 +31,7 @@ use crate::warm::{WarmConversation, WarmTable};
 /// Conversations moved at once.
 const PARALLEL_MOVES: usize = 4;
 
-/// Counts the turns streaming on this node, so a drain can wait for them.
-#[derive(Clone)]
-pub struct InFlight {
-    tx: Arc<watch::Sender<usize>>,
-}
-
-/// Held while one turn streams; dropping it ends the turn's count.
-pub struct InFlightGuard {
-    tx: Arc<watch::Sender<usize>>,
-}
-
-impl Default for InFlight {
-    fn default() -> Self {
-        InFlight { tx: Arc::new(watch::channel(0).0) }
-    }
-}
-
-impl InFlight {
-    pub fn enter(&self) -> InFlightGuard {
-        self.tx.send_modify(|n| *n += 1);
-        InFlightGuard { tx: self.tx.clone() }
-    }
-
-    /// Waits until no turn streams, or `within` passed; returns how many still do.
-    pub async fn wait_idle(&self, within: Duration) -> usize {
-        let mut rx = self.tx.subscribe();
-        let _ = tokio::time::timeout(within, rx.wait_for(|n| *n == 0)).await;
-        *self.tx.borrow()
-    }
-}
-
-impl Drop for InFlightGuard {
-    fn drop(&mut self) {
-        self.tx.send_modify(|n| *n = n.saturating_sub(1));
-    }
-}
+pub use baton_node_common::in_flight::{InFlight, InFlightGuard};
 
 /// Everything a drain touches.
 pub struct Drainer {

@@ -6,4 +6,5 @@
 pub mod convert;
 pub mod engine_args;
 pub mod engine_metrics;
+pub mod in_flight;
 pub mod kv;

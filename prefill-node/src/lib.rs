@@ -159,6 +159,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
     let metrics = Arc::new(metrics::Metrics::default());
     let draining = Arc::new(AtomicBool::new(false));
+    let in_flight = baton_node_common::in_flight::InFlight::default();
     let ready = Arc::new(AtomicBool::new(config.coordinator.is_none()));
     let svc = service::PrefillService {
         engine: engine.clone(),
@@ -167,6 +168,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         pull_deadline: config.kv_deadline,
         layer_delay: config.kv_layer_delay,
         draining: draining.clone(),
+        in_flight: in_flight.clone(),
     };
     let membership_slot = Arc::new(tokio::sync::Mutex::new(None));
     let control = service::Control {
@@ -175,6 +177,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         ready: ready.clone(),
         membership: membership_slot.clone(),
         default_drain_deadline: Duration::from_secs(60),
+        in_flight,
     };
     on_bound(&bound);
 

@@ -21,6 +21,7 @@ use tonic::{Request, Response, Status};
 
 use crate::convert;
 use crate::kv::{parse_endpoint, ExportSource, KvNode};
+use baton_node_common::in_flight::InFlight;
 use crate::metrics::Metrics;
 
 pub struct PrefillService {
@@ -32,6 +33,7 @@ pub struct PrefillService {
     /// Test hook: pause after each layer shipped (to kill the node mid-transfer).
     pub layer_delay: Option<Duration>,
     pub draining: Arc<AtomicBool>,
+    pub in_flight: InFlight,
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
@@ -41,6 +43,8 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 #[tonic::async_trait]
 impl PrefillNode for PrefillService {
     async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        // Counted before the check, so a drain that starts now waits for it.
+        let _serving = self.in_flight.enter();
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
@@ -198,6 +202,7 @@ pub struct Control {
     pub membership: Arc<tokio::sync::Mutex<Option<baton_proto::client::MembershipHandle>>>,
     /// Used when the request names no deadline.
     pub default_drain_deadline: Duration,
+    pub in_flight: InFlight,
 }
 
 #[tonic::async_trait]
@@ -225,15 +230,8 @@ impl NodeControl for Control {
             m.shutdown().await;
             out.deregistered = true;
         }
-        // The engine publishes its counts once per step; poll them.
-        loop {
-            let st = self.engine.stats();
-            out.running = (st.running + st.waiting) as u32;
-            if out.running == 0 || tokio::time::Instant::now() >= until {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        // Each prefill counts until its KV is shipped, not only while the engine computes it.
+        out.running = self.in_flight.wait_idle(until.saturating_duration_since(tokio::time::Instant::now())).await as u32;
         Ok(Response::new(out))
     }
 }

@@ -480,6 +480,13 @@ mod simd {
             let acts = &groups[t / 4];
             let mut o = o0;
             if left >= 4 {
+                // With AVX-512VL's 32 vector registers a 4 x 4 tile fits (16
+                // accumulators): each unpacked weight block serves four rows of
+                // activations and each activation block four weight rows.
+                while vnni && o + 4 <= o1 {
+                    q4_tile::<4, 4>(qs, d, m, nb, xq, acts, o, t, out, n, vnni);
+                    o += 4;
+                }
                 while o + 2 <= o1 {
                     q4_tile::<2, 4>(qs, d, m, nb, xq, acts, o, t, out, n, vnni);
                     o += 2;

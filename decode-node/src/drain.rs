@@ -10,7 +10,7 @@
 //! before they are moved. Every step is bounded by the drain's deadline; a
 //! conversation that could not move just starts cold, nothing is lost.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,7 @@ use crate::warm::{WarmConversation, WarmTable};
 const PARALLEL_MOVES: usize = 4;
 
 pub use baton_node_common::in_flight::{InFlight, InFlightGuard};
+use baton_node_common::in_flight::stop_taking_work;
 
 /// Everything a drain touches.
 pub struct Drainer {
@@ -60,13 +61,8 @@ impl Drainer {
         let deadline = deadline.unwrap_or(self.default_deadline);
         let started = Instant::now();
         let left = || deadline.saturating_sub(started.elapsed());
-        self.draining.store(true, Ordering::SeqCst);
-        self.ready.store(false, Ordering::SeqCst);
-        let mut out = pb::DrainResponse::default();
-        if let Some(m) = self.membership.lock().await.take() {
-            m.shutdown().await;
-            out.deregistered = true;
-        }
+        let deregistered = stop_taking_work(&self.draining, &self.ready, &self.membership).await;
+        let mut out = pb::DrainResponse { deregistered, ..Default::default() };
         // Half the deadline for the running turns, the rest for moving.
         out.running = self.in_flight.wait_idle(left() / 2).await as u32;
         let Some(coordinator) = self.coordinator.clone() else {

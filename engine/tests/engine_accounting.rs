@@ -52,19 +52,23 @@ fn finish_and_cancel_return_every_block() {
     e.shutdown();
 }
 
-fn preemption_run(mode: PreemptionMode) {
-    // Room for 24 blocks: four sequences of ~150 tokens (10 blocks each)
-    // cannot all decode at once, so some must be preempted.
+/// 24 primary blocks of 16 f32 tokens (the default model's layout) and a
+/// 16 MiB second tier: small enough for a few prompts to fill.
+fn small_pool_with_tier2() -> EngineConfig {
     let layout_bytes_per_token = 2 * 30 * 3 * 64 * 4;
-    let config = EngineConfig {
+    EngineConfig {
         kv_memory_bytes: 24 * 16 * layout_bytes_per_token,
         kv_dtype: KvDtype::F32,
         max_context: Some(300),
         tier2_bytes: 16 << 20,
-        step_token_budget: 256,
-        preemption: mode,
         ..EngineConfig::default()
-    };
+    }
+}
+
+fn preemption_run(mode: PreemptionMode) {
+    // Four sequences of ~150 tokens (10 blocks each) cannot all decode in
+    // 24 blocks at once, so some must be preempted.
+    let config = EngineConfig { step_token_budget: 256, preemption: mode, ..small_pool_with_tier2() };
     let Some(e) = engine(config) else { return };
     let reference = engine(EngineConfig { kv_dtype: KvDtype::F32, ..EngineConfig::default() }).unwrap();
     let mut streams = Vec::new();
@@ -154,17 +158,9 @@ fn users_share_platform_blocks_only_and_deletion_evicts() {
 
 #[test]
 fn prompt_tokens_from_the_second_tier_are_counted_exactly() {
-    // 24 primary blocks: three other users' prompts push the first one's
-    // blocks out to the second tier, and its next turn promotes them back.
-    let layout_bytes_per_token = 2 * 30 * 3 * 64 * 4;
-    let config = EngineConfig {
-        kv_memory_bytes: 24 * 16 * layout_bytes_per_token,
-        kv_dtype: KvDtype::F32,
-        max_context: Some(300),
-        tier2_bytes: 16 << 20,
-        ..EngineConfig::default()
-    };
-    let Some(e) = engine(config) else { return };
+    // Three other users' prompts push the first one's blocks out of the 24
+    // primary blocks to the second tier, and its next turn promotes them back.
+    let Some(e) = engine(small_pool_with_tier2()) else { return };
     let first = chat_prompt(&e, "You are a poet.", &"Write a short poem about the sea and the ships that sail on it at night. ".repeat(4));
     collect(e.submit(request(first.clone(), "a", 4)).unwrap());
     for (i, user) in ["b", "c", "d"].into_iter().enumerate() {

@@ -1,11 +1,29 @@
-//! Requests a node is serving: a drain waits for them to end (a decode
+//! What every node's drain does first: stop taking work, leave the
+//! coordinator's ring, and wait for the requests it is serving (a decode
 //! node's streaming turns, a prefill node's prefills including the KV they
 //! are still shipping after the engine is done).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use baton_proto::client::MembershipHandle;
+use tokio::sync::{watch, Mutex};
+
+/// Refuses new work from now on (`draining`), reports not ready, and leaves
+/// the coordinator's ring; returns whether this call deregistered the node
+/// (only the first drain does).
+pub async fn stop_taking_work(draining: &AtomicBool, ready: &AtomicBool, membership: &Mutex<Option<MembershipHandle>>) -> bool {
+    draining.store(true, Ordering::SeqCst);
+    ready.store(false, Ordering::SeqCst);
+    match membership.lock().await.take() {
+        Some(m) => {
+            m.shutdown().await;
+            true
+        }
+        None => false,
+    }
+}
 
 /// Counts the requests a node is serving, so a drain can wait for them.
 #[derive(Clone)]

@@ -21,7 +21,7 @@ use tonic::{Request, Response, Status};
 
 use crate::convert;
 use crate::kv::{parse_endpoint, ExportSource, KvNode};
-use baton_node_common::in_flight::InFlight;
+use baton_node_common::in_flight::{stop_taking_work, InFlight};
 use crate::metrics::Metrics;
 
 pub struct PrefillService {
@@ -223,13 +223,8 @@ impl NodeControl for Control {
         let ms = request.into_inner().deadline_ms;
         let deadline = if ms > 0 { Duration::from_millis(ms as u64) } else { self.default_drain_deadline };
         let until = tokio::time::Instant::now() + deadline;
-        self.draining.store(true, Ordering::SeqCst);
-        self.ready.store(false, Ordering::SeqCst);
-        let mut out = pb::DrainResponse::default();
-        if let Some(m) = self.membership.lock().await.take() {
-            m.shutdown().await;
-            out.deregistered = true;
-        }
+        let deregistered = stop_taking_work(&self.draining, &self.ready, &self.membership).await;
+        let mut out = pb::DrainResponse { deregistered, ..Default::default() };
         // Each prefill counts until its KV is shipped, not only while the engine computes it.
         out.running = self.in_flight.wait_idle(until.saturating_duration_since(tokio::time::Instant::now())).await as u32;
         Ok(Response::new(out))

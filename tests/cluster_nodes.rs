@@ -32,6 +32,17 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
+/// Waits until the prefill node sampled its first token: its engine is done
+/// with the tail, and the KV is being shipped.
+fn wait_until_prefill_sampled(prefill: &Proc) {
+    let http = prefill.addr("http");
+    let t0 = Instant::now();
+    while !metrics(&http).contains("baton_prefill_generated_tokens_total 1") {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the prefill node never sampled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
     let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
@@ -108,12 +119,7 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
     let prompt = chat(&reference, SYSTEM, "What makes a rainbow appear after rain? Describe refraction and dispersion in water droplets.");
     let want = reference_tokens(&reference, &prompt, "bob", 16);
     let turn = rt.spawn(generate(grpc.clone(), generate_request(&prompt, "bob", "conv-b", 16)));
-    let phttp = prefill.addr("http");
-    let t0 = Instant::now();
-    while !metrics(&phttp).contains("baton_prefill_generated_tokens_total 1") {
-        assert!(t0.elapsed() < Duration::from_secs(60), "the prefill node never sampled");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until_prefill_sampled(&prefill);
     prefill.kill9();
     let (got, fin) = rt.block_on(turn).unwrap();
     assert_eq!(fin.prefill_path, PrefillPath::Fallback as i32, "the decode node fell back to local prefill");
@@ -162,12 +168,7 @@ fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
     let prompt = chat(&reference, SYSTEM, "Why is the sky blue at noon? Explain Rayleigh scattering by air molecules.");
     let want = reference_tokens(&reference, &prompt, "carol", 12);
     let turn = rt.spawn(generate(grpc.clone(), generate_request(&prompt, "carol", "conv-c", 12)));
-    let phttp = prefill.addr("http");
-    let t0 = Instant::now();
-    while !metrics(&phttp).contains("baton_prefill_generated_tokens_total 1") {
-        assert!(t0.elapsed() < Duration::from_secs(60), "the prefill node never sampled");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until_prefill_sampled(&prefill);
     // The engine is done; the KV is still on its way. A drain (a preStop hook)
     // must wait for it, and the node may then be killed without harm.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))

@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 bash deploy/check.sh
 BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
 export BATON_MODEL
+# NVRTC (from PyPI): kernels/tests/cuda_ptx.rs compiles every CUDA kernel to PTX
+# with it, no GPU needed, so it must not skip here.
+bash scripts/fetch-nvrtc.sh >/dev/null
+export BATON_REQUIRE_NVRTC=1
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 set +e

@@ -1,9 +1,10 @@
 //! Flags shared by every command that runs the engine, and loading the model
 //! into a started engine.
 
-use anyhow::{Context, Result};
-use baton_engine::{model, Engine, EngineConfig, PreemptionMode};
-use baton_kernels::{Backend, BackendKind, CpuBackend, KvDtype};
+use anyhow::Result;
+use baton_engine::{Engine, EngineConfig, PreemptionMode};
+use baton_kernels::KvDtype;
+pub use baton_node_common::engine_args::BackendChoice;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -12,12 +13,6 @@ pub enum KvDtypeArg {
     F32,
     F16,
     Bf16,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum BackendArg {
-    Cpu,
-    Cuda,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -35,7 +30,10 @@ pub struct EngineArgs {
     pub model: Option<PathBuf>,
     /// Compute backend.
     #[arg(long, env = "BATON_BACKEND", value_enum, default_value = "cpu")]
-    pub backend: BackendArg,
+    pub backend: BackendChoice,
+    /// GPU ordinal (CUDA backend).
+    #[arg(long, env = "BATON_GPU", default_value_t = 0)]
+    pub gpu: usize,
     /// Compute threads (CPU backend).
     #[arg(long, env = "BATON_THREADS", default_value_t = default_threads())]
     pub threads: usize,
@@ -109,30 +107,6 @@ impl EngineArgs {
 
     /// Loads the model and starts an engine on the chosen backend.
     pub fn start(&self) -> Result<Engine> {
-        let kind = match self.backend {
-            BackendArg::Cpu => BackendKind::Cpu,
-            BackendArg::Cuda => BackendKind::Cuda,
-        };
-        if kind == BackendKind::Cuda {
-            return Err(baton_kernels::cuda_unavailable().into());
-        }
-        let backend = CpuBackend::new(self.threads)?;
-        start_on(backend, &self.model_path(), self.engine_config())
+        baton_node_common::engine_args::start_engine(self.backend, self.gpu, self.threads, &self.model_path(), self.engine_config())
     }
-}
-
-/// Loads `path` (GGUF file or Hugging Face folder) on `backend` and starts.
-pub fn start_on<B: Backend + 'static>(backend: B, path: &std::path::Path, config: EngineConfig) -> Result<Engine> {
-    if !path.exists() {
-        anyhow::bail!("model {} not found; run scripts/fetch-model.sh or pass --model", path.display());
-    }
-    let loaded = if path.is_dir() {
-        model::load_hf_dir(&backend, path)
-    } else {
-        model::load_gguf(&backend, path)
-    }
-    .with_context(|| format!("loading {}", path.display()))?;
-    let engine = Engine::start(backend, loaded, config)?;
-    tracing::info!(backend = %engine.info.backend, model = %engine.info.model_source, kv_blocks = engine.info.kv_blocks, "engine started");
-    Ok(engine)
 }

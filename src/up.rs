@@ -139,7 +139,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         async move { coordinator.serve(stopped(stop)).await.context("coordinator") }
     });
     let (model, a) = (spec.model, spec.engine);
-    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), threads: a.threads, config: a.engine_config() };
+    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: a.threads, config: a.engine_config() };
     let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
 
     let decode_config = baton_decode_node::Config {
@@ -182,7 +182,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         kv_staging_bytes: 256 << 20,
         certs_dir: Default::default(),
         kv_layer_delay: None,
-        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), threads: a.threads, config: a.engine_config() },
+        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: a.threads, config: a.engine_config() },
     };
     let prefill_parts = baton_prefill_node::Parts {
         engine: prefill_engine.clone(),

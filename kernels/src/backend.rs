@@ -22,6 +22,8 @@ pub enum KernelError {
     BackendUnavailable { backend: &'static str, reason: String },
     #[error("could not start {threads} compute threads: {reason}")]
     Threads { threads: usize, reason: String },
+    #[error("NVRTC could not compile {file} for {arch}:\n{log}")]
+    Compile { file: String, arch: &'static str, log: String },
 }
 
 impl KernelError {
@@ -30,6 +32,7 @@ impl KernelError {
             KernelError::Matrix(_) => "matrix",
             KernelError::BackendUnavailable { .. } => "backend_unavailable",
             KernelError::Threads { .. } => "threads",
+            KernelError::Compile { .. } => "compile",
         }
     }
 }
@@ -245,8 +248,7 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Says why the CUDA backend cannot be used in this build. The `cuda`
-/// feature (a later addition) swaps in the real backend.
+/// Says why the CUDA backend cannot be used in a build without the `cuda` feature.
 pub fn cuda_unavailable() -> KernelError {
     KernelError::BackendUnavailable {
         backend: "cuda",

@@ -8,6 +8,8 @@
 
 pub mod attention;
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
@@ -16,6 +18,8 @@ pub mod quant;
 
 pub use attention::AttnRow;
 pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError};
+#[cfg(feature = "cuda")]
+pub use cuda::CudaBackend;
 pub use kv::{KvDtype, KvLayout, KvStorage};
 pub use matmul::QMatrix;
 pub use ops::RopeTable;

@@ -70,6 +70,11 @@ impl RopeTable {
         RopeTable { head_dim, max_pos, cos, sin }
     }
 
+    /// The cos and sin tables, `max_pos x head_dim / 2` each (uploaded by accelerator backends).
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// Rotates each head of each row of `x` (`rows x heads x head_dim`) by
     /// the angle of that row's position.
     pub fn apply(&self, x: &mut [f32], positions: &[u32], heads: usize) {

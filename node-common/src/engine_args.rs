@@ -5,7 +5,19 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use baton_engine::{model, Engine, EngineConfig};
-use baton_kernels::CpuBackend;
+use baton_kernels::{Backend, CpuBackend};
+
+/// Which compute backend runs the engine.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// The CPU backend.
+    #[default]
+    Cpu,
+    /// The CUDA backend on GPU `--gpu`; fails when there is none.
+    Cuda,
+    /// CUDA when this build has it and a GPU is there, else the CPU (and says why).
+    Auto,
+}
 
 /// Where the model is and how much memory the engine gets.
 #[derive(clap::Args, Clone, Debug)]
@@ -13,7 +25,13 @@ pub struct NodeEngineArgs {
     /// A GGUF file or a Hugging Face model folder.
     #[arg(long, env = "BATON_MODEL")]
     pub model: PathBuf,
-    /// Compute threads.
+    /// Compute backend.
+    #[arg(long, env = "BATON_BACKEND", value_enum, default_value = "cpu")]
+    pub backend: BackendChoice,
+    /// GPU ordinal (CUDA backend).
+    #[arg(long, env = "BATON_GPU", default_value_t = 0)]
+    pub gpu: usize,
+    /// Compute threads (CPU backend).
     #[arg(long, env = "BATON_THREADS", default_value_t = 2)]
     pub threads: usize,
     /// KV memory of the primary pool, MiB.
@@ -34,6 +52,8 @@ pub struct NodeEngineArgs {
 #[derive(Clone, Debug)]
 pub struct EngineSetup {
     pub model: PathBuf,
+    pub backend: BackendChoice,
+    pub gpu: usize,
     pub threads: usize,
     pub config: EngineConfig,
 }
@@ -51,20 +71,53 @@ impl TryFrom<NodeEngineArgs> for EngineSetup {
             step_token_budget: a.step_tokens,
             ..EngineConfig::default()
         };
-        Ok(EngineSetup { model: a.model, threads: a.threads, config })
+        Ok(EngineSetup { model: a.model, backend: a.backend, gpu: a.gpu, threads: a.threads, config })
     }
 }
 
 impl EngineSetup {
-    /// Loads the model on the CPU backend and starts the engine.
+    /// Loads the model on the chosen backend and starts the engine.
     pub fn start(&self) -> Result<Arc<Engine>> {
-        start_engine(&self.model, self.threads, self.config.clone())
+        Ok(Arc::new(start_engine(self.backend, self.gpu, self.threads, &self.model, self.config.clone())?))
     }
 }
 
-fn start_engine(path: &Path, threads: usize, config: EngineConfig) -> Result<Arc<Engine>> {
-    let backend = CpuBackend::new(threads)?;
+/// Loads `path` (GGUF file or Hugging Face folder) on the chosen backend and
+/// starts the engine, logging which backend runs it (and, for `auto`, why
+/// not CUDA).
+pub fn start_engine(choice: BackendChoice, gpu: usize, threads: usize, path: &Path, config: EngineConfig) -> Result<Engine> {
+    if !path.exists() {
+        anyhow::bail!("model {} not found; run scripts/fetch-model.sh or pass --model", path.display());
+    }
+    let engine = match choice {
+        BackendChoice::Cpu => start_on(CpuBackend::new(threads)?, path, config)?,
+        BackendChoice::Cuda => start_on(cuda_backend(gpu)?, path, config)?,
+        BackendChoice::Auto => match cuda_backend(gpu) {
+            Ok(backend) => start_on(backend, path, config)?,
+            Err(e) => {
+                tracing::info!(reason = %e, "CUDA backend unavailable; using the CPU backend");
+                start_on(CpuBackend::new(threads)?, path, config)?
+            }
+        },
+    };
+    tracing::info!(backend = %engine.info.backend, model = %engine.info.model_source, kv_blocks = engine.info.kv_blocks, "engine started");
+    Ok(engine)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(gpu: usize) -> Result<baton_kernels::CudaBackend> {
+    Ok(baton_kernels::CudaBackend::new(gpu)?)
+}
+
+/// Without the feature this is never constructed; the type only has to be a backend.
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(_gpu: usize) -> Result<CpuBackend> {
+    Err(baton_kernels::cuda_unavailable().into())
+}
+
+/// Loads `path` on `backend` and starts the engine.
+pub fn start_on<B: Backend + 'static>(backend: B, path: &Path, config: EngineConfig) -> Result<Engine> {
     let loaded = if path.is_dir() { model::load_hf_dir(&backend, path) } else { model::load_gguf(&backend, path) }
         .with_context(|| format!("loading {}", path.display()))?;
-    Ok(Arc::new(Engine::start(backend, loaded, config)?))
+    Ok(Engine::start(backend, loaded, config)?)
 }

@@ -1,0 +1,268 @@
+//! GPU roofline benchmark: a Llama-shaped forward pass with random weights,
+//! built from the backend's own operations, timed against what the GPU can do
+//! at best (measured in the same run):
+//!
+//! - decode step time at batch 1, 64 and 256 with 3,000-token contexts, against
+//!   the bandwidth roofline: (bytes of weights + KV read per step) / measured
+//!   device copy bandwidth;
+//! - prefill tokens/s against the matrix-unit roofline: model FLOPs per token /
+//!   measured cuBLAS bf16 GEMM throughput.
+//!
+//! Shapes: Llama-3-8B, and one GPU's slice of Llama-3-70B under tensor
+//! parallelism 8 (heads, KV heads, FFN and vocabulary divided by 8; the
+//! all-reduces between GPUs are not modelled).
+//!
+//! `cargo bench -p baton-kernels --features cuda --bench gpu` (bench/gpu/run.sh runs it).
+//! Without a GPU it says so and exits 0.
+
+use std::time::Instant;
+
+use baton_kernels::cuda::{CudaBackend, CudaMatrix};
+use baton_kernels::{AttnRow, Backend, KvDtype, KvLayout};
+
+#[derive(Clone, Copy)]
+struct Shape {
+    name: &'static str,
+    layers: usize,
+    dim: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    vocab: usize,
+}
+
+const LLAMA_8B: Shape = Shape { name: "llama-3-8b", layers: 32, dim: 4096, heads: 32, kv_heads: 8, head_dim: 128, ffn: 14336, vocab: 128_256 };
+const LLAMA_70B_TP8: Shape =
+    Shape { name: "llama-3-70b tp=8 slice", layers: 80, dim: 8192, heads: 8, kv_heads: 1, head_dim: 128, ffn: 3584, vocab: 16_032 };
+
+const CONTEXT: usize = 3000;
+const BLOCK_TOKENS: usize = 16;
+
+struct LayerWeights {
+    wq: CudaMatrix,
+    wk: CudaMatrix,
+    wv: CudaMatrix,
+    wo: CudaMatrix,
+    gate: CudaMatrix,
+    up: CudaMatrix,
+    down: CudaMatrix,
+}
+
+struct Model {
+    s: Shape,
+    layers: Vec<LayerWeights>,
+    head: CudaMatrix,
+    norm: <CudaBackend as Backend>::Tensor,
+    rope: <CudaBackend as Backend>::Rope,
+}
+
+impl Shape {
+    fn matrix_params(&self) -> usize {
+        let q = self.heads * self.head_dim;
+        let kv = self.kv_heads * self.head_dim;
+        self.layers * (self.dim * (q + 2 * kv) + q * self.dim + 3 * self.dim * self.ffn) + self.vocab * self.dim
+    }
+    fn kv_bytes_per_token(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.head_dim * 2
+    }
+}
+
+fn build(g: &CudaBackend, s: Shape) -> Model {
+    let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    let mut seed = 1u32;
+    let mut m = |n: usize, k: usize| {
+        seed += 1;
+        g.random_matrix(n, k, seed, 1.0 / (k as f32).sqrt()).expect("weights")
+    };
+    let layers = (0..s.layers)
+        .map(|_| LayerWeights { wq: m(q, s.dim), wk: m(kv, s.dim), wv: m(kv, s.dim), wo: m(s.dim, q), gate: m(s.ffn, s.dim), up: m(s.ffn, s.dim), down: m(s.dim, s.ffn) })
+        .collect();
+    let head = m(s.vocab, s.dim);
+    Model { s, layers, head, norm: g.upload(&vec![1.0; s.dim]), rope: g.rope(s.head_dim, 500_000.0, CONTEXT + 4096) }
+}
+
+/// Buffers of one forward pass.
+struct Acts {
+    x: <CudaBackend as Backend>::Tensor,
+    h: <CudaBackend as Backend>::Tensor,
+    q: <CudaBackend as Backend>::Tensor,
+    k: <CudaBackend as Backend>::Tensor,
+    v: <CudaBackend as Backend>::Tensor,
+    att: <CudaBackend as Backend>::Tensor,
+    o: <CudaBackend as Backend>::Tensor,
+    gate: <CudaBackend as Backend>::Tensor,
+    up: <CudaBackend as Backend>::Tensor,
+    act: <CudaBackend as Backend>::Tensor,
+    logits: <CudaBackend as Backend>::Tensor,
+}
+
+/// One forward pass over `rows` tokens (their positions and block tables in `attn`).
+#[allow(clippy::too_many_arguments)]
+fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a: &mut Acts, attn: &[AttnRow], slots: &[(u32, u32)], positions: &[u32], logits_rows: &[usize]) {
+    let s = m.s;
+    let rows = attn.len();
+    let scale = 1.0 / (s.head_dim as f32).sqrt();
+    for (li, l) in m.layers.iter().enumerate() {
+        g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
+        g.matmul(&a.h, rows, &mut [(&l.wq, &mut a.q), (&l.wk, &mut a.k), (&l.wv, &mut a.v)]);
+        g.apply_rope(&m.rope, &mut a.q, positions, s.heads);
+        g.apply_rope(&m.rope, &mut a.k, positions, s.kv_heads);
+        g.kv_write(kv, li, &a.k, &a.v, slots);
+        g.attention(kv, li, &a.q, attn, s.heads, scale, &mut a.att);
+        g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
+        g.add(&mut a.x, &a.o, rows * s.dim);
+        g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
+        g.matmul(&a.h, rows, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
+        g.silu_mul(&a.gate, &a.up, rows * s.ffn, &mut a.act);
+        g.matmul(&a.act, rows, &mut [(&l.down, &mut a.o)]);
+        g.add(&mut a.x, &a.o, rows * s.dim);
+    }
+    g.gather_rows(&a.x, s.dim, logits_rows, &mut a.att);
+    g.rmsnorm(&a.att, &m.norm, 1e-5, logits_rows.len(), s.dim, &mut a.h);
+    g.matmul(&a.h, logits_rows.len(), &mut [(&m.head, &mut a.logits)]);
+}
+
+fn acts(g: &CudaBackend, s: Shape, rows: usize) -> Acts {
+    let t = |n: usize| g.tensor(n);
+    Acts {
+        x: t(rows * s.dim),
+        h: t(rows * s.dim),
+        q: t(rows * s.heads * s.head_dim),
+        k: t(rows * s.kv_heads * s.head_dim),
+        v: t(rows * s.kv_heads * s.head_dim),
+        att: t(rows * (s.heads * s.head_dim).max(s.dim)),
+        o: t(rows * s.dim),
+        gate: t(rows * s.ffn),
+        up: t(rows * s.ffn),
+        act: t(rows * s.ffn),
+        logits: t(rows.min(256) * s.vocab),
+    }
+}
+
+/// Device copy bandwidth (GB/s): a 4 GiB device-to-device copy counts its bytes read and written.
+fn copy_bandwidth(g: &CudaBackend) -> f64 {
+    let n = 1usize << 30; // f32 elements = 4 GiB
+    let src = g.tensor(n);
+    let mut dst = g.tensor(n);
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        g.synchronize();
+        let t = Instant::now();
+        g.copy(&src, &mut dst);
+        g.synchronize();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * 4) as f64 / best / 1e9
+}
+
+/// cuBLAS bf16 GEMM throughput (TFLOP/s) at 8192 x 8192 x 8192.
+fn gemm_tflops(g: &CudaBackend) -> f64 {
+    let n = 8192;
+    let w = g.random_matrix(n, n, 7, 0.01).expect("gemm weights");
+    let x = g.upload(&vec![0.5f32; n * n]);
+    let mut out = g.tensor(n * n);
+    g.matmul(&x, n, &mut [(&w, &mut out)]);
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        g.synchronize();
+        let t = Instant::now();
+        g.matmul(&x, n, &mut [(&w, &mut out)]);
+        g.synchronize();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n as f64).powi(3) / best / 1e12
+}
+
+fn main() {
+    let g = match CudaBackend::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("SKIPPED: {e}");
+            return;
+        }
+    };
+    println!("backend  {}", g.describe());
+    let bw = copy_bandwidth(&g);
+    let tflops = gemm_tflops(&g);
+    println!("measured copy bandwidth {bw:.0} GB/s; cuBLAS bf16 GEMM (8192^3, includes the f32->bf16 input conversion) {tflops:.0} TFLOP/s");
+    println!();
+    println!("| shape | batch | step ms | roofline ms | ratio | bytes read/step |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    let mut prefill_lines = Vec::new();
+    for s in [LLAMA_8B, LLAMA_70B_TP8] {
+        let m = build(&g, s);
+        let weight_bytes = s.matrix_params() * 2;
+        for batch in [1usize, 64, 256] {
+            let tokens = batch * (CONTEXT + 1);
+            let blocks = tokens.div_ceil(BLOCK_TOKENS) + batch;
+            let layout = KvLayout { layers: s.layers, block_tokens: BLOCK_TOKENS, kv_heads: s.kv_heads, head_dim: s.head_dim, dtype: KvDtype::BF16 };
+            let need = blocks * layout.block_bytes();
+            let (free, _) = g.memory();
+            if need + (2 << 30) > free {
+                println!("| {} | {batch} | skipped: KV needs {} GiB, {} GiB free | | | |", s.name, need >> 30, free >> 30);
+                continue;
+            }
+            let mut kv = g.kv(layout, blocks).expect("kv arena");
+            let per_seq = (CONTEXT + 1).div_ceil(BLOCK_TOKENS);
+            let tables: Vec<Vec<u32>> = (0..batch).map(|b| ((b * per_seq) as u32..((b + 1) * per_seq) as u32).collect()).collect();
+            let attn: Vec<AttnRow> = tables.iter().map(|t| AttnRow { block_table: t, pos: CONTEXT }).collect();
+            let slots: Vec<(u32, u32)> = tables.iter().map(|t| (t[CONTEXT / BLOCK_TOKENS], (CONTEXT % BLOCK_TOKENS) as u32)).collect();
+            let positions = vec![CONTEXT as u32; batch];
+            let logits_rows: Vec<usize> = (0..batch).collect();
+            let mut a = acts(&g, s, batch);
+            a.x = g.upload(&vec![0.01; batch * s.dim]);
+            forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &logits_rows);
+            g.synchronize();
+            let steps = 5;
+            let t = Instant::now();
+            for _ in 0..steps {
+                forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &logits_rows);
+            }
+            g.synchronize();
+            let step = t.elapsed().as_secs_f64() / steps as f64;
+            let bytes = weight_bytes + batch * (CONTEXT + 1) * s.kv_bytes_per_token();
+            let roof = bytes as f64 / (bw * 1e9);
+            println!("| {} | {batch} | {:.2} | {:.2} | {:.2}x | {:.1} GB |", s.name, step * 1e3, roof * 1e3, step / roof, bytes as f64 / 1e9);
+        }
+
+        // Prefill: one 2,048-token prompt in one step.
+        let n = 2048;
+        let layout = KvLayout { layers: s.layers, block_tokens: BLOCK_TOKENS, kv_heads: s.kv_heads, head_dim: s.head_dim, dtype: KvDtype::BF16 };
+        let mut kv = g.kv(layout, n / BLOCK_TOKENS).expect("kv arena");
+        let table: Vec<u32> = (0..(n / BLOCK_TOKENS) as u32).collect();
+        let attn: Vec<AttnRow> = (0..n).map(|p| AttnRow { block_table: &table, pos: p }).collect();
+        let slots: Vec<(u32, u32)> = (0..n).map(|p| (table[p / BLOCK_TOKENS], (p % BLOCK_TOKENS) as u32)).collect();
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let mut a = acts(&g, s, n);
+        a.x = g.upload(&vec![0.01; n * s.dim]);
+        forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &[n - 1]);
+        g.synchronize();
+        let t = Instant::now();
+        let reps = 3;
+        for _ in 0..reps {
+            forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &[n - 1]);
+        }
+        g.synchronize();
+        let secs = t.elapsed().as_secs_f64() / reps as f64;
+        // Matrix FLOPs (the LM head runs for the last token only) + causal attention (QK and PV).
+        let layer_params = s.matrix_params() - s.vocab * s.dim;
+        let flops = 2.0 * layer_params as f64 * n as f64
+            + 2.0 * (s.vocab * s.dim) as f64
+            + 2.0 * 2.0 * s.layers as f64 * (s.heads * s.head_dim) as f64 * (n as f64 * (n as f64 + 1.0) / 2.0);
+        let achieved = flops / secs / 1e12;
+        prefill_lines.push(format!(
+            "| {} | {n} | {:.0} | {:.0} | {:.0}% |",
+            s.name,
+            n as f64 / secs,
+            achieved,
+            100.0 * achieved / tflops
+        ));
+    }
+    println!();
+    println!("| shape | prompt tokens | prefill tok/s | achieved TFLOP/s | of measured GEMM |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for l in prefill_lines {
+        println!("{l}");
+    }
+}

@@ -1,0 +1,104 @@
+// Paged attention for prefill and decode alike. Row r of the batch is a query
+// at position pos[r] that attends to keys 0..=pos[r] of its sequence, found
+// through its block table (tables[table_off[r]..]). A prefill chunk is rows
+// that share a table, causal because each row stops at its own position; the
+// cached prefix is just the lower positions of that table.
+//
+// Keys are split into partitions of ATTN_PART (flash-decoding): one thread
+// block computes one (row, head, partition) and writes its max, sum of
+// exponentials and unnormalised output; attn_combine merges the partitions of
+// a row in order. The partition size is fixed, so a row's result depends only
+// on its own keys, never on what else is in the batch or how a prompt was
+// chunked: the determinism contract of the CPU backend.
+
+#define ATTN_PART 256
+#define ATTN_THREADS 128
+
+// Shared memory: head_dim floats of query, ATTN_PART scores, 32 for reductions.
+template <int D>
+__device__ void attn_partial_impl(const void* arena, const float* q, const u32* tables, const u32* table_off, const u32* pos,
+                                  int layer, int layers, int block_tokens, int kv_heads, int head_dim, int n_heads, float scale,
+                                  int max_parts, float* part_acc, float* part_ml) {
+    extern __shared__ float shared[];
+    float* qs = shared;
+    float* scores = shared + head_dim;
+    float* scratch = scores + ATTN_PART;
+    int row = blockIdx.x, h = blockIdx.y, p = blockIdx.z;
+    int n_keys = (int)pos[row] + 1;
+    int k0 = p * ATTN_PART;
+    if (k0 >= n_keys) return;  // past this row's keys: attn_combine never reads it
+    int k1 = min(k0 + ATTN_PART, n_keys);
+    int kvh = h / (n_heads / kv_heads);
+    int te = kv_heads * head_dim;
+    const u32* table = tables + table_off[row];
+    const float* qr = q + ((u64)row * n_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+    __syncthreads();
+
+    // Scores: one warp per key, lanes across the head; summed in warp_sum's fixed order.
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int j = k0 + warp; j < k1; j += warps) {
+        u64 base = kv_index(table[j / block_tokens], layer, layers, 0, j % block_tokens, block_tokens, te) + (u64)kvh * head_dim;
+        float s = 0.f;
+        for (int d = lane; d < head_dim; d += 32) s += qs[d] * kv_load<D>(arena, base + d);
+        s = warp_sum(s);
+        if (lane == 0) scores[j - k0] = s * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) m = fmaxf(m, scores[j]);
+    m = block_max(m, scratch);
+    float l = 0.f;
+    for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
+        float e = expf(scores[j] - m);
+        scores[j] = e;
+        l += e;
+    }
+    l = block_sum(l, scratch);  // its barriers also publish the exponentials
+
+    // Values: one thread per output element, keys in order.
+    u64 slot = ((u64)row * n_heads + h) * max_parts + p;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.f;
+        for (int j = k0; j < k1; j++) {
+            u64 vb = kv_index(table[j / block_tokens], layer, layers, 1, j % block_tokens, block_tokens, te) + (u64)kvh * head_dim;
+            acc += scores[j - k0] * kv_load<D>(arena, vb + d);
+        }
+        part_acc[slot * head_dim + d] = acc;
+    }
+    if (threadIdx.x == 0) {
+        part_ml[slot * 2] = m;
+        part_ml[slot * 2 + 1] = l;
+    }
+}
+
+#define ATTN_PARTIAL(name, D)                                                                                         \
+    extern "C" __global__ void name(const void* arena, const float* q, const u32* tables, const u32* table_off,        \
+                                    const u32* pos, int layer, int layers, int block_tokens, int kv_heads, int head_dim, \
+                                    int n_heads, float scale, int max_parts, float* part_acc, float* part_ml) {       \
+        attn_partial_impl<D>(arena, q, tables, table_off, pos, layer, layers, block_tokens, kv_heads, head_dim,       \
+                             n_heads, scale, max_parts, part_acc, part_ml);                                           \
+    }
+ATTN_PARTIAL(attn_partial_f32, KV_F32)
+ATTN_PARTIAL(attn_partial_f16, KV_F16)
+ATTN_PARTIAL(attn_partial_bf16, KV_BF16)
+ATTN_PARTIAL(attn_partial_e4m3, KV_E4M3)
+
+// Merges a row's partitions, in partition order. Grid: (rows, n_heads).
+extern "C" __global__ void attn_combine(const float* part_acc, const float* part_ml, const u32* pos, int n_heads, int head_dim,
+                                        int max_parts, float* out) {
+    int row = blockIdx.x, h = blockIdx.y;
+    int parts = ((int)pos[row] + ATTN_PART) / ATTN_PART;
+    u64 base = ((u64)row * n_heads + h) * max_parts;
+    float m = NEG_INF;
+    for (int p = 0; p < parts; p++) m = fmaxf(m, part_ml[(base + p) * 2]);
+    float l = 0.f;
+    for (int p = 0; p < parts; p++) l += expf(part_ml[(base + p) * 2] - m) * part_ml[(base + p) * 2 + 1];
+    float inv = 1.f / l;
+    float* o = out + ((u64)row * n_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.f;
+        for (int p = 0; p < parts; p++) acc += expf(part_ml[(base + p) * 2] - m) * part_acc[(base + p) * head_dim + d];
+        o[d] = acc * inv;
+    }
+}

@@ -1,0 +1,12 @@
+// RMSNorm: one thread block per row. out = x / sqrt(mean(x^2) + eps) * w.
+
+extern "C" __global__ void rmsnorm(const float* x, const float* w, float eps, int dim, float* out) {
+    __shared__ float scratch[32];
+    const float* xr = x + (u64)blockIdx.x * dim;
+    float* o = out + (u64)blockIdx.x * dim;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, scratch);
+    float scale = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+}

@@ -1,0 +1,607 @@
+//! The CUDA backend: the same [`Backend`] operations on an NVIDIA GPU.
+//!
+//! - Weights live on the device in bf16 (quantized GGUF tensors are expanded
+//!   once at load); matrix products go through cuBLAS (bf16 inputs, f32
+//!   accumulation and output). Activations stay f32 between kernels and are
+//!   converted to bf16 only as the input of a product.
+//! - Everything else is a kernel of `kernels/cuda/*.cu`, compiled by NVRTC for
+//!   the device's architecture on first use and cached (`compile`).
+//! - The KV arena is one device allocation with the CPU backend's block layout,
+//!   so blocks packed here unpack on a CPU node and the other way round.
+//!
+//! Construction checks for the driver, a GPU, NVRTC and cuBLAS before cudarc
+//! is touched (`runtime`), so a machine without them gets an error, not a panic.
+//! Device failures after that (a launch error, an ECC fault) panic with the
+//! operation's name: the trait's operations cannot fail on the CPU, and a GPU
+//! in that state cannot go on serving.
+
+pub mod compile;
+pub mod runtime;
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use crate::attention::AttnRow;
+use crate::backend::{Backend, KernelError};
+use crate::kv::{KvDtype, KvLayout};
+use crate::matmul::QMatrix;
+use crate::ops::RopeTable;
+use crate::quant::WeightFormat;
+
+/// Keys per attention partition; must equal `ATTN_PART` in attention.cu.
+pub const ATTN_PART: usize = 256;
+const ATTN_THREADS: u32 = 128;
+
+fn cuda_error(op: &str, e: impl std::fmt::Debug) -> KernelError {
+    KernelError::BackendUnavailable { backend: "cuda", reason: format!("{op}: {e:?}") }
+}
+
+/// A device failure in an infallible trait operation (see the module comment).
+#[track_caller]
+fn fail(op: &str, e: impl std::fmt::Debug) -> ! {
+    panic!("CUDA backend: {op} failed: {e:?}")
+}
+
+/// A weight matrix: `n` rows of `k` bf16 values, row-major, on the device.
+pub struct CudaMatrix {
+    pub n: usize,
+    pub k: usize,
+    w: CudaSlice<u16>,
+}
+
+/// The paged KV arena on the device.
+pub struct CudaKv {
+    pub layout: KvLayout,
+    pub blocks: usize,
+    arena: CudaSlice<u8>,
+}
+
+/// Rotary cos/sin tables on the device (the CPU backend's angles).
+pub struct CudaRope {
+    half: usize,
+    max_pos: usize,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+/// The kernels of one device, by name.
+struct Kernels {
+    rmsnorm: CudaFunction,
+    rope: CudaFunction,
+    silu_mul: CudaFunction,
+    add_inplace: CudaFunction,
+    to_bf16: CudaFunction,
+    gather_rows: CudaFunction,
+    embed_bf16: CudaFunction,
+    fill_uniform_bf16: CudaFunction,
+    /// Indexed by [`kv_code`].
+    kv_write: [CudaFunction; 4],
+    kv_pack: CudaFunction,
+    kv_unpack: CudaFunction,
+    attn_partial: [CudaFunction; 4],
+    attn_combine: CudaFunction,
+    argmax_rows: CudaFunction,
+    softmax_rows: CudaFunction,
+}
+
+/// Device buffers reused across calls (one forward pass runs at a time).
+#[derive(Default)]
+struct Scratch {
+    acts_bf16: Option<CudaSlice<u16>>,
+    part_acc: Option<CudaSlice<f32>>,
+    part_ml: Option<CudaSlice<f32>>,
+    packed: Option<CudaSlice<u32>>,
+}
+
+/// The number the kernels use for a KV element type (`KV_*` in common.cuh).
+fn kv_code(dtype: KvDtype) -> usize {
+    match dtype {
+        KvDtype::F32 => 0,
+        KvDtype::F16 => 1,
+        KvDtype::BF16 => 2,
+        // 3 is FP8 E4M3: compiled and converted by the kernels, not yet a `KvDtype`.
+    }
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: Mutex<CudaBlas>,
+    k: Kernels,
+    scratch: Mutex<Scratch>,
+    name: String,
+    arch: &'static str,
+    driver: runtime::DriverInfo,
+}
+
+fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(stream: &Arc<CudaStream>, buf: &mut Option<CudaSlice<T>>, len: usize, op: &str) {
+    if buf.as_ref().is_none_or(|b| b.len() < len) {
+        *buf = None; // free before allocating the larger one
+        *buf = Some(stream.alloc_zeros::<T>(len.max(1)).unwrap_or_else(|e| fail(op, e)));
+    }
+}
+
+/// A grid-stride launch over `n` elements.
+fn elementwise_config(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn rows_config(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiling (or loading cached) kernels for its architecture.
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        let driver = runtime::check_cuda()?;
+        if ordinal >= driver.devices as usize {
+            return Err(cuda_error("opening the GPU", format!("GPU {ordinal} requested; the driver sees {}", driver.devices)));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_error("creating a context", e))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| cuda_error("reading the compute capability", e))?;
+        let arch = compile::arch_for(major, minor)?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let mut modules = std::collections::HashMap::new();
+        for (module, ptx) in compile::compile_all(arch)? {
+            modules.insert(module, ctx.load_module(ptx).map_err(|e| cuda_error(&format!("loading {module}.cu"), e))?);
+        }
+        let get = |module: &str, f: &str| -> Result<CudaFunction, KernelError> {
+            modules[module].load_function(f).map_err(|e| cuda_error(&format!("finding {f} in {module}.cu"), e))
+        };
+        let k = Kernels {
+            rmsnorm: get("norm", "rmsnorm")?,
+            rope: get("rope", "rope")?,
+            silu_mul: get("elementwise", "silu_mul")?,
+            add_inplace: get("elementwise", "add_inplace")?,
+            to_bf16: get("elementwise", "to_bf16")?,
+            gather_rows: get("elementwise", "gather_rows")?,
+            embed_bf16: get("elementwise", "embed_bf16")?,
+            fill_uniform_bf16: get("elementwise", "fill_uniform_bf16")?,
+            kv_write: [get("kv", "kv_write_f32")?, get("kv", "kv_write_f16")?, get("kv", "kv_write_bf16")?, get("kv", "kv_write_e4m3")?],
+            kv_pack: get("kv", "kv_pack")?,
+            kv_unpack: get("kv", "kv_unpack")?,
+            attn_partial: [
+                get("attention", "attn_partial_f32")?,
+                get("attention", "attn_partial_f16")?,
+                get("attention", "attn_partial_bf16")?,
+                get("attention", "attn_partial_e4m3")?,
+            ],
+            attn_combine: get("attention", "attn_combine")?,
+            argmax_rows: get("sampling", "argmax_rows")?,
+            softmax_rows: get("sampling", "softmax_rows")?,
+        };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_error("creating a cuBLAS handle", e))?;
+        Ok(CudaBackend { ctx, stream, blas: Mutex::new(blas), k, scratch: Mutex::new(Scratch::default()), name, arch, driver })
+    }
+
+    /// Waits for every queued operation (benchmarks time with this).
+    pub fn synchronize(&self) {
+        self.stream.synchronize().unwrap_or_else(|e| fail("synchronize", e));
+    }
+
+    /// `dst[..src.len()] = src` on the device (benchmarks measure bandwidth with it).
+    pub fn copy(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>) {
+        assert!(dst.len() >= src.len(), "copy: destination too small");
+        self.stream.memcpy_dtod(src, &mut dst.slice_mut(..src.len())).unwrap_or_else(|e| fail("memcpy_dtod", e));
+    }
+
+    /// The GPU's free and total memory in bytes.
+    pub fn memory(&self) -> (usize, usize) {
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        cudarc::driver::result::mem_get_info().unwrap_or_else(|e| fail("cuMemGetInfo", e))
+    }
+
+    /// A matrix of uniform values in `[-scale, scale)` made on the device
+    /// (benchmarks of large shapes: no host copy of the weights).
+    pub fn random_matrix(&self, n: usize, k: usize, seed: u32, scale: f32) -> Result<CudaMatrix, KernelError> {
+        let mut w = self.stream.alloc_zeros::<u16>(n * k).map_err(|e| cuda_error(&format!("allocating a {n} x {k} matrix"), e))?;
+        let len = (n * k) as u64;
+        let mut b = self.stream.launch_builder(&self.k.fill_uniform_bf16);
+        b.arg(&mut w).arg(&len).arg(&seed).arg(&scale);
+        unsafe { b.launch(elementwise_config(n * k)) }.unwrap_or_else(|e| fail("fill_uniform_bf16", e));
+        Ok(CudaMatrix { n, k, w })
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
+        self.stream.memcpy_stod(data).unwrap_or_else(|e| fail("uploading indices", e))
+    }
+
+    /// The index of each row's largest value (ties to the lowest index).
+    pub fn argmax_rows(&self, logits: &CudaSlice<f32>, rows: usize, n: usize) -> Vec<u32> {
+        if rows == 0 {
+            return Vec::new();
+        }
+        let mut out = self.stream.alloc_zeros::<u32>(rows).unwrap_or_else(|e| fail("argmax_rows", e));
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(&self.k.argmax_rows);
+        b.arg(logits).arg(&n_i).arg(&mut out);
+        unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("argmax_rows", e));
+        self.stream.memcpy_dtov(&out).unwrap_or_else(|e| fail("argmax_rows download", e))
+    }
+
+    /// Row-wise `softmax(logits / temperature)`.
+    pub fn softmax_rows(&self, logits: &CudaSlice<f32>, rows: usize, n: usize, temperature: f32, out: &mut CudaSlice<f32>) {
+        if rows == 0 {
+            return;
+        }
+        self.ensure_len(out, rows * n);
+        let (n_i, inv_t) = (n as i32, 1.0 / temperature);
+        let mut b = self.stream.launch_builder(&self.k.softmax_rows);
+        b.arg(logits).arg(&n_i).arg(&inv_t).arg(out);
+        unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("softmax_rows", e));
+    }
+
+    /// Layers `layers` of `blocks`, packed block after block (the transport's
+    /// wire order), copied to host memory.
+    pub fn kv_pack(&self, kv: &CudaKv, blocks: &[u32], layers: std::ops::Range<usize>, out: &mut [u8]) {
+        let l = &kv.layout;
+        let span = layers.len() * l.block_layer_bytes();
+        assert_eq!(out.len(), blocks.len() * span, "kv_pack: output size");
+        assert!(blocks.iter().all(|&b| (b as usize) < kv.blocks) && layers.end <= l.layers, "kv_pack: block or layer out of range");
+        if blocks.is_empty() || span == 0 {
+            return;
+        }
+        let words = out.len() / 4;
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        grow(&self.stream, &mut s.packed, words, "kv_pack staging");
+        let packed = s.packed.as_mut().expect("grown above");
+        let ids = self.upload_u32(blocks);
+        let (wpbl, nl, l0, l1) = ((l.block_layer_bytes() / 4) as u64, l.layers as i32, layers.start as i32, layers.end as i32);
+        let mut cfg = elementwise_config(span / 4);
+        cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
+        cfg.grid_dim.1 = blocks.len() as u32;
+        // SAFETY: the arena's bytes are viewed as words (block_layer_bytes % 4 == 0, checked in `kv`).
+        let arena = unsafe { kv.arena.transmute::<u32>(kv.arena.len() / 4) }.expect("arena word view");
+        let mut b = self.stream.launch_builder(&self.k.kv_pack);
+        b.arg(&arena).arg(&ids).arg(&wpbl).arg(&nl).arg(&l0).arg(&l1).arg(&mut *packed);
+        unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_pack", e));
+        // SAFETY: `out` has exactly `words` words of bytes.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u32, words) };
+        if out.as_ptr() as usize % 4 == 0 {
+            self.stream.memcpy_dtoh(&packed.slice(..words), dst).unwrap_or_else(|e| fail("kv_pack download", e));
+            self.synchronize();
+        } else {
+            let v = self.stream.memcpy_dtov(&packed.slice(..words)).unwrap_or_else(|e| fail("kv_pack download", e));
+            for (o, w) in out.chunks_exact_mut(4).zip(v) {
+                o.copy_from_slice(&w.to_ne_bytes());
+            }
+        }
+    }
+
+    /// Installs `data` (as [`Self::kv_pack`] lays it out) into `blocks`.
+    pub fn kv_unpack(&self, kv: &mut CudaKv, blocks: &[u32], layers: std::ops::Range<usize>, data: &[u8]) {
+        let l = kv.layout;
+        let span = layers.len() * l.block_layer_bytes();
+        assert_eq!(data.len(), blocks.len() * span, "kv_unpack: input size");
+        assert!(blocks.iter().all(|&b| (b as usize) < kv.blocks) && layers.end <= l.layers, "kv_unpack: block or layer out of range");
+        if blocks.is_empty() || span == 0 {
+            return;
+        }
+        let words: Vec<u32> = data.chunks_exact(4).map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let staged = self.stream.memcpy_stod(&words).unwrap_or_else(|e| fail("kv_unpack upload", e));
+        let ids = self.upload_u32(blocks);
+        let (wpbl, nl, l0, l1) = ((l.block_layer_bytes() / 4) as u64, l.layers as i32, layers.start as i32, layers.end as i32);
+        let mut cfg = elementwise_config(span / 4);
+        cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
+        cfg.grid_dim.1 = blocks.len() as u32;
+        let n_words = kv.arena.len() / 4;
+        // SAFETY: as in kv_pack.
+        let mut arena = unsafe { kv.arena.transmute_mut::<u32>(n_words) }.expect("arena word view");
+        let mut b = self.stream.launch_builder(&self.k.kv_unpack);
+        b.arg(&mut arena).arg(&ids).arg(&wpbl).arg(&nl).arg(&l0).arg(&l1).arg(&staged);
+        unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_unpack", e));
+        self.synchronize();
+    }
+
+    fn gemm(&self, w: &CudaMatrix, x: &CudaSlice<u16>, rows: usize, out: &mut CudaSlice<f32>) {
+        // Row-major out[rows][n] = x[rows][k] · w[n][k]ᵀ is, column-major,
+        // out (n x rows) = wᵀ (n x k) · x (k x rows).
+        let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        let (alpha, beta) = (1f32, 0f32);
+        let (a, _ra) = w.w.device_ptr(&self.stream);
+        let (bx, _rb) = x.device_ptr(&self.stream);
+        let (c, _rc) = out.device_ptr_mut(&self.stream);
+        // SAFETY: the pointers are live device allocations of the sizes the
+        // dimensions name (n*k, rows*k, rows*n), on the handle's stream.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                w.n as i32,
+                rows as i32,
+                w.k as i32,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                w.k as i32,
+                bx as *const c_void,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                w.k as i32,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                w.n as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .unwrap_or_else(|e| fail("cublasGemmEx", e));
+    }
+
+    fn upload_bf16(&self, n: usize, k: usize, bits: Vec<u16>) -> Result<CudaMatrix, KernelError> {
+        let w = self.stream.memcpy_stod(&bits).map_err(|e| cuda_error(&format!("uploading a {n} x {k} matrix"), e))?;
+        Ok(CudaMatrix { n, k, w })
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaSlice<f32>;
+    type Matrix = CudaMatrix;
+    type Kv = CudaKv;
+    type Rope = CudaRope;
+
+    fn describe(&self) -> String {
+        format!(
+            "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS)",
+            self.name,
+            self.arch,
+            self.driver.version / 1000,
+            self.driver.version % 1000 / 10
+        )
+    }
+
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        f()
+    }
+
+    fn matrix(&self, format: WeightFormat, n: usize, k: usize, bytes: &[u8]) -> Result<CudaMatrix, KernelError> {
+        // Expand on the host through the CPU backend's decoder (the one
+        // reference for every GGUF format), then store bf16 on the device.
+        let q = QMatrix::from_ggml(format, n, k, bytes)?;
+        let mut bits = vec![0u16; n * k];
+        let mut row = vec![0f32; k];
+        for r in 0..n {
+            q.row_f32(r, &mut row);
+            for (o, &v) in bits[r * k..(r + 1) * k].iter_mut().zip(&row) {
+                *o = half::bf16::from_f32(v).to_bits();
+            }
+        }
+        self.upload_bf16(n, k, bits)
+    }
+
+    fn matrix_from_f32(&self, n: usize, k: usize, w: Vec<f32>) -> Result<CudaMatrix, KernelError> {
+        if w.len() != n * k {
+            return Err(cuda_error("matrix_from_f32", format!("{} values for a {n} x {k} matrix", w.len())));
+        }
+        self.upload_bf16(n, k, w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect())
+    }
+
+    fn matrix_bytes(&self, m: &CudaMatrix) -> usize {
+        m.n * m.k * 2
+    }
+
+    fn kv(&self, layout: KvLayout, blocks: usize) -> Result<CudaKv, KernelError> {
+        if layout.block_layer_bytes() % 4 != 0 {
+            return Err(cuda_error("allocating the KV arena", "a block's layer must be a whole number of 32-bit words"));
+        }
+        let bytes = layout.block_bytes() * blocks;
+        let arena = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| {
+            let (free, _) = self.memory();
+            cuda_error(&format!("allocating {} MiB of KV blocks ({} MiB free)", bytes >> 20, free >> 20), e)
+        })?;
+        Ok(CudaKv { layout, blocks, arena })
+    }
+
+    fn rope(&self, head_dim: usize, base: f32, max_pos: usize) -> CudaRope {
+        let table = RopeTable::new(head_dim, base, max_pos);
+        let (cos, sin) = table.tables();
+        let cos = self.stream.memcpy_stod(cos).unwrap_or_else(|e| fail("uploading rope tables", e));
+        let sin = self.stream.memcpy_stod(sin).unwrap_or_else(|e| fail("uploading rope tables", e));
+        CudaRope { half: head_dim / 2, max_pos, cos, sin }
+    }
+
+    fn tensor(&self, len: usize) -> CudaSlice<f32> {
+        self.stream.alloc_zeros::<f32>(len.max(1)).unwrap_or_else(|e| fail("allocating a tensor", e))
+    }
+
+    fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
+        if data.is_empty() {
+            return self.tensor(1);
+        }
+        self.stream.memcpy_stod(data).unwrap_or_else(|e| fail("upload", e))
+    }
+
+    fn download(&self, t: &CudaSlice<f32>, out: &mut [f32]) {
+        if out.is_empty() {
+            return;
+        }
+        self.stream.memcpy_dtoh(&t.slice(..out.len()), out).unwrap_or_else(|e| fail("download", e));
+        self.synchronize();
+    }
+
+    fn ensure_len(&self, t: &mut CudaSlice<f32>, len: usize) {
+        if t.len() < len {
+            *t = self.tensor(len);
+        }
+    }
+
+    fn embed(&self, table: &CudaMatrix, tokens: &[u32], out: &mut CudaSlice<f32>) {
+        if tokens.is_empty() {
+            return;
+        }
+        assert!(tokens.iter().all(|&t| (t as usize) < table.n), "token beyond the embedding table ({})", table.n);
+        self.ensure_len(out, tokens.len() * table.k);
+        let ids = self.upload_u32(tokens);
+        let width = table.k as i32;
+        let mut b = self.stream.launch_builder(&self.k.embed_bf16);
+        b.arg(&table.w).arg(&ids).arg(&width).arg(out);
+        unsafe { b.launch(rows_config(tokens.len(), 256)) }.unwrap_or_else(|e| fail("embed_bf16", e));
+    }
+
+    fn rmsnorm(&self, x: &CudaSlice<f32>, weight: &CudaSlice<f32>, eps: f32, rows: usize, dim: usize, out: &mut CudaSlice<f32>) {
+        if rows == 0 {
+            return;
+        }
+        self.ensure_len(out, rows * dim);
+        let dim_i = dim as i32;
+        let mut b = self.stream.launch_builder(&self.k.rmsnorm);
+        b.arg(x).arg(weight).arg(&eps).arg(&dim_i).arg(out);
+        unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("rmsnorm", e));
+    }
+
+    fn matmul(&self, x: &CudaSlice<f32>, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
+        let Some(k) = outs.first().map(|(w, _)| w.k) else { return };
+        assert!(outs.iter().all(|(w, _)| w.k == k), "fused products must share one input width");
+        if rows == 0 {
+            return;
+        }
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        grow(&self.stream, &mut s.acts_bf16, rows * k, "bf16 activations");
+        let xb = s.acts_bf16.as_mut().expect("grown above");
+        let len = (rows * k) as u64;
+        let mut b = self.stream.launch_builder(&self.k.to_bf16);
+        b.arg(x).arg(&len).arg(&mut *xb);
+        unsafe { b.launch(elementwise_config(rows * k)) }.unwrap_or_else(|e| fail("to_bf16", e));
+        for (w, out) in outs.iter_mut() {
+            self.ensure_len(out, rows * w.n);
+            self.gemm(w, xb, rows, out);
+        }
+    }
+
+    fn apply_rope(&self, rope: &CudaRope, x: &mut CudaSlice<f32>, positions: &[u32], heads: usize) {
+        if positions.is_empty() {
+            return;
+        }
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= rope.max_pos) {
+            panic!("position {p} beyond the rope table ({})", rope.max_pos);
+        }
+        let pos = self.upload_u32(positions);
+        let (heads_i, half_i) = (heads as i32, rope.half as i32);
+        let mut b = self.stream.launch_builder(&self.k.rope);
+        b.arg(x).arg(&rope.cos).arg(&rope.sin).arg(&pos).arg(&heads_i).arg(&half_i);
+        unsafe { b.launch(rows_config(positions.len(), 128)) }.unwrap_or_else(|e| fail("rope", e));
+    }
+
+    fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, len: usize, out: &mut CudaSlice<f32>) {
+        if len == 0 {
+            return;
+        }
+        self.ensure_len(out, len);
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(&self.k.silu_mul);
+        b.arg(gate).arg(up).arg(out).arg(&n);
+        unsafe { b.launch(elementwise_config(len)) }.unwrap_or_else(|e| fail("silu_mul", e));
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) {
+        if len == 0 {
+            return;
+        }
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(&self.k.add_inplace);
+        b.arg(x).arg(y).arg(&n);
+        unsafe { b.launch(elementwise_config(len)) }.unwrap_or_else(|e| fail("add_inplace", e));
+    }
+
+    fn gather_rows(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize], out: &mut CudaSlice<f32>) {
+        if rows.is_empty() {
+            return;
+        }
+        self.ensure_len(out, rows.len() * width);
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let ids = self.upload_u32(&ids);
+        let width_i = width as i32;
+        let mut b = self.stream.launch_builder(&self.k.gather_rows);
+        b.arg(x).arg(&ids).arg(&width_i).arg(out);
+        unsafe { b.launch(rows_config(rows.len(), 256)) }.unwrap_or_else(|e| fail("gather_rows", e));
+    }
+
+    fn kv_write(&self, kv: &mut CudaKv, layer: usize, k: &CudaSlice<f32>, v: &CudaSlice<f32>, slots: &[(u32, u32)]) {
+        if slots.is_empty() {
+            return;
+        }
+        let l = kv.layout;
+        assert!(slots.iter().all(|&(b, s)| (b as usize) < kv.blocks && (s as usize) < l.block_tokens), "kv_write: slot out of range");
+        let flat: Vec<u32> = slots.iter().flat_map(|&(b, s)| [b, s]).collect();
+        let flat = self.upload_u32(&flat);
+        let (layer_i, layers_i, bt, te) = (layer as i32, l.layers as i32, l.block_tokens as i32, l.token_elems() as i32);
+        let mut b = self.stream.launch_builder(&self.k.kv_write[kv_code(l.dtype)]);
+        b.arg(&mut kv.arena).arg(k).arg(v).arg(&flat).arg(&layer_i).arg(&layers_i).arg(&bt).arg(&te);
+        unsafe { b.launch(rows_config(slots.len(), 128)) }.unwrap_or_else(|e| fail("kv_write", e));
+    }
+
+    fn attention(&self, kv: &CudaKv, layer: usize, q: &CudaSlice<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut CudaSlice<f32>) {
+        if rows.is_empty() {
+            return;
+        }
+        let l = &kv.layout;
+        let hd = l.head_dim;
+        self.ensure_len(out, rows.len() * n_heads * hd);
+        // One copy of each distinct block table (a prefill chunk's rows share one).
+        let (mut tables, mut offsets, mut positions) = (Vec::new(), Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        let mut last: Option<(*const u32, usize)> = None;
+        for r in rows {
+            let needed = r.pos / l.block_tokens + 1;
+            assert!(r.block_table.len() >= needed, "attention: a row at position {} has {} blocks", r.pos, r.block_table.len());
+            let start = match last {
+                Some((p, start)) if std::ptr::eq(p, r.block_table.as_ptr()) => start,
+                _ => {
+                    let start = tables.len();
+                    tables.extend_from_slice(r.block_table);
+                    last = Some((r.block_table.as_ptr(), start));
+                    start
+                }
+            };
+            offsets.push(start as u32);
+            positions.push(r.pos as u32);
+        }
+        let max_parts = rows.iter().map(|r| r.pos / ATTN_PART + 1).max().unwrap_or(1);
+        let (tables, offsets, positions) = (self.upload_u32(&tables), self.upload_u32(&offsets), self.upload_u32(&positions));
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let slots = rows.len() * n_heads * max_parts;
+        grow(&self.stream, &mut s.part_acc, slots * hd, "attention partials");
+        grow(&self.stream, &mut s.part_ml, slots * 2, "attention partials");
+        let Scratch { part_acc, part_ml, .. } = &mut *s;
+        let (part_acc, part_ml) = (part_acc.as_mut().expect("grown"), part_ml.as_mut().expect("grown"));
+        let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
+            (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, n_heads as u32, max_parts as u32),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: ((hd + ATTN_PART + 32) * 4) as u32,
+        };
+        let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
+        b.arg(&kv.arena).arg(q).arg(&tables).arg(&offsets).arg(&positions);
+        b.arg(&layer_i).arg(&layers_i).arg(&bt).arg(&kvh).arg(&hd_i).arg(&nh).arg(&scale).arg(&mp);
+        b.arg(&mut *part_acc).arg(&mut *part_ml);
+        unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial", e));
+        let cfg = LaunchConfig { grid_dim: (rows.len() as u32, n_heads as u32, 1), block_dim: (hd.next_multiple_of(32).min(256) as u32, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.attn_combine);
+        b.arg(&*part_acc).arg(&*part_ml).arg(&positions).arg(&nh).arg(&hd_i).arg(&mp).arg(out);
+        unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_combine", e));
+    }
+
+    fn kv_copy_block_out(&self, kv: &CudaKv, block: usize, out: &mut [u8]) {
+        self.kv_pack(kv, &[block as u32], 0..kv.layout.layers, out);
+    }
+
+    fn kv_copy_block_in(&self, kv: &mut CudaKv, block: usize, data: &[u8]) {
+        let layers = kv.layout.layers;
+        self.kv_unpack(kv, &[block as u32], 0..layers, data);
+    }
+
+    fn kv_block_layer_out(&self, kv: &CudaKv, block: usize, layer: usize, out: &mut [u8]) {
+        self.kv_pack(kv, &[block as u32], layer..layer + 1, out);
+    }
+
+    fn kv_block_layer_in(&self, kv: &mut CudaKv, block: usize, layer: usize, data: &[u8]) {
+        self.kv_unpack(kv, &[block as u32], layer..layer + 1, data);
+    }
+}

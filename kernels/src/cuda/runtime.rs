@@ -1,0 +1,200 @@
+//! Finding the CUDA libraries before cudarc touches them.
+//!
+//! cudarc loads the driver, NVRTC and cuBLAS by file name on first use and
+//! panics when one is missing (creating a context panics without a driver).
+//! So the backend looks for each library here first and fails with an error
+//! that names what is missing and where it looked.
+//!
+//! A library found outside the loader's path (the NVRTC wheel that
+//! `scripts/fetch-nvrtc.sh` unpacks, a pip-installed cuBLAS, the toolkit's
+//! lib64) is opened by its full path and kept open with `RTLD_GLOBAL`; when
+//! cudarc later opens it by its soname, the dynamic loader hands back the
+//! library already in memory.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+
+use crate::backend::KernelError;
+
+/// The oldest driver whose API covers every symbol of cudarc's CUDA 12.4 bindings.
+pub const MIN_DRIVER_VERSION: i32 = 12040;
+
+fn unavailable(reason: String) -> KernelError {
+    KernelError::BackendUnavailable { backend: "cuda", reason }
+}
+
+/// The reason alone, for errors kept in a `OnceLock` and wrapped again on the way out.
+fn reason(e: KernelError) -> String {
+    match e {
+        KernelError::BackendUnavailable { reason, .. } => reason,
+        other => other.to_string(),
+    }
+}
+
+/// Folders searched for CUDA libraries, in order: `BATON_CUDA_LIB_DIRS`
+/// (colon-separated), the NVRTC cache of `scripts/fetch-nvrtc.sh`, the
+/// toolkit, and pip's `nvidia-*` wheels.
+fn search_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var("BATON_CUDA_LIB_DIRS")
+        .map(|v| v.split(':').filter(|s| !s.is_empty()).map(PathBuf::from).collect())
+        .unwrap_or_default();
+    if let Some(cache) = std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache"))) {
+        dirs.push(cache.join("baton/nvrtc/lib"));
+    }
+    for d in ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib", "/usr/lib/x86_64-linux-gnu"] {
+        dirs.push(PathBuf::from(d));
+    }
+    // pip wheels: <site-packages>/nvidia/<component>/lib
+    let mut site = Vec::new();
+    for root in ["/usr/local/lib", "/usr/lib", "/opt/conda/lib"] {
+        if let Ok(entries) = std::fs::read_dir(root) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with("python3") {
+                    site.push(e.path().join("site-packages"));
+                    site.push(e.path().join("dist-packages"));
+                }
+            }
+        }
+    }
+    site.push(PathBuf::from("/usr/lib/python3/dist-packages"));
+    for s in site {
+        if let Ok(entries) = std::fs::read_dir(s.join("nvidia")) {
+            let mut libs: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("lib")).filter(|p| p.is_dir()).collect();
+            libs.sort();
+            dirs.extend(libs);
+        }
+    }
+    dirs
+}
+
+/// Libraries opened by full path, kept open for the life of the process.
+fn kept() -> &'static Mutex<Vec<Library>> {
+    static KEPT: OnceLock<Mutex<Vec<Library>>> = OnceLock::new();
+    KEPT.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// Makes `soname` loadable by name: opens it from the first search folder
+/// that has it (returning its path), or checks that the loader's own path has
+/// it (returning `None`).
+fn preload(soname: &str, what: &str) -> Result<Option<PathBuf>, KernelError> {
+    let dirs = search_dirs();
+    for dir in &dirs {
+        let path = dir.join(soname);
+        if path.is_file() {
+            // SAFETY: a CUDA library's initialisers have no preconditions.
+            match unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) } {
+                Ok(lib) => {
+                    kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
+                    return Ok(Some(path));
+                }
+                Err(e) => return Err(unavailable(format!("{what} ({}) exists but does not load: {e}", path.display()))),
+            }
+        }
+    }
+    // SAFETY: as above.
+    match unsafe { Library::open(Some(soname), RTLD_NOW | RTLD_GLOBAL) } {
+        Ok(lib) => {
+            kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
+            Ok(None)
+        }
+        Err(e) => Err(unavailable(format!(
+            "{what} ({soname}) not found: {e}; searched the loader path and {}. Set BATON_CUDA_LIB_DIRS to the folder that holds it{}",
+            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", "),
+            if soname.starts_with("libnvrtc") { ", or run scripts/fetch-nvrtc.sh" } else { "" }
+        ))),
+    }
+}
+
+/// Makes NVRTC (and its builtins, which it opens itself) loadable. Enough to
+/// compile kernels to PTX: no driver or GPU is needed. Returns where it was found.
+pub fn load_nvrtc() -> Result<String, KernelError> {
+    static NVRTC: OnceLock<Result<String, String>> = OnceLock::new();
+    NVRTC
+        .get_or_init(|| {
+            let Some(found) = preload("libnvrtc.so.12", "NVRTC").map_err(reason)? else {
+                return Ok("libnvrtc.so.12 on the loader path".to_string());
+            };
+            // The builtins library sits beside libnvrtc; open it too so NVRTC finds it by name.
+            if let Some(dir) = found.parent() {
+                if let Ok(entries) = std::fs::read_dir(dir) {
+                    for e in entries.flatten() {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        if name.starts_with("libnvrtc-builtins.so") && !name.contains(".alt.") {
+                            // SAFETY: as in `preload`.
+                            if let Ok(lib) = unsafe { Library::open(Some(e.path()), RTLD_NOW | RTLD_GLOBAL) } {
+                                kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(found.display().to_string())
+        })
+        .clone()
+        .map_err(unavailable)
+}
+
+/// What the driver reports, read through our own handle before cudarc loads it.
+#[derive(Clone, Debug)]
+pub struct DriverInfo {
+    pub version: i32,
+    pub devices: i32,
+}
+
+/// Checks for the driver, its version and at least one device; then for
+/// NVRTC and cuBLAS. Only after this succeeds may cudarc be used.
+pub fn check_cuda() -> Result<DriverInfo, KernelError> {
+    static CHECK: OnceLock<Result<DriverInfo, String>> = OnceLock::new();
+    CHECK
+        .get_or_init(|| {
+            preload("libcuda.so.1", "the NVIDIA driver").map_err(reason)?;
+            let info = driver_info().map_err(reason)?;
+            load_nvrtc().map_err(reason)?;
+            preload("libcublasLt.so.12", "cuBLASLt").map_err(reason)?;
+            preload("libcublas.so.12", "cuBLAS").map_err(reason)?;
+            Ok(info)
+        })
+        .clone()
+        .map_err(unavailable)
+}
+
+fn driver_info() -> Result<DriverInfo, KernelError> {
+    type GetVersion = unsafe extern "C" fn(*mut i32) -> i32;
+    type Init = unsafe extern "C" fn(u32) -> i32;
+    type GetCount = unsafe extern "C" fn(*mut i32) -> i32;
+    // SAFETY: libcuda.so.1 was just loaded; these signatures are the driver API's.
+    unsafe {
+        let lib = Library::open(Some("libcuda.so.1"), RTLD_NOW | RTLD_GLOBAL).map_err(|e| unavailable(format!("the NVIDIA driver does not load: {e}")))?;
+        let get_version = lib.get::<GetVersion>(b"cuDriverGetVersion\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuDriverGetVersion: {e}")))?;
+        let init = lib.get::<Init>(b"cuInit\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuInit: {e}")))?;
+        let get_count = lib.get::<GetCount>(b"cuDeviceGetCount\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuDeviceGetCount: {e}")))?;
+        let mut version = 0;
+        let rc = get_version(&mut version);
+        if rc != 0 {
+            return Err(unavailable(format!("cuDriverGetVersion failed (CUresult {rc})")));
+        }
+        if version < MIN_DRIVER_VERSION {
+            return Err(unavailable(format!(
+                "the driver supports CUDA {}.{}; Baton's CUDA backend needs {}.{} or later",
+                version / 1000,
+                version % 1000 / 10,
+                MIN_DRIVER_VERSION / 1000,
+                MIN_DRIVER_VERSION % 1000 / 10
+            )));
+        }
+        let rc = init(0);
+        if rc != 0 {
+            // 100 = CUDA_ERROR_NO_DEVICE: a driver without a GPU (or hidden by CUDA_VISIBLE_DEVICES).
+            return Err(unavailable(if rc == 100 { "the driver sees no GPU".to_string() } else { format!("cuInit failed (CUresult {rc})") }));
+        }
+        let mut devices = 0;
+        let rc = get_count(&mut devices);
+        if rc != 0 || devices == 0 {
+            return Err(unavailable("the driver sees no GPU".to_string()));
+        }
+        kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
+        Ok(DriverInfo { version, devices })
+    }
+}

@@ -1,0 +1,235 @@
+//! The CUDA backend against the CPU backend, operation by operation, on one
+//! GPU. Without a GPU every test says loudly that it was skipped (and fails
+//! when `BATON_REQUIRE_GPU=1`, as bench/gpu/run.sh sets).
+//!
+//! Tolerances, as relative error (max |gpu - cpu| / max |cpu|):
+//! - f32 element-wise operations and f32 KV attention: 1e-5 (exp and sqrt
+//!   differ by an ulp or two between libm and the GPU);
+//! - f16 KV attention: 2e-3; bf16 KV attention: 1e-2 (one rounding of K and V);
+//! - matrix products: 1e-2 (bf16 weights and activations, f32 accumulation),
+//!   against the CPU's f32 weights.
+//!   KV bytes written by the GPU must equal the CPU's bit for bit (both round
+//!   to nearest even), and a row's result must not depend on its batch.
+#![cfg(feature = "cuda")]
+
+use std::io::Write;
+
+use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout};
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => {
+            println!("{}", b.describe());
+            Some(b)
+        }
+        Err(e) if std::env::var("BATON_REQUIRE_GPU").as_deref() == Ok("1") => panic!("BATON_REQUIRE_GPU=1 but {e}"),
+        Err(e) => {
+            // Straight to the terminal: libtest captures eprintln! of passing tests.
+            let _ = writeln!(std::io::stderr(), "\n!!!!! SKIPPED: {e}; the CUDA backend is NOT tested !!!!!\n");
+            None
+        }
+    }
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn rel_err(gpu: &[f32], cpu: &[f32]) -> f32 {
+    assert_eq!(gpu.len(), cpu.len());
+    let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    gpu.iter().zip(cpu).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+fn down(g: &CudaBackend, t: &<CudaBackend as Backend>::Tensor, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    g.download(t, &mut out);
+    out
+}
+
+#[test]
+fn elementwise_operations_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(2).unwrap();
+    let (rows, dim) = (7, 576);
+    let x = values(rows * dim, 1);
+    let w = values(dim, 2);
+
+    let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+    c.rmsnorm(&x, &w, 1e-5, rows, dim, &mut oc);
+    g.rmsnorm(&g.upload(&x), &g.upload(&w), 1e-5, rows, dim, &mut og);
+    let e = rel_err(&down(&g, &og, rows * dim), &oc[..rows * dim]);
+    assert!(e <= 1e-5, "rmsnorm: {e}");
+
+    let y = values(rows * dim, 3);
+    let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+    c.silu_mul(&x, &y, rows * dim, &mut oc);
+    g.silu_mul(&g.upload(&x), &g.upload(&y), rows * dim, &mut og);
+    let e = rel_err(&down(&g, &og, rows * dim), &oc[..rows * dim]);
+    assert!(e <= 1e-5, "silu_mul: {e}");
+
+    let mut xc = x.clone();
+    let mut xg = g.upload(&x);
+    c.add(&mut xc, &y, rows * dim);
+    g.add(&mut xg, &g.upload(&y), rows * dim);
+    assert_eq!(down(&g, &xg, rows * dim), xc, "add is exact");
+
+    let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+    c.gather_rows(&x, dim, &[5, 0, 5], &mut oc);
+    g.gather_rows(&g.upload(&x), dim, &[5, 0, 5], &mut og);
+    assert_eq!(down(&g, &og, 3 * dim), oc[..3 * dim].to_vec(), "gather is exact");
+
+    let (heads, hd) = (9, 64);
+    let q = values(rows * heads * hd, 4);
+    let positions: Vec<u32> = vec![0, 1, 2, 100, 1000, 4095, 17];
+    let (rc, rg) = (c.rope(hd, 10_000.0, 4096), g.rope(hd, 10_000.0, 4096));
+    let mut qc = q.clone();
+    let mut qg = g.upload(&q);
+    c.apply_rope(&rc, &mut qc, &positions, heads);
+    g.apply_rope(&rg, &mut qg, &positions, heads);
+    let e = rel_err(&down(&g, &qg, q.len()), &qc);
+    assert!(e <= 1e-5, "rope: {e}");
+
+    // Greedy sampling picks the same token, ties to the lowest index.
+    let mut logits = values(3 * 49_152, 5);
+    logits[49_152 + 7] = 5.0;
+    logits[49_152 + 9] = 5.0;
+    let picked = g.argmax_rows(&g.upload(&logits), 3, 49_152);
+    let want: Vec<u32> = logits.chunks(49_152).map(|r| baton_kernels::ops::argmax(r) as u32).collect();
+    assert_eq!(picked, want);
+    assert_eq!(picked[1], 7);
+}
+
+#[test]
+fn matrix_products_match_the_cpu_and_do_not_depend_on_the_batch() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(2).unwrap();
+    for &(n, k) in &[(576, 576), (1536, 576), (576, 1536), (49_152, 576)] {
+        let w = values(n * k, n as u64 ^ k as u64);
+        let (wc, wg) = (c.matrix_from_f32(n, k, w.clone()).unwrap(), g.matrix_from_f32(n, k, w).unwrap());
+        let rows = 33;
+        let x = values(rows * k, 7);
+        let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+        c.matmul(&x, rows, &mut [(&wc, &mut oc)]);
+        g.matmul(&g.upload(&x), rows, &mut [(&wg, &mut og)]);
+        let batched = down(&g, &og, rows * n);
+        let e = rel_err(&batched, &oc[..rows * n]);
+        assert!(e <= 1e-2, "matmul {n}x{k}: {e}");
+        // Row 5 alone gives the same bits as row 5 in the batch of 33.
+        let mut alone = g.tensor(1);
+        g.matmul(&g.upload(&x[5 * k..6 * k]), 1, &mut [(&wg, &mut alone)]);
+        assert_eq!(down(&g, &alone, n), batched[5 * n..6 * n].to_vec(), "matmul {n}x{k}: row 5 alone differs from row 5 in a batch");
+    }
+}
+
+/// Writes the same tokens into a CPU and a GPU arena and checks the bytes,
+/// then attention for a decode batch of different lengths (up to 3,000 keys:
+/// 12 partitions) and for a prefill chunk.
+#[test]
+fn kv_and_attention_match_the_cpu_for_every_dtype() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(2).unwrap();
+    for (dtype, tol) in [(KvDtype::F32, 1e-5f32), (KvDtype::F16, 2e-3), (KvDtype::BF16, 1e-2)] {
+        let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads: 3, head_dim: 64, dtype };
+        let (n_heads, layer) = (9, 1);
+        let blocks = 400;
+        let (mut kc, mut kg) = (c.kv(layout, blocks).unwrap(), g.kv(layout, blocks).unwrap());
+        // Three sequences: 3,000, 700 and 1 tokens, blocks scattered over the arena.
+        let lens = [3000usize, 700, 1];
+        // A fixed permutation of the arena (7 is coprime to 400), split between the sequences.
+        let mut order = (0..blocks as u32).map(|i| (i * 7) % blocks as u32);
+        let tables: Vec<Vec<u32>> = lens.iter().map(|&len| order.by_ref().take(len.div_ceil(16)).collect()).collect();
+        let all: Vec<u32> = tables.iter().flatten().copied().collect();
+        let te = layout.token_elems();
+        for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
+            let k = values(len * te, 100 + s as u64);
+            let v = values(len * te, 200 + s as u64);
+            let slots: Vec<(u32, u32)> = (0..len).map(|p| (table[p / 16], (p % 16) as u32)).collect();
+            c.kv_write(&mut kc, layer, &k, &v, &slots);
+            g.kv_write(&mut kg, layer, &g.upload(&k), &g.upload(&v), &slots);
+        }
+        let bb = layout.block_bytes();
+        for &b in &all {
+            let (mut bc, mut bg) = (vec![0u8; bb], vec![0u8; bb]);
+            c.kv_copy_block_out(&kc, b as usize, &mut bc);
+            g.kv_copy_block_out(&kg, b as usize, &mut bg);
+            assert!(bc == bg, "{dtype:?}: block {b} bytes differ between the backends");
+        }
+
+        // Decode: the last position of each sequence.
+        let rows: Vec<AttnRow> = lens.iter().zip(&tables).map(|(&len, t)| AttnRow { block_table: t, pos: len - 1 }).collect();
+        let q = values(rows.len() * n_heads * 64, 9);
+        let scale = 1.0 / 8.0;
+        let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+        c.attention(&kc, layer, &q, &rows, n_heads, scale, &mut oc);
+        g.attention(&kg, layer, &g.upload(&q), &rows, n_heads, scale, &mut og);
+        let batch = down(&g, &og, q.len());
+        let e = rel_err(&batch, &oc[..q.len()]);
+        assert!(e <= tol, "{dtype:?} decode attention: {e}");
+        // The 3,000-token row alone: the same bits as in the batch.
+        let mut alone = g.tensor(1);
+        g.attention(&kg, layer, &g.upload(&q[..n_heads * 64]), &rows[..1], n_heads, scale, &mut alone);
+        assert_eq!(down(&g, &alone, n_heads * 64), batch[..n_heads * 64].to_vec(), "{dtype:?}: attention depends on the batch");
+
+        // Prefill: positions 600..700 of the second sequence as one chunk (causal).
+        let chunk: Vec<AttnRow> = (600..700).map(|p| AttnRow { block_table: &tables[1], pos: p }).collect();
+        let q = values(chunk.len() * n_heads * 64, 10);
+        let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+        c.attention(&kc, layer, &q, &chunk, n_heads, scale, &mut oc);
+        g.attention(&kg, layer, &g.upload(&q), &chunk, n_heads, scale, &mut og);
+        let e = rel_err(&down(&g, &og, q.len()), &oc[..q.len()]);
+        assert!(e <= tol, "{dtype:?} prefill attention: {e}");
+    }
+}
+
+/// Blocks move between backends: packed on the CPU, installed on the GPU
+/// layer by layer, packed again on the GPU: the same bytes.
+#[test]
+fn blocks_move_between_the_cpu_and_the_gpu_unchanged() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(1).unwrap();
+    let layout = KvLayout { layers: 30, block_tokens: 16, kv_heads: 3, head_dim: 64, dtype: KvDtype::BF16 };
+    let (mut kc, mut kg) = (c.kv(layout, 4).unwrap(), g.kv(layout, 4).unwrap());
+    let te = layout.token_elems();
+    for layer in 0..layout.layers {
+        let (k, v) = (values(16 * te, layer as u64), values(16 * te, 1000 + layer as u64));
+        let slots: Vec<(u32, u32)> = (0..16).map(|s| (2, s)).collect();
+        c.kv_write(&mut kc, layer, &k, &v, &slots);
+    }
+    let mut block = vec![0u8; layout.block_bytes()];
+    c.kv_copy_block_out(&kc, 2, &mut block);
+    let lb = layout.block_layer_bytes();
+    for layer in 0..layout.layers {
+        g.kv_block_layer_in(&mut kg, 3, layer, &block[layer * lb..(layer + 1) * lb]);
+    }
+    let mut back = vec![0u8; layout.block_bytes()];
+    g.kv_copy_block_out(&kg, 3, &mut back);
+    assert!(back == block);
+    let mut one = vec![0u8; lb];
+    g.kv_block_layer_out(&kg, 3, 7, &mut one);
+    assert!(one[..] == block[7 * lb..8 * lb]);
+}
+
+#[test]
+fn an_embedding_lookup_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(1).unwrap();
+    let (vocab, dim) = (1000, 576);
+    let table = values(vocab * dim, 11);
+    let (tc, tg) = (c.matrix_from_f32(vocab, dim, table.clone()).unwrap(), g.matrix_from_f32(vocab, dim, table).unwrap());
+    let tokens = [0u32, 999, 17, 17];
+    let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+    c.embed(&tc, &tokens, &mut oc);
+    g.embed(&tg, &tokens, &mut og);
+    let e = rel_err(&down(&g, &og, tokens.len() * dim), &oc[..tokens.len() * dim]);
+    assert!(e <= 4e-3, "embed (bf16 table): {e}");
+}

@@ -13,6 +13,8 @@ pub enum KvDtypeArg {
     F32,
     F16,
     Bf16,
+    /// FP8 E4M3: half the memory of f16 per token.
+    Fp8,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -91,6 +93,7 @@ impl EngineArgs {
                 KvDtypeArg::F32 => KvDtype::F32,
                 KvDtypeArg::F16 => KvDtype::F16,
                 KvDtypeArg::Bf16 => KvDtype::BF16,
+                KvDtypeArg::Fp8 => KvDtype::F8E4M3,
             },
             block_tokens: self.block_tokens,
             max_context: self.max_context,

@@ -8,6 +8,7 @@
 //! wherever Baton's top-1 beats its top-2 by at least 1.0 logit.
 
 mod common;
+use common::pearson;
 
 use baton_engine::chat_template::ChatMessage;
 use baton_kernels::KvDtype;
@@ -64,18 +65,6 @@ fn b64_f32(s: &str) -> Vec<f32> {
     bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
-fn pearson(a: &[f32], b: &[f32]) -> f64 {
-    let n = a.len() as f64;
-    let (ma, mb) = (a.iter().map(|&x| x as f64).sum::<f64>() / n, b.iter().map(|&x| x as f64).sum::<f64>() / n);
-    let (mut sab, mut saa, mut sbb) = (0.0, 0.0, 0.0);
-    for (&x, &y) in a.iter().zip(b) {
-        let (dx, dy) = (x as f64 - ma, y as f64 - mb);
-        sab += dx * dy;
-        saa += dx * dx;
-        sbb += dy * dy;
-    }
-    sab / (saa.sqrt() * sbb.sqrt())
-}
 
 #[test]
 fn matches_llamacpp_on_every_golden_case() {

@@ -51,6 +51,7 @@ impl KvStorage {
                     KvDtype::F16 => d[src..src + hd].reinterpret_cast::<f16>().convert_to_f32_slice(dst),
                     _ => d[src..src + hd].reinterpret_cast::<bf16>().convert_to_f32_slice(dst),
                 },
+                Raw::Byte(d) => crate::fp8::decode_slice(&d[src..src + hd], dst),
             }
         }
     }
@@ -60,6 +61,8 @@ impl KvStorage {
 pub(crate) enum Raw<'a> {
     F32(&'a [f32]),
     Half(&'a [u16]),
+    /// FP8 E4M3 bytes.
+    Byte(&'a [u8]),
 }
 
 #[inline(always)]

@@ -49,12 +49,15 @@ pub enum KvDtype {
     F16,
     Bf16,
     F32,
+    /// FP8 E4M3, one byte per element.
+    F8E4M3,
 }
 
 impl KvDtype {
     /// Bytes per element.
     pub const fn size_bytes(self) -> usize {
         match self {
+            KvDtype::F8E4M3 => 1,
             KvDtype::F16 | KvDtype::Bf16 => 2,
             KvDtype::F32 => 4,
         }
@@ -65,6 +68,7 @@ impl KvDtype {
             KvDtype::F16 => 1,
             KvDtype::Bf16 => 2,
             KvDtype::F32 => 3,
+            KvDtype::F8E4M3 => 4,
         }
     }
     /// Inverse of [`KvDtype::code`].
@@ -73,6 +77,7 @@ impl KvDtype {
             1 => Some(KvDtype::F16),
             2 => Some(KvDtype::Bf16),
             3 => Some(KvDtype::F32),
+            4 => Some(KvDtype::F8E4M3),
             _ => None,
         }
     }
@@ -84,6 +89,7 @@ impl fmt::Display for KvDtype {
             KvDtype::F16 => "f16",
             KvDtype::Bf16 => "bf16",
             KvDtype::F32 => "f32",
+            KvDtype::F8E4M3 => "f8e4m3",
         })
     }
 }
@@ -172,7 +178,7 @@ mod tests {
 
     #[test]
     fn dtype_codes_round_trip() {
-        for d in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32] {
+        for d in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32, KvDtype::F8E4M3] {
             assert_eq!(KvDtype::from_code(d.code()), Some(d));
         }
         assert_eq!(KvDtype::from_code(0), None);

@@ -24,6 +24,7 @@ pub fn transport_layout(info: &EngineInfo) -> Result<KvLayout> {
         "f16" => KvDtype::F16,
         "bf16" => KvDtype::Bf16,
         "f32" => KvDtype::F32,
+        "f8e4m3" => KvDtype::F8E4M3,
         other => bail!("KV dtype {other} cannot be transported"),
     };
     let layout = KvLayout { layers: l.layers as u32, block_tokens: l.block_tokens as u32, kv_heads: l.kv_heads as u32, head_dim: l.head_dim as u32, dtype };

@@ -123,3 +123,17 @@ pub fn logits_at<B: Backend>(backend: &B, model: &Model<B>, tokens: &[u32], rows
     let flat = backend.run(|| model.forward(backend, &mut kv, &input, &mut scratch));
     flat.chunks_exact(c.vocab).map(|r| r.to_vec()).collect()
 }
+
+/// Pearson correlation of two logit vectors.
+pub fn pearson(a: &[f32], b: &[f32]) -> f64 {
+    let n = a.len() as f64;
+    let (ma, mb) = (a.iter().map(|&x| x as f64).sum::<f64>() / n, b.iter().map(|&x| x as f64).sum::<f64>() / n);
+    let (mut sab, mut saa, mut sbb) = (0.0, 0.0, 0.0);
+    for (&x, &y) in a.iter().zip(b) {
+        let (dx, dy) = (x as f64 - ma, y as f64 - mb);
+        sab += dx * dy;
+        saa += dx * dx;
+        sbb += dy * dy;
+    }
+    sab / (saa.sqrt() * sbb.sqrt())
+}

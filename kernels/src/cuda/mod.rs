@@ -102,7 +102,7 @@ fn kv_code(dtype: KvDtype) -> usize {
         KvDtype::F32 => 0,
         KvDtype::F16 => 1,
         KvDtype::BF16 => 2,
-        // 3 is FP8 E4M3: compiled and converted by the kernels, not yet a `KvDtype`.
+        KvDtype::F8E4M3 => 3,
     }
 }
 

@@ -44,6 +44,7 @@ pub async fn round_trip_bit_exact(kind: Kind) {
         (KvLayout::smollm2_135m(KvDtype::F16), 23),
         (KvLayout::smollm2_135m(KvDtype::F32), 3),
         (KvLayout::smollm2_135m(KvDtype::Bf16), 1),
+        (KvLayout::smollm2_135m(KvDtype::F8E4M3), 5),
     ];
     for (i, (layout, n)) in cases.into_iter().enumerate() {
         let rig = Rig::new(kind, layout).await;

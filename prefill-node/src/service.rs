@@ -14,7 +14,6 @@ use baton_engine::kv::{ConversationId, UserId};
 use baton_engine::{Engine, EngineError, Event, KvImport, SubmitOptions};
 use baton_kv_transport::Grant;
 use baton_proto::node as pb;
-use baton_proto::node::decode_node_client::DecodeNodeClient;
 use baton_proto::node::node_control_server::NodeControl;
 use baton_proto::node::prefill_node_server::PrefillNode;
 use tonic::{Request, Response, Status};
@@ -22,6 +21,7 @@ use tonic::{Request, Response, Status};
 use crate::convert;
 use crate::kv::{parse_endpoint, ExportSource, KvNode};
 use baton_node_common::in_flight::{stop_taking_work, InFlight};
+use baton_node_common::prefix_pull::{connect_decode_node, pull_prefix};
 use crate::metrics::Metrics;
 
 pub struct PrefillService {
@@ -159,36 +159,12 @@ impl PrefillService {
         })
     }
 
-    /// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node.
+    /// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node at `source`.
     async fn pull_prefix(&self, prefix: &[u32], owner: &UserId, platform: usize, start_block: usize, source: &str) -> Result<KvImport, Status> {
-        let bt = self.kv.layout.block_tokens as usize;
-        let blocks = prefix.len() / bt - start_block;
-        let reservation = self.kv.receiver.reserve(blocks, Some(self.pull_deadline)).map_err(|e| Status::resource_exhausted(e.to_string()))?;
-        let ask = pb::ExportPrefixRequest {
-            tokens: prefix.to_vec(),
-            owner: owner.as_str().to_string(),
-            platform_prefix_len: platform.min(prefix.len()) as u32,
-            start_block: start_block as u32,
-            grant: reservation.grant().to_bytes(),
-            kv_endpoint: self.kv.endpoint.clone(),
-        };
-        let url = if source.contains("://") { source.to_string() } else { format!("http://{source}") };
-        let call = async {
-            let channel = tonic::transport::Endpoint::from_shared(url)
-                .map_err(|e| Status::invalid_argument(e.to_string()))?
-                .connect_timeout(Duration::from_secs(2))
-                .connect()
-                .await
-                .map_err(|e| Status::unavailable(e.to_string()))?;
-            DecodeNodeClient::new(channel).export_prefix(ask).await
-        };
-        tokio::time::timeout(self.pull_deadline, call).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
-        let ids = tokio::time::timeout(self.pull_deadline, reservation.finished())
-            .await
-            .map_err(|_| Status::deadline_exceeded("prefix pull"))?
-            .map_err(|e| Status::unavailable(e.to_string()))?;
-        let bytes = self.kv.take_blocks(&ids).map_err(|e| Status::internal(e.to_string()))?;
-        Ok(KvImport { start_block, blocks: bytes, first_token: None })
+        let started = Instant::now();
+        let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(source)).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
+        let left = self.pull_deadline.saturating_sub(started.elapsed());
+        pull_prefix(&self.kv, &mut client, prefix, owner, platform, start_block, left).await
     }
 }
 

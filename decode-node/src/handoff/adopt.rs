@@ -17,15 +17,14 @@
 
 use std::time::{Duration, Instant};
 
-use baton_engine::kv::UserId;
 use baton_engine::{Engine, EngineError, Event, KvImport, Request, SubmitOptions};
 use baton_proto::node as pb;
-use baton_proto::node::decode_node_client::DecodeNodeClient;
-use tonic::transport::Channel;
 use tonic::Status;
 
 use crate::convert;
 use crate::kv::KvNode;
+pub(crate) use baton_node_common::prefix_pull::connect_decode_node as connect;
+use baton_node_common::prefix_pull::pull_prefix;
 
 /// What an adoption did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -97,48 +96,4 @@ async fn publish(engine: &Engine, req: Request, import: KvImport) -> Result<(), 
             None => return Err(Status::unavailable("the engine has stopped")),
         }
     }
-}
-
-/// A client of the decode node at `addr` (host:port or URL).
-pub(crate) async fn connect(addr: &str) -> Result<DecodeNodeClient<Channel>, Status> {
-    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-    let channel = tonic::transport::Endpoint::from_shared(url)
-        .map_err(|e| Status::invalid_argument(e.to_string()))?
-        .connect_timeout(Duration::from_secs(2))
-        .connect()
-        .await
-        .map_err(|e| Status::unavailable(format!("cannot reach the decode node at {addr}: {e}")))?;
-    Ok(DecodeNodeClient::new(channel))
-}
-
-/// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node
-/// behind `client` into staging here and hands them over as an engine import.
-async fn pull_prefix(
-    kv: &KvNode,
-    client: &mut DecodeNodeClient<Channel>,
-    prefix: &[u32],
-    owner: &UserId,
-    platform: usize,
-    start_block: usize,
-    deadline: Duration,
-) -> Result<KvImport, Status> {
-    let bt = kv.layout.block_tokens as usize;
-    let blocks = prefix.len() / bt - start_block;
-    let reservation = kv.receiver.reserve(blocks, Some(deadline)).map_err(|e| Status::resource_exhausted(e.to_string()))?;
-    let ask = pb::ExportPrefixRequest {
-        tokens: prefix.to_vec(),
-        owner: owner.as_str().to_string(),
-        platform_prefix_len: platform.min(prefix.len()) as u32,
-        start_block: start_block as u32,
-        grant: reservation.grant().to_bytes(),
-        kv_endpoint: kv.endpoint.clone(),
-    };
-    let started = Instant::now();
-    tokio::time::timeout(deadline, client.export_prefix(ask)).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
-    let ids = tokio::time::timeout(deadline.saturating_sub(started.elapsed()), reservation.finished())
-        .await
-        .map_err(|_| Status::deadline_exceeded("prefix pull"))?
-        .map_err(|e| Status::unavailable(e.to_string()))?;
-    let bytes = kv.take_blocks(&ids).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(KvImport { start_block, blocks: bytes, first_token: None })
 }

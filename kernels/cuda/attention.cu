@@ -84,6 +84,123 @@ ATTN_PARTIAL(attn_partial_f16, KV_F16)
 ATTN_PARTIAL(attn_partial_bf16, KV_BF16)
 ATTN_PARTIAL(attn_partial_e4m3, KV_E4M3)
 
+// The same partials for a run of up to ATTN_TILE_ROWS rows that share one block
+// table (a prefill chunk): each key and value is fetched from memory once for
+// the whole run instead of once per row. Every row's arithmetic is the one of
+// attn_partial_impl, operation for operation (lane-strided dot products summed
+// by warp_sum, the block reductions, keys in order for the values), so a
+// position gives the same bits whichever kernel computed it.
+//
+// Grid: (runs, n_heads, max_parts); run i is rows run_start[i] .. + run_len[i].
+// Shared memory: ATTN_TILE_ROWS x head_dim query floats, ATTN_TILE_ROWS x
+// ATTN_PART scores, ATTN_KEY_CHUNK x head_dim keys, 32 for reductions.
+#define ATTN_TILE_ROWS 16
+#define ATTN_KEY_CHUNK 32
+
+template <int D>
+__device__ void attn_partial_tiled_impl(const void* arena, const float* q, const u32* tables, const u32* table_off, const u32* pos,
+                                        const u32* run_start, const u32* run_len, int layer, int layers, int block_tokens,
+                                        int kv_heads, int head_dim, int n_heads, float scale, int max_parts, float* part_acc,
+                                        float* part_ml) {
+    extern __shared__ float shared[];
+    int first = (int)run_start[blockIdx.x], rows = (int)run_len[blockIdx.x];
+    int h = blockIdx.y, p = blockIdx.z;
+    int k0 = p * ATTN_PART;
+    int last_pos = 0;
+    for (int r = 0; r < rows; r++) last_pos = max(last_pos, (int)pos[first + r]);
+    if (k0 > last_pos) return;
+    int k_end = min(k0 + ATTN_PART, last_pos + 1);
+    float* qs = shared;                                   // [rows][head_dim]
+    float* scores = qs + ATTN_TILE_ROWS * head_dim;       // [rows][ATTN_PART]
+    float* keys = scores + ATTN_TILE_ROWS * ATTN_PART;    // [ATTN_KEY_CHUNK][head_dim]
+    float* scratch = keys + ATTN_KEY_CHUNK * head_dim;    // [32]
+    int kvh = h / (n_heads / kv_heads);
+    int te = kv_heads * head_dim;
+    const u32* table = tables + table_off[first];
+    for (int i = threadIdx.x; i < rows * head_dim; i += blockDim.x) {
+        int r = i / head_dim, d = i - r * head_dim;
+        qs[i] = q[((u64)(first + r) * n_heads + h) * head_dim + d];
+    }
+
+    // Scores, a chunk of keys at a time: one warp per (row, key) pair.
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int c0 = k0; c0 < k_end; c0 += ATTN_KEY_CHUNK) {
+        int n = min(ATTN_KEY_CHUNK, k_end - c0);
+        __syncthreads();  // the previous chunk's keys are no longer read
+        for (int i = threadIdx.x; i < n * head_dim; i += blockDim.x) {
+            int j = i / head_dim, d = i - j * head_dim;
+            int key = c0 + j;
+            u64 base = kv_index(table[key / block_tokens], layer, layers, 0, key % block_tokens, block_tokens, te) + (u64)kvh * head_dim;
+            keys[i] = kv_load<D>(arena, base + d);
+        }
+        __syncthreads();
+        for (int pair = warp; pair < rows * n; pair += warps) {
+            int r = pair / n, j = pair - r * n;
+            if (c0 + j > (int)pos[first + r]) continue;  // past this row's position (uniform per warp)
+            float s = 0.f;
+            for (int d = lane; d < head_dim; d += 32) s += qs[r * head_dim + d] * keys[j * head_dim + d];
+            s = warp_sum(s);
+            if (lane == 0) scores[r * ATTN_PART + (c0 + j - k0)] = s * scale;
+        }
+    }
+    __syncthreads();
+
+    // Per row, the softmax statistics with the whole block, as attn_partial_impl does.
+    for (int r = 0; r < rows; r++) {
+        int row_pos = (int)pos[first + r];
+        if (k0 > row_pos) continue;  // uniform across the block
+        int k1 = min(k0 + ATTN_PART, row_pos + 1);
+        float* sc = scores + r * ATTN_PART;
+        float m = NEG_INF;
+        for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) m = fmaxf(m, sc[j]);
+        m = block_max(m, scratch);
+        float l = 0.f;
+        for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
+            float e = expf(sc[j] - m);
+            sc[j] = e;
+            l += e;
+        }
+        l = block_sum(l, scratch);
+        if (threadIdx.x == 0) {
+            u64 slot = ((u64)(first + r) * n_heads + h) * max_parts + p;
+            part_ml[slot * 2] = m;
+            part_ml[slot * 2 + 1] = l;
+        }
+    }
+    __syncthreads();
+
+    // Values: one thread per (element, row), keys in order; each value is read
+    // once per thread and used for every row of the run that reaches it.
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc[ATTN_TILE_ROWS];
+        for (int r = 0; r < ATTN_TILE_ROWS; r++) acc[r] = 0.f;
+        for (int j = k0; j < k_end; j++) {
+            float v = kv_load<D>(arena, kv_index(table[j / block_tokens], layer, layers, 1, j % block_tokens, block_tokens, te) + (u64)kvh * head_dim + d);
+            for (int r = 0; r < ATTN_TILE_ROWS; r++) {
+                if (r < rows && j <= (int)pos[first + r]) acc[r] += scores[r * ATTN_PART + (j - k0)] * v;
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            if (k0 > (int)pos[first + r]) continue;
+            u64 slot = ((u64)(first + r) * n_heads + h) * max_parts + p;
+            part_acc[slot * head_dim + d] = acc[r];
+        }
+    }
+}
+
+#define ATTN_PARTIAL_TILED(name, D)                                                                                    \
+    extern "C" __global__ void name(const void* arena, const float* q, const u32* tables, const u32* table_off,         \
+                                    const u32* pos, const u32* run_start, const u32* run_len, int layer, int layers,    \
+                                    int block_tokens, int kv_heads, int head_dim, int n_heads, float scale,            \
+                                    int max_parts, float* part_acc, float* part_ml) {                                  \
+        attn_partial_tiled_impl<D>(arena, q, tables, table_off, pos, run_start, run_len, layer, layers, block_tokens,   \
+                                   kv_heads, head_dim, n_heads, scale, max_parts, part_acc, part_ml);                  \
+    }
+ATTN_PARTIAL_TILED(attn_partial_tiled_f32, KV_F32)
+ATTN_PARTIAL_TILED(attn_partial_tiled_f16, KV_F16)
+ATTN_PARTIAL_TILED(attn_partial_tiled_bf16, KV_BF16)
+ATTN_PARTIAL_TILED(attn_partial_tiled_e4m3, KV_E4M3)
+
 // Merges a row's partitions, in partition order. Grid: (rows, n_heads).
 extern "C" __global__ void attn_combine(const float* part_acc, const float* part_ml, const u32* pos, int n_heads, int head_dim,
                                         int max_parts, float* out) {

@@ -188,8 +188,15 @@ fn kv_and_attention_match_the_cpu_for_every_dtype() {
         let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
         c.attention(&kc, layer, &q, &chunk, n_heads, scale, &mut oc);
         g.attention(&kg, layer, &g.upload(&q), &chunk, n_heads, scale, &mut og);
-        let e = rel_err(&down(&g, &og, q.len()), &oc[..q.len()]);
+        let chunk_out = down(&g, &og, q.len());
+        let e = rel_err(&chunk_out, &oc[..q.len()]);
         assert!(e <= tol, "{dtype:?} prefill attention: {e}");
+        // A chunk row (tiled kernel) equals the same position computed alone (per-row kernel).
+        for &i in &[0usize, 37, 99] {
+            let mut alone = g.tensor(1);
+            g.attention(&kg, layer, &g.upload(&q[i * n_heads * 64..(i + 1) * n_heads * 64]), &chunk[i..i + 1], n_heads, scale, &mut alone);
+            assert_eq!(down(&g, &alone, n_heads * 64), chunk_out[i * n_heads * 64..(i + 1) * n_heads * 64].to_vec(), "{dtype:?}: prefill row {i} depends on its chunk");
+        }
     }
 }
 

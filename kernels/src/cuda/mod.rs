@@ -34,6 +34,12 @@ use crate::quant::WeightFormat;
 /// Keys per attention partition; must equal `ATTN_PART` in attention.cu.
 pub const ATTN_PART: usize = 256;
 const ATTN_THREADS: u32 = 128;
+/// Rows of one sequence per block of the tiled kernel, and keys it stages at a
+/// time (`ATTN_TILE_ROWS`, `ATTN_KEY_CHUNK` in attention.cu).
+const ATTN_TILE_ROWS: usize = 16;
+const ATTN_KEY_CHUNK: usize = 32;
+/// The tiled kernel's shared memory fits the default 48 KiB up to this head size.
+const ATTN_TILED_MAX_HEAD_DIM: usize = 128;
 
 fn cuda_error(op: &str, e: impl std::fmt::Debug) -> KernelError {
     KernelError::BackendUnavailable { backend: "cuda", reason: format!("{op}: {e:?}") }
@@ -82,6 +88,7 @@ struct Kernels {
     kv_pack: CudaFunction,
     kv_unpack: CudaFunction,
     attn_partial: [CudaFunction; 4],
+    attn_partial_tiled: [CudaFunction; 4],
     attn_combine: CudaFunction,
     argmax_rows: CudaFunction,
     softmax_rows: CudaFunction,
@@ -169,6 +176,12 @@ impl CudaBackend {
                 get("attention", "attn_partial_f16")?,
                 get("attention", "attn_partial_bf16")?,
                 get("attention", "attn_partial_e4m3")?,
+            ],
+            attn_partial_tiled: [
+                get("attention", "attn_partial_tiled_f32")?,
+                get("attention", "attn_partial_tiled_f16")?,
+                get("attention", "attn_partial_tiled_bf16")?,
+                get("attention", "attn_partial_tiled_e4m3")?,
             ],
             attn_combine: get("attention", "attn_combine")?,
             argmax_rows: get("sampling", "argmax_rows")?,
@@ -546,8 +559,18 @@ impl Backend for CudaBackend {
         self.ensure_len(out, rows.len() * n_heads * hd);
         // One copy of each distinct block table (a prefill chunk's rows share one).
         let (mut tables, mut offsets, mut positions) = (Vec::new(), Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        // Runs of consecutive rows on one table, for the tiled kernel.
+        let (mut run_start, mut run_len): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
         let mut last: Option<(*const u32, usize)> = None;
-        for r in rows {
+        for (i, r) in rows.iter().enumerate() {
+            let same_table = last.is_some_and(|(p, _)| std::ptr::eq(p, r.block_table.as_ptr()));
+            match run_len.last_mut() {
+                Some(n) if same_table && (*n as usize) < ATTN_TILE_ROWS => *n += 1,
+                _ => {
+                    run_start.push(i as u32);
+                    run_len.push(1);
+                }
+            }
             let needed = r.pos / l.block_tokens + 1;
             assert!(r.block_table.len() >= needed, "attention: a row at position {} has {} blocks", r.pos, r.block_table.len());
             let start = match last {
@@ -572,16 +595,31 @@ impl Backend for CudaBackend {
         let (part_acc, part_ml) = (part_acc.as_mut().expect("grown"), part_ml.as_mut().expect("grown"));
         let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
             (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, n_heads as u32, max_parts as u32),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: ((hd + ATTN_PART + 32) * 4) as u32,
-        };
-        let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
-        b.arg(&kv.arena).arg(q).arg(&tables).arg(&offsets).arg(&positions);
-        b.arg(&layer_i).arg(&layers_i).arg(&bt).arg(&kvh).arg(&hd_i).arg(&nh).arg(&scale).arg(&mp);
-        b.arg(&mut *part_acc).arg(&mut *part_ml);
-        unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial", e));
+        if run_start.len() < rows.len() && hd <= ATTN_TILED_MAX_HEAD_DIM {
+            // Prefill chunks: each key and value is read once per run of rows, not once per row.
+            let cfg = LaunchConfig {
+                grid_dim: (run_start.len() as u32, n_heads as u32, max_parts as u32),
+                block_dim: (ATTN_THREADS, 1, 1),
+                shared_mem_bytes: ((ATTN_TILE_ROWS * hd + ATTN_TILE_ROWS * ATTN_PART + ATTN_KEY_CHUNK * hd + 32) * 4) as u32,
+            };
+            let (starts, lens) = (self.upload_u32(&run_start), self.upload_u32(&run_len));
+            let mut b = self.stream.launch_builder(&self.k.attn_partial_tiled[kv_code(l.dtype)]);
+            b.arg(&kv.arena).arg(q).arg(&tables).arg(&offsets).arg(&positions).arg(&starts).arg(&lens);
+            b.arg(&layer_i).arg(&layers_i).arg(&bt).arg(&kvh).arg(&hd_i).arg(&nh).arg(&scale).arg(&mp);
+            b.arg(&mut *part_acc).arg(&mut *part_ml);
+            unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial_tiled", e));
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: (rows.len() as u32, n_heads as u32, max_parts as u32),
+                block_dim: (ATTN_THREADS, 1, 1),
+                shared_mem_bytes: ((hd + ATTN_PART + 32) * 4) as u32,
+            };
+            let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
+            b.arg(&kv.arena).arg(q).arg(&tables).arg(&offsets).arg(&positions);
+            b.arg(&layer_i).arg(&layers_i).arg(&bt).arg(&kvh).arg(&hd_i).arg(&nh).arg(&scale).arg(&mp);
+            b.arg(&mut *part_acc).arg(&mut *part_ml);
+            unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial", e));
+        }
         let cfg = LaunchConfig { grid_dim: (rows.len() as u32, n_heads as u32, 1), block_dim: (hd.next_multiple_of(32).min(256) as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.k.attn_combine);
         b.arg(&*part_acc).arg(&*part_ml).arg(&positions).arg(&nh).arg(&hd_i).arg(&mp).arg(out);

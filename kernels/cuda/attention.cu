@@ -14,6 +14,24 @@
 #define ATTN_PART 256
 #define ATTN_THREADS 128
 
+// One row's scores in one partition, in place: they become exp(s - max), and
+// the max and the sum of the exponentials come back. The whole block takes
+// part. Both partial kernels call it, so their arithmetic cannot drift apart;
+// block_sum's barriers also publish the exponentials.
+__device__ void softmax_partition(float* scores, int n, float* scratch, float* max_out, float* sum_out) {
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
+    m = block_max(m, scratch);
+    float l = 0.f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = expf(scores[j] - m);
+        scores[j] = e;
+        l += e;
+    }
+    *max_out = m;
+    *sum_out = block_sum(l, scratch);
+}
+
 // Shared memory: head_dim floats of query, ATTN_PART scores, 32 for reductions.
 template <int D>
 __device__ void attn_partial_impl(const void* arena, const float* q, const u32* tables, const u32* table_off, const u32* pos,
@@ -45,16 +63,8 @@ __device__ void attn_partial_impl(const void* arena, const float* q, const u32* 
         if (lane == 0) scores[j - k0] = s * scale;
     }
     __syncthreads();
-    float m = NEG_INF;
-    for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) m = fmaxf(m, scores[j]);
-    m = block_max(m, scratch);
-    float l = 0.f;
-    for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
-        float e = expf(scores[j] - m);
-        scores[j] = e;
-        l += e;
-    }
-    l = block_sum(l, scratch);  // its barriers also publish the exponentials
+    float m, l;
+    softmax_partition(scores, k1 - k0, scratch, &m, &l);
 
     // Values: one thread per output element, keys in order.
     u64 slot = ((u64)row * n_heads + h) * max_parts + p;
@@ -150,17 +160,8 @@ __device__ void attn_partial_tiled_impl(const void* arena, const float* q, const
         int row_pos = (int)pos[first + r];
         if (k0 > row_pos) continue;  // uniform across the block
         int k1 = min(k0 + ATTN_PART, row_pos + 1);
-        float* sc = scores + r * ATTN_PART;
-        float m = NEG_INF;
-        for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) m = fmaxf(m, sc[j]);
-        m = block_max(m, scratch);
-        float l = 0.f;
-        for (int j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
-            float e = expf(sc[j] - m);
-            sc[j] = e;
-            l += e;
-        }
-        l = block_sum(l, scratch);
+        float m, l;
+        softmax_partition(scores + r * ATTN_PART, k1 - k0, scratch, &m, &l);
         if (threadIdx.x == 0) {
             u64 slot = ((u64)(first + r) * n_heads + h) * max_parts + p;
             part_ml[slot * 2] = m;

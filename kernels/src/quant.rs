@@ -261,12 +261,45 @@ fn quantize_rows(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
     }
 }
 
-/// The same code compiled for AVX2 (rounding and max become single
-/// instructions); results are identical.
+/// [`quantize_rows`] in AVX2: the same operations per element (max of
+/// absolute values, one multiply by `1 / d`, rounding to nearest even,
+/// clamping), so the results are bit-identical for finite inputs (tested).
+/// The compiler left the scalar loop mostly scalar: at batch 32 it took 9% of
+/// decode time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn quantize_rows_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
-    quantize_rows(x, q, d, s)
+    use std::arch::x86_64::*;
+    let sign = _mm256_set1_ps(-0.0);
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    // packs_epi32 then packs_epi16 interleave 4-byte groups across the two
+    // 128-bit lanes; this puts them back in element order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, blk) in x.chunks_exact(QK).enumerate() {
+        let p = blk.as_ptr();
+        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+        let mut m = _mm256_andnot_ps(sign, v[0]);
+        for vi in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vi));
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+        let scale = amax / 127.0;
+        let id = _mm256_set1_ps(if scale != 0.0 { 1.0 / scale } else { 0.0 });
+        let qi = v.map(|vi| {
+            let r = _mm256_round_ps(_mm256_mul_ps(vi, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+        });
+        let sum8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        let sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+        let sum2 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0b01_00_11_10));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(sum2, _mm_shuffle_epi32(sum2, 0b00_00_00_01)));
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256(q.as_mut_ptr().add(b * QK) as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
+        d[b] = f16::from_f32(scale).to_f32();
+        s[b] = f16::from_f32(scale * sum as f32).to_f32();
+    }
 }
 
 #[cfg(test)]
@@ -284,6 +317,38 @@ mod tests {
         for (a, b) in x.iter().zip(&y) {
             assert!((a - b).abs() < 0.3, "{a} vs {b}");
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_activation_quantization_is_bit_identical() {
+        if crate::matmul::isa() == crate::matmul::Isa::Scalar {
+            eprintln!("SKIPPED: no AVX2 on this machine");
+            return;
+        }
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let mut x: Vec<f32> = (0..QK * 64).map(|_| next() * 3.0).collect();
+        // A zero block, a block of exact ties (k + 0.5 steps of d = 1) and
+        // one with a single large outlier.
+        x[..QK].fill(0.0);
+        for (j, v) in x[QK..2 * QK].iter_mut().enumerate() {
+            *v = if j == 0 { 127.0 } else { (j as f32 - 16.0) + 0.5 };
+        }
+        x[2 * QK + 5] = 1e6;
+        let nb = x.len() / QK;
+        let (mut q1, mut d1, mut s1) = (vec![0i8; x.len()], vec![0f32; nb], vec![0f32; nb]);
+        let (mut q2, mut d2, mut s2) = (q1.clone(), d1.clone(), s1.clone());
+        quantize_rows(&x, &mut q1, &mut d1, &mut s1);
+        // SAFETY: the ISA check above guarantees AVX2, FMA and F16C.
+        unsafe { quantize_rows_avx2(&x, &mut q2, &mut d2, &mut s2) };
+        assert_eq!(q1, q2);
+        assert_eq!(d1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), d2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(s1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), s2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert!(q1[QK..2 * QK].iter().any(|&v| v % 2 != 0), "the tie block quantizes to mixed parities");
     }
 
     #[test]

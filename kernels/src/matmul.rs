@@ -159,6 +159,8 @@ pub fn isa() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
@@ -214,10 +216,10 @@ pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs
             jobs.push((*w, ptr, task));
         }
     }
-    // Activation scales laid out for the Q4 tiles, once per call (per group
-    // of four rows), shared by every task.
+    // Activation scales laid out for the quantized tiles, once per call
+    // (per group of four rows), shared by every task.
     #[cfg(target_arch = "x86_64")]
-    let groups: Vec<simd::ActBlocks> = if xq.k > 0 && isa() != Isa::Scalar && jobs.iter().any(|(w, _, _)| matches!(w.kind, Prepared::Q4 { .. })) {
+    let groups: Vec<simd::ActBlocks> = if xq.k > 0 && isa() != Isa::Scalar && jobs.iter().any(|(w, _, _)| w.wants_quantized_acts()) {
         // SAFETY: the ISA check guarantees AVX2.
         (0..rows.div_ceil(4)).map(|g| unsafe { simd::ActBlocks::new(xq, g * 4, (rows - g * 4).min(4)) }).collect()
     } else {
@@ -238,7 +240,7 @@ pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs
         #[cfg(target_arch = "x86_64")]
         if let (Prepared::Q8 { qs, d }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
             // SAFETY: as above.
-            unsafe { simd::q8_task(qs, d, w.k, xq, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
+            unsafe { simd::q8_task(qs, d, w.k, xq, &groups, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
             return;
         }
         for t in 0..rows {
@@ -267,29 +269,17 @@ fn dot(w: &QMatrix, o: usize, x: &[f32], xq: &QuantizedActs, t: usize) -> f32 {
                 _ => scalar::dot_f32(a, b),
             }
         }
+        // On SIMD machines the quantized formats always run as tiles
+        // (`matmul_many`); this is the portable path, bit-identical to them.
         Prepared::Q4 { qs, d, m } => {
             let wq = &qs[o * nb * 16..(o + 1) * nb * 16];
             let (wd, wm) = (&d[o * nb..(o + 1) * nb], &m[o * nb..(o + 1) * nb]);
-            let (xq_, xd, xs) = (xq.row_q(t), xq.row_d(t), xq.row_s(t));
-            match isa() {
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512Vnni => unsafe { simd::dot_q4_vnni(wq, wd, wm, xq_, xd, xs) },
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { simd::dot_q4_avx2(wq, wd, wm, xq_, xd, xs) },
-                _ => scalar::dot_q4(wq, wd, wm, xq_, xd, xs),
-            }
+            scalar::dot_q4(wq, wd, wm, xq.row_q(t), xq.row_d(t), xq.row_s(t))
         }
         Prepared::Q8 { qs, d } => {
             let wq = &qs[o * k..(o + 1) * k];
             let wd = &d[o * nb..(o + 1) * nb];
-            let (xq_, xd) = (xq.row_q(t), xq.row_d(t));
-            match isa() {
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512Vnni => unsafe { simd::dot_q8_vnni(wq, wd, xq_, xd) },
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { simd::dot_q8_avx2(wq, wd, xq_, xd) },
-                _ => scalar::dot_q8(wq, wd, xq_, xd),
-            }
+            scalar::dot_q8(wq, wd, xq.row_q(t), xq.row_d(t))
         }
     }
 }
@@ -314,8 +304,12 @@ pub(crate) mod scalar {
         hsum8(acc)
     }
 
+    /// The Q4 arithmetic: per block, 8 lanes of 4 integer products; even
+    /// and odd blocks accumulate in separate lane sets (a 512-bit register
+    /// holds one of each), added lane by lane at the end; the offset term
+    /// `m * sum(x)` accumulates block by block.
     pub fn dot_q4(wq: &[u8], wd: &[f32], wm: &[f32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
-        let mut acc = [0f32; 8];
+        let mut acc = [[0f32; 8]; 2];
         let mut macc = 0f32;
         for b in 0..wd.len() {
             let q = &wq[b * 16..b * 16 + 16];
@@ -327,15 +321,17 @@ pub(crate) mod scalar {
                     let wv = if i < 16 { q[i] & 0x0f } else { q[i - 16] >> 4 };
                     s += wv as i32 * x[i] as i32;
                 }
-                acc[l] = (s as f32).mul_add(scale, acc[l]);
+                acc[b % 2][l] = (s as f32).mul_add(scale, acc[b % 2][l]);
             }
             macc = wm[b].mul_add(xs[b], macc);
         }
-        hsum8(acc) + macc
+        hsum8(std::array::from_fn(|l| acc[0][l] + acc[1][l])) + macc
     }
 
+    /// The Q8_0 arithmetic: as `dot_q4`'s (even and odd blocks in
+    /// separate lane sets), without the offset term.
     pub fn dot_q8(wq: &[i8], wd: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
-        let mut acc = [0f32; 8];
+        let mut acc = [[0f32; 8]; 2];
         for b in 0..wd.len() {
             let scale = wd[b] * xd[b];
             for l in 0..8 {
@@ -343,10 +339,10 @@ pub(crate) mod scalar {
                 for i in b * QK + 4 * l..b * QK + 4 * l + 4 {
                     s += wq[i] as i32 * xq[i] as i32;
                 }
-                acc[l] = (s as f32).mul_add(scale, acc[l]);
+                acc[b % 2][l] = (s as f32).mul_add(scale, acc[b % 2][l]);
             }
         }
-        hsum8(acc)
+        hsum8(std::array::from_fn(|l| acc[0][l] + acc[1][l]))
     }
 }
 
@@ -368,39 +364,20 @@ mod simd {
     }
 
 
-    /// Integer dot products of one Q4 block against 32 activation bytes:
-    /// 8 lanes of 4 products each.
+    /// Integer dot products of 32 unsigned weight bytes against 32 signed
+    /// activation bytes: 8 lanes of 4 products each (AVX2 has no VNNI).
     #[inline(always)]
-    unsafe fn isum(w: __m256i, x: __m256i, vnni: bool) -> __m256i {
-        if vnni {
-            dpbusd(w, x)
-        } else {
-            _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn dpbusd(w: __m256i, x: __m256i) -> __m256i {
-        #[cfg(target_feature = "avx512vnni")]
-        {
-            _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
-        }
-        #[cfg(not(target_feature = "avx512vnni"))]
-        {
-            dpbusd_vnni(w, x)
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn dpbusd_vnni(w: __m256i, x: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+    unsafe fn isum(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
     }
 
     /// Per-block activation scales of up to four rows, laid out for the
-    /// tiles: `dx` broadcast to 8 lanes, and the block sums of the rows side
-    /// by side so one fused multiply-add serves them all.
+    /// tiles: `dx` broadcast to 8 lanes (and, for the 512-bit tiles, the
+    /// scales of a pair of blocks side by side), and the block sums of the
+    /// rows side by side so one fused multiply-add serves them all.
     pub struct ActBlocks {
         dxv: Vec<__m256>,
+        dxz: Vec<[f32; 16]>,
         xs4: Vec<__m128>,
     }
 
@@ -409,29 +386,33 @@ mod simd {
         pub unsafe fn new(xq: &QuantizedActs, t: usize, c: usize) -> Self {
             let nb = xq.k / QK;
             let mut dxv = Vec::with_capacity(nb * 4);
+            let mut dxz = vec![[0f32; 16]; nb.div_ceil(2) * 4];
             let mut xs4 = Vec::with_capacity(nb);
             for b in 0..nb {
                 let mut s = [0f32; 4];
                 for j in 0..4 {
                     let r = t + j.min(c - 1);
-                    dxv.push(_mm256_set1_ps(*xq.row_d(r).get_unchecked(b)));
+                    let dx = *xq.row_d(r).get_unchecked(b);
+                    dxv.push(_mm256_set1_ps(dx));
+                    dxz[b / 2 * 4 + j][b % 2 * 8..b % 2 * 8 + 8].fill(dx);
                     s[j] = *xq.row_s(r).get_unchecked(b);
                 }
                 xs4.push(_mm_loadu_ps(s.as_ptr()));
             }
-            ActBlocks { dxv, xs4 }
+            ActBlocks { dxv, dxz, xs4 }
         }
     }
 
-    /// An R x C tile: weight rows `o..o+R` against activation rows
+    /// An R x C tile (AVX2): weight rows `o..o+R` against activation rows
     /// `t..t+C`. Per output element the arithmetic is exactly that of
-    /// `dot_q4_*` (and of `scalar::dot_q4`): the tile only shares loads.
+    /// `scalar::dot_q4`, even and odd blocks in separate accumulators; the
+    /// tile only shares loads.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn q4_tile<const R: usize, const C: usize>(
-        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
+        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut acc = [[[_mm256_setzero_ps(); C]; R]; 2];
         let mut macc = [_mm_setzero_ps(); R];
         let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
         for b in 0..nb {
@@ -440,28 +421,16 @@ mod simd {
                 xs[c] = _mm256_loadu_si256(xqp[c].add(b * QK) as *const __m256i);
             }
             let xs4 = *acts.xs4.get_unchecked(b);
-            // One prefetch per cache line of each stream (16 B of quants and
-            // 4 B of each scale per block); prefetches never fault, so the
-            // last rows may point past the matrix.
-            if b % 4 == 0 {
-                for r in 0..R {
-                    let rb = (o + r) * nb + b;
-                    _mm_prefetch(qs.as_ptr().wrapping_add(rb * 16 + PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-                    if b % 16 == 0 {
-                        _mm_prefetch(d.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
-                        _mm_prefetch(m.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
-                    }
-                }
-            }
+            prefetch_q4(qs, d, m, nb, o, R, b);
             for r in 0..R {
                 let rb = (o + r) * nb + b;
                 let wv = unpack_q4(qs.as_ptr().add(rb * 16));
                 let dw = _mm256_set1_ps(*d.get_unchecked(rb));
                 macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb)), xs4, macc[r]);
                 for c in 0..C {
-                    let s = isum(wv, xs[c], vnni);
+                    let s = isum(wv, xs[c]);
                     let scale = _mm256_mul_ps(dw, *acts.dxv.get_unchecked(b * 4 + c));
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][c]);
+                    acc[b % 2][r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[b % 2][r][c]);
                 }
             }
         }
@@ -469,7 +438,87 @@ mod simd {
             let mut ms = [0f32; 4];
             _mm_storeu_ps(ms.as_mut_ptr(), macc[r]);
             for c in 0..C {
-                *out.add((t + c) * n + o + r) = hsum(acc[r][c]) + ms[c];
+                *out.add((t + c) * n + o + r) = hsum(_mm256_add_ps(acc[0][r][c], acc[1][r][c])) + ms[c];
+            }
+        }
+    }
+
+    /// Prefetches the weights `PREFETCH_BYTES` ahead of block `b` of rows
+    /// `o..o+R`: one prefetch per cache line of each stream (16 B of quants
+    /// and 4 B of each scale per block). Prefetches never fault, so the last
+    /// rows may point past the matrix.
+    #[inline(always)]
+    unsafe fn prefetch_q4(qs: &[u8], d: &[f32], m: &[f32], nb: usize, o: usize, rows: usize, b: usize) {
+        if b % 4 == 0 {
+            for r in 0..rows {
+                let rb = (o + r) * nb + b;
+                _mm_prefetch(qs.as_ptr().wrapping_add(rb * 16 + PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                if b % 16 == 0 {
+                    _mm_prefetch(d.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
+                    _mm_prefetch(m.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
+                }
+            }
+        }
+    }
+
+    /// The nibbles of two consecutive Q4 blocks as 64 unsigned bytes in
+    /// element order (`mask` 0xffff loads only the first block, the second
+    /// reads as zero weights).
+    #[inline(always)]
+    unsafe fn unpack_q4_pair(p: *const u8, mask: u32) -> __m512i {
+        let v = _mm256_maskz_loadu_epi8(mask, p as *const i8);
+        // 128-bit lanes: [block b, block b, block b+1, block b+1] ...
+        let z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(v));
+        // ... low nibbles (elements 0..16) from the first copy, high
+        // nibbles (elements 16..32) from the second.
+        let four = 0x0004_0004_0004_0004;
+        let z = _mm512_srlv_epi16(z, _mm512_setr_epi64(0, 0, four, four, 0, 0, four, four));
+        _mm512_and_si512(z, _mm512_set1_epi8(0x0f))
+    }
+
+    /// An R x C tile with 512-bit registers (AVX-512 VNNI): two blocks per
+    /// instruction, the even block in the low 8 lanes and the odd one in the
+    /// high 8, which is the order `scalar::dot_q4` defines.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q4_tile512<const R: usize, const C: usize>(
+        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let mut macc = [_mm_setzero_ps(); R];
+        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
+        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        for b in (0..nb).step_by(2) {
+            // The last block of an odd count pairs with zero weights and zero
+            // scales: it adds exact zeros to the odd lanes.
+            let pair = b + 1 < nb;
+            let mut xs = [_mm512_setzero_si512(); C];
+            for c in 0..C {
+                xs[c] = _mm512_maskz_loadu_epi8(if pair { !0 } else { 0xffff_ffff }, xqp[c].add(b * QK));
+            }
+            prefetch_q4(qs, d, m, nb, o, R, b);
+            prefetch_q4(qs, d, m, nb, o, R, b + 1);
+            for r in 0..R {
+                let rb = (o + r) * nb + b;
+                let wv = unpack_q4_pair(qs.as_ptr().add(rb * 16), if pair { !0 } else { 0xffff });
+                let dw2 = _mm_maskz_loadu_ps(if pair { 0b11 } else { 0b01 }, d.as_ptr().add(rb));
+                let dw = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dw2));
+                macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb)), *acts.xs4.get_unchecked(b), macc[r]);
+                if pair {
+                    macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb + 1)), *acts.xs4.get_unchecked(b + 1), macc[r]);
+                }
+                for c in 0..C {
+                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xs[c]);
+                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(acts.dxz.get_unchecked(b / 2 * 4 + c).as_ptr()));
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            let mut ms = [0f32; 4];
+            _mm_storeu_ps(ms.as_mut_ptr(), macc[r]);
+            for c in 0..C {
+                *out.add((t + c) * n + o + r) = hsum512(acc[r][c]) + ms[c];
             }
         }
     }
@@ -479,74 +528,87 @@ mod simd {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q4_task(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         if vnni {
-            q4_task_vnni(qs, d, m, k, xq, groups, rows, o0, o1, out, n)
+            q4_task_512(qs, d, m, k, xq, groups, rows, o0, o1, out, n)
         } else {
-            q4_task_impl(qs, d, m, k, xq, groups, rows, o0, o1, out, n, false)
+            q4_task_avx2(qs, d, m, k, xq, groups, rows, o0, o1, out, n)
         }
     }
 
+    /// AVX2 has 16 vector registers and the tiles hold two accumulators per
+    /// element, so they stay at 8 accumulators or fewer.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn q4_task_vnni(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        q4_task_impl(qs, d, m, k, xq, groups, rows, o0, o1, out, n, true)
-    }
-
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn q4_task_impl(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q4_task_avx2(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
         let nb = k / QK;
         let mut t = 0;
         while t < rows {
-            let left = rows - t;
+            let c = (rows - t).min(4);
             let acts = &groups[t / 4];
             let mut o = o0;
-            if left >= 4 {
-                // With AVX-512VL's 32 vector registers a 4 x 4 tile fits (16
-                // accumulators): each unpacked weight block serves four rows of
-                // activations and each activation block four weight rows.
-                while vnni && o + 4 <= o1 {
-                    q4_tile::<4, 4>(qs, d, m, nb, xq, acts, o, t, out, n, vnni);
-                    o += 4;
-                }
-                while o + 2 <= o1 {
-                    q4_tile::<2, 4>(qs, d, m, nb, xq, acts, o, t, out, n, vnni);
-                    o += 2;
-                }
-                while o < o1 {
-                    q4_tile::<1, 4>(qs, d, m, nb, xq, acts, o, t, out, n, vnni);
-                    o += 1;
-                }
-                t += 4;
-                continue;
+            macro_rules! sweep {
+                ($r:literal, $c:literal) => {{
+                    while o + $r <= o1 {
+                        q4_tile::<$r, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
+                        o += $r;
+                    }
+                    while o < o1 {
+                        q4_tile::<1, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
+                        o += 1;
+                    }
+                }};
             }
-            while o + 4 <= o1 {
-                match left {
-                    1 => q4_tile::<4, 1>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
-                    2 => q4_tile::<4, 2>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
-                    _ => q4_tile::<4, 3>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
-                }
-                o += 4;
+            match c {
+                1 => sweep!(4, 1),
+                2 => sweep!(2, 2),
+                3 => sweep!(1, 3),
+                _ => sweep!(1, 4),
             }
-            while o < o1 {
-                match left {
-                    1 => q4_tile::<1, 1>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
-                    2 => q4_tile::<1, 2>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
-                    _ => q4_tile::<1, 3>(qs, d, m, nb, xq, acts, o, t, out, n, vnni),
-                }
-                o += 1;
-            }
-            t = rows;
+            t += c;
         }
     }
 
-    /// An R x C tile of a Q8_0 product; per element the arithmetic of
-    /// `dot_q8_*`.
+    /// AVX-512 has 32 registers: up to 4 x 4 tiles (16 accumulators), so
+    /// each unpacked weight pair serves four activation rows and each
+    /// activation pair four weight rows.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q4_task_512(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
+        let nb = k / QK;
+        let mut t = 0;
+        while t < rows {
+            let c = (rows - t).min(4);
+            let acts = &groups[t / 4];
+            let mut o = o0;
+            macro_rules! sweep {
+                ($c:literal) => {{
+                    while o + 4 <= o1 {
+                        q4_tile512::<4, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
+                        o += 4;
+                    }
+                    while o < o1 {
+                        q4_tile512::<1, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
+                        o += 1;
+                    }
+                }};
+            }
+            match c {
+                1 => sweep!(1),
+                2 => sweep!(2),
+                3 => sweep!(3),
+                _ => sweep!(4),
+            }
+            t += c;
+        }
+    }
+
+    /// An R x C tile of a Q8_0 product (AVX2); per element the arithmetic
+    /// of `scalar::dot_q8`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn q8_tile<const R: usize, const C: usize>(
-        qs: &[i8], d: &[f32], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize, vnni: bool,
+        qs: &[i8], d: &[f32], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut acc = [[[_mm256_setzero_ps(); C]; R]; 2];
         let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
         let xdp: [&[f32]; C] = std::array::from_fn(|c| xq.row_d(t + c));
         for b in 0..nb {
@@ -554,88 +616,158 @@ mod simd {
             for c in 0..C {
                 xs[c] = _mm256_loadu_si256(xqp[c].add(b * QK) as *const __m256i);
             }
-            // As in `q4_tile`, the same distance in blocks (32 B per block).
-            if b % 2 == 0 {
-                for r in 0..R {
-                    let rb = (o + r) * nb + b;
-                    _mm_prefetch(qs.as_ptr().wrapping_add(rb * QK + 2 * PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-                    if b % 16 == 0 {
-                        _mm_prefetch(d.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
-                    }
-                }
-            }
+            prefetch_q8(qs, d, nb, o, R, b);
             for r in 0..R {
                 let rb = (o + r) * nb + b;
                 let w = _mm256_loadu_si256(qs.as_ptr().add(rb * QK) as *const __m256i);
                 let aw = _mm256_abs_epi8(w);
                 let dw = *d.get_unchecked(rb);
                 for c in 0..C {
-                    let s = isum(aw, _mm256_sign_epi8(xs[c], w), vnni);
+                    let s = isum(aw, _mm256_sign_epi8(xs[c], w));
                     let scale = _mm256_set1_ps(dw * *xdp[c].get_unchecked(b));
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][c]);
+                    acc[b % 2][r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[b % 2][r][c]);
                 }
             }
         }
         for r in 0..R {
             for c in 0..C {
-                *out.add((t + c) * n + o + r) = hsum(acc[r][c]);
+                *out.add((t + c) * n + o + r) = hsum(_mm256_add_ps(acc[0][r][c], acc[1][r][c]));
             }
         }
+    }
+
+    /// As `prefetch_q4`, for Q8_0 (32 B of quants per block).
+    #[inline(always)]
+    unsafe fn prefetch_q8(qs: &[i8], d: &[f32], nb: usize, o: usize, rows: usize, b: usize) {
+        if b % 2 == 0 {
+            for r in 0..rows {
+                let rb = (o + r) * nb + b;
+                _mm_prefetch(qs.as_ptr().wrapping_add(rb * QK + 2 * PREFETCH_BYTES), _MM_HINT_T0);
+                if b % 16 == 0 {
+                    _mm_prefetch(d.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
+                }
+            }
+        }
+    }
+
+    /// An R x C tile of a Q8_0 product with 512-bit registers: two blocks
+    /// per instruction, even block low, odd block high, as `scalar::dot_q8`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile512<const R: usize, const C: usize>(
+        qs: &[i8], d: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
+        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        for b in (0..nb).step_by(2) {
+            // An odd count's last block pairs with zeros (exact zeros added).
+            let pair = b + 1 < nb;
+            let bytes = if pair { !0u64 } else { 0xffff_ffff };
+            let mut xs = [_mm512_setzero_si512(); C];
+            for c in 0..C {
+                xs[c] = _mm512_maskz_loadu_epi8(bytes, xqp[c].add(b * QK));
+            }
+            prefetch_q8(qs, d, nb, o, R, b);
+            for r in 0..R {
+                let rb = (o + r) * nb + b;
+                let w = _mm512_maskz_loadu_epi8(bytes, qs.as_ptr().add(rb * QK));
+                // |w| * (x * sign(w)) = w * x with an unsigned left operand;
+                // w = 0 contributes 0 either way.
+                let neg = _mm512_movepi8_mask(w);
+                let aw = _mm512_abs_epi8(w);
+                let dw2 = _mm_maskz_loadu_ps(if pair { 0b11 } else { 0b01 }, d.as_ptr().add(rb));
+                let dw = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dw2));
+                for c in 0..C {
+                    let sx = _mm512_mask_sub_epi8(xs[c], neg, _mm512_setzero_si512(), xs[c]);
+                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
+                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(acts.dxz.get_unchecked(b / 2 * 4 + c).as_ptr()));
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                *out.add((t + c) * n + o + r) = hsum512(acc[r][c]);
+            }
+        }
+    }
+
+    /// `hsum8` of the lane-wise sum of the two halves.
+    #[inline(always)]
+    unsafe fn hsum512(v: __m512) -> f32 {
+        hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))))
     }
 
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_task(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    pub unsafe fn q8_task(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
         if vnni {
-            q8_task_vnni(qs, d, k, xq, rows, o0, o1, out, n)
+            q8_task_512(qs, d, k, xq, groups, rows, o0, o1, out, n)
         } else {
-            q8_task_impl(qs, d, k, xq, rows, o0, o1, out, n, false)
+            q8_task_avx2(qs, d, k, xq, rows, o0, o1, out, n)
+        }
+    }
+
+    /// Tiles of at most 8 accumulators (two per element), as `q4_task_avx2`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q8_task_avx2(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
+        let nb = k / QK;
+        let mut t = 0;
+        while t < rows {
+            let c = (rows - t).min(4);
+            let mut o = o0;
+            macro_rules! sweep {
+                ($r:literal, $c:literal) => {{
+                    while o + $r <= o1 {
+                        q8_tile::<$r, $c>(qs, d, nb, xq, o, t, out, n);
+                        o += $r;
+                    }
+                    while o < o1 {
+                        q8_tile::<1, $c>(qs, d, nb, xq, o, t, out, n);
+                        o += 1;
+                    }
+                }};
+            }
+            match c {
+                1 => sweep!(4, 1),
+                2 => sweep!(2, 2),
+                3 => sweep!(1, 3),
+                _ => sweep!(1, 4),
+            }
+            t += c;
         }
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn q8_task_vnni(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        q8_task_impl(qs, d, k, xq, rows, o0, o1, out, n, true)
-    }
-
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn q8_task_impl(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q8_task_512(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
         let nb = k / QK;
         let mut t = 0;
         while t < rows {
-            let left = rows - t;
+            let c = (rows - t).min(4);
+            let acts = &groups[t / 4];
             let mut o = o0;
-            if left >= 4 {
-                while o + 2 <= o1 {
-                    q8_tile::<2, 4>(qs, d, nb, xq, o, t, out, n, vnni);
-                    o += 2;
-                }
-                while o < o1 {
-                    q8_tile::<1, 4>(qs, d, nb, xq, o, t, out, n, vnni);
-                    o += 1;
-                }
-                t += 4;
-                continue;
+            macro_rules! sweep {
+                ($c:literal) => {{
+                    while o + 4 <= o1 {
+                        q8_tile512::<4, $c>(qs, d, nb, xq, acts, o, t, out, n);
+                        o += 4;
+                    }
+                    while o < o1 {
+                        q8_tile512::<1, $c>(qs, d, nb, xq, acts, o, t, out, n);
+                        o += 1;
+                    }
+                }};
             }
-            while o + 4 <= o1 {
-                match left {
-                    1 => q8_tile::<4, 1>(qs, d, nb, xq, o, t, out, n, vnni),
-                    2 => q8_tile::<4, 2>(qs, d, nb, xq, o, t, out, n, vnni),
-                    _ => q8_tile::<4, 3>(qs, d, nb, xq, o, t, out, n, vnni),
-                }
-                o += 4;
+            match c {
+                1 => sweep!(1),
+                2 => sweep!(2),
+                3 => sweep!(3),
+                _ => sweep!(4),
             }
-            while o < o1 {
-                match left {
-                    1 => q8_tile::<1, 1>(qs, d, nb, xq, o, t, out, n, vnni),
-                    2 => q8_tile::<1, 2>(qs, d, nb, xq, o, t, out, n, vnni),
-                    _ => q8_tile::<1, 3>(qs, d, nb, xq, o, t, out, n, vnni),
-                }
-                o += 1;
-            }
-            t = rows;
+            t += c;
         }
     }
 
@@ -659,66 +791,6 @@ mod simd {
         let lo = _mm_and_si128(v, mask);
         let hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
         _mm256_set_m128i(hi, lo)
-    }
-
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    pub unsafe fn dot_q4_vnni(wq: &[u8], wd: &[f32], wm: &[f32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let mut macc = 0f32;
-        for b in 0..wd.len() {
-            let w = unpack_q4(wq.as_ptr().add(b * 16));
-            let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
-            let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-            let scale = _mm256_set1_ps(wd[b] * xd[b]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-            macc = wm[b].mul_add(xs[b], macc);
-        }
-        hsum(acc) + macc
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4_avx2(wq: &[u8], wd: &[f32], wm: &[f32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        let mut macc = 0f32;
-        for b in 0..wd.len() {
-            let w = unpack_q4(wq.as_ptr().add(b * 16));
-            let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
-            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-            let scale = _mm256_set1_ps(wd[b] * xd[b]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-            macc = wm[b].mul_add(xs[b], macc);
-        }
-        hsum(acc) + macc
-    }
-
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    pub unsafe fn dot_q8_vnni(wq: &[i8], wd: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..wd.len() {
-            let w = _mm256_loadu_si256(wq.as_ptr().add(b * QK) as *const __m256i);
-            let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
-            // |w| * (x * sign(w)) = w * x, with an unsigned left operand.
-            let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-            let scale = _mm256_set1_ps(wd[b] * xd[b]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-        }
-        hsum(acc)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q8_avx2(wq: &[i8], wd: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..wd.len() {
-            let w = _mm256_loadu_si256(wq.as_ptr().add(b * QK) as *const __m256i);
-            let x = _mm256_loadu_si256(xq.as_ptr().add(b * QK) as *const __m256i);
-            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-            let s = _mm256_madd_epi16(p, ones);
-            let scale = _mm256_set1_ps(wd[b] * xd[b]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-        }
-        hsum(acc)
     }
 }
 
@@ -799,31 +871,75 @@ mod tests {
         }
     }
 
+    /// Every tile shape of both SIMD paths (AVX2 and AVX-512), over odd and
+    /// even block counts and ragged row counts, equals the scalar reference
+    /// bit for bit.
     #[test]
-    fn simd_equals_scalar_bit_for_bit() {
-        let mut seed = 3;
-        let k = 256;
-        let nb = k / QK;
-        let (w, _) = matrix(WeightFormat::Q4_1, 4, k, &mut seed);
-        let (w8, _) = matrix(WeightFormat::Q8_0, 4, k, &mut seed);
-        let x: Vec<f32> = (0..k).map(|_| lcg(&mut seed) * 3.0).collect();
-        let mut xq = QuantizedActs::default();
-        xq.quantize(&Pool::new(1).unwrap(), &x, 1, k);
-        let (Prepared::Q4 { qs, d, m }, Prepared::Q8 { qs: q8, d: d8 }) = (&w.kind, &w8.kind) else { unreachable!() };
-        let s = scalar::dot_q4(&qs[..nb * 16], &d[..nb], &m[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0));
-        let s8 = scalar::dot_q8(&q8[..k], &d8[..nb], xq.row_q(0), xq.row_d(0));
-        let sf = scalar::dot_f32(&x, &x);
+    fn simd_tiles_equal_scalar_bit_for_bit() {
         #[cfg(target_arch = "x86_64")]
-        unsafe {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                assert_eq!(s.to_bits(), simd::dot_q4_avx2(&qs[..nb * 16], &d[..nb], &m[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0)).to_bits());
-                assert_eq!(s8.to_bits(), simd::dot_q8_avx2(&q8[..k], &d8[..nb], xq.row_q(0), xq.row_d(0)).to_bits());
-                assert_eq!(sf.to_bits(), simd::dot_f32(&x, &x).to_bits());
+        {
+            if isa() == Isa::Scalar {
+                eprintln!("SKIPPED: no AVX2 on this machine");
+                return;
             }
-            if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
-                assert_eq!(s.to_bits(), simd::dot_q4_vnni(&qs[..nb * 16], &d[..nb], &m[..nb], xq.row_q(0), xq.row_d(0), xq.row_s(0)).to_bits());
-                assert_eq!(s8.to_bits(), simd::dot_q8_vnni(&q8[..k], &d8[..nb], xq.row_q(0), xq.row_d(0)).to_bits());
+            let mut seed = 3;
+            for format in [WeightFormat::Q4_1, WeightFormat::Q4_0, WeightFormat::Q8_0] {
+                for (n, k) in [(5, 32), (37, 96), (9, 256), (70, 160)] {
+                    let nb = k / QK;
+                    let (w, _) = matrix(format, n, k, &mut seed);
+                    for rows in [1, 2, 3, 4, 5, 7, 9] {
+                        let x: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed) * 3.0).collect();
+                        let mut xq = QuantizedActs::default();
+                        xq.quantize(&Pool::new(1).unwrap(), &x, rows, k);
+                        let mut want = vec![0f32; rows * n];
+                        for t in 0..rows {
+                            for o in 0..n {
+                                want[t * n + o] = match &w.kind {
+                                    Prepared::Q4 { qs, d, m } => scalar::dot_q4(
+                                        &qs[o * nb * 16..(o + 1) * nb * 16],
+                                        &d[o * nb..(o + 1) * nb],
+                                        &m[o * nb..(o + 1) * nb],
+                                        xq.row_q(t),
+                                        xq.row_d(t),
+                                        xq.row_s(t),
+                                    ),
+                                    Prepared::Q8 { qs, d } => scalar::dot_q8(&qs[o * k..(o + 1) * k], &d[o * nb..(o + 1) * nb], xq.row_q(t), xq.row_d(t)),
+                                    Prepared::F32(_) => unreachable!(),
+                                };
+                            }
+                        }
+                        let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+                        for vnni in [false, true] {
+                            if vnni && isa() != Isa::Avx512Vnni {
+                                eprintln!("SKIPPED: the AVX-512 tiles (no AVX-512 VNNI here)");
+                                continue;
+                            }
+                            let mut got = vec![0f32; rows * n];
+                            // SAFETY: the ISA checks above; `got` holds rows * n.
+                            unsafe {
+                                match &w.kind {
+                                    Prepared::Q4 { qs, d, m } => {
+                                        let groups: Vec<simd::ActBlocks> =
+                                            (0..rows.div_ceil(4)).map(|g| simd::ActBlocks::new(&xq, g * 4, (rows - g * 4).min(4))).collect();
+                                        simd::q4_task(qs, d, m, k, &xq, &groups, rows, 0, n, got.as_mut_ptr(), n, vnni)
+                                    }
+                                    Prepared::Q8 { qs, d } => {
+                                        let groups: Vec<simd::ActBlocks> =
+                                            (0..rows.div_ceil(4)).map(|g| simd::ActBlocks::new(&xq, g * 4, (rows - g * 4).min(4))).collect();
+                                        simd::q8_task(qs, d, k, &xq, &groups, rows, 0, n, got.as_mut_ptr(), n, vnni)
+                                    }
+                                    Prepared::F32(_) => unreachable!(),
+                                }
+                            }
+                            let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(got, want, "{format:?} n={n} k={k} rows={rows} vnni={vnni}");
+                        }
+                    }
+                }
             }
+            let x: Vec<f32> = (0..256).map(|_| lcg(&mut seed)).collect();
+            // SAFETY: AVX2 and FMA (the ISA check above).
+            assert_eq!(scalar::dot_f32(&x, &x).to_bits(), unsafe { simd::dot_f32(&x, &x) }.to_bits());
         }
     }
 

@@ -140,6 +140,14 @@ pub enum Error {
     },
     #[error("RDMA transport unavailable: {reason}")]
     RdmaUnavailable { reason: String },
+    #[error("RDMA: {op} failed")]
+    Rdma {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("RDMA work completion failed: {status} (vendor error {vendor_err:#x})")]
+    RdmaCompletion { status: String, vendor_err: u32 },
 }
 
 /// Stable kinds, indexed by wire code. Index 0 is the catch-all for codes this build does
@@ -173,6 +181,8 @@ pub const KINDS: &[&str] = &[
     "tls",
     "certs",
     "rdma_unavailable",
+    "rdma",
+    "rdma_completion",
 ];
 
 /// Wire detail for `cancelled`: who cancelled.
@@ -225,6 +235,8 @@ impl Error {
             Error::Tls { .. } => 25,
             Error::Certs { .. } => 26,
             Error::RdmaUnavailable { .. } => 27,
+            Error::Rdma { .. } => 28,
+            Error::RdmaCompletion { .. } => 29,
         }
     }
 
@@ -317,6 +329,10 @@ mod tests {
     fn every_code_indexes_kinds() {
         let e = Error::RdmaUnavailable { reason: String::new() };
         assert_eq!(e.kind(), "rdma_unavailable");
-        assert_eq!(KINDS.len(), 28);
+        let e = Error::Rdma { op: "x", source: std::io::Error::other("y") };
+        assert_eq!(e.kind(), "rdma");
+        let e = Error::RdmaCompletion { status: "x".into(), vendor_err: 0 };
+        assert_eq!(e.kind(), "rdma_completion");
+        assert_eq!(KINDS.len(), 30);
     }
 }

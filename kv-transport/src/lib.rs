@@ -5,7 +5,8 @@
 //!   deadlines, installing). Start at [`KvReceiver`] and [`KvSender`].
 //! - [`transport`]: links over QUIC ([`transport::quic`]), TLS over TCP
 //!   ([`transport::tls_tcp`]), in-process channels ([`transport::inproc`]) and, with the
-//!   `rdma` feature, RDMA.
+//!   `rdma` feature, RDMA (`transport::rdma`); [`transport::select`] picks a node's
+//!   transport and falls back from RDMA to QUIC.
 //! - [`pool`]: the [`BlockSink`]/[`BlockSource`] traits the engine's pool implements.
 //! - [`certs`]: development cluster certificates and mutual-TLS configs.
 //! - [`metrics`]: counters and their exported names.

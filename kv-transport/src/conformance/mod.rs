@@ -1,6 +1,9 @@
 //! The transport conformance suite: one set of test bodies ([`cases`]) run over every
 //! transport by the `suite!` macro at the bottom.
 //!
+//! Over RDMA (feature `rdma`) every case first checks for a device: without one it prints
+//! `SKIPPED: no RDMA device (...)` and returns, or fails when `BATON_REQUIRE_RDMA=1`.
+//!
 //! Owns: [`Rig`], a receiver pool, a sender pool, a receiver, a sender and a listener wired
 //! over one transport, and the checks every test ends with: both pools hold exactly the free
 //! blocks they started with, nothing was released twice, and no reservation is left live.
@@ -24,6 +27,8 @@ pub(crate) enum Kind {
     InProc,
     Quic,
     TlsTcp,
+    #[cfg(feature = "rdma")]
+    Rdma,
 }
 
 pub(crate) struct Rig {
@@ -80,6 +85,23 @@ impl Rig {
                         .await
                         .unwrap();
                     let c = TlsTcpConnector::new(&client).unwrap();
+                    (Arc::new(c), Box::new(l), None, Some((server, client)))
+                }
+                #[cfg(feature = "rdma")]
+                Kind::Rdma => {
+                    use crate::transport::rdma::{RdmaConnector, RdmaListener};
+                    let (server, client) = node_tls();
+                    let tuning = QuicTuning::default();
+                    // Slots hold the suite's 64 KiB frames; rings cover its concurrent links.
+                    let config = crate::transport::select::RdmaConfig {
+                        slot_payload_bytes: 1 << 20,
+                        slots: 4,
+                        rings: 16,
+                        ..Default::default()
+                    };
+                    let l = RdmaListener::bind(loopback(), "decode-0", &server, &tuning, &config, receiver.clone())
+                        .unwrap();
+                    let c = RdmaConnector::new(&config, &client, &tuning).unwrap();
                     (Arc::new(c), Box::new(l), None, Some((server, client)))
                 }
             };
@@ -166,34 +188,10 @@ impl Rig {
                 });
                 (Peer::InProc { name: "silent".into() }, Box::new(AbortOnDrop(task)))
             }
-            Kind::Quic => {
-                let (server, _) = self.tls.as_ref().unwrap();
-                let tuning = QuicTuning::default();
-                let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(
-                    server.server_config().unwrap(),
-                )
-                .unwrap();
-                let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-                sc.transport_config(Arc::new(
-                    crate::transport::quic::transport_config(&tuning).unwrap(),
-                ));
-                let ep = crate::transport::quic::endpoint(loopback(), &tuning, Some(sc)).unwrap();
-                let addr = ep.local_addr().unwrap();
-                let task = tokio::spawn(async move {
-                    let mut held = Vec::new();
-                    while let Some(inc) = ep.accept().await {
-                        if let Ok(conn) = inc.await {
-                            while let Ok(s) = conn.accept_bi().await {
-                                held.push(s);
-                            }
-                        }
-                    }
-                });
-                (
-                    Peer::Net { addr, server_name: "decode-0".into() },
-                    Box::new(AbortOnDrop(task)),
-                )
-            }
+            // An RDMA peer that never answers is a control channel that never answers.
+            #[cfg(feature = "rdma")]
+            Kind::Rdma => self.silent_quic_peer(),
+            Kind::Quic => self.silent_quic_peer(),
             Kind::TlsTcp => {
                 let l = tokio::net::TcpListener::bind(loopback()).await.unwrap();
                 let addr = l.local_addr().unwrap();
@@ -209,6 +207,34 @@ impl Rig {
                 )
             }
         }
+    }
+
+    fn silent_quic_peer(&self) -> (Peer, Box<dyn std::any::Any + Send>) {
+        let (server, _) = self.tls.as_ref().unwrap();
+        let tuning = QuicTuning::default();
+        let crypto =
+            quinn::crypto::rustls::QuicServerConfig::try_from(server.server_config().unwrap())
+                .unwrap();
+        let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        sc.transport_config(Arc::new(
+            crate::transport::quic::transport_config(&tuning).unwrap(),
+        ));
+        let ep = crate::transport::quic::endpoint(loopback(), &tuning, Some(sc)).unwrap();
+        let addr = ep.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Some(inc) = ep.accept().await {
+                if let Ok(conn) = inc.await {
+                    while let Ok(s) = conn.accept_bi().await {
+                        held.push(s);
+                    }
+                }
+            }
+        });
+        (
+            Peer::Net { addr, server_name: "decode-0".into() },
+            Box::new(AbortOnDrop(task)),
+        )
     }
 }
 
@@ -240,11 +266,33 @@ macro_rules! per_transport {
     };
 }
 
+/// Over RDMA each case runs only where a device exists, and says so when it does not.
+#[cfg(feature = "rdma")]
+macro_rules! per_rdma {
+    ([$($name:ident),*]) => {
+        mod rdma {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    if !crate::transport::rdma::tests::device_available(
+                        concat!("conformance::rdma::", stringify!($name)),
+                    ) {
+                        return;
+                    }
+                    crate::conformance::cases::$name(crate::conformance::Kind::Rdma).await
+                }
+            )*
+        }
+    };
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         per_transport!(inproc, crate::conformance::Kind::InProc, [$($name),*]);
         per_transport!(quic, crate::conformance::Kind::Quic, [$($name),*]);
         per_transport!(tls_tcp, crate::conformance::Kind::TlsTcp, [$($name),*]);
+        #[cfg(feature = "rdma")]
+        per_rdma!([$($name),*]);
     };
 }
 

@@ -20,6 +20,7 @@ pub mod inproc;
 pub mod quic;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod select;
 pub mod tls_tcp;
 
 /// A boxed, sendable future: the trait objects below return these.
@@ -68,7 +69,7 @@ impl fmt::Display for Peer {
 
 /// The sender side of a transport.
 pub trait Connector: Send + Sync {
-    /// Short stable name, used as the metric label (`inproc`, `quic`, `tls_tcp`).
+    /// Short stable name, used as the metric label (`inproc`, `quic`, `tls_tcp`, `rdma`).
     fn transport(&self) -> &'static str;
     /// Opens a new link to `peer`.
     fn open<'a>(&'a self, peer: &'a Peer) -> BoxFuture<'a, Result<Link>>;

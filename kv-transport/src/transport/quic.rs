@@ -19,14 +19,14 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{IdleTimeout, MtuDiscoveryConfig, VarInt};
 use tokio::task::JoinSet;
 
 use crate::certs::NodeTls;
 use crate::error::{Error, Result};
-use crate::handoff::frame::{read_frame, Frame, FrameLimits};
+use crate::handoff::frame::{Frame, FrameHeader, FrameLimits, HEADER_LEN, TRAILER_LEN};
 use crate::handoff::KvReceiver;
 use crate::transport::{BoxFuture, Connector, Link, LinkRx, LinkTx, Listener, Peer};
 
@@ -177,9 +177,94 @@ pub(crate) fn endpoint(
 }
 
 struct QuicTx(quinn::SendStream);
+/// Reads frames straight from quinn's received chunks: a payload that lies inside one chunk
+/// (the usual case with large datagrams) is a slice of it, not a copy.
 struct QuicRx {
     recv: quinn::RecvStream,
     limits: FrameLimits,
+    /// The unread rest of the last chunk.
+    pending: Bytes,
+}
+
+impl QuicRx {
+    /// Makes `pending` non-empty; false at the end of the stream.
+    async fn fill(&mut self, op: &'static str) -> Result<bool> {
+        while self.pending.is_empty() {
+            match self.recv.read_chunk(usize::MAX, true).await {
+                Ok(Some(chunk)) => self.pending = chunk.bytes,
+                Ok(None) => return Ok(false),
+                Err(e) => return Err(Error::io(op, std::io::Error::from(e))),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Copies exactly `out.len()` bytes; `Ok(false)` if the stream ended before the first.
+    async fn read_small(&mut self, out: &mut [u8], op: &'static str, cut: &'static str) -> Result<bool> {
+        let mut got = 0;
+        while got < out.len() {
+            if !self.fill(op).await? {
+                if got == 0 {
+                    return Ok(false);
+                }
+                return Err(Error::FrameMalformed { what: cut });
+            }
+            let n = (out.len() - got).min(self.pending.len());
+            out[got..got + n].copy_from_slice(&self.pending.split_to(n));
+            got += n;
+        }
+        Ok(true)
+    }
+
+    async fn read_frame(&mut self) -> Result<Option<Frame>> {
+        let mut head = [0u8; HEADER_LEN];
+        if !self
+            .read_small(&mut head, "reading a frame header", "stream ended inside a frame header")
+            .await?
+        {
+            return Ok(None);
+        }
+        // Bounded by `limits` in `FrameHeader::decode`.
+        let header = FrameHeader::decode(&head, &self.limits)?;
+        let len = header.payload_len as usize;
+        let cut = Error::FrameMalformed {
+            what: "stream ended inside a frame payload",
+        };
+        let payload = if len == 0 {
+            Bytes::new()
+        } else {
+            if !self.fill("reading a frame payload").await? {
+                return Err(cut);
+            }
+            if self.pending.len() >= len {
+                self.pending.split_to(len)
+            } else {
+                let mut buf = BytesMut::with_capacity(len);
+                while buf.len() < len {
+                    if !self.fill("reading a frame payload").await? {
+                        return Err(cut);
+                    }
+                    let n = (len - buf.len()).min(self.pending.len());
+                    buf.extend_from_slice(&self.pending.split_to(n));
+                }
+                buf.freeze()
+            }
+        };
+        let mut c = [0u8; TRAILER_LEN];
+        if !self
+            .read_small(&mut c, "reading a frame checksum", "stream ended inside a frame checksum")
+            .await?
+        {
+            return Err(Error::FrameMalformed {
+                what: "stream ended inside a frame checksum",
+            });
+        }
+        Ok(Some(Frame {
+            header,
+            payload,
+            checksum: u32::from_le_bytes(c),
+        }))
+    }
 }
 
 impl LinkTx for QuicTx {
@@ -200,14 +285,18 @@ impl LinkTx for QuicTx {
 
 impl LinkRx for QuicRx {
     fn recv(&mut self) -> BoxFuture<'_, Result<Option<Frame>>> {
-        Box::pin(async move { read_frame(&mut self.recv, &self.limits).await })
+        Box::pin(self.read_frame())
     }
 }
 
 fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits) -> Link {
     Link {
         tx: Box::new(QuicTx(send)),
-        rx: Box::new(QuicRx { recv, limits }),
+        rx: Box::new(QuicRx {
+            recv,
+            limits,
+            pending: Bytes::new(),
+        }),
         transport: NAME,
     }
 }
@@ -229,6 +318,23 @@ impl QuicListener {
         tuning: &QuicTuning,
         receiver: KvReceiver,
     ) -> Result<Self> {
+        let limits = receiver.frame_limits();
+        let handler: StreamHandler = Arc::new(move |send, recv| {
+            let receiver = receiver.clone();
+            Box::pin(async move { receiver.serve_link(link(send, recv, limits)).await })
+        });
+        Self::bind_streams(addr, server_name, tls, tuning, handler)
+    }
+
+    /// Like [`QuicListener::bind`], but every accepted stream goes to `handler` (the RDMA
+    /// transport uses the streams as its control channel).
+    pub(crate) fn bind_streams(
+        addr: SocketAddr,
+        server_name: &str,
+        tls: &NodeTls,
+        tuning: &QuicTuning,
+        handler: StreamHandler,
+    ) -> Result<Self> {
         let crypto = QuicServerConfig::try_from(tls.server_config()?)
             .map_err(|e| Error::Tls { detail: e.to_string() })?;
         let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
@@ -244,7 +350,7 @@ impl QuicListener {
                 tokio::select! {
                     incoming = ep.accept() => match incoming {
                         Some(incoming) => {
-                            conns.spawn(serve_connection(incoming, receiver.clone()));
+                            conns.spawn(serve_connection(incoming, handler.clone()));
                         }
                         None => break,
                     },
@@ -270,7 +376,11 @@ impl QuicListener {
     }
 }
 
-async fn serve_connection(incoming: quinn::Incoming, receiver: KvReceiver) {
+/// What a listener does with each accepted bidirectional stream.
+pub(crate) type StreamHandler =
+    Arc<dyn Fn(quinn::SendStream, quinn::RecvStream) -> BoxFuture<'static, ()> + Send + Sync>;
+
+async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler) {
     let conn = match incoming.await {
         Ok(c) => c,
         Err(e) => {
@@ -278,14 +388,12 @@ async fn serve_connection(incoming: quinn::Incoming, receiver: KvReceiver) {
             return;
         }
     };
-    let limits = receiver.frame_limits();
     let mut streams = JoinSet::new();
     loop {
         tokio::select! {
             s = conn.accept_bi() => match s {
                 Ok((send, recv)) => {
-                    let r = receiver.clone();
-                    streams.spawn(async move { r.serve_link(link(send, recv, limits)).await });
+                    streams.spawn(handler(send, recv));
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "QUIC connection ended");
@@ -387,30 +495,41 @@ impl Connector for QuicConnector {
 
     fn open<'a>(&'a self, peer: &'a Peer) -> BoxFuture<'a, Result<Link>> {
         Box::pin(async move {
-            let Peer::Net { addr, server_name } = peer else {
-                return Err(Error::InvalidArgument {
-                    what: "the QUIC transport needs a network peer",
-                });
-            };
+            let (send, recv) = self.open_stream(peer).await?;
             // Replies are control frames: no payload larger than the default cap.
-            let limits = FrameLimits { max_payload: 0 };
-            let mut last = None;
-            for _ in 0..2 {
-                let conn = self.connection(*addr, server_name).await?;
-                match conn.open_bi().await {
-                    Ok((send, recv)) => return Ok(link(send, recv, limits)),
-                    Err(e) => {
-                        // A dead cached connection: forget it and dial again once.
-                        self.cache().remove(&(*addr, server_name.clone()));
-                        last = Some(e);
-                    }
+            Ok(link(send, recv, FrameLimits { max_payload: 0 }))
+        })
+    }
+}
+
+impl QuicConnector {
+    /// Opens one bidirectional stream to `peer` on the cached connection (redialled once if
+    /// it died). The RDMA transport uses it as its control channel.
+    pub(crate) async fn open_stream(
+        &self,
+        peer: &Peer,
+    ) -> Result<(quinn::SendStream, quinn::RecvStream)> {
+        let Peer::Net { addr, server_name } = peer else {
+            return Err(Error::InvalidArgument {
+                what: "the QUIC transport needs a network peer",
+            });
+        };
+        let mut last = None;
+        for _ in 0..2 {
+            let conn = self.connection(*addr, server_name).await?;
+            match conn.open_bi().await {
+                Ok(streams) => return Ok(streams),
+                Err(e) => {
+                    // A dead cached connection: forget it and dial again once.
+                    self.cache().remove(&(*addr, server_name.clone()));
+                    last = Some(e);
                 }
             }
-            Err(Error::Connect {
-                transport: NAME,
-                peer: peer.to_string(),
-                detail: last.map_or_else(String::new, |e| e.to_string()),
-            })
+        }
+        Err(Error::Connect {
+            transport: NAME,
+            peer: peer.to_string(),
+            detail: last.map_or_else(String::new, |e| e.to_string()),
         })
     }
 }

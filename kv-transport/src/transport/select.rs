@@ -1,0 +1,206 @@
+//! Choosing a node's network transport, with the fallback from RDMA to QUIC.
+//!
+//! Owns: [`TransportChoice`], [`RdmaConfig`] (plain settings, present in every build so a
+//! node's flags parse the same with or without the `rdma` feature) and
+//! [`bind_node_transport`], which a node calls once at start.
+//! Invariants: asking for RDMA never stops a node from starting: when this build has no
+//! `rdma` feature or the machine no usable RDMA device, the node gets QUIC, a warning naming
+//! the reason is logged, and [`NodeTransport::fallback`] carries that reason.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::certs::NodeTls;
+use crate::error::{Error, Result};
+use crate::handoff::KvReceiver;
+use crate::transport::quic::{QuicConnector, QuicListener, QuicTuning};
+use crate::transport::{Connector, Listener};
+
+/// Which transport a node asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransportChoice {
+    Quic,
+    /// RDMA data path, QUIC control channel; falls back to QUIC without a device.
+    Rdma(RdmaConfig),
+}
+
+/// Settings of the RDMA transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RdmaConfig {
+    /// Device name (`mlx5_0`); `None` for the first device found.
+    pub device: Option<String>,
+    /// Port number, from 1.
+    pub port: u8,
+    /// Index in the port's GID table (RoCE v2 is often 1 or 3; see `show_gids`).
+    pub gid_index: u8,
+    /// Largest frame payload a slot holds. Must be at least the sender's
+    /// [`SenderConfig::frame_bytes`](crate::SenderConfig) and one block-layer (the listener
+    /// raises it to one block-layer by itself).
+    pub slot_payload_bytes: u32,
+    /// Slots per link: how many frames may be in flight on one link.
+    pub slots: u32,
+    /// Links that may be open at once on one listener or connector; each has its own ring of
+    /// `slots` slots, all registered once when the listener or connector is created.
+    pub rings: u32,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            device: None,
+            port: 1,
+            gid_index: 0,
+            slot_payload_bytes: 1 << 20,
+            slots: 8,
+            rings: 16,
+        }
+    }
+}
+
+/// A node's bound transport.
+pub struct NodeTransport {
+    pub connector: Arc<dyn Connector>,
+    pub listener: Box<dyn Listener>,
+    /// Where the listener is reachable (the QUIC endpoint; for RDMA its control channel).
+    pub local_addr: SocketAddr,
+    /// Why RDMA was asked for and QUIC is used instead.
+    pub fallback: Option<String>,
+}
+
+impl NodeTransport {
+    /// Metric label of the transport in use.
+    pub fn transport(&self) -> &'static str {
+        self.listener.transport()
+    }
+}
+
+/// Binds the listener and creates the connector for `choice`, falling back to QUIC when
+/// RDMA cannot be used. Needs a Tokio runtime.
+pub fn bind_node_transport(
+    choice: &TransportChoice,
+    listen: SocketAddr,
+    server_name: &str,
+    tls: &NodeTls,
+    tuning: &QuicTuning,
+    receiver: KvReceiver,
+) -> Result<NodeTransport> {
+    let fallback = match choice {
+        TransportChoice::Quic => None,
+        TransportChoice::Rdma(config) => {
+            match bind_rdma(config, listen, server_name, tls, tuning, receiver.clone()) {
+                Ok(t) => return Ok(t),
+                Err(Error::RdmaUnavailable { reason }) => {
+                    tracing::warn!(%reason, "RDMA transport unavailable, falling back to QUIC");
+                    Some(reason)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    let listener = QuicListener::bind(listen, server_name, tls, tuning, receiver)?;
+    let connector = QuicConnector::new(tls, tuning)?;
+    Ok(NodeTransport {
+        local_addr: listener.local_addr(),
+        connector: Arc::new(connector),
+        listener: Box::new(listener),
+        fallback,
+    })
+}
+
+#[cfg(feature = "rdma")]
+fn bind_rdma(
+    config: &RdmaConfig,
+    listen: SocketAddr,
+    server_name: &str,
+    tls: &NodeTls,
+    tuning: &QuicTuning,
+    receiver: KvReceiver,
+) -> Result<NodeTransport> {
+    use crate::transport::rdma::{RdmaConnector, RdmaListener};
+    // The connector first: it opens the device, so a machine without one fails before any
+    // socket is bound.
+    let connector = RdmaConnector::new(config, tls, tuning)?;
+    let listener = RdmaListener::bind(listen, server_name, tls, tuning, config, receiver)?;
+    Ok(NodeTransport {
+        local_addr: listener.local_addr(),
+        connector: Arc::new(connector),
+        listener: Box::new(listener),
+        fallback: None,
+    })
+}
+
+#[cfg(not(feature = "rdma"))]
+fn bind_rdma(
+    _config: &RdmaConfig,
+    _listen: SocketAddr,
+    _server_name: &str,
+    _tls: &NodeTls,
+    _tuning: &QuicTuning,
+    _receiver: KvReceiver,
+) -> Result<NodeTransport> {
+    Err(Error::RdmaUnavailable {
+        reason: "this build has no RDMA support (cargo feature `rdma` is off)".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::generate_dev_certs;
+    use crate::handoff::ReceiverConfig;
+    use crate::pool::ArenaPool;
+    use crate::types::{KvDtype, KvLayout};
+
+    const LAYOUT: KvLayout = KvLayout {
+        layers: 2,
+        block_tokens: 16,
+        kv_heads: 1,
+        head_dim: 8,
+        dtype: KvDtype::F16,
+    };
+
+    #[tokio::test]
+    async fn quic_is_used_as_asked() {
+        let certs = generate_dev_certs("test", &["decode-0"]).unwrap();
+        let tls = certs.node_tls("decode-0").unwrap();
+        let pool = Arc::new(ArenaPool::new(LAYOUT, 4).unwrap());
+        let receiver = KvReceiver::new(pool, ReceiverConfig::default()).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let t = bind_node_transport(&TransportChoice::Quic, loopback, "decode-0", &tls, &QuicTuning::default(), receiver)
+            .unwrap();
+        assert_eq!(t.transport(), "quic");
+        assert_eq!(t.fallback, None);
+        assert_ne!(t.local_addr.port(), 0);
+    }
+
+    /// Without a device (or without the feature) asking for RDMA yields a working QUIC
+    /// transport and the reason. Where a device exists the RDMA transport is used instead.
+    #[tokio::test]
+    async fn rdma_without_a_device_falls_back_to_quic() {
+        let certs = generate_dev_certs("test", &["decode-0"]).unwrap();
+        let tls = certs.node_tls("decode-0").unwrap();
+        let pool = Arc::new(ArenaPool::new(LAYOUT, 4).unwrap());
+        let receiver = KvReceiver::new(pool, ReceiverConfig::default()).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let choice = TransportChoice::Rdma(RdmaConfig {
+            rings: 2,
+            slots: 2,
+            slot_payload_bytes: 64 << 10,
+            ..RdmaConfig::default()
+        });
+        let t = bind_node_transport(&choice, loopback, "decode-0", &tls, &QuicTuning::default(), receiver)
+            .unwrap();
+        match &t.fallback {
+            Some(reason) => {
+                assert_eq!(t.transport(), "quic");
+                if cfg!(feature = "rdma") {
+                    assert!(reason.contains("RDMA device"), "{reason}");
+                } else {
+                    assert!(reason.contains("feature `rdma` is off"), "{reason}");
+                }
+            }
+            // Only a build with the feature, on a machine with a device, gets here.
+            None => assert_eq!(t.transport(), "rdma"),
+        }
+    }
+}

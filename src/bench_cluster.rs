@@ -101,6 +101,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
                 decode_http_listen: loopback,
                 prefill_http_listen: loopback,
                 local_prefill_threshold: threshold,
+                kv_transport: baton_kv_transport::transport::select::TransportChoice::Quic,
             };
             let mut cluster = start_cluster(spec, engines.clone(), stop_rx).await.context("starting the cluster")?;
             let grpc = format!("http://{}", cluster.decode_grpc);

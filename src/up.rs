@@ -1,6 +1,7 @@
 //! `baton up`: the whole cluster on this machine, in one process, with the embedded
 //! defaults: a coordinator with in-memory membership, one prefill node and one decode
-//! node (each with its own engine, real QUIC with mutual TLS between them, certificates
+//! node (each with its own engine, real QUIC with mutual TLS between them,
+//! or RDMA with `--kv-transport rdma` where a device is there, certificates
 //! made fresh at start), and the API gateway with its SQLite store and web page in front
 //! of the cluster. One Ctrl-C (or SIGTERM) stops every part; the decode node finishes
 //! deregistering and the gateway stops accepting before the engines shut down.
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
 use baton_engine::Engine;
+use baton_kv_transport::transport::select::TransportChoice;
 use baton_proto::common::Role;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::ListNodesRequest;
@@ -32,6 +34,9 @@ pub struct UpArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub gateway: baton_api_gateway::Args,
+    /// The KV transport between the two nodes (`--kv-transport`, `--rdma-*`).
+    #[command(flatten)]
+    pub kv_transport: baton_node_common::kv::KvTransportArgs,
     /// The coordinator's gRPC address.
     #[arg(long, env = "BATON_COORDINATOR_LISTEN", default_value = "127.0.0.1:7100")]
     pub coordinator_listen: SocketAddr,
@@ -71,6 +76,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         bail!("model {} not found; run `bash scripts/fetch-model.sh` or pass --model", model.display());
     }
     let gateway_config = baton_api_gateway::Config::try_from(a.gateway.clone())?;
+    let kv_transport = TransportChoice::try_from(a.kv_transport.clone())?;
     crate::process::runtime()?.block_on(async move {
         let (stop_tx, stop_rx) = watch::channel(false);
         tokio::spawn(async move {
@@ -79,7 +85,7 @@ pub fn run(a: UpArgs) -> Result<()> {
             let _ = stop_tx.send(true);
         });
         let engines = start_engines(&a.engine).await?;
-        let result = serve(&a, &model, gateway_config, engines.clone(), stop_rx).await;
+        let result = serve(&a, &model, gateway_config, kv_transport, engines.clone(), stop_rx).await;
         for e in [&engines.0, &engines.1] {
             e.shutdown();
         }
@@ -106,6 +112,8 @@ pub(crate) struct ClusterSpec<'a> {
     pub decode_http_listen: SocketAddr,
     pub prefill_http_listen: SocketAddr,
     pub local_prefill_threshold: u32,
+    /// The KV transport both nodes ask for (RDMA falls back to QUIC).
+    pub kv_transport: TransportChoice,
 }
 
 /// The coordinator, the decode node and the prefill node, serving in this
@@ -156,6 +164,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         drain_timeout: Duration::from_secs(60),
         warm_conversations: 8192,
         certs_dir: Default::default(),
+        kv_transport: spec.kv_transport.clone(),
         engine: node_engine(),
     };
     let decode_parts = baton_decode_node::Parts {
@@ -182,6 +191,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         kv_staging_bytes: 256 << 20,
         certs_dir: Default::default(),
         kv_layer_delay: None,
+        kv_transport: spec.kv_transport.clone(),
         engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: a.threads, config: a.engine_config() },
     };
     let prefill_parts = baton_prefill_node::Parts {
@@ -204,6 +214,7 @@ async fn serve(
     a: &UpArgs,
     model: &Path,
     gateway_config: baton_api_gateway::Config,
+    kv_transport: TransportChoice,
     engines: (Arc<Engine>, Arc<Engine>),
     stop: watch::Receiver<bool>,
 ) -> Result<()> {
@@ -217,6 +228,7 @@ async fn serve(
         decode_http_listen: a.decode_http_listen,
         prefill_http_listen: a.prefill_http_listen,
         local_prefill_threshold: a.local_prefill_threshold,
+        kv_transport,
     };
     let LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_http, prefill_http, mut tasks, .. } = start_cluster(spec, engines, stop.clone()).await?;
 

@@ -34,7 +34,9 @@ use baton_proto::node::decode_node_server::DecodeNodeServer;
 use baton_proto::node::node_control_server::NodeControlServer;
 use tokio::net::TcpListener;
 
+pub use baton_kv_transport::transport::select::{RdmaConfig, TransportChoice};
 pub use engine_args::{EngineSetup, NodeEngineArgs};
+pub use kv::{KvTransportArgs, KvTransportKind};
 pub use handoff::Router;
 
 fn parse_duration(s: &str) -> Result<Duration, humantime::DurationError> {
@@ -53,7 +55,7 @@ pub struct Args {
     /// HTTP address of /healthz and /metrics.
     #[arg(long, env = "BATON_DECODE_HTTP_LISTEN", default_value = "127.0.0.1:7201")]
     pub http_listen: SocketAddr,
-    /// UDP address of the KV transport (QUIC).
+    /// UDP address of the KV transport (QUIC; with `--kv-transport rdma`, its control channel).
     #[arg(long, env = "BATON_DECODE_KV_LISTEN", default_value = "127.0.0.1:7202")]
     pub kv_listen: SocketAddr,
     /// Host other nodes reach this one at (default: the listen address's).
@@ -89,6 +91,8 @@ pub struct Args {
     #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
     pub certs_dir: PathBuf,
     #[command(flatten)]
+    pub kv_transport: KvTransportArgs,
+    #[command(flatten)]
     pub engine: NodeEngineArgs,
 }
 
@@ -108,6 +112,8 @@ pub struct Config {
     pub drain_timeout: Duration,
     pub warm_conversations: usize,
     pub certs_dir: PathBuf,
+    /// The KV transport asked for (`--kv-transport`); RDMA falls back to QUIC.
+    pub kv_transport: TransportChoice,
     pub engine: EngineSetup,
 }
 
@@ -143,6 +149,7 @@ impl TryFrom<Args> for Config {
             drain_timeout: a.drain_timeout,
             warm_conversations: a.warm_conversations,
             certs_dir: a.certs_dir,
+            kv_transport: a.kv_transport.try_into()?,
             engine: a.engine.try_into()?,
         })
     }
@@ -186,11 +193,11 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let Parts { engine, tls, grpc, http } = parts;
     let layout = kv::transport_layout(&engine.info)?;
     let staging_blocks = (config.kv_staging_bytes / layout.bytes_per_block()).max(1);
-    let kv = Arc::new(kv::KvNode::start(&config.name, config.kv_listen, &tls, layout, staging_blocks)?);
+    let kv = Arc::new(kv::KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?);
     let grpc_local = grpc.local_addr()?;
     let host = config.advertise_host.clone().unwrap_or_else(|| advertise_ip(grpc_local));
     let grpc_addr = format!("{host}:{}", grpc_local.port());
-    let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.listener.local_addr().ip()), kv.listener.local_addr().port()));
+    let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.local_addr.ip()), kv.local_addr.port()));
     let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
     let coordinator: Option<CoordinatorClient<tonic::transport::Channel>> = match &config.coordinator {
         Some(url) => Some(CoordinatorClient::new(tonic::transport::Endpoint::from_shared(url.clone())?.connect_timeout(Duration::from_secs(2)).connect_lazy())),

@@ -132,6 +132,7 @@ impl EngineSeries {
             let mut stats = kv.receiver.transport_stats();
             stats.push(kv.sender.stats().clone());
             baton_kv_transport::metrics::render_prometheus(&mut out, &stats, kv.receiver.stats());
+            kv.render_info(&mut out);
         }
         out
     }

@@ -7,6 +7,11 @@
 //! to its worker thread); once a transfer completed they are copied out, the
 //! staging blocks released, and the bytes handed to the engine as an import.
 //! A transfer that fails releases its staging blocks inside the transport.
+//!
+//! Which transport carries the blocks is the operator's choice ([`KvTransportArgs`]:
+//! `--kv-transport quic|rdma`). Asking for RDMA never stops a node from starting: without
+//! the `rdma` cargo feature or without a usable RDMA device the node logs a warning with the
+//! reason and runs QUIC ([`KvNode::fallback`]).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -14,8 +19,96 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use baton_engine::EngineInfo;
-use baton_kv_transport::transport::quic::{QuicConnector, QuicListener, QuicTuning};
-use baton_kv_transport::{ArenaPool, BlockId, BlockSink, BlockSource, Connector, KvDtype, KvLayout, KvReceiver, KvSender, NodeTls, Peer, ReceiverConfig};
+use baton_kv_transport::transport::quic::QuicTuning;
+use baton_kv_transport::transport::select::{bind_node_transport, RdmaConfig, TransportChoice};
+use baton_kv_transport::{ArenaPool, BlockId, BlockSink, BlockSource, KvDtype, KvLayout, KvReceiver, KvSender, Listener, NodeTls, Peer, ReceiverConfig};
+
+/// The KV transport a node asks for (`--kv-transport`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvTransportKind {
+    /// QUIC with mutual TLS over UDP.
+    #[default]
+    Quic,
+    /// RDMA data path (RC queue pairs), QUIC control channel on the same address; falls
+    /// back to QUIC, with a warning naming the reason, where RDMA cannot be used.
+    Rdma,
+}
+
+impl KvTransportKind {
+    /// The name used in logs and as the metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvTransportKind::Quic => "quic",
+            KvTransportKind::Rdma => "rdma",
+        }
+    }
+}
+
+/// The KV transport flags both node roles share.
+#[derive(clap::Args, Clone, Debug)]
+pub struct KvTransportArgs {
+    /// KV transport: `quic`, or `rdma` (falls back to QUIC, with a warning, when this
+    /// build lacks the `rdma` feature or the machine has no usable RDMA device).
+    #[arg(long, env = "BATON_KV_TRANSPORT", value_enum, default_value = "quic")]
+    pub kv_transport: KvTransportKind,
+    /// RDMA device, e.g. mlx5_0 (default: the first one found). Only with `--kv-transport rdma`.
+    #[arg(long, env = "BATON_RDMA_DEVICE")]
+    pub rdma_device: Option<String>,
+    /// RDMA port number on the device, from 1.
+    #[arg(long, env = "BATON_RDMA_PORT", default_value_t = 1)]
+    pub rdma_port: u8,
+    /// Index in the port's GID table (RoCE v2 is often 1 or 3; see `show_gids`).
+    #[arg(long, env = "BATON_RDMA_GID_INDEX", default_value_t = 0)]
+    pub rdma_gid_index: u8,
+    /// Slots per RDMA link (frames in flight on one link; each slot is 1 MiB plus framing).
+    #[arg(long, env = "BATON_RDMA_SLOTS", default_value_t = 8)]
+    pub rdma_slots: u32,
+    /// RDMA links open at once per listener and per connector; each has its own ring of
+    /// `--rdma-slots` slots, registered when the node starts.
+    #[arg(long, env = "BATON_RDMA_RINGS", default_value_t = 16)]
+    pub rdma_rings: u32,
+}
+
+impl Default for KvTransportArgs {
+    fn default() -> Self {
+        let r = RdmaConfig::default();
+        KvTransportArgs { kv_transport: KvTransportKind::Quic, rdma_device: None, rdma_port: r.port, rdma_gid_index: r.gid_index, rdma_slots: r.slots, rdma_rings: r.rings }
+    }
+}
+
+impl TryFrom<KvTransportArgs> for TransportChoice {
+    type Error = anyhow::Error;
+    fn try_from(a: KvTransportArgs) -> Result<Self> {
+        if a.rdma_port == 0 {
+            bail!("--rdma-port counts from 1");
+        }
+        if a.rdma_slots == 0 || a.rdma_rings == 0 {
+            bail!("--rdma-slots and --rdma-rings must be positive");
+        }
+        if a.rdma_device.as_deref() == Some("") {
+            bail!("--rdma-device must not be empty (leave it out for the first device)");
+        }
+        Ok(match a.kv_transport {
+            KvTransportKind::Quic => TransportChoice::Quic,
+            KvTransportKind::Rdma => TransportChoice::Rdma(RdmaConfig {
+                device: a.rdma_device,
+                port: a.rdma_port,
+                gid_index: a.rdma_gid_index,
+                slots: a.rdma_slots,
+                rings: a.rdma_rings,
+                ..RdmaConfig::default()
+            }),
+        })
+    }
+}
+
+/// The name of the transport `choice` asks for.
+pub fn requested_transport(choice: &TransportChoice) -> &'static str {
+    match choice {
+        TransportChoice::Quic => "quic",
+        TransportChoice::Rdma(_) => "rdma",
+    }
+}
 
 /// The transport's view of the engine's block layout.
 pub fn transport_layout(info: &EngineInfo) -> Result<KvLayout> {
@@ -55,27 +148,70 @@ pub fn parse_endpoint(s: &str) -> Result<Peer> {
     Ok(Peer::Net { addr, server_name: name.to_string() })
 }
 
+/// Gauge, always 1: labels `transport` (in use) and `requested` (`--kv-transport`).
+pub const KV_TRANSPORT_INFO: &str = "baton_kv_transport_info";
+
 /// The node's KV transport: receiving into a staging pool, sending from exports.
 pub struct KvNode {
     pub layout: KvLayout,
     pub staging: Arc<ArenaPool>,
     pub receiver: KvReceiver,
     pub sender: KvSender,
-    pub listener: QuicListener,
+    /// Accepts links until dropped (or shut down).
+    pub listener: Box<dyn Listener>,
+    /// Where the listener is bound (the QUIC endpoint; for RDMA its control channel).
+    pub local_addr: SocketAddr,
     /// What this node advertises (`name@addr`).
     pub endpoint: String,
+    /// The transport asked for (`quic`, `rdma`).
+    pub requested: &'static str,
+    /// The transport in use (`quic`, `rdma`); the `transport` label of its metrics.
+    pub transport: &'static str,
+    /// Why RDMA was asked for and QUIC runs instead.
+    pub fallback: Option<String>,
 }
 
 impl KvNode {
-    /// Binds the QUIC listener on `listen`. Needs a Tokio runtime.
-    pub fn start(name: &str, listen: SocketAddr, tls: &NodeTls, layout: KvLayout, staging_blocks: usize) -> Result<KvNode> {
+    /// Binds the listener of `choice` on `listen` and creates its connector, falling back
+    /// from RDMA to QUIC (with a warning naming the reason) where RDMA cannot be used.
+    /// Logs the transport it runs. Needs a Tokio runtime.
+    pub fn start(name: &str, listen: SocketAddr, tls: &NodeTls, choice: &TransportChoice, layout: KvLayout, staging_blocks: usize) -> Result<KvNode> {
         let staging = Arc::new(ArenaPool::new(layout, staging_blocks).context("staging pool")?);
         let receiver = KvReceiver::new(staging.clone(), ReceiverConfig::default()).context("KV receiver")?;
         let tuning = if listen.ip().is_loopback() { QuicTuning::loopback() } else { QuicTuning::default() };
-        let listener = QuicListener::bind(listen, name, tls, &tuning, receiver.clone()).context("binding the QUIC listener")?;
-        let connector: Arc<dyn Connector> = Arc::new(QuicConnector::new(tls, &tuning).context("QUIC connector")?);
-        let endpoint = endpoint_string(name, listener.local_addr());
-        Ok(KvNode { layout, staging, receiver, sender: KvSender::new(connector), listener, endpoint })
+        let requested = requested_transport(choice);
+        let t = bind_node_transport(choice, listen, name, tls, &tuning, receiver.clone())
+            .with_context(|| format!("starting the KV transport ({requested}) on {listen}"))?;
+        let transport = t.transport();
+        let endpoint = endpoint_string(name, t.local_addr);
+        match &t.fallback {
+            Some(reason) => tracing::info!(transport, requested, %endpoint, fallback = %reason, "KV transport started (QUIC instead of RDMA)"),
+            None => tracing::info!(transport, requested, %endpoint, "KV transport started"),
+        }
+        Ok(KvNode {
+            layout,
+            staging,
+            receiver,
+            sender: KvSender::new(t.connector),
+            listener: t.listener,
+            local_addr: t.local_addr,
+            endpoint,
+            requested,
+            transport,
+            fallback: t.fallback,
+        })
+    }
+
+    /// Appends `baton_kv_transport_info` (Prometheus text): which transport runs, and
+    /// which was asked for.
+    pub fn render_info(&self, out: &mut String) {
+        use std::fmt::Write;
+        let name = KV_TRANSPORT_INFO;
+        let _ = write!(
+            out,
+            "# HELP {name} The KV transport this node runs (transport) and the one asked for (requested)\n# TYPE {name} gauge\n{name}{{transport=\"{}\",requested=\"{}\"}} 1\n\n",
+            self.transport, self.requested
+        );
     }
 
     /// Copies completed staging blocks out (all layers each) and releases them.
@@ -118,5 +254,103 @@ impl BlockSource for ExportSource {
         }
         out.copy_from_slice(&data[start..start + bl]);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_kv_transport::generate_dev_certs;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        kv: KvTransportArgs,
+    }
+
+    fn choice(args: &[&str]) -> Result<TransportChoice> {
+        let flags = Flags::try_parse_from(std::iter::once("node").chain(args.iter().copied()))?;
+        flags.kv.try_into()
+    }
+
+    #[test]
+    fn flags_choose_the_transport() {
+        // Only meaningful where the environment does not set the flags itself.
+        if std::env::var_os("BATON_KV_TRANSPORT").is_some() {
+            return;
+        }
+        assert_eq!(choice(&[]).unwrap(), TransportChoice::Quic);
+        assert_eq!(choice(&["--kv-transport", "quic", "--rdma-gid-index", "3"]).unwrap(), TransportChoice::Quic);
+        let want = RdmaConfig { device: Some("mlx5_1".into()), gid_index: 3, port: 2, slots: 4, rings: 2, ..RdmaConfig::default() };
+        let got = choice(&["--kv-transport", "rdma", "--rdma-device", "mlx5_1", "--rdma-gid-index", "3", "--rdma-port", "2", "--rdma-slots", "4", "--rdma-rings", "2"]).unwrap();
+        assert_eq!(got, TransportChoice::Rdma(want));
+        assert_eq!(choice(&["--kv-transport", "rdma"]).unwrap(), TransportChoice::Rdma(RdmaConfig::default()));
+        assert!(choice(&["--kv-transport", "tcp"]).is_err());
+        assert!(choice(&["--kv-transport", "rdma", "--rdma-port", "0"]).is_err());
+        assert!(choice(&["--kv-transport", "rdma", "--rdma-slots", "0"]).is_err());
+        assert!(choice(&["--kv-transport", "rdma", "--rdma-device", ""]).is_err());
+    }
+
+    const LAYOUT: KvLayout = KvLayout { layers: 3, block_tokens: 16, kv_heads: 1, head_dim: 8, dtype: KvDtype::F16 };
+
+    /// Asking for RDMA where it cannot run (no `rdma` feature, or no device: this test
+    /// machine) starts both nodes on QUIC, says why, and a transfer between them still
+    /// lands byte for byte. Where a device exists, the same transfer runs over RDMA.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rdma_without_a_device_falls_back_to_quic_and_moves_blocks() {
+        let certs = generate_dev_certs("test", &["decode-0", "prefill-0"]).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let rdma = TransportChoice::Rdma(RdmaConfig { rings: 2, slots: 2, ..RdmaConfig::default() });
+        let decode = KvNode::start("decode-0", loopback, &certs.node_tls("decode-0").unwrap(), &rdma, LAYOUT, 8).unwrap();
+        let prefill = KvNode::start("prefill-0", loopback, &certs.node_tls("prefill-0").unwrap(), &rdma, LAYOUT, 8).unwrap();
+        for (name, node) in [("decode-0", &decode), ("prefill-0", &prefill)] {
+            assert_eq!(node.requested, "rdma");
+            assert_ne!(node.local_addr.port(), 0);
+            assert_eq!(node.endpoint, endpoint_string(name, node.local_addr));
+            match &node.fallback {
+                Some(reason) => {
+                    assert_eq!(node.transport, "quic");
+                    assert_eq!(node.listener.transport(), "quic");
+                    if cfg!(feature = "rdma") {
+                        assert!(reason.contains("RDMA device"), "{reason}");
+                    } else {
+                        assert!(reason.contains("feature `rdma` is off"), "{reason}");
+                    }
+                }
+                None => {
+                    // RDMA runs only in a build with the feature.
+                    assert!(node.transport == "rdma" && cfg!(feature = "rdma"), "no fallback, yet transport {}", node.transport);
+                }
+            }
+            let mut info = String::new();
+            node.render_info(&mut info);
+            assert!(info.contains(&format!("{KV_TRANSPORT_INFO}{{transport=\"{}\",requested=\"rdma\"}} 1", node.transport)), "{info}");
+        }
+
+        // The prefill node ships two blocks into a reservation on the decode node.
+        let bytes = LAYOUT.bytes_per_block();
+        let blocks: Vec<Vec<u8>> = (0..2u8).map(|b| (0..bytes).map(|i| (i as u8).wrapping_mul(7).wrapping_add(b * 31)).collect()).collect();
+        let reservation = decode.receiver.reserve(blocks.len(), Some(std::time::Duration::from_secs(10))).unwrap();
+        let grant = reservation.grant().clone();
+        let source = Arc::new(ExportSource { layout: LAYOUT, blocks: blocks.clone() });
+        let ids = source.ids();
+        let peer = parse_endpoint(&decode.endpoint).unwrap();
+        prefill.sender.send(&peer, &grant, source, ids).await.unwrap();
+        let landed = reservation.finished().await.unwrap();
+        assert_eq!(decode.staging_used(), blocks.len());
+        assert_eq!(decode.take_blocks(&landed).unwrap(), blocks);
+        assert_eq!(decode.staging_used(), 0);
+        let sent = prefill.sender.stats();
+        assert_eq!(sent.transport, prefill.transport);
+        assert!(sent.bytes.load(std::sync::atomic::Ordering::Relaxed) >= (2 * bytes) as u64);
+    }
+
+    #[tokio::test]
+    async fn quic_is_the_default() {
+        let certs = generate_dev_certs("test", &["decode-0"]).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let node = KvNode::start("decode-0", loopback, &certs.node_tls("decode-0").unwrap(), &TransportChoice::Quic, LAYOUT, 2).unwrap();
+        assert_eq!((node.requested, node.transport, node.fallback.as_deref()), ("quic", "quic", None));
     }
 }

@@ -26,7 +26,9 @@ use baton_proto::node::prefill_node_server::PrefillNodeServer;
 use baton_proto::node::node_control_server::NodeControlServer;
 use tokio::net::TcpListener;
 
+pub use baton_kv_transport::transport::select::{RdmaConfig, TransportChoice};
 pub use engine_args::{EngineSetup, NodeEngineArgs};
+pub use kv::{KvTransportArgs, KvTransportKind};
 
 fn parse_duration(s: &str) -> Result<Duration, humantime::DurationError> {
     humantime::parse_duration(s)
@@ -44,7 +46,8 @@ pub struct Args {
     /// HTTP address of /healthz and /metrics.
     #[arg(long, env = "BATON_PREFILL_HTTP_LISTEN", default_value = "127.0.0.1:7301")]
     pub http_listen: SocketAddr,
-    /// UDP address of the KV transport (QUIC), for prefixes pulled from decode nodes.
+    /// UDP address of the KV transport (QUIC; with `--kv-transport rdma`, its control
+    /// channel), for prefixes pulled from decode nodes.
     #[arg(long, env = "BATON_PREFILL_KV_LISTEN", default_value = "127.0.0.1:7302")]
     pub kv_listen: SocketAddr,
     /// Host other nodes reach this one at (default: the listen address's).
@@ -66,6 +69,8 @@ pub struct Args {
     #[arg(long, env = "BATON_KV_LAYER_DELAY", value_parser = parse_duration, hide = true)]
     pub kv_layer_delay: Option<Duration>,
     #[command(flatten)]
+    pub kv_transport: KvTransportArgs,
+    #[command(flatten)]
     pub engine: NodeEngineArgs,
 }
 
@@ -82,6 +87,8 @@ pub struct Config {
     pub kv_staging_bytes: usize,
     pub certs_dir: PathBuf,
     pub kv_layer_delay: Option<Duration>,
+    /// The KV transport asked for (`--kv-transport`); RDMA falls back to QUIC.
+    pub kv_transport: TransportChoice,
     pub engine: EngineSetup,
 }
 
@@ -108,6 +115,7 @@ impl TryFrom<Args> for Config {
             kv_staging_bytes: a.kv_staging_mib << 20,
             certs_dir: a.certs_dir,
             kv_layer_delay: a.kv_layer_delay,
+            kv_transport: a.kv_transport.try_into()?,
             engine: a.engine.try_into()?,
         })
     }
@@ -151,11 +159,11 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let Parts { engine, tls, grpc, http } = parts;
     let layout = kv::transport_layout(&engine.info)?;
     let staging_blocks = (config.kv_staging_bytes / layout.bytes_per_block()).max(1);
-    let kv = Arc::new(kv::KvNode::start(&config.name, config.kv_listen, &tls, layout, staging_blocks)?);
+    let kv = Arc::new(kv::KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?);
     let grpc_local = grpc.local_addr()?;
     let host = config.advertise_host.clone().unwrap_or_else(|| advertise_ip(grpc_local));
     let grpc_addr = format!("{host}:{}", grpc_local.port());
-    let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.listener.local_addr().ip()), kv.listener.local_addr().port()));
+    let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.local_addr.ip()), kv.local_addr.port()));
     let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
     let metrics = Arc::new(metrics::Metrics::default());
     let draining = Arc::new(AtomicBool::new(false));

@@ -403,6 +403,36 @@ mod simd {
         }
     }
 
+    /// Walks activation rows in groups of up to four (`c` of them) and the
+    /// weight rows `o0..o1` in tiles of `R` rows (`R` chosen per `c` from
+    /// `[R1, R2, R3, R4]`), then single rows: the one loop of every task.
+    macro_rules! sweep_tiles {
+        ($rows:expr, $o0:expr, $o1:expr, [$r1:literal, $r2:literal, $r3:literal, $r4:literal], |$t:ident, $o:ident| $tile:ident($($arg:expr),*)) => {{
+            let mut $t = 0;
+            while $t < $rows {
+                let c = ($rows - $t).min(4);
+                let mut $o = $o0;
+                match c {
+                    1 => sweep_tiles!(@run $o, $o1, $r1, 1, $tile($($arg),*)),
+                    2 => sweep_tiles!(@run $o, $o1, $r2, 2, $tile($($arg),*)),
+                    3 => sweep_tiles!(@run $o, $o1, $r3, 3, $tile($($arg),*)),
+                    _ => sweep_tiles!(@run $o, $o1, $r4, 4, $tile($($arg),*)),
+                }
+                $t += c;
+            }
+        }};
+        (@run $o:ident, $o1:expr, $r:literal, $c:literal, $tile:ident($($arg:expr),*)) => {{
+            while $o + $r <= $o1 {
+                $tile::<$r, $c>($($arg),*);
+                $o += $r;
+            }
+            while $o < $o1 {
+                $tile::<1, $c>($($arg),*);
+                $o += 1;
+            }
+        }};
+    }
+
     /// An R x C tile (AVX2): weight rows `o..o+R` against activation rows
     /// `t..t+C`. Per output element the arithmetic is exactly that of
     /// `scalar::dot_q4`, even and odd blocks in separate accumulators; the
@@ -540,31 +570,7 @@ mod simd {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn q4_task_avx2(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
         let nb = k / QK;
-        let mut t = 0;
-        while t < rows {
-            let c = (rows - t).min(4);
-            let acts = &groups[t / 4];
-            let mut o = o0;
-            macro_rules! sweep {
-                ($r:literal, $c:literal) => {{
-                    while o + $r <= o1 {
-                        q4_tile::<$r, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
-                        o += $r;
-                    }
-                    while o < o1 {
-                        q4_tile::<1, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
-                        o += 1;
-                    }
-                }};
-            }
-            match c {
-                1 => sweep!(4, 1),
-                2 => sweep!(2, 2),
-                3 => sweep!(1, 3),
-                _ => sweep!(1, 4),
-            }
-            t += c;
-        }
+        sweep_tiles!(rows, o0, o1, [4, 2, 1, 1], |t, o| q4_tile(qs, d, m, nb, xq, &groups[t / 4], o, t, out, n));
     }
 
     /// AVX-512 has 32 registers: up to 4 x 4 tiles (16 accumulators), so
@@ -574,31 +580,7 @@ mod simd {
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn q4_task_512(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
         let nb = k / QK;
-        let mut t = 0;
-        while t < rows {
-            let c = (rows - t).min(4);
-            let acts = &groups[t / 4];
-            let mut o = o0;
-            macro_rules! sweep {
-                ($c:literal) => {{
-                    while o + 4 <= o1 {
-                        q4_tile512::<4, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
-                        o += 4;
-                    }
-                    while o < o1 {
-                        q4_tile512::<1, $c>(qs, d, m, nb, xq, acts, o, t, out, n);
-                        o += 1;
-                    }
-                }};
-            }
-            match c {
-                1 => sweep!(1),
-                2 => sweep!(2),
-                3 => sweep!(3),
-                _ => sweep!(4),
-            }
-            t += c;
-        }
+        sweep_tiles!(rows, o0, o1, [4, 4, 4, 4], |t, o| q4_tile512(qs, d, m, nb, xq, &groups[t / 4], o, t, out, n));
     }
 
     /// An R x C tile of a Q8_0 product (AVX2); per element the arithmetic
@@ -714,61 +696,14 @@ mod simd {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn q8_task_avx2(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
         let nb = k / QK;
-        let mut t = 0;
-        while t < rows {
-            let c = (rows - t).min(4);
-            let mut o = o0;
-            macro_rules! sweep {
-                ($r:literal, $c:literal) => {{
-                    while o + $r <= o1 {
-                        q8_tile::<$r, $c>(qs, d, nb, xq, o, t, out, n);
-                        o += $r;
-                    }
-                    while o < o1 {
-                        q8_tile::<1, $c>(qs, d, nb, xq, o, t, out, n);
-                        o += 1;
-                    }
-                }};
-            }
-            match c {
-                1 => sweep!(4, 1),
-                2 => sweep!(2, 2),
-                3 => sweep!(1, 3),
-                _ => sweep!(1, 4),
-            }
-            t += c;
-        }
+        sweep_tiles!(rows, o0, o1, [4, 2, 1, 1], |t, o| q8_tile(qs, d, nb, xq, o, t, out, n));
     }
 
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn q8_task_512(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
         let nb = k / QK;
-        let mut t = 0;
-        while t < rows {
-            let c = (rows - t).min(4);
-            let acts = &groups[t / 4];
-            let mut o = o0;
-            macro_rules! sweep {
-                ($c:literal) => {{
-                    while o + 4 <= o1 {
-                        q8_tile512::<4, $c>(qs, d, nb, xq, acts, o, t, out, n);
-                        o += 4;
-                    }
-                    while o < o1 {
-                        q8_tile512::<1, $c>(qs, d, nb, xq, acts, o, t, out, n);
-                        o += 1;
-                    }
-                }};
-            }
-            match c {
-                1 => sweep!(1),
-                2 => sweep!(2),
-                3 => sweep!(3),
-                _ => sweep!(4),
-            }
-            t += c;
-        }
+        sweep_tiles!(rows, o0, o1, [4, 4, 4, 4], |t, o| q8_tile512(qs, d, nb, xq, &groups[t / 4], o, t, out, n));
     }
 
     #[target_feature(enable = "avx2,fma")]

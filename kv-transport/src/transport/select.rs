@@ -159,13 +159,17 @@ mod tests {
         dtype: KvDtype::F16,
     };
 
-    #[tokio::test]
-    async fn quic_is_used_as_asked() {
+    /// A node's certificates, a receiver over a small pool and a loopback address.
+    fn node() -> (NodeTls, KvReceiver, SocketAddr) {
         let certs = generate_dev_certs("test", &["decode-0"]).unwrap();
-        let tls = certs.node_tls("decode-0").unwrap();
         let pool = Arc::new(ArenaPool::new(LAYOUT, 4).unwrap());
         let receiver = KvReceiver::new(pool, ReceiverConfig::default()).unwrap();
-        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        (certs.node_tls("decode-0").unwrap(), receiver, SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    #[tokio::test]
+    async fn quic_is_used_as_asked() {
+        let (tls, receiver, loopback) = node();
         let t = bind_node_transport(&TransportChoice::Quic, loopback, "decode-0", &tls, &QuicTuning::default(), receiver)
             .unwrap();
         assert_eq!(t.transport(), "quic");
@@ -177,11 +181,7 @@ mod tests {
     /// transport and the reason. Where a device exists the RDMA transport is used instead.
     #[tokio::test]
     async fn rdma_without_a_device_falls_back_to_quic() {
-        let certs = generate_dev_certs("test", &["decode-0"]).unwrap();
-        let tls = certs.node_tls("decode-0").unwrap();
-        let pool = Arc::new(ArenaPool::new(LAYOUT, 4).unwrap());
-        let receiver = KvReceiver::new(pool, ReceiverConfig::default()).unwrap();
-        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let (tls, receiver, loopback) = node();
         let choice = TransportChoice::Rdma(RdmaConfig {
             rings: 2,
             slots: 2,

@@ -6,7 +6,8 @@
 //! Run: `cargo bench -p baton-kv-transport --bench transport`
 //! Env: `BATON_KVT_BENCH_MIB` (default 1024), `BATON_KVT_BENCH_ROUNDS` (default 3),
 //! `BATON_KVT_BENCH_QUIC_CC` (`cubic`, default; `bbr`; `newreno`), `BATON_KVT_BENCH_ONLY`
-//! (comma-separated subset of `quic,tls_tcp,inproc`).
+//! (comma-separated subset of `quic,tls_tcp,inproc`), `BATON_KVT_BENCH_SOCKET_MIB` (QUIC's UDP
+//! socket buffers; the kernel caps them at `net.core.rmem_max` / `wmem_max`).
 //!
 //! Every number goes through the full handoff: reserve, grant, frames with checksums,
 //! verification, install into the receiver's pool, completion both ways.
@@ -121,6 +122,9 @@ async fn main() {
         Ok("newreno") => QuicCongestion::NewReno,
         _ => QuicCongestion::Cubic,
     };
+    if let Ok(mib) = std::env::var("BATON_KVT_BENCH_SOCKET_MIB") {
+        tuning.socket_buffer_bytes = mib.parse::<usize>().expect("BATON_KVT_BENCH_SOCKET_MIB: MiB") << 20;
+    }
     let net = InProcNetwork::new();
 
     let mut results = Vec::new();

@@ -526,8 +526,8 @@ mod simd {
             for c in 0..C {
                 xs[c] = _mm512_maskz_loadu_epi8(if pair { !0 } else { 0xffff_ffff }, xqp[c].add(b * QK));
             }
+            // `b` is even: every other pair starts a cache line of quants.
             prefetch_q4(qs, d, m, nb, o, R, b);
-            prefetch_q4(qs, d, m, nb, o, R, b + 1);
             for r in 0..R {
                 let rb = (o + r) * nb + b;
                 let wv = unpack_q4_pair(qs.as_ptr().add(rb * 16), if pair { !0 } else { 0xffff });

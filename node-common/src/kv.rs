@@ -34,16 +34,6 @@ pub enum KvTransportKind {
     Rdma,
 }
 
-impl KvTransportKind {
-    /// The name used in logs and as the metric label.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvTransportKind::Quic => "quic",
-            KvTransportKind::Rdma => "rdma",
-        }
-    }
-}
-
 /// The KV transport flags both node roles share.
 #[derive(clap::Args, Clone, Debug)]
 pub struct KvTransportArgs {
@@ -55,25 +45,18 @@ pub struct KvTransportArgs {
     #[arg(long, env = "BATON_RDMA_DEVICE")]
     pub rdma_device: Option<String>,
     /// RDMA port number on the device, from 1.
-    #[arg(long, env = "BATON_RDMA_PORT", default_value_t = 1)]
+    #[arg(long, env = "BATON_RDMA_PORT", default_value_t = RdmaConfig::default().port)]
     pub rdma_port: u8,
     /// Index in the port's GID table (RoCE v2 is often 1 or 3; see `show_gids`).
-    #[arg(long, env = "BATON_RDMA_GID_INDEX", default_value_t = 0)]
+    #[arg(long, env = "BATON_RDMA_GID_INDEX", default_value_t = RdmaConfig::default().gid_index)]
     pub rdma_gid_index: u8,
     /// Slots per RDMA link (frames in flight on one link; each slot is 1 MiB plus framing).
-    #[arg(long, env = "BATON_RDMA_SLOTS", default_value_t = 8)]
+    #[arg(long, env = "BATON_RDMA_SLOTS", default_value_t = RdmaConfig::default().slots)]
     pub rdma_slots: u32,
     /// RDMA links open at once per listener and per connector; each has its own ring of
     /// `--rdma-slots` slots, registered when the node starts.
-    #[arg(long, env = "BATON_RDMA_RINGS", default_value_t = 16)]
+    #[arg(long, env = "BATON_RDMA_RINGS", default_value_t = RdmaConfig::default().rings)]
     pub rdma_rings: u32,
-}
-
-impl Default for KvTransportArgs {
-    fn default() -> Self {
-        let r = RdmaConfig::default();
-        KvTransportArgs { kv_transport: KvTransportKind::Quic, rdma_device: None, rdma_port: r.port, rdma_gid_index: r.gid_index, rdma_slots: r.slots, rdma_rings: r.rings }
-    }
 }
 
 impl TryFrom<KvTransportArgs> for TransportChoice {
@@ -99,14 +82,6 @@ impl TryFrom<KvTransportArgs> for TransportChoice {
                 ..RdmaConfig::default()
             }),
         })
-    }
-}
-
-/// The name of the transport `choice` asks for.
-pub fn requested_transport(choice: &TransportChoice) -> &'static str {
-    match choice {
-        TransportChoice::Quic => "quic",
-        TransportChoice::Rdma(_) => "rdma",
     }
 }
 
@@ -179,7 +154,7 @@ impl KvNode {
         let staging = Arc::new(ArenaPool::new(layout, staging_blocks).context("staging pool")?);
         let receiver = KvReceiver::new(staging.clone(), ReceiverConfig::default()).context("KV receiver")?;
         let tuning = if listen.ip().is_loopback() { QuicTuning::loopback() } else { QuicTuning::default() };
-        let requested = requested_transport(choice);
+        let requested = choice.name();
         let t = bind_node_transport(choice, listen, name, tls, &tuning, receiver.clone())
             .with_context(|| format!("starting the KV transport ({requested}) on {listen}"))?;
         let transport = t.transport();

@@ -352,28 +352,36 @@ pub fn decode(buf: &[u8], limits: &FrameLimits) -> Result<Option<(Frame, usize)>
     )))
 }
 
+/// Fills `head` from `r`. `Ok(false)`: the stream ended cleanly before its first byte;
+/// ending inside it is `FrameMalformed { what: cut }`. Errors reading are `Error::io(op)`.
+pub(crate) async fn read_head<R: AsyncRead + Unpin>(
+    r: &mut R,
+    head: &mut [u8],
+    op: &'static str,
+    cut: &'static str,
+) -> Result<bool> {
+    let mut got = 0;
+    while got < head.len() {
+        let n = r.read(&mut head[got..]).await.map_err(|e| Error::io(op, e))?;
+        if n == 0 {
+            if got == 0 {
+                return Ok(false);
+            }
+            return Err(Error::FrameMalformed { what: cut });
+        }
+        got += n;
+    }
+    Ok(true)
+}
+
 /// Reads one frame from a byte stream. `Ok(None)`: clean end of stream at a frame boundary.
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     limits: &FrameLimits,
 ) -> Result<Option<Frame>> {
     let mut head = [0u8; HEADER_LEN];
-    // Distinguish a clean end of stream (0 bytes) from a cut-off header.
-    let mut got = 0;
-    while got < HEADER_LEN {
-        let n = r
-            .read(&mut head[got..])
-            .await
-            .map_err(|e| Error::io("reading a frame header", e))?;
-        if n == 0 {
-            if got == 0 {
-                return Ok(None);
-            }
-            return Err(Error::FrameMalformed {
-                what: "stream ended inside a frame header",
-            });
-        }
-        got += n;
+    if !read_head(r, &mut head, "reading a frame header", "stream ended inside a frame header").await? {
+        return Ok(None);
     }
     let header = FrameHeader::decode(&head, limits)?;
     // Bounded by `limits` in `FrameHeader::decode`. Read into spare capacity: no zeroing.

@@ -19,14 +19,14 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{IdleTimeout, MtuDiscoveryConfig, VarInt};
 use tokio::task::JoinSet;
 
 use crate::certs::NodeTls;
 use crate::error::{Error, Result};
-use crate::handoff::frame::{Frame, FrameHeader, FrameLimits, HEADER_LEN, TRAILER_LEN};
+use crate::handoff::frame::{read_frame, Frame, FrameLimits};
 use crate::handoff::KvReceiver;
 use crate::transport::{BoxFuture, Connector, Link, LinkRx, LinkTx, Listener, Peer};
 
@@ -177,94 +177,9 @@ pub(crate) fn endpoint(
 }
 
 struct QuicTx(quinn::SendStream);
-/// Reads frames straight from quinn's received chunks: a payload that lies inside one chunk
-/// (the usual case with large datagrams) is a slice of it, not a copy.
 struct QuicRx {
     recv: quinn::RecvStream,
     limits: FrameLimits,
-    /// The unread rest of the last chunk.
-    pending: Bytes,
-}
-
-impl QuicRx {
-    /// Makes `pending` non-empty; false at the end of the stream.
-    async fn fill(&mut self, op: &'static str) -> Result<bool> {
-        while self.pending.is_empty() {
-            match self.recv.read_chunk(usize::MAX, true).await {
-                Ok(Some(chunk)) => self.pending = chunk.bytes,
-                Ok(None) => return Ok(false),
-                Err(e) => return Err(Error::io(op, std::io::Error::from(e))),
-            }
-        }
-        Ok(true)
-    }
-
-    /// Copies exactly `out.len()` bytes; `Ok(false)` if the stream ended before the first.
-    async fn read_small(&mut self, out: &mut [u8], op: &'static str, cut: &'static str) -> Result<bool> {
-        let mut got = 0;
-        while got < out.len() {
-            if !self.fill(op).await? {
-                if got == 0 {
-                    return Ok(false);
-                }
-                return Err(Error::FrameMalformed { what: cut });
-            }
-            let n = (out.len() - got).min(self.pending.len());
-            out[got..got + n].copy_from_slice(&self.pending.split_to(n));
-            got += n;
-        }
-        Ok(true)
-    }
-
-    async fn read_frame(&mut self) -> Result<Option<Frame>> {
-        let mut head = [0u8; HEADER_LEN];
-        if !self
-            .read_small(&mut head, "reading a frame header", "stream ended inside a frame header")
-            .await?
-        {
-            return Ok(None);
-        }
-        // Bounded by `limits` in `FrameHeader::decode`.
-        let header = FrameHeader::decode(&head, &self.limits)?;
-        let len = header.payload_len as usize;
-        let cut = Error::FrameMalformed {
-            what: "stream ended inside a frame payload",
-        };
-        let payload = if len == 0 {
-            Bytes::new()
-        } else {
-            if !self.fill("reading a frame payload").await? {
-                return Err(cut);
-            }
-            if self.pending.len() >= len {
-                self.pending.split_to(len)
-            } else {
-                let mut buf = BytesMut::with_capacity(len);
-                while buf.len() < len {
-                    if !self.fill("reading a frame payload").await? {
-                        return Err(cut);
-                    }
-                    let n = (len - buf.len()).min(self.pending.len());
-                    buf.extend_from_slice(&self.pending.split_to(n));
-                }
-                buf.freeze()
-            }
-        };
-        let mut c = [0u8; TRAILER_LEN];
-        if !self
-            .read_small(&mut c, "reading a frame checksum", "stream ended inside a frame checksum")
-            .await?
-        {
-            return Err(Error::FrameMalformed {
-                what: "stream ended inside a frame checksum",
-            });
-        }
-        Ok(Some(Frame {
-            header,
-            payload,
-            checksum: u32::from_le_bytes(c),
-        }))
-    }
 }
 
 impl LinkTx for QuicTx {
@@ -285,18 +200,14 @@ impl LinkTx for QuicTx {
 
 impl LinkRx for QuicRx {
     fn recv(&mut self) -> BoxFuture<'_, Result<Option<Frame>>> {
-        Box::pin(self.read_frame())
+        Box::pin(async move { read_frame(&mut self.recv, &self.limits).await })
     }
 }
 
 fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits) -> Link {
     Link {
         tx: Box::new(QuicTx(send)),
-        rx: Box::new(QuicRx {
-            recv,
-            limits,
-            pending: Bytes::new(),
-        }),
+        rx: Box::new(QuicRx { recv, limits }),
         transport: NAME,
     }
 }

@@ -24,6 +24,16 @@ pub enum TransportChoice {
     Rdma(RdmaConfig),
 }
 
+impl TransportChoice {
+    /// The transport's name (`quic`, `rdma`): the `requested` label of a node's metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            TransportChoice::Quic => "quic",
+            TransportChoice::Rdma(_) => "rdma",
+        }
+    }
+}
+
 /// Settings of the RDMA transport.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RdmaConfig {

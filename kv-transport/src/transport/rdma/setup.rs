@@ -13,6 +13,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, Result};
+use crate::handoff::frame::read_head;
 
 /// Version of the control protocol; bumped on any incompatible change.
 pub const SETUP_VERSION: u16 = 1;
@@ -188,21 +189,9 @@ fn get_qp(b: &[u8]) -> QpInfo {
 /// Reads one message. `Ok(None)`: the stream ended cleanly between messages.
 pub async fn read_msg<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Msg>> {
     let mut prefix = [0u8; PREFIX];
-    let mut got = 0;
-    while got < PREFIX {
-        let n = r
-            .read(&mut prefix[got..])
-            .await
-            .map_err(|e| Error::io("reading an RDMA control message", e))?;
-        if n == 0 {
-            if got == 0 {
-                return Ok(None);
-            }
-            return Err(Error::FrameMalformed {
-                what: "control stream ended inside a message",
-            });
-        }
-        got += n;
+    let (op, cut) = ("reading an RDMA control message", "control stream ended inside a message");
+    if !read_head(r, &mut prefix, op, cut).await? {
+        return Ok(None);
     }
     let len = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
     if len > MAX_BODY {
@@ -212,9 +201,7 @@ pub async fn read_msg<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Msg>> {
         });
     }
     let mut body = vec![0u8; len];
-    r.read_exact(&mut body)
-        .await
-        .map_err(|e| Error::io("reading an RDMA control message", e))?;
+    r.read_exact(&mut body).await.map_err(|e| Error::io(op, e))?;
     Msg::decode(prefix[0], &body).map(Some)
 }
 

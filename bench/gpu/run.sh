@@ -29,11 +29,20 @@ say() { echo "$@" | tee -a "$log"; }
 gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)"
 say "GPU: ${gpu:-none found by nvidia-smi}"
 say "commit: ${BATON_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-# NVRTC and cuBLAS: the toolkit, pip wheels, or BATON_CUDA_LIB_DIRS (the backend searches all three).
-for lib in libnvrtc.so.12 libcublas.so.12 libcublasLt.so.12; do
-    where="$(ldconfig -p 2>/dev/null | grep -m1 "$lib" | awk '{print $NF}')"
-    [ -z "$where" ] && where="$(find / -xdev -name "$lib" -not -path '*/proc/*' 2>/dev/null | head -n 1)"
-    say "$lib: ${where:-NOT FOUND}"
+# NVRTC and cuBLAS of CUDA 13 or 12 (the backend binds either, up to the driver's
+# major version): the toolkit, pip wheels, or BATON_CUDA_LIB_DIRS (searched first).
+for base in libnvrtc libcublas libcublasLt; do
+    where=""
+    for major in 13 12; do
+        lib="$base.so.$major"
+        for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+            [ -z "$where" ] && [ -e "$dir/$lib" ] && where="$dir/$lib"
+        done
+        [ -z "$where" ] && where="$(ldconfig -p 2>/dev/null | grep -m1 " $lib " | awk '{print $NF}')"
+        [ -z "$where" ] && where="$(find /usr /opt -name "$lib" 2>/dev/null | head -n 1)"
+        [ -n "$where" ] && break
+    done
+    say "$base: ${where:-NOT FOUND}"
     if [ -n "$where" ]; then
         BATON_CUDA_LIB_DIRS="${BATON_CUDA_LIB_DIRS:+$BATON_CUDA_LIB_DIRS:}$(dirname "$where")"
     fi
@@ -53,10 +62,10 @@ if command -v cargo >/dev/null; then
 else
     # No toolchain on the GPU host: binaries built elsewhere by `bash bench/gpu/prepare.sh`.
     say "== no cargo; running the prebuilt binaries in bench/gpu/prebuilt"
-    timeout 120 bench/gpu/prebuilt/cuda_conformance --test-threads=1 2>&1 | tee -a "$log" || status=1
+    timeout 90 bench/gpu/prebuilt/cuda_conformance --test-threads=1 2>&1 | tee -a "$log" || status=1
     # (the folder listing test reads the source tree at the path it was built in)
-    timeout 120 bench/gpu/prebuilt/cuda_ptx --skip every_cu_file_in_the_folder 2>&1 | tee -a "$log" || status=1
-    timeout 300 bench/gpu/prebuilt/gpu 2>&1 | tee -a "$log" || status=1
+    timeout 60 bench/gpu/prebuilt/cuda_ptx --nocapture --skip every_cu_file_in_the_folder 2>&1 | tee -a "$log" || status=1
+    timeout 240 bench/gpu/prebuilt/gpu 2>&1 | tee -a "$log" || status=1
 fi
 
 elapsed=$(( $(date +%s) - started ))

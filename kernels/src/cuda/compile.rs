@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
-use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
+
+use super::nvrtc::Nvrtc;
 
 use crate::backend::KernelError;
 
@@ -54,16 +56,8 @@ pub fn full_source(name: &str, source: &str) -> String {
 
 /// Compiles one kernel file for `arch` ("sm_90"). A compile error carries NVRTC's log.
 pub fn compile(name: &str, source: &str, arch: &'static str) -> Result<Ptx, KernelError> {
-    super::runtime::load_nvrtc()?;
-    let opts = CompileOptions { arch: Some(arch), name: Some(format!("{name}.cu")), options: vec!["--std=c++17".into()], ..Default::default() };
-    cudarc::nvrtc::compile_ptx_with_opts(full_source(name, source), opts).map_err(|e| KernelError::Compile {
-        file: format!("{name}.cu"),
-        arch,
-        log: match e {
-            CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-            other => format!("{other:?}"),
-        },
-    })
+    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    Nvrtc::get()?.compile_ptx(&full_source(name, source), &format!("{name}.cu"), &options).map(Ptx::from_src).map_err(|log| KernelError::Compile { file: format!("{name}.cu"), arch, log })
 }
 
 /// PTX text of every module, per architecture.
@@ -106,14 +100,7 @@ pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, Ptx)>, Kerne
 
 /// NVRTC's (major, minor) version.
 pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
-    super::runtime::load_nvrtc()?;
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: NVRTC is loaded (checked above); the pointers are valid.
-    let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    if rc != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(KernelError::BackendUnavailable { backend: "cuda", reason: format!("nvrtcVersion failed: {rc:?}") });
-    }
-    Ok((major, minor))
+    Ok(Nvrtc::get()?.version)
 }
 
 fn disk_cache_path(name: &str, source: &str, arch: &str, nvrtc: (i32, i32)) -> Option<PathBuf> {

@@ -15,13 +15,14 @@
 //! operation's name: the trait's operations cannot fail on the CPU, and a GPU
 //! in that state cannot go on serving.
 
+pub mod blas;
 pub mod compile;
+pub mod nvrtc;
 pub mod runtime;
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::attention::AttnRow;
@@ -116,7 +117,7 @@ fn kv_code(dtype: KvDtype) -> usize {
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    blas: Mutex<CudaBlas>,
+    blas: Mutex<blas::BlasHandle>,
     k: Kernels,
     scratch: Mutex<Scratch>,
     name: String,
@@ -188,7 +189,8 @@ impl CudaBackend {
             softmax_rows: get("sampling", "softmax_rows")?,
         };
         let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_error("creating a cuBLAS handle", e))?;
+        ctx.bind_to_thread().map_err(|e| cuda_error("binding the context", e))?;
+        let blas = blas::BlasHandle::new(stream.cu_stream() as *mut c_void)?;
         Ok(CudaBackend { ctx, stream, blas: Mutex::new(blas), k, scratch: Mutex::new(Scratch::default()), name, arch, driver })
     }
 
@@ -315,36 +317,24 @@ impl CudaBackend {
         // Row-major out[rows][n] = x[rows][k] · w[n][k]ᵀ is, column-major,
         // out (n x rows) = wᵀ (n x k) · x (k x rows).
         let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
-        let (alpha, beta) = (1f32, 0f32);
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
         let (a, _ra) = w.w.device_ptr(&self.stream);
         let (bx, _rb) = x.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr_mut(&self.stream);
         // SAFETY: the pointers are live device allocations of the sizes the
-        // dimensions name (n*k, rows*k, rows*n), on the handle's stream.
+        // dimensions name (n*k, rows*k, rows*n), in the handle's context.
         unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                w.n as i32,
-                rows as i32,
-                w.k as i32,
-                &alpha as *const f32 as *const c_void,
-                a as *const c_void,
-                blas_sys::cudaDataType_t::CUDA_R_16BF,
-                w.k as i32,
-                bx as *const c_void,
-                blas_sys::cudaDataType_t::CUDA_R_16BF,
-                w.k as i32,
-                &beta as *const f32 as *const c_void,
-                c as *mut c_void,
-                blas_sys::cudaDataType_t::CUDA_R_32F,
-                w.n as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            blas.gemm_ex(
+                (blas::OP_T, blas::OP_N),
+                (w.n, rows, w.k),
+                1.0,
+                (a as *const c_void, blas::R_16BF, w.k),
+                (bx as *const c_void, blas::R_16BF, w.k),
+                0.0,
+                (c as *mut c_void, blas::R_32F, w.n),
             )
         }
-        .unwrap_or_else(|e| fail("cublasGemmEx", e));
+        .unwrap_or_else(|status| fail("cublasGemmEx", format!("cublasStatus {status}")));
     }
 
     fn upload_bf16(&self, n: usize, k: usize, bits: Vec<u16>) -> Result<CudaMatrix, KernelError> {

@@ -1,15 +1,16 @@
-//! Finding the CUDA libraries before cudarc touches them.
+//! Finding the CUDA libraries before anything calls into them.
 //!
-//! cudarc loads the driver, NVRTC and cuBLAS by file name on first use and
-//! panics when one is missing (creating a context panics without a driver).
-//! So the backend looks for each library here first and fails with an error
-//! that names what is missing and where it looked.
+//! cudarc (used for the driver API alone) loads the driver by file name on
+//! first use and panics when it is missing; NVRTC and cuBLAS are bound by
+//! this crate itself (`nvrtc`, `blas`), for CUDA 12 or 13, whichever the
+//! driver can run. So the backend looks for each library here first and fails
+//! with an error that names what is missing and where it looked.
 //!
 //! A library found outside the loader's path (the NVRTC wheel that
 //! `scripts/fetch-nvrtc.sh` unpacks, a pip-installed cuBLAS, the toolkit's
-//! lib64) is opened by its full path and kept open with `RTLD_GLOBAL`; when
-//! cudarc later opens it by its soname, the dynamic loader hands back the
-//! library already in memory.
+//! lib64) is opened by its full path and kept open with `RTLD_GLOBAL`, so the
+//! libraries that need it (cuBLAS needs cuBLASLt, NVRTC its builtins) find
+//! the copy already in memory.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -75,65 +76,100 @@ fn kept() -> &'static Mutex<Vec<Library>> {
     KEPT.get_or_init(|| Mutex::new(Vec::new()))
 }
 
-/// Makes `soname` loadable by name: opens it from the first search folder
-/// that has it (returning its path), or checks that the loader's own path has
-/// it (returning `None`).
-fn preload(soname: &str, what: &str) -> Result<Option<PathBuf>, KernelError> {
+/// CUDA major versions whose NVRTC and cuBLAS the backend binds itself
+/// (`nvrtc`, `blas`), newest first: their C APIs are the same for what Baton calls.
+const LIBRARY_MAJORS: &[i32] = &[13, 12];
+
+/// Opens the first of `sonames` found, first in the search folders (by full
+/// path) then on the loader's path, keeping it open with `RTLD_GLOBAL` so the
+/// libraries it needs resolve against it. Returns the library and where it was.
+fn open_first(sonames: &[String], what: &str) -> Result<(Library, String), KernelError> {
     let dirs = search_dirs();
-    for dir in &dirs {
-        let path = dir.join(soname);
-        if path.is_file() {
-            // SAFETY: a CUDA library's initialisers have no preconditions.
-            match unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) } {
-                Ok(lib) => {
-                    kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
-                    return Ok(Some(path));
-                }
-                Err(e) => return Err(unavailable(format!("{what} ({}) exists but does not load: {e}", path.display()))),
+    for soname in sonames {
+        for dir in &dirs {
+            let path = dir.join(soname);
+            if path.is_file() {
+                // SAFETY: a CUDA library's initialisers have no preconditions.
+                return match unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) } {
+                    Ok(lib) => Ok((lib, path.display().to_string())),
+                    Err(e) => Err(unavailable(format!("{what} ({}) exists but does not load: {e}", path.display()))),
+                };
             }
         }
     }
-    // SAFETY: as above.
-    match unsafe { Library::open(Some(soname), RTLD_NOW | RTLD_GLOBAL) } {
-        Ok(lib) => {
-            kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
-            Ok(None)
+    let mut errors = Vec::new();
+    for soname in sonames {
+        // SAFETY: as above.
+        match unsafe { Library::open(Some(soname.as_str()), RTLD_NOW | RTLD_GLOBAL) } {
+            Ok(lib) => return Ok((lib, format!("{soname} on the loader path"))),
+            Err(e) => errors.push(e.to_string()),
         }
-        Err(e) => Err(unavailable(format!(
-            "{what} ({soname}) not found: {e}; searched the loader path and {}. Set BATON_CUDA_LIB_DIRS to the folder that holds it{}",
-            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", "),
-            if soname.starts_with("libnvrtc") { ", or run scripts/fetch-nvrtc.sh" } else { "" }
-        ))),
     }
+    Err(unavailable(format!(
+        "{what} ({}) not found: {}; searched the loader path and {}. Set BATON_CUDA_LIB_DIRS to the folder that holds it{}",
+        sonames.join(" or "),
+        errors.join("; "),
+        dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", "),
+        if what == "NVRTC" { ", or run scripts/fetch-nvrtc.sh" } else { "" }
+    )))
 }
 
-/// Makes NVRTC (and its builtins, which it opens itself) loadable. Enough to
-/// compile kernels to PTX: no driver or GPU is needed. Returns where it was found.
-pub fn load_nvrtc() -> Result<String, KernelError> {
-    static NVRTC: OnceLock<Result<String, String>> = OnceLock::new();
-    NVRTC
-        .get_or_init(|| {
-            let Some(found) = preload("libnvrtc.so.12", "NVRTC").map_err(reason)? else {
-                return Ok("libnvrtc.so.12 on the loader path".to_string());
-            };
-            // The builtins library sits beside libnvrtc; open it too so NVRTC finds it by name.
-            if let Some(dir) = found.parent() {
-                if let Ok(entries) = std::fs::read_dir(dir) {
-                    for e in entries.flatten() {
-                        let name = e.file_name().to_string_lossy().into_owned();
-                        if name.starts_with("libnvrtc-builtins.so") && !name.contains(".alt.") {
-                            // SAFETY: as in `preload`.
-                            if let Ok(lib) = unsafe { Library::open(Some(e.path()), RTLD_NOW | RTLD_GLOBAL) } {
-                                kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
-                            }
-                        }
+/// `lib{name}.so.{major}` for each major the driver can run (all of them
+/// when no driver is present: PTX compiles without one).
+fn versioned(name: &str) -> Vec<String> {
+    let driver_major = driver_version().map(|v| v / 1000);
+    LIBRARY_MAJORS.iter().filter(|&&m| driver_major.is_none_or(|d| m <= d)).map(|m| format!("lib{name}.so.{m}")).collect()
+}
+
+/// Opens NVRTC (and its builtins, which it opens itself by name). Enough to
+/// compile kernels to PTX: no driver or GPU is needed. Returns the library
+/// and where it was found.
+pub(crate) fn open_nvrtc() -> Result<(Library, String), KernelError> {
+    let (lib, found) = open_first(&versioned("nvrtc"), "NVRTC")?;
+    // The builtins library sits beside libnvrtc; open it too so NVRTC finds it by name.
+    if let Some(dir) = Path::new(&found).parent().filter(|d| d.is_dir()) {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with("libnvrtc-builtins.so") && !name.contains(".alt.") {
+                    // SAFETY: as in `open_first`.
+                    if let Ok(lib) = unsafe { Library::open(Some(e.path()), RTLD_NOW | RTLD_GLOBAL) } {
+                        kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
                     }
                 }
             }
-            Ok(found.display().to_string())
-        })
-        .clone()
-        .map_err(unavailable)
+        }
+    }
+    Ok((lib, found))
+}
+
+/// Opens cuBLASLt, then cuBLAS (which needs it) of the same major version.
+pub(crate) fn open_cublas() -> Result<(Library, String), KernelError> {
+    let (lt, _) = open_first(&versioned("cublasLt"), "cuBLASLt")?;
+    kept().lock().unwrap_or_else(|p| p.into_inner()).push(lt);
+    open_first(&versioned("cublas"), "cuBLAS")
+}
+
+/// Where NVRTC was found; an error naming what is missing otherwise.
+pub fn load_nvrtc() -> Result<String, KernelError> {
+    super::nvrtc::Nvrtc::get().map(|n| n.found.clone())
+}
+
+/// The driver's CUDA version (12040 for 12.4), when a driver loads; no GPU needed.
+fn driver_version() -> Option<i32> {
+    static VERSION: OnceLock<Option<i32>> = OnceLock::new();
+    *VERSION.get_or_init(|| {
+        type GetVersion = unsafe extern "C" fn(*mut i32) -> i32;
+        // SAFETY: the driver API's signature; cuDriverGetVersion needs no cuInit.
+        unsafe {
+            let (lib, _) = open_first(&["libcuda.so.1".to_string()], "the NVIDIA driver").ok()?;
+            let get_version = lib.get::<GetVersion>(b"cuDriverGetVersion\0").ok()?;
+            let mut version = 0;
+            let ok = get_version(&mut version) == 0;
+            kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
+            ok.then_some(version)
+        }
+    })
 }
 
 /// What the driver reports, read through our own handle before cudarc loads it.
@@ -149,11 +185,9 @@ pub fn check_cuda() -> Result<DriverInfo, KernelError> {
     static CHECK: OnceLock<Result<DriverInfo, String>> = OnceLock::new();
     CHECK
         .get_or_init(|| {
-            preload("libcuda.so.1", "the NVIDIA driver").map_err(reason)?;
             let info = driver_info().map_err(reason)?;
-            load_nvrtc().map_err(reason)?;
-            preload("libcublasLt.so.12", "cuBLASLt").map_err(reason)?;
-            preload("libcublas.so.12", "cuBLAS").map_err(reason)?;
+            super::nvrtc::Nvrtc::get().map_err(reason)?;
+            super::blas::Cublas::get().map_err(reason)?;
             Ok(info)
         })
         .clone()
@@ -164,9 +198,9 @@ fn driver_info() -> Result<DriverInfo, KernelError> {
     type GetVersion = unsafe extern "C" fn(*mut i32) -> i32;
     type Init = unsafe extern "C" fn(u32) -> i32;
     type GetCount = unsafe extern "C" fn(*mut i32) -> i32;
-    // SAFETY: libcuda.so.1 was just loaded; these signatures are the driver API's.
+    // SAFETY: these signatures are the driver API's.
     unsafe {
-        let lib = Library::open(Some("libcuda.so.1"), RTLD_NOW | RTLD_GLOBAL).map_err(|e| unavailable(format!("the NVIDIA driver does not load: {e}")))?;
+        let (lib, _) = open_first(&["libcuda.so.1".to_string()], "the NVIDIA driver")?;
         let get_version = lib.get::<GetVersion>(b"cuDriverGetVersion\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuDriverGetVersion: {e}")))?;
         let init = lib.get::<Init>(b"cuInit\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuInit: {e}")))?;
         let get_count = lib.get::<GetCount>(b"cuDeviceGetCount\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuDeviceGetCount: {e}")))?;

@@ -38,9 +38,9 @@ extern "C" __global__ void kv_pack(const u32* arena, const u32* blocks, u64 word
 }
 
 // The inverse of kv_pack: installs received layers into reserved blocks.
-extern "C" __global__ void kv_unpack(u32* arena, const u32* blocks, u64 words_per_block_layer, int layers, int l0, int l1, const u32* in) {
+extern "C" __global__ void kv_unpack(u32* arena, const u32* blocks, u64 words_per_block_layer, int layers, int l0, int l1, const u32* packed) {
     u64 span = (u64)(l1 - l0) * words_per_block_layer;
     u32* dst = arena + ((u64)blocks[blockIdx.y] * layers + l0) * words_per_block_layer;
-    const u32* src = in + (u64)blockIdx.y * span;
+    const u32* src = packed + (u64)blockIdx.y * span;
     FOR_EACH(i, span) dst[i] = src[i];
 }

@@ -2,8 +2,10 @@
 //!
 //! - Weights live on the device in bf16 (quantized GGUF tensors are expanded
 //!   once at load); matrix products go through cuBLAS (bf16 inputs, f32
-//!   accumulation and output). Activations stay f32 between kernels and are
-//!   converted to bf16 only as the input of a product.
+//!   accumulation and output) in calls of a fixed number of rows
+//!   ([`GEMM_ROWS`]), so a row's result does not depend on its batch.
+//!   Activations stay f32 between kernels and are converted to bf16 only as
+//!   the input of a product.
 //! - Everything else is a kernel of `kernels/cuda/*.cu`, compiled by NVRTC for
 //!   the device's architecture on first use and cached (`compile`).
 //! - The KV arena is one device allocation with the CPU backend's block layout,
@@ -15,6 +17,7 @@
 //! operation's name: the trait's operations cannot fail on the CPU, and a GPU
 //! in that state cannot go on serving.
 
+mod args;
 pub mod blas;
 pub mod compile;
 pub mod nvrtc;
@@ -23,7 +26,7 @@ pub mod runtime;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use crate::attention::AttnRow;
 use crate::backend::{Backend, KernelError};
@@ -31,6 +34,14 @@ use crate::kv::{KvDtype, KvLayout};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
 use crate::quant::WeightFormat;
+
+/// Rows of every cuBLAS call: a batch runs as whole calls of this many rows,
+/// the last one padded, so cuBLAS chooses the same kernel for every call with
+/// a given weight matrix and a row's result has the same bits alone as in any
+/// batch (the CPU backend's determinism contract). 128 rows of bf16 make about
+/// 128 FLOP per weight byte, under the H100/H200 balance point, so a decode
+/// step still costs one read of the weights up to 128 sequences.
+pub const GEMM_ROWS: usize = 128;
 
 /// Keys per attention partition; must equal `ATTN_PART` in attention.cu.
 pub const ATTN_PART: usize = 256;
@@ -49,7 +60,8 @@ fn cuda_error(op: &str, e: impl std::fmt::Debug) -> KernelError {
 /// A device failure in an infallible trait operation (see the module comment).
 #[track_caller]
 fn fail(op: &str, e: impl std::fmt::Debug) -> ! {
-    panic!("CUDA backend: {op} failed: {e:?}")
+    // Kernels run asynchronously: a fault shows at the next call, which may not be its cause.
+    panic!("CUDA backend: {op} failed: {e:?} (an earlier kernel's fault surfaces at the next call; CUDA_LAUNCH_BLOCKING=1 names the kernel)")
 }
 
 /// A weight matrix: `n` rows of `k` bf16 values, row-major, on the device.
@@ -217,7 +229,7 @@ impl CudaBackend {
         let mut w = self.stream.alloc_zeros::<u16>(n * k).map_err(|e| cuda_error(&format!("allocating a {n} x {k} matrix"), e))?;
         let len = (n * k) as u64;
         let mut b = self.stream.launch_builder(&self.k.fill_uniform_bf16);
-        b.arg(&mut w).arg(&len).arg(&seed).arg(&scale);
+        args::fill_uniform_bf16(&mut b, &mut w, &len, &seed, &scale);
         unsafe { b.launch(elementwise_config(n * k)) }.unwrap_or_else(|e| fail("fill_uniform_bf16", e));
         Ok(CudaMatrix { n, k, w })
     }
@@ -234,7 +246,7 @@ impl CudaBackend {
         let mut out = self.stream.alloc_zeros::<u32>(rows).unwrap_or_else(|e| fail("argmax_rows", e));
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(&self.k.argmax_rows);
-        b.arg(logits).arg(&n_i).arg(&mut out);
+        args::argmax_rows(&mut b, logits, &n_i, &mut out);
         unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("argmax_rows", e));
         self.stream.memcpy_dtov(&out).unwrap_or_else(|e| fail("argmax_rows download", e))
     }
@@ -247,7 +259,7 @@ impl CudaBackend {
         self.ensure_len(out, rows * n);
         let (n_i, inv_t) = (n as i32, 1.0 / temperature);
         let mut b = self.stream.launch_builder(&self.k.softmax_rows);
-        b.arg(logits).arg(&n_i).arg(&inv_t).arg(out);
+        args::softmax_rows(&mut b, logits, &n_i, &inv_t, out);
         unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("softmax_rows", e));
     }
 
@@ -273,11 +285,11 @@ impl CudaBackend {
         // SAFETY: the arena's bytes are viewed as words (block_layer_bytes % 4 == 0, checked in `kv`).
         let arena = unsafe { kv.arena.transmute::<u32>(kv.arena.len() / 4) }.expect("arena word view");
         let mut b = self.stream.launch_builder(&self.k.kv_pack);
-        b.arg(&arena).arg(&ids).arg(&wpbl).arg(&nl).arg(&l0).arg(&l1).arg(&mut *packed);
+        args::kv_pack(&mut b, &arena, &ids, &wpbl, &nl, &l0, &l1, &mut *packed);
         unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_pack", e));
         // SAFETY: `out` has exactly `words` words of bytes.
         let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u32, words) };
-        if out.as_ptr() as usize % 4 == 0 {
+        if (out.as_ptr() as usize).is_multiple_of(4) {
             self.stream.memcpy_dtoh(&packed.slice(..words), dst).unwrap_or_else(|e| fail("kv_pack download", e));
             self.synchronize();
         } else {
@@ -308,33 +320,54 @@ impl CudaBackend {
         // SAFETY: as in kv_pack.
         let mut arena = unsafe { kv.arena.transmute_mut::<u32>(n_words) }.expect("arena word view");
         let mut b = self.stream.launch_builder(&self.k.kv_unpack);
-        b.arg(&mut arena).arg(&ids).arg(&wpbl).arg(&nl).arg(&l0).arg(&l1).arg(&staged);
+        args::kv_unpack(&mut b, &mut arena, &ids, &wpbl, &nl, &l0, &l1, &staged);
         unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_unpack", e));
         self.synchronize();
     }
 
+    /// `out[..rows][..n] = x[..rows] · wᵀ`, in calls of exactly [`GEMM_ROWS`]
+    /// rows: `x` and `out` must hold `rows` rounded up to a multiple of it.
     fn gemm(&self, w: &CudaMatrix, x: &CudaSlice<u16>, rows: usize, out: &mut CudaSlice<f32>) {
-        // Row-major out[rows][n] = x[rows][k] · w[n][k]ᵀ is, column-major,
-        // out (n x rows) = wᵀ (n x k) · x (k x rows).
+        self.gemm_calls(w, x, rows.next_multiple_of(GEMM_ROWS), GEMM_ROWS, out);
+    }
+
+    /// `out = x · wᵀ` for the `x.n` rows of a bf16 `x`, in one cuBLAS call:
+    /// the batch-dependent shape the backend avoids, for benchmarks that
+    /// measure what the matrix units can do.
+    pub fn gemm_one_call(&self, w: &CudaMatrix, x: &CudaMatrix, out: &mut CudaSlice<f32>) {
+        assert_eq!(w.k, x.k, "gemm_one_call: inner dimensions differ");
+        self.ensure_len(out, x.n * w.n);
+        self.gemm_calls(w, &x.w, x.n, x.n, out);
+    }
+
+    /// `padded` rows (a multiple of `call_rows`) as cuBLAS calls of `call_rows` rows.
+    fn gemm_calls(&self, w: &CudaMatrix, x: &CudaSlice<u16>, padded: usize, call_rows: usize, out: &mut CudaSlice<f32>) {
+        assert!(padded.is_multiple_of(call_rows) && x.len() >= padded * w.k && out.len() >= padded * w.n, "gemm: buffers shorter than the padded batch");
         let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
         let (a, _ra) = w.w.device_ptr(&self.stream);
         let (bx, _rb) = x.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr_mut(&self.stream);
-        // SAFETY: the pointers are live device allocations of the sizes the
-        // dimensions name (n*k, rows*k, rows*n), in the handle's context.
-        unsafe {
-            blas.gemm_ex(
-                (blas::OP_T, blas::OP_N),
-                (w.n, rows, w.k),
-                1.0,
-                (a as *const c_void, blas::R_16BF, w.k),
-                (bx as *const c_void, blas::R_16BF, w.k),
-                0.0,
-                (c as *mut c_void, blas::R_32F, w.n),
-            )
+        for chunk in 0..padded / call_rows {
+            // Row-major out[rows][n] = x[rows][k] · w[n][k]ᵀ is, column-major,
+            // out (n x rows) = wᵀ (n x k) · x (k x rows).
+            let x_chunk = bx + (chunk * call_rows * w.k * 2) as u64;
+            let out_chunk = c + (chunk * call_rows * w.n * 4) as u64;
+            // SAFETY: the pointers are live device allocations holding the
+            // chunk's rows (checked above), in the handle's context.
+            unsafe {
+                blas.gemm_ex(
+                    (blas::OP_T, blas::OP_N),
+                    (w.n, call_rows, w.k),
+                    1.0,
+                    (a as *const c_void, blas::R_16BF, w.k),
+                    (x_chunk as *const c_void, blas::R_16BF, w.k),
+                    0.0,
+                    (out_chunk as *mut c_void, blas::R_32F, w.n),
+                )
+            }
+            .unwrap_or_else(|status| fail("cublasGemmEx", format!("cublasStatus {status}")));
         }
-        .unwrap_or_else(|status| fail("cublasGemmEx", format!("cublasStatus {status}")));
     }
 
     fn upload_bf16(&self, n: usize, k: usize, bits: Vec<u16>) -> Result<CudaMatrix, KernelError> {
@@ -391,7 +424,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv(&self, layout: KvLayout, blocks: usize) -> Result<CudaKv, KernelError> {
-        if layout.block_layer_bytes() % 4 != 0 {
+        if !layout.block_layer_bytes().is_multiple_of(4) {
             return Err(cuda_error("allocating the KV arena", "a block's layer must be a whole number of 32-bit words"));
         }
         let bytes = layout.block_bytes() * blocks;
@@ -444,7 +477,7 @@ impl Backend for CudaBackend {
         let ids = self.upload_u32(tokens);
         let width = table.k as i32;
         let mut b = self.stream.launch_builder(&self.k.embed_bf16);
-        b.arg(&table.w).arg(&ids).arg(&width).arg(out);
+        args::embed_bf16(&mut b, &table.w, &ids, &width, out);
         unsafe { b.launch(rows_config(tokens.len(), 256)) }.unwrap_or_else(|e| fail("embed_bf16", e));
     }
 
@@ -455,7 +488,7 @@ impl Backend for CudaBackend {
         self.ensure_len(out, rows * dim);
         let dim_i = dim as i32;
         let mut b = self.stream.launch_builder(&self.k.rmsnorm);
-        b.arg(x).arg(weight).arg(&eps).arg(&dim_i).arg(out);
+        args::rmsnorm(&mut b, x, weight, &eps, &dim_i, out);
         unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("rmsnorm", e));
     }
 
@@ -465,15 +498,18 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return;
         }
+        // The padding rows keep whatever finite values they held: a product's
+        // output row depends on its own input row alone.
+        let padded = rows.next_multiple_of(GEMM_ROWS);
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        grow(&self.stream, &mut s.acts_bf16, rows * k, "bf16 activations");
+        grow(&self.stream, &mut s.acts_bf16, padded * k, "bf16 activations");
         let xb = s.acts_bf16.as_mut().expect("grown above");
         let len = (rows * k) as u64;
         let mut b = self.stream.launch_builder(&self.k.to_bf16);
-        b.arg(x).arg(&len).arg(&mut *xb);
+        args::to_bf16(&mut b, x, &mut *xb, &len);
         unsafe { b.launch(elementwise_config(rows * k)) }.unwrap_or_else(|e| fail("to_bf16", e));
         for (w, out) in outs.iter_mut() {
-            self.ensure_len(out, rows * w.n);
+            self.ensure_len(out, padded * w.n);
             self.gemm(w, xb, rows, out);
         }
     }
@@ -488,7 +524,7 @@ impl Backend for CudaBackend {
         let pos = self.upload_u32(positions);
         let (heads_i, half_i) = (heads as i32, rope.half as i32);
         let mut b = self.stream.launch_builder(&self.k.rope);
-        b.arg(x).arg(&rope.cos).arg(&rope.sin).arg(&pos).arg(&heads_i).arg(&half_i);
+        args::rope(&mut b, x, &rope.cos, &rope.sin, &pos, &heads_i, &half_i);
         unsafe { b.launch(rows_config(positions.len(), 128)) }.unwrap_or_else(|e| fail("rope", e));
     }
 
@@ -499,7 +535,7 @@ impl Backend for CudaBackend {
         self.ensure_len(out, len);
         let n = len as u64;
         let mut b = self.stream.launch_builder(&self.k.silu_mul);
-        b.arg(gate).arg(up).arg(out).arg(&n);
+        args::silu_mul(&mut b, gate, up, out, &n);
         unsafe { b.launch(elementwise_config(len)) }.unwrap_or_else(|e| fail("silu_mul", e));
     }
 
@@ -509,7 +545,7 @@ impl Backend for CudaBackend {
         }
         let n = len as u64;
         let mut b = self.stream.launch_builder(&self.k.add_inplace);
-        b.arg(x).arg(y).arg(&n);
+        args::add_inplace(&mut b, x, y, &n);
         unsafe { b.launch(elementwise_config(len)) }.unwrap_or_else(|e| fail("add_inplace", e));
     }
 
@@ -522,7 +558,7 @@ impl Backend for CudaBackend {
         let ids = self.upload_u32(&ids);
         let width_i = width as i32;
         let mut b = self.stream.launch_builder(&self.k.gather_rows);
-        b.arg(x).arg(&ids).arg(&width_i).arg(out);
+        args::gather_rows(&mut b, x, &ids, &width_i, out);
         unsafe { b.launch(rows_config(rows.len(), 256)) }.unwrap_or_else(|e| fail("gather_rows", e));
     }
 
@@ -536,7 +572,7 @@ impl Backend for CudaBackend {
         let flat = self.upload_u32(&flat);
         let (layer_i, layers_i, bt, te) = (layer as i32, l.layers as i32, l.block_tokens as i32, l.token_elems() as i32);
         let mut b = self.stream.launch_builder(&self.k.kv_write[kv_code(l.dtype)]);
-        b.arg(&mut kv.arena).arg(k).arg(v).arg(&flat).arg(&layer_i).arg(&layers_i).arg(&bt).arg(&te);
+        args::kv_write(&mut b, &mut kv.arena, k, v, &flat, &layer_i, &layers_i, &bt, &te);
         unsafe { b.launch(rows_config(slots.len(), 128)) }.unwrap_or_else(|e| fail("kv_write", e));
     }
 
@@ -594,9 +630,9 @@ impl Backend for CudaBackend {
             };
             let (starts, lens) = (self.upload_u32(&run_start), self.upload_u32(&run_len));
             let mut b = self.stream.launch_builder(&self.k.attn_partial_tiled[kv_code(l.dtype)]);
-            b.arg(&kv.arena).arg(q).arg(&tables).arg(&offsets).arg(&positions).arg(&starts).arg(&lens);
-            b.arg(&layer_i).arg(&layers_i).arg(&bt).arg(&kvh).arg(&hd_i).arg(&nh).arg(&scale).arg(&mp);
-            b.arg(&mut *part_acc).arg(&mut *part_ml);
+            #[rustfmt::skip]
+            args::attn_partial_tiled(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
+                &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &mp, &mut *part_acc, &mut *part_ml);
             unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial_tiled", e));
         } else {
             let cfg = LaunchConfig {
@@ -605,14 +641,14 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: ((hd + ATTN_PART + 32) * 4) as u32,
             };
             let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
-            b.arg(&kv.arena).arg(q).arg(&tables).arg(&offsets).arg(&positions);
-            b.arg(&layer_i).arg(&layers_i).arg(&bt).arg(&kvh).arg(&hd_i).arg(&nh).arg(&scale).arg(&mp);
-            b.arg(&mut *part_acc).arg(&mut *part_ml);
+            #[rustfmt::skip]
+            args::attn_partial(&mut b, &kv.arena, q, &tables, &offsets, &positions,
+                &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &mp, &mut *part_acc, &mut *part_ml);
             unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial", e));
         }
         let cfg = LaunchConfig { grid_dim: (rows.len() as u32, n_heads as u32, 1), block_dim: (hd.next_multiple_of(32).min(256) as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.k.attn_combine);
-        b.arg(&*part_acc).arg(&*part_ml).arg(&positions).arg(&nh).arg(&hd_i).arg(&mp).arg(out);
+        args::attn_combine(&mut b, &*part_acc, &*part_ml, &positions, &nh, &hd_i, &mp, out);
         unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_combine", e));
     }
 

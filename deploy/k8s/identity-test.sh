@@ -71,7 +71,8 @@ metric() { curl -fsS "http://$1/metrics" | awk -v m="$2" '$1 == m { s += $2 } EN
 run_cluster() {
     local decode_pool="$1"
     coord="127.0.0.1:$(port)"
-    "$bin" coordinator --listen "$coord" --http-listen "127.0.0.1:$(port)" \
+    coord_http="127.0.0.1:$(port)"
+    "$bin" coordinator --listen "$coord" --http-listen "$coord_http" \
         --local-prefill-threshold 16 >coordinator.log 2>&1 &
     pids+=($!)
     start_node prefill baton-prefill-7d9f8-x2kqp.prefill.baton prefill
@@ -84,6 +85,13 @@ run_cluster() {
     "$bin" gateway --listen "$gw" --db gw.db --model "$model" --coordinator "http://$coord" >gateway.log 2>&1 &
     pids+=($!)
     for _ in $(seq 300); do curl -fsS "http://$gw/healthz" >/dev/null 2>&1 && break; sleep 0.2; done
+    # A node is healthy before its lease reaches the coordinator: a turn routed before
+    # the prefill node registers is prefilled locally (local_no_prefill_nodes).
+    for _ in $(seq 300); do
+        [ "$(metric "$coord_http" 'baton_coordinator_nodes{role="prefill"}')" -ge 1 ] &&
+            [ "$(metric "$coord_http" 'baton_coordinator_nodes{role="decode"}')" -ge 1 ] && break
+        sleep 0.2
+    done
     if ! curl -fsS "http://$gw/healthz" >/dev/null 2>&1; then
         tail -n 20 gateway.log >&2
         echo "FAIL: the gateway did not become healthy" >&2
@@ -98,6 +106,7 @@ run_cluster() {
     fallbacks="$(metric "$decode_http" baton_decode_prefill_fallbacks_total)"
     echo "reply: $(head -c 200 reply.json)"
     echo "prefill shipped blocks: $shipped; decode fallbacks: $fallbacks"
+    curl -fsS "http://$coord_http/metrics" | grep '^baton_coordinator_routing_decisions_total' | grep -v ' 0$' || true
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     pids=()

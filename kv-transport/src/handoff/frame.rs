@@ -19,6 +19,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, Result, WireFailure};
+use crate::handoff::buffers::BufferPool;
 use crate::types::{Epoch, KvDtype, KvLayout, ReservationId};
 
 pub const MAGIC: [u8; 4] = *b"BKV1";
@@ -339,7 +340,9 @@ pub fn decode(buf: &[u8], limits: &FrameLimits) -> Result<Option<(Frame, usize)>
     if buf.len() < total {
         return Ok(None);
     }
-    let payload = Bytes::copy_from_slice(&buf[HEADER_LEN..total - TRAILER_LEN]);
+    let mut payload = BufferPool::frames().take(header.payload_len as usize);
+    payload.copy_from_slice(&buf[HEADER_LEN..total - TRAILER_LEN]);
+    let payload = payload.freeze();
     let mut c = [0u8; 4];
     c.copy_from_slice(&buf[total - TRAILER_LEN..total]);
     Ok(Some((
@@ -384,21 +387,12 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         return Ok(None);
     }
     let header = FrameHeader::decode(&head, limits)?;
-    // Bounded by `limits` in `FrameHeader::decode`. Read into spare capacity: no zeroing.
-    let len = header.payload_len as usize;
-    let mut payload = BytesMut::with_capacity(len);
-    while payload.len() < len {
-        let want = len - payload.len();
-        let n = r
-            .read_buf(&mut (&mut payload).limit(want))
-            .await
-            .map_err(|e| Error::io("reading a frame payload", e))?;
-        if n == 0 {
-            return Err(Error::FrameMalformed {
-                what: "stream ended inside a frame payload",
-            });
-        }
-    }
+    // Bounded by `limits` in `FrameHeader::decode`.
+    let mut payload = BufferPool::frames().take(header.payload_len as usize);
+    r.read_exact(&mut payload).await.map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => Error::FrameMalformed { what: "stream ended inside a frame payload" },
+        _ => Error::io("reading a frame payload", e),
+    })?;
     let mut c = [0u8; 4];
     r.read_exact(&mut c)
         .await

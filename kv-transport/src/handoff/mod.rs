@@ -14,6 +14,7 @@
 //! link closing early does too; the deadline timer releases whatever is still open, exactly
 //! once; cancel from either side releases at once. See [`receiver`] for the invariants.
 
+pub mod buffers;
 pub mod frame;
 pub mod grant;
 mod progress;

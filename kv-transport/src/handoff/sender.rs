@@ -12,11 +12,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result, Side};
+use crate::handoff::buffers::BufferPool;
 use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
 use crate::handoff::grant::Grant;
 use crate::metrics::TransportStats;
@@ -230,7 +230,7 @@ impl Transfer {
             // Checksum each block-layer right after copying it, while it is in cache.
             let mut crc = crc32fast::Hasher::new();
             crc.update(&h.encode());
-            let mut buf = BytesMut::zeroed(count * bl);
+            let mut buf = BufferPool::frames().take(count * bl);
             for (i, out) in buf.chunks_exact_mut(bl).enumerate() {
                 self.source
                     .read_layer(self.src_blocks[first + i], layer, out)

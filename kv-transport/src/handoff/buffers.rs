@@ -1,0 +1,138 @@
+//! Recycled frame payload buffers.
+//!
+//! A GiB of KV moves as about a thousand 1 MiB frames. Allocated afresh, each frame is a
+//! new `mmap` from glibc whose pages the kernel faults in and zeroes on first write, and
+//! an `munmap` when it drops: on both the sending and the receiving side. Here a frame
+//! borrows a buffer and gives it back when the last `Bytes` of its payload drops,
+//! wherever that happens (quinn keeps sent data until the peer acknowledges it).
+
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use bytes::Bytes;
+
+/// Buffers waiting for reuse, up to `max_bytes` of capacity in all.
+pub struct BufferPool {
+    free: Mutex<Free>,
+    max_bytes: usize,
+}
+
+#[derive(Default)]
+struct Free {
+    buffers: Vec<Vec<u8>>,
+    bytes: usize,
+}
+
+/// A buffer of the pool; back to it on drop.
+pub struct PooledBuf {
+    buf: Vec<u8>,
+    pool: Arc<BufferPool>,
+}
+
+impl BufferPool {
+    pub fn new(max_bytes: usize) -> Arc<Self> {
+        Arc::new(BufferPool { free: Mutex::new(Free::default()), max_bytes })
+    }
+
+    /// The process's pool for frame payloads: 64 MiB kept at most, about the frames one
+    /// fast link has in flight.
+    pub fn frames() -> &'static Arc<BufferPool> {
+        static FRAMES: OnceLock<Arc<BufferPool>> = OnceLock::new();
+        FRAMES.get_or_init(|| BufferPool::new(64 << 20))
+    }
+
+    /// A buffer of exactly `len` bytes. A recycled one holds an earlier frame's bytes:
+    /// the caller overwrites all of it.
+    pub fn take(self: &Arc<Self>, len: usize) -> PooledBuf {
+        let recycled = {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let found = free.buffers.iter().position(|b| b.capacity() >= len);
+            found.map(|i| {
+                let b = free.buffers.swap_remove(i);
+                free.bytes -= b.capacity();
+                b
+            })
+        };
+        let mut buf = recycled.unwrap_or_default();
+        buf.resize(len, 0); // a recycled buffer only shrinks here: nothing is written
+        PooledBuf { buf, pool: self.clone() }
+    }
+
+    /// Capacity held for reuse, in bytes.
+    pub fn kept_bytes(&self) -> usize {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).bytes
+    }
+}
+
+impl PooledBuf {
+    /// The payload as `Bytes`; the buffer returns to the pool when the last clone drops.
+    pub fn freeze(self) -> Bytes {
+        Bytes::from_owner(self)
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        if buf.capacity() == 0 {
+            return;
+        }
+        let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.bytes + buf.capacity() <= self.pool.max_bytes {
+            free.bytes += buf.capacity();
+            free.buffers.push(buf);
+        }
+    }
+}
+
+impl AsRef<[u8]> for PooledBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Deref for PooledBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl DerefMut for PooledBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_payload_returns_its_buffer_for_the_next_frame() {
+        let pool = BufferPool::new(4 << 20);
+        let mut b = pool.take(1 << 20);
+        b[0] = 7;
+        let ptr = b.as_ptr();
+        let bytes = b.freeze();
+        let clone = bytes.clone();
+        drop(bytes);
+        assert_eq!(pool.kept_bytes(), 0, "a clone still holds it");
+        drop(clone);
+        assert_eq!(pool.kept_bytes(), 1 << 20);
+        let again = pool.take(512 << 10);
+        assert_eq!((again.as_ptr(), again.len()), (ptr, 512 << 10), "the same allocation, shortened");
+        assert_eq!(pool.kept_bytes(), 0);
+    }
+
+    #[test]
+    fn the_pool_keeps_no_more_than_its_cap() {
+        let pool = BufferPool::new(3 << 20);
+        let bufs: Vec<_> = (0..5).map(|_| pool.take(1 << 20)).collect();
+        drop(bufs);
+        assert_eq!(pool.kept_bytes(), 3 << 20);
+        let small = pool.take(10);
+        assert_eq!(small.len(), 10);
+        assert_eq!(pool.kept_bytes(), 2 << 20);
+    }
+}

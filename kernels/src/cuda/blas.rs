@@ -23,26 +23,16 @@ pub const COMPUTE_32F: c_int = 68;
 /// `cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT`
 pub const GEMM_DEFAULT: c_int = -1;
 
+#[rustfmt::skip]
 type GemmEx = unsafe extern "C" fn(
-    Handle,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    *const c_void,
-    *const c_void,
-    c_int,
-    c_int,
-    *const c_void,
-    c_int,
-    c_int,
-    *const c_void,
-    *mut c_void,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
+    Handle, c_int, c_int,          // handle, transa, transb
+    c_int, c_int, c_int,           // m, n, k
+    *const c_void,                 // alpha
+    *const c_void, c_int, c_int,   // A, its type, lda
+    *const c_void, c_int, c_int,   // B, its type, ldb
+    *const c_void,                 // beta
+    *mut c_void, c_int, c_int,     // C, its type, ldc
+    c_int, c_int,                  // compute type, algorithm
 ) -> Status;
 
 /// The loaded library and the entry points Baton uses.
@@ -59,10 +49,7 @@ impl Cublas {
     /// The process's cuBLAS, opened on first use (`runtime::open_cublas`).
     pub fn get() -> Result<&'static Cublas, KernelError> {
         static CUBLAS: OnceLock<Result<Cublas, String>> = OnceLock::new();
-        CUBLAS
-            .get_or_init(|| Self::open().map_err(|e| e.to_string()))
-            .as_ref()
-            .map_err(|reason| KernelError::BackendUnavailable { backend: "cuda", reason: reason.clone() })
+        super::runtime::open_once(&CUBLAS, Self::open)
     }
 
     fn open() -> Result<Cublas, KernelError> {

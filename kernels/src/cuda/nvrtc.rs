@@ -47,10 +47,7 @@ impl Nvrtc {
     /// The process's NVRTC, opened on first use (`runtime::open_nvrtc`).
     pub fn get() -> Result<&'static Nvrtc, KernelError> {
         static NVRTC: OnceLock<Result<Nvrtc, String>> = OnceLock::new();
-        NVRTC
-            .get_or_init(|| Self::open().map_err(|e| e.to_string()))
-            .as_ref()
-            .map_err(|reason| KernelError::BackendUnavailable { backend: "cuda", reason: reason.clone() })
+        super::runtime::open_once(&NVRTC, Self::open)
     }
 
     fn open() -> Result<Nvrtc, KernelError> {

@@ -76,6 +76,12 @@ fn kept() -> &'static Mutex<Vec<Library>> {
     KEPT.get_or_init(|| Mutex::new(Vec::new()))
 }
 
+/// A binding opened once per process (`nvrtc`, `blas`); a failure is kept and
+/// returned again to every caller.
+pub(crate) fn open_once<T>(cell: &'static OnceLock<Result<T, String>>, open: impl FnOnce() -> Result<T, KernelError>) -> Result<&'static T, KernelError> {
+    cell.get_or_init(|| open().map_err(reason)).as_ref().map_err(|r| unavailable(r.clone()))
+}
+
 /// CUDA major versions whose NVRTC and cuBLAS the backend binds itself
 /// (`nvrtc`, `blas`), newest first: their C APIs are the same for what Baton calls.
 const LIBRARY_MAJORS: &[i32] = &[13, 12];

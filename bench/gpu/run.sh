@@ -15,6 +15,10 @@
 #   bf16 embedding rows                        4e-3
 #   KV bytes written by both backends: identical; a row's result: the same bits
 #   alone as in a batch (matrix products and attention).
+# The engine on CUDA (engine/tests/cuda_engine.rs, the first 4 layers of SmolLM2 where
+# the host has no model): logits Pearson >= 0.98 against the CPU backend per row, the
+# same top token on >= 70% of rows, greedy tokens equal alone, chunked and batched.
+# compute-sanitizer memcheck over the conformance suite where the tool exists.
 # Targets (kernels/benches/gpu.rs): decode at batch 64 within 1.3x of the bandwidth
 # roofline; prefill at >= 40% of the measured bf16 GEMM throughput.
 set -uo pipefail
@@ -57,6 +61,9 @@ if command -v cargo >/dev/null; then
     say "== conformance: CUDA backend vs CPU backend"
     timeout 120 cargo test --release --locked -p baton-kernels --features cuda --test cuda_conformance --test cuda_ptx -- --test-threads=1 2>&1 | tee -a "$log" | grep -E "^test |test result|panicked|SKIPPED|cuda \(" || true
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    say "== the engine on CUDA against the CPU (a real model)"
+    timeout 120 cargo test --release --locked -p baton-engine --features cuda --test cuda_engine -- --test-threads=1 --nocapture 2>&1 | tee -a "$log" | grep -E "^test |test result|panicked|SKIPPED|KV:" || true
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     say "== roofline benchmark"
     timeout 300 cargo bench --locked -p baton-kernels --features cuda --bench gpu 2>&1 | tee -a "$log" | grep -vE "^\s+(Compiling|Finished|Running)" || status=1
 else
@@ -65,6 +72,14 @@ else
     timeout 90 bench/gpu/prebuilt/cuda_conformance --test-threads=1 2>&1 | tee -a "$log" || status=1
     # (the folder listing test reads the source tree at the path it was built in)
     timeout 60 bench/gpu/prebuilt/cuda_ptx --nocapture --skip every_cu_file_in_the_folder 2>&1 | tee -a "$log" || status=1
+    say "== the engine on CUDA against the CPU (the first 4 layers of SmolLM2)"
+    BATON_MODEL="$PWD/bench/gpu/prebuilt/smollm2-4-layers.gguf" timeout 120 bench/gpu/prebuilt/cuda_engine --test-threads=1 --nocapture 2>&1 | tee -a "$log" || status=1
+    if command -v compute-sanitizer >/dev/null; then
+        say "== compute-sanitizer memcheck over the conformance suite"
+        timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 bench/gpu/prebuilt/cuda_conformance --test-threads=1 2>&1 | tee -a "$log" | grep -E "^test |test result|ERROR SUMMARY|=========  *(Invalid|Out of)" | head -n 40 || true
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    fi
+    say "== roofline benchmark"
     timeout 240 bench/gpu/prebuilt/gpu 2>&1 | tee -a "$log" || status=1
 fi
 

@@ -46,12 +46,22 @@ impl BufferPool {
     pub fn take(self: &Arc<Self>, len: usize) -> PooledBuf {
         let recycled = {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-            let found = free.buffers.iter().position(|b| b.capacity() >= len);
-            found.map(|i| {
-                let b = free.buffers.swap_remove(i);
-                free.bytes -= b.capacity();
-                b
-            })
+            match free.buffers.iter().position(|b| b.capacity() >= len) {
+                Some(i) => {
+                    let b = free.buffers.swap_remove(i);
+                    free.bytes -= b.capacity();
+                    Some(b)
+                }
+                None => {
+                    // None fits: give up the smallest, so that buffers too small for
+                    // the frames now in use do not hold the pool's budget forever.
+                    if let Some(i) = (0..free.buffers.len()).min_by_key(|&i| free.buffers[i].capacity()) {
+                        let small = free.buffers.swap_remove(i);
+                        free.bytes -= small.capacity();
+                    }
+                    None
+                }
+            }
         };
         let mut buf = recycled.unwrap_or_default();
         buf.resize(len, 0); // a recycled buffer only shrinks here: nothing is written
@@ -123,6 +133,17 @@ mod tests {
         let again = pool.take(512 << 10);
         assert_eq!((again.as_ptr(), again.len()), (ptr, 512 << 10), "the same allocation, shortened");
         assert_eq!(pool.kept_bytes(), 0);
+    }
+
+    #[test]
+    fn small_buffers_make_way_for_the_frames_in_use() {
+        let pool = BufferPool::new(2 << 20);
+        drop((pool.take(1 << 10), pool.take(2 << 10)));
+        assert_eq!(pool.kept_bytes(), 3 << 10);
+        drop(pool.take(1 << 20)); // fits neither: the 1 KiB one goes, the 1 MiB one stays
+        assert_eq!(pool.kept_bytes(), (2 << 10) + (1 << 20));
+        drop(pool.take(1 << 20));
+        assert_eq!(pool.kept_bytes(), (2 << 10) + (1 << 20), "reused, not allocated again");
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! with its own configuration and TSDB in a temporary directory, on a free loopback
 //! port. Without the binary it is skipped with a loud message; `.ci/run` installs it.
 
+mod cluster_support;
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -13,13 +15,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const KEY: &str = "prom-test-key-0123456789";
-
-fn model_path() -> String {
-    std::env::var("BATON_MODEL").unwrap_or_else(|_| {
-        let home = std::env::var("HOME").unwrap_or_default();
-        format!("{home}/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    })
-}
 
 fn prometheus_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("BATON_PROMETHEUS_BIN") {
@@ -71,7 +66,7 @@ fn start_up(dir: &Path) -> (Killed, Targets) {
         .arg("--db")
         .arg(dir.join("gateway.db"))
         .arg("--model")
-        .arg(model_path())
+        .arg(cluster_support::model_path().expect("the default model (scripts/fetch-model.sh)"))
         .env("BATON_API_KEY", KEY)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

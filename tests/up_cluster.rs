@@ -5,16 +5,11 @@
 //! served from the decode node's prefix cache with the same greedy reply, and that
 //! SIGTERM stops everything cleanly.
 
+mod cluster_support;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn model_path() -> String {
-    std::env::var("BATON_MODEL").unwrap_or_else(|_| {
-        let home = std::env::var("HOME").unwrap_or_default();
-        format!("{home}/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    })
-}
 
 /// The running cluster; killed if the test fails before stopping it.
 struct Up {
@@ -42,7 +37,7 @@ fn start() -> Up {
         .arg("--db")
         .arg(dir.path().join("gateway.db"))
         .arg("--model")
-        .arg(model_path())
+        .arg(cluster_support::model_path().expect("the default model (scripts/fetch-model.sh)"))
         .env("BATON_API_KEY", KEY)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

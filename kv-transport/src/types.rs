@@ -161,6 +161,10 @@ impl KvLayout {
     }
 }
 
+/// A small layout (2 layers, 16-token blocks, one 8-wide f16 head) for unit tests.
+#[cfg(test)]
+pub(crate) const TEST_LAYOUT: KvLayout = KvLayout { layers: 2, block_tokens: 16, kv_heads: 1, head_dim: 8, dtype: KvDtype::F16 };
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -159,15 +159,9 @@ mod tests {
     use crate::certs::generate_dev_certs;
     use crate::handoff::ReceiverConfig;
     use crate::pool::ArenaPool;
-    use crate::types::{KvDtype, KvLayout};
+    use crate::types::KvLayout;
 
-    const LAYOUT: KvLayout = KvLayout {
-        layers: 2,
-        block_tokens: 16,
-        kv_heads: 1,
-        head_dim: 8,
-        dtype: KvDtype::F16,
-    };
+    const LAYOUT: KvLayout = crate::types::TEST_LAYOUT;
 
     /// A node's certificates, a receiver over a small pool and a loopback address.
     fn node() -> (NodeTls, KvReceiver, SocketAddr) {

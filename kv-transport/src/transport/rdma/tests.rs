@@ -10,7 +10,7 @@ use crate::pool::ArenaPool;
 use crate::transport::quic::QuicTuning;
 use crate::transport::rdma::{probe, RdmaConnector, RdmaListener};
 use crate::transport::select::RdmaConfig;
-use crate::types::{KvDtype, KvLayout};
+use crate::types::KvLayout;
 
 /// Set to `1` where a device must exist (an RDMA CI runner): a missing device then fails
 /// the tests instead of skipping them.
@@ -38,13 +38,7 @@ fn gate(probed: crate::Result<String>, require: bool, test: &str) -> Result<bool
     }
 }
 
-const LAYOUT: KvLayout = KvLayout {
-    layers: 2,
-    block_tokens: 16,
-    kv_heads: 1,
-    head_dim: 8,
-    dtype: KvDtype::F16,
-};
+const LAYOUT: KvLayout = crate::types::TEST_LAYOUT;
 
 fn small() -> RdmaConfig {
     RdmaConfig {

@@ -8,15 +8,9 @@
 //! Invariants: every name is a constant below; labels are small fixed sets (source,
 //! state, tier, transport, side), never user, conversation or turn IDs.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ::metrics::Histogram;
-use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
 use baton_engine::Engine;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
@@ -136,29 +130,12 @@ impl Metrics {
     }
 }
 
-/// What the HTTP endpoints read.
-#[derive(Clone)]
-pub struct HttpState {
-    pub metrics: Arc<Metrics>,
-    pub engine: Arc<Engine>,
-    pub kv: Option<Arc<KvNode>>,
-    /// False until the node is registered (or runs without a coordinator).
-    pub ready: Arc<AtomicBool>,
-}
-
-pub fn router(state: HttpState) -> Router {
-    Router::new().route("/healthz", get(healthz)).route("/metrics", get(scrape)).with_state(state)
-}
-
-async fn healthz(State(s): State<HttpState>) -> (StatusCode, &'static str) {
-    if s.ready.load(Ordering::SeqCst) {
-        (StatusCode::OK, "ok\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "starting\n")
+impl baton_node_common::http::RenderMetrics for Metrics {
+    fn render(&self, engine: &Engine, kv: Option<&KvNode>) -> String {
+        Metrics::render(self, engine, kv)
     }
 }
 
-async fn scrape(State(s): State<HttpState>) -> Response {
-    let text = s.metrics.render(&s.engine, s.kv.as_deref());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
-}
+/// The node's `/healthz` and `/metrics` (`baton_node_common::http`).
+pub type HttpState = baton_node_common::http::HttpState<Metrics>;
+pub use baton_node_common::http::router;

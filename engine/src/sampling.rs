@@ -253,7 +253,8 @@ fn os_seed() -> u64 {
 pub struct Sampled {
     /// The token ID.
     pub token: u32,
-    /// Its log-probability under the raw logits (temperature 1).
+    /// Its log-probability under the raw logits (temperature 1); 0 unless the
+    /// request asked for `logprobs`, which costs an exp over the vocabulary.
     pub logprob: f32,
     /// The `top_logprobs` most likely tokens with their log-probabilities, most
     /// likely first (empty unless requested).
@@ -273,6 +274,8 @@ pub struct Sampler {
     temperature: f32,
     top_k: usize,
     top_p: f32,
+    /// Whether the request asked for log-probabilities (they cost an exp over the vocabulary).
+    logprobs: bool,
     top_logprobs: usize,
     seed: u64,
     rng: Rng,
@@ -294,6 +297,7 @@ impl Sampler {
             temperature: params.temperature,
             top_k: if params.is_greedy() { 1 } else { params.top_k },
             top_p: params.top_p,
+            logprobs: params.logprobs,
             top_logprobs: params.top_logprobs,
             seed,
             rng: Rng::new(seed),
@@ -337,6 +341,9 @@ impl Sampler {
             // At temperature 1 the weights before masking were the raw softmax's.
             (token, (inv_t == 1.0).then_some(sum))
         };
+        if !self.logprobs {
+            return Ok(Sampled { token: token as u32, logprob: 0.0, top_logprobs: Vec::new() });
+        }
         let raw_sum = raw_sum.unwrap_or_else(|| exp_into(&mut self.weights, logits, max, 1.0));
         let lse = max + raw_sum.ln() as f32;
         let logprob = logits[token] - lse;

@@ -202,6 +202,20 @@ fn masked_tokens_are_never_drawn() {
 }
 
 #[test]
+fn without_logprobs_the_same_token_comes_without_them() {
+    let logits: Vec<f32> = logits_of(&[0.4, 0.25, 0.2, 0.1, 0.05]);
+    for t in [0.0, 0.7, 1.0] {
+        let with = SamplingParams { temperature: t, logprobs: true, seed: Some(3), ..Default::default() }.validate().expect("valid");
+        let without = SamplingParams { logprobs: false, ..(*with).clone() }.validate().expect("valid");
+        let a = Sampler::new(&with).sample(&logits).expect("sample");
+        let b = Sampler::new(&without).sample(&logits).expect("sample");
+        assert_eq!(a.token, b.token, "temperature {t}");
+        assert!(a.logprob < 0.0);
+        assert_eq!((b.logprob, b.top_logprobs.len()), (0.0, 0));
+    }
+}
+
+#[test]
 fn logprobs_are_the_raw_log_softmax() {
     let probs = [0.4, 0.25, 0.2, 0.1, 0.05];
     // Shift the logits: log-softmax must not care.

@@ -11,6 +11,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 
+/// Payloads under this size (control frames, a few blocks) are plain allocations:
+/// glibc serves them from its free lists, and they would tie up a frame-sized buffer.
+const MIN_POOLED: usize = 64 << 10;
+
 /// Buffers waiting for reuse, up to `max_bytes` of capacity in all.
 pub struct BufferPool {
     free: Mutex<Free>,
@@ -44,6 +48,9 @@ impl BufferPool {
     /// A buffer of exactly `len` bytes. A recycled one holds an earlier frame's bytes:
     /// the caller overwrites all of it.
     pub fn take(self: &Arc<Self>, len: usize) -> PooledBuf {
+        if len < MIN_POOLED {
+            return PooledBuf { buf: vec![0; len], pool: self.clone() };
+        }
         let recycled = {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
             match free.buffers.iter().position(|b| b.capacity() >= len) {
@@ -84,7 +91,7 @@ impl PooledBuf {
 impl Drop for PooledBuf {
     fn drop(&mut self) {
         let buf = std::mem::take(&mut self.buf);
-        if buf.capacity() == 0 {
+        if buf.capacity() < MIN_POOLED {
             return;
         }
         let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
@@ -138,12 +145,22 @@ mod tests {
     #[test]
     fn small_buffers_make_way_for_the_frames_in_use() {
         let pool = BufferPool::new(2 << 20);
-        drop((pool.take(1 << 10), pool.take(2 << 10)));
-        assert_eq!(pool.kept_bytes(), 3 << 10);
-        drop(pool.take(1 << 20)); // fits neither: the 1 KiB one goes, the 1 MiB one stays
-        assert_eq!(pool.kept_bytes(), (2 << 10) + (1 << 20));
+        drop((pool.take(100 << 10), pool.take(200 << 10)));
+        assert_eq!(pool.kept_bytes(), 300 << 10);
+        drop(pool.take(1 << 20)); // fits neither: the 100 KiB one goes, the 1 MiB one stays
+        assert_eq!(pool.kept_bytes(), (200 << 10) + (1 << 20));
         drop(pool.take(1 << 20));
-        assert_eq!(pool.kept_bytes(), (2 << 10) + (1 << 20), "reused, not allocated again");
+        assert_eq!(pool.kept_bytes(), (200 << 10) + (1 << 20), "reused, not allocated again");
+    }
+
+    #[test]
+    fn control_sized_payloads_are_not_pooled() {
+        let pool = BufferPool::new(2 << 20);
+        drop(pool.take(1 << 20));
+        let small = pool.take(20);
+        assert_eq!((small.len(), pool.kept_bytes()), (20, 1 << 20), "the frame-sized buffer stays for frames");
+        drop(small);
+        assert_eq!(pool.kept_bytes(), 1 << 20);
     }
 
     #[test]
@@ -152,8 +169,8 @@ mod tests {
         let bufs: Vec<_> = (0..5).map(|_| pool.take(1 << 20)).collect();
         drop(bufs);
         assert_eq!(pool.kept_bytes(), 3 << 20);
-        let small = pool.take(10);
-        assert_eq!(small.len(), 10);
+        let reused = pool.take(512 << 10);
+        assert_eq!(reused.len(), 512 << 10);
         assert_eq!(pool.kept_bytes(), 2 << 20);
     }
 }

@@ -28,8 +28,19 @@ fn hugging_face_export_loads_to_the_same_model() {
     let b = last_logits(&backend, &h.model, &ids);
     // Same weights; the GGUF path quantizes activations to 8 bits, the f32
     // path does not, so logits agree closely but not bit for bit.
+    // The top token is the same unless the first two are a near-tie (this
+    // prompt's are 0.04 apart, within the 8-bit activations' error): then
+    // each path's choice is still one of the other's near-tied leaders.
     let argmax = |v: &[f32]| v.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0;
-    assert_eq!(argmax(&a), argmax(&b));
+    let lead = |v: &[f32]| {
+        let top = v[argmax(v)];
+        top - v.iter().copied().filter(|&x| x < top).fold(f32::MIN, f32::max)
+    };
+    if lead(&a) >= 1.0 {
+        assert_eq!(argmax(&a), argmax(&b));
+    }
+    assert!(a[argmax(&b)] >= a[argmax(&a)] - 0.5, "the f32 path's top token is far down the GGUF path's logits");
+    assert!(b[argmax(&a)] >= b[argmax(&b)] - 0.5, "the GGUF path's top token is far down the f32 path's logits");
     let max_diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     let scale = a.iter().map(|x| x.abs()).fold(0f32, f32::max);
     assert!(max_diff < 0.05 * scale, "max |diff| {max_diff} vs scale {scale}");

@@ -25,12 +25,56 @@ pub struct QMatrix {
 enum Prepared {
     /// Row-major f32 (from F32, F16 and BF16 sources).
     F32(Vec<f32>),
-    /// 4-bit formats: packed nibbles (16 bytes per block, GGML order: low
-    /// nibble = element j, high nibble = element j + 16), the scale `d` and
-    /// the offset `m` per block (Q4_0 stores `m = -8 d`).
+    /// 4-bit formats in panels of [`PANEL`] rows. Quants, per panel and
+    /// block: four groups of 64 bytes, byte `4r + i` of group `j` being
+    /// GGML's byte `4j + i` of the panel's row `r` (low nibble: element
+    /// `4j + i`, high nibble: element `4j + i + 16`). The scale `d` and
+    /// offset `m` (Q4_0 stores `m = -8 d`), per panel and block, one per row.
+    /// Rows past `n` in the last panel are zeros.
     Q4 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
-    /// Q8_0: signed bytes and scale per block.
-    Q8 { qs: Vec<i8>, d: Vec<f32> },
+    /// Q8_0 in panels: per panel and block, eight groups of 64 bytes, byte
+    /// `4r + i` of group `q` being element `4q + i` of row `r` stored as
+    /// `w + 128` (the unsigned operand the integer dot instructions take).
+    /// Scales as for Q4.
+    Q8 { qs: Vec<u8>, d: Vec<f32> },
+}
+
+/// Weight rows per panel. The quantized formats interleave 16 rows, four
+/// weights of each, so that one 512-bit register holds four consecutive
+/// weights of 16 rows and one integer dot instruction against four broadcast
+/// activation bytes advances 16 output elements. Rows side by side, instead
+/// of one row's weights across the lanes, leave nothing to reduce across
+/// lanes: per block and activation row, the tile spends one conversion and
+/// two fused multiply-adds on 16 outputs, where a row-major layout spent
+/// them on one.
+pub(crate) const PANEL: usize = 16;
+
+/// Quant bytes per panel and block.
+const Q4_PANEL_BLOCK: usize = PANEL * QK / 2;
+const Q8_PANEL_BLOCK: usize = PANEL * QK;
+
+/// Quant `e` (0..32) of block `b` of row `o`, from the Q4 panel layout.
+#[inline]
+fn q4_at(qs: &[u8], nb: usize, o: usize, b: usize, e: usize) -> u8 {
+    let g = e % 16;
+    let byte = qs[((o / PANEL) * nb + b) * Q4_PANEL_BLOCK + (g / 4) * 64 + (o % PANEL) * 4 + g % 4];
+    if e < 16 {
+        byte & 0x0f
+    } else {
+        byte >> 4
+    }
+}
+
+/// Quant `e` of block `b` of row `o`, from the Q8 panel layout.
+#[inline]
+fn q8_at(qs: &[u8], nb: usize, o: usize, b: usize, e: usize) -> i8 {
+    (qs[((o / PANEL) * nb + b) * Q8_PANEL_BLOCK + (e / 4) * 64 + (o % PANEL) * 4 + e % 4] ^ 0x80) as i8
+}
+
+/// The per-block value (scale or offset) of block `b` of row `o`.
+#[inline]
+fn block_at(v: &[f32], nb: usize, o: usize, b: usize) -> f32 {
+    v[((o / PANEL) * nb + b) * PANEL + o % PANEL]
 }
 
 /// Errors preparing a weight matrix.
@@ -53,7 +97,8 @@ impl QMatrix {
         if bytes.len() != expected {
             return Err(MatrixError::Size { n, k, format: format.name(), expected, got: bytes.len() });
         }
-        let nb = n * k / QK;
+        let nb = k / QK;
+        let panel_blocks = n.div_ceil(PANEL) * nb;
         let f16_at = |b: &[u8], i: usize| f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32();
         let kind = match format {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => {
@@ -66,20 +111,38 @@ impl QMatrix {
             WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
                 let bb = format.block_bytes();
                 let hdr = bb - 16;
-                let (mut qs, mut d, mut m) = (Vec::with_capacity(nb * 16), Vec::with_capacity(nb), Vec::with_capacity(nb));
-                for b in bytes.chunks_exact(bb) {
-                    let scale = f16_at(b, 0);
-                    d.push(scale);
-                    m.push(if format == WeightFormat::Q4_1 { f16_at(b, 2) } else { -8.0 * scale });
-                    qs.extend_from_slice(&b[hdr..]);
+                let mut qs = vec![0u8; panel_blocks * Q4_PANEL_BLOCK];
+                let (mut d, mut m) = (vec![0f32; panel_blocks * PANEL], vec![0f32; panel_blocks * PANEL]);
+                for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
+                    let (p, r) = (o / PANEL, o % PANEL);
+                    for (b, blk) in row.chunks_exact(bb).enumerate() {
+                        let pb = p * nb + b;
+                        let scale = f16_at(blk, 0);
+                        d[pb * PANEL + r] = scale;
+                        m[pb * PANEL + r] = if format == WeightFormat::Q4_1 { f16_at(blk, 2) } else { -8.0 * scale };
+                        for j in 0..4 {
+                            let at = pb * Q4_PANEL_BLOCK + j * 64 + r * 4;
+                            qs[at..at + 4].copy_from_slice(&blk[hdr + 4 * j..hdr + 4 * j + 4]);
+                        }
+                    }
                 }
                 Prepared::Q4 { qs, d, m }
             }
             WeightFormat::Q8_0 => {
-                let (mut qs, mut d) = (Vec::with_capacity(nb * QK), Vec::with_capacity(nb));
-                for b in bytes.chunks_exact(34) {
-                    d.push(f16_at(b, 0));
-                    qs.extend(b[2..].iter().map(|&v| v as i8));
+                let mut qs = vec![0x80u8; panel_blocks * Q8_PANEL_BLOCK];
+                let mut d = vec![0f32; panel_blocks * PANEL];
+                for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
+                    let (p, r) = (o / PANEL, o % PANEL);
+                    for (b, blk) in row.chunks_exact(34).enumerate() {
+                        let pb = p * nb + b;
+                        d[pb * PANEL + r] = f16_at(blk, 0);
+                        for q in 0..QK / 4 {
+                            let at = pb * Q8_PANEL_BLOCK + q * 64 + r * 4;
+                            for i in 0..4 {
+                                qs[at + i] = blk[2 + 4 * q + i] ^ 0x80;
+                            }
+                        }
+                    }
                 }
                 Prepared::Q8 { qs, d }
             }
@@ -120,19 +183,17 @@ impl QMatrix {
             Prepared::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
             Prepared::Q4 { qs, d, m } => {
                 for b in 0..nb {
-                    let (s, off) = (d[r * nb + b], m[r * nb + b]);
-                    let q = &qs[(r * nb + b) * 16..(r * nb + b + 1) * 16];
-                    for j in 0..16 {
-                        out[b * QK + j] = (q[j] & 0x0f) as f32 * s + off;
-                        out[b * QK + j + 16] = (q[j] >> 4) as f32 * s + off;
+                    let (s, off) = (block_at(d, nb, r, b), block_at(m, nb, r, b));
+                    for e in 0..QK {
+                        out[b * QK + e] = q4_at(qs, nb, r, b, e) as f32 * s + off;
                     }
                 }
             }
             Prepared::Q8 { qs, d } => {
                 for b in 0..nb {
-                    let s = d[r * nb + b];
-                    for j in 0..QK {
-                        out[b * QK + j] = qs[(r * nb + b) * QK + j] as f32 * s;
+                    let s = block_at(d, nb, r, b);
+                    for e in 0..QK {
+                        out[b * QK + e] = q8_at(qs, nb, r, b, e) as f32 * s;
                     }
                 }
             }
@@ -176,17 +237,6 @@ pub fn isa() -> Isa {
     })
 }
 
-/// Output rows of the weight matrix handled by one task.
-const ROWS_PER_TASK: usize = 16;
-
-/// How far ahead (in bytes of 4-bit quants; scales and 8-bit quants keep the
-/// same distance in blocks) the kernels prefetch weights. A row of the default
-/// model is 288 to 768 bytes: too short for the hardware prefetcher to ramp up
-/// before the tile moves on, so at batch 1 the kernels waited on the cache.
-/// 4 KiB ahead took single-thread decode from 54 to 85 tokens/s (1 to 8 KiB
-/// measured; see the README).
-const PREFETCH_BYTES: usize = 4096;
-
 /// Raw pointer that may cross threads: tasks write disjoint columns.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -202,7 +252,8 @@ pub fn matmul(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, w: &QMatr
 }
 
 /// Several products of the same activations (the query, key and value
-/// projections; gate and up), in one parallel dispatch.
+/// projections; gate and up), in one parallel dispatch. One task is one
+/// panel of [`PANEL`] weight rows against every activation row.
 pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs: &mut [(&QMatrix, &mut [f32])]) {
     let mut jobs: Vec<(&QMatrix, OutPtr, usize)> = Vec::new();
     for (w, out) in outs.iter_mut() {
@@ -212,43 +263,31 @@ pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs
             assert!(xq.rows >= rows && xq.k == w.k, "activations not quantized for this matrix");
         }
         let ptr = OutPtr(out.as_mut_ptr());
-        for task in 0..w.n.div_ceil(ROWS_PER_TASK) {
-            jobs.push((*w, ptr, task));
+        for panel in 0..w.n.div_ceil(PANEL) {
+            jobs.push((*w, ptr, panel));
         }
     }
-    // Activation scales laid out for the quantized tiles, once per call
-    // (per group of four rows), shared by every task.
-    #[cfg(target_arch = "x86_64")]
-    let groups: Vec<simd::ActBlocks> = if xq.k > 0 && isa() != Isa::Scalar && jobs.iter().any(|(w, _, _)| w.wants_quantized_acts()) {
-        // SAFETY: the ISA check guarantees AVX2.
-        (0..rows.div_ceil(4)).map(|g| unsafe { simd::ActBlocks::new(xq, g * 4, (rows - g * 4).min(4)) }).collect()
-    } else {
-        Vec::new()
-    };
     pool.run(jobs.len(), &|j| {
-        let (w, p, task) = jobs[j];
-        let n = w.n;
-        let o0 = task * ROWS_PER_TASK;
-        let o1 = (o0 + ROWS_PER_TASK).min(n);
-        #[cfg(target_arch = "x86_64")]
-        if let (Prepared::Q4 { qs, d, m }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
-            // SAFETY: the tile writes only (t, o) for o in o0..o1, which this
-            // task owns; `out` holds rows * n elements.
-            unsafe { simd::q4_task(qs, d, m, w.k, xq, &groups, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if let (Prepared::Q8 { qs, d }, Isa::Avx512Vnni | Isa::Avx2) = (&w.kind, isa()) {
-            // SAFETY: as above.
-            unsafe { simd::q8_task(qs, d, w.k, xq, &groups, rows, o0, o1, p.0, n, isa() == Isa::Avx512Vnni) };
-            return;
-        }
-        for t in 0..rows {
-            for o in o0..o1 {
-                let v = dot(w, o, x, xq, t);
-                // SAFETY: each (t, o) is written by exactly one task, and
-                // `out` holds rows * n elements (asserted above).
-                unsafe { *p.0.add(t * n + o) = v };
+        let (w, p, panel) = jobs[j];
+        // SAFETY (every arm): the task writes only (t, o) for o in this
+        // panel's rows below `n`, which no other task writes; `out` holds
+        // rows * n elements (asserted above); the ISA is checked.
+        match (&w.kind, isa()) {
+            #[cfg(target_arch = "x86_64")]
+            (Prepared::Q4 { qs, d, m }, Isa::Avx512Vnni) => unsafe { simd::q4_panel_512(qs, d, m, w.k, xq, rows, panel, p.0, w.n) },
+            #[cfg(target_arch = "x86_64")]
+            (Prepared::Q4 { qs, d, m }, Isa::Avx2) => unsafe { simd::q4_panel_avx2(qs, d, m, w.k, xq, rows, panel, p.0, w.n) },
+            #[cfg(target_arch = "x86_64")]
+            (Prepared::Q8 { qs, d }, Isa::Avx512Vnni) => unsafe { simd::q8_panel_512(qs, d, w.k, xq, rows, panel, p.0, w.n) },
+            #[cfg(target_arch = "x86_64")]
+            (Prepared::Q8 { qs, d }, Isa::Avx2) => unsafe { simd::q8_panel_avx2(qs, d, w.k, xq, rows, panel, p.0, w.n) },
+            _ => {
+                for t in 0..rows {
+                    for o in panel * PANEL..((panel + 1) * PANEL).min(w.n) {
+                        let v = dot(w, o, x, xq, t);
+                        unsafe { *p.0.add(t * w.n + o) = v };
+                    }
+                }
             }
         }
     });
@@ -269,18 +308,10 @@ fn dot(w: &QMatrix, o: usize, x: &[f32], xq: &QuantizedActs, t: usize) -> f32 {
                 _ => scalar::dot_f32(a, b),
             }
         }
-        // On SIMD machines the quantized formats always run as tiles
+        // On SIMD machines the quantized formats always run as panels
         // (`matmul_many`); this is the portable path, bit-identical to them.
-        Prepared::Q4 { qs, d, m } => {
-            let wq = &qs[o * nb * 16..(o + 1) * nb * 16];
-            let (wd, wm) = (&d[o * nb..(o + 1) * nb], &m[o * nb..(o + 1) * nb]);
-            scalar::dot_q4(wq, wd, wm, xq.row_q(t), xq.row_d(t), xq.row_s(t))
-        }
-        Prepared::Q8 { qs, d } => {
-            let wq = &qs[o * k..(o + 1) * k];
-            let wd = &d[o * nb..(o + 1) * nb];
-            scalar::dot_q8(wq, wd, xq.row_q(t), xq.row_d(t))
-        }
+        Prepared::Q4 { qs, d, m } => scalar::dot_q4(qs, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
+        Prepared::Q8 { qs, d } => scalar::dot_q8(qs, d, nb, o, xq.row_q(t), xq.row_d(t)),
     }
 }
 
@@ -290,9 +321,9 @@ pub(crate) fn hsum8(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
-/// Portable reference kernels: they emulate the SIMD lanes exactly.
+/// Portable reference kernels: the arithmetic every SIMD path reproduces.
 pub(crate) mod scalar {
-    use super::{hsum8, QK};
+    use super::{block_at, hsum8, q4_at, q8_at, QK};
 
     pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
@@ -304,51 +335,35 @@ pub(crate) mod scalar {
         hsum8(acc)
     }
 
-    /// The Q4 arithmetic: per block, 8 lanes of 4 integer products; even
-    /// and odd blocks accumulate in separate lane sets (a 512-bit register
-    /// holds one of each), added lane by lane at the end; the offset term
-    /// `m * sum(x)` accumulates block by block.
-    pub fn dot_q4(wq: &[u8], wd: &[f32], wm: &[f32], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
-        let mut acc = [[0f32; 8]; 2];
-        let mut macc = 0f32;
-        for b in 0..wd.len() {
-            let q = &wq[b * 16..b * 16 + 16];
-            let x = &xq[b * QK..b * QK + QK];
-            let scale = wd[b] * xd[b];
-            for l in 0..8 {
-                let mut s = 0i32;
-                for i in 4 * l..4 * l + 4 {
-                    let wv = if i < 16 { q[i] & 0x0f } else { q[i - 16] >> 4 };
-                    s += wv as i32 * x[i] as i32;
-                }
-                acc[b % 2][l] = (s as f32).mul_add(scale, acc[b % 2][l]);
-            }
-            macc = wm[b].mul_add(xs[b], macc);
+    /// The Q4 arithmetic of row `o`: per block, the exact integer dot
+    /// product of the quants with the activation bytes, then, in block
+    /// order, `acc = isum * (d * dx) + acc` and `acc = m * s + acc` (fused),
+    /// `s` being the activation block's `dx * sum(x)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dot_q4(qs: &[u8], d: &[f32], m: &[f32], nb: usize, o: usize, xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+        let mut acc = 0f32;
+        for b in 0..nb {
+            let isum: i32 = (0..QK).map(|e| q4_at(qs, nb, o, b, e) as i32 * xq[b * QK + e] as i32).sum();
+            acc = (isum as f32).mul_add(block_at(d, nb, o, b) * xd[b], acc);
+            acc = block_at(m, nb, o, b).mul_add(xs[b], acc);
         }
-        hsum8(std::array::from_fn(|l| acc[0][l] + acc[1][l])) + macc
+        acc
     }
 
-    /// The Q8_0 arithmetic: as `dot_q4`'s (even and odd blocks in
-    /// separate lane sets), without the offset term.
-    pub fn dot_q8(wq: &[i8], wd: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
-        let mut acc = [[0f32; 8]; 2];
-        for b in 0..wd.len() {
-            let scale = wd[b] * xd[b];
-            for l in 0..8 {
-                let mut s = 0i32;
-                for i in b * QK + 4 * l..b * QK + 4 * l + 4 {
-                    s += wq[i] as i32 * xq[i] as i32;
-                }
-                acc[b % 2][l] = (s as f32).mul_add(scale, acc[b % 2][l]);
-            }
+    /// The Q8_0 arithmetic of row `o`: as `dot_q4`'s, without the offset.
+    pub fn dot_q8(qs: &[u8], d: &[f32], nb: usize, o: usize, xq: &[i8], xd: &[f32]) -> f32 {
+        let mut acc = 0f32;
+        for b in 0..nb {
+            let isum: i32 = (0..QK).map(|e| q8_at(qs, nb, o, b, e) as i32 * xq[b * QK + e] as i32).sum();
+            acc = (isum as f32).mul_add(block_at(d, nb, o, b) * xd[b], acc);
         }
-        hsum8(std::array::from_fn(|l| acc[0][l] + acc[1][l]))
+        acc
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use super::{PREFETCH_BYTES, QK};
+    use super::{PANEL, Q4_PANEL_BLOCK, Q8_PANEL_BLOCK, QK};
     use crate::quant::QuantizedActs;
     use std::arch::x86_64::*;
 
@@ -363,347 +378,266 @@ mod simd {
         _mm_cvtss_f32(s3)
     }
 
-
-    /// Integer dot products of 32 unsigned weight bytes against 32 signed
-    /// activation bytes: 8 lanes of 4 products each (AVX2 has no VNNI).
-    #[inline(always)]
-    unsafe fn isum(w: __m256i, x: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
-    }
-
-    /// Per-block activation scales of up to four rows, laid out for the
-    /// tiles: `dx` broadcast to 8 lanes (and, for the 512-bit tiles, the
-    /// scales of a pair of blocks side by side), and the block sums of the
-    /// rows side by side so one fused multiply-add serves them all.
-    pub struct ActBlocks {
-        dxv: Vec<__m256>,
-        dxz: Vec<[f32; 16]>,
-        xs4: Vec<__m128>,
-    }
-
-    impl ActBlocks {
-        #[target_feature(enable = "avx2")]
-        pub unsafe fn new(xq: &QuantizedActs, t: usize, c: usize) -> Self {
-            let nb = xq.k / QK;
-            let mut dxv = Vec::with_capacity(nb * 4);
-            let mut dxz = vec![[0f32; 16]; nb.div_ceil(2) * 4];
-            let mut xs4 = Vec::with_capacity(nb);
-            for b in 0..nb {
-                let mut s = [0f32; 4];
-                for j in 0..4 {
-                    let r = t + j.min(c - 1);
-                    let dx = *xq.row_d(r).get_unchecked(b);
-                    dxv.push(_mm256_set1_ps(dx));
-                    dxz[b / 2 * 4 + j][b % 2 * 8..b % 2 * 8 + 8].fill(dx);
-                    s[j] = *xq.row_s(r).get_unchecked(b);
-                }
-                xs4.push(_mm_loadu_ps(s.as_ptr()));
-            }
-            ActBlocks { dxv, dxz, xs4 }
-        }
-    }
-
-    /// Walks activation rows in groups of up to four (`c` of them) and the
-    /// weight rows `o0..o1` in tiles of `R` rows (`R` chosen per `c` from
-    /// `[R1, R2, R3, R4]`), then single rows: the one loop of every task.
-    macro_rules! sweep_tiles {
-        ($rows:expr, $o0:expr, $o1:expr, [$r1:literal, $r2:literal, $r3:literal, $r4:literal], |$t:ident, $o:ident| $tile:ident($($arg:expr),*)) => {{
+    /// Walks the activation rows in groups of up to `N` (the length of the
+    /// list, which must be `1..=N`), calling the tile for each group with
+    /// the group's size as its const parameter and `$t` its first row.
+    macro_rules! column_groups {
+        ($rows:expr, [$($c:literal),+], |$t:ident| $tile:ident $args:tt) => {{
+            const MAX: usize = [$($c),+].len();
             let mut $t = 0;
             while $t < $rows {
-                let c = ($rows - $t).min(4);
-                let mut $o = $o0;
+                let c = ($rows - $t).min(MAX);
                 match c {
-                    1 => sweep_tiles!(@run $o, $o1, $r1, 1, $tile($($arg),*)),
-                    2 => sweep_tiles!(@run $o, $o1, $r2, 2, $tile($($arg),*)),
-                    3 => sweep_tiles!(@run $o, $o1, $r3, 3, $tile($($arg),*)),
-                    _ => sweep_tiles!(@run $o, $o1, $r4, 4, $tile($($arg),*)),
+                    $($c => $tile::<$c> $args,)+
+                    _ => unreachable!(),
                 }
                 $t += c;
             }
         }};
-        (@run $o:ident, $o1:expr, $r:literal, $c:literal, $tile:ident($($arg:expr),*)) => {{
-            while $o + $r <= $o1 {
-                $tile::<$r, $c>($($arg),*);
-                $o += $r;
-            }
-            while $o < $o1 {
-                $tile::<1, $c>($($arg),*);
-                $o += 1;
-            }
-        }};
     }
 
-    /// An R x C tile (AVX2): weight rows `o..o+R` against activation rows
-    /// `t..t+C`. Per output element the arithmetic is exactly that of
-    /// `scalar::dot_q4`, even and odd blocks in separate accumulators; the
-    /// tile only shares loads.
+    /// Pointers to the quantized activation rows `t..t+C`: bytes, block
+    /// scales `dx`, block sums `dx * sum(x)` and integer sums `sum(x)`.
+    struct Columns<const C: usize> {
+        q: [*const i8; C],
+        d: [*const f32; C],
+        s: [*const f32; C],
+        sq: [*const i32; C],
+    }
+
+    impl<const C: usize> Columns<C> {
+        #[inline(always)]
+        fn new(xq: &QuantizedActs, t: usize) -> Self {
+            Columns {
+                q: std::array::from_fn(|c| xq.row_q(t + c).as_ptr()),
+                d: std::array::from_fn(|c| xq.row_d(t + c).as_ptr()),
+                s: std::array::from_fn(|c| xq.row_s(t + c).as_ptr()),
+                sq: std::array::from_fn(|c| xq.row_sq(t + c).as_ptr()),
+            }
+        }
+
+        /// Block `b` of column `c`'s bytes, as eight groups of four (each
+        /// to broadcast as one 32-bit value).
+        #[inline(always)]
+        unsafe fn quads(&self, c: usize, b: usize) -> *const i32 {
+            self.q[c].add(b * QK) as *const i32
+        }
+    }
+
+    /// Rows of this panel below `n`.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn q4_tile<const R: usize, const C: usize>(
-        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize,
-    ) {
-        let mut acc = [[[_mm256_setzero_ps(); C]; R]; 2];
-        let mut macc = [_mm_setzero_ps(); R];
-        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
-        for b in 0..nb {
-            let mut xs = [_mm256_setzero_si256(); C];
-            for c in 0..C {
-                xs[c] = _mm256_loadu_si256(xqp[c].add(b * QK) as *const __m256i);
-            }
-            let xs4 = *acts.xs4.get_unchecked(b);
-            prefetch_q4(qs, d, m, nb, o, R, b);
-            for r in 0..R {
-                let rb = (o + r) * nb + b;
-                let wv = unpack_q4(qs.as_ptr().add(rb * 16));
-                let dw = _mm256_set1_ps(*d.get_unchecked(rb));
-                macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb)), xs4, macc[r]);
-                for c in 0..C {
-                    let s = isum(wv, xs[c]);
-                    let scale = _mm256_mul_ps(dw, *acts.dxv.get_unchecked(b * 4 + c));
-                    acc[b % 2][r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[b % 2][r][c]);
-                }
-            }
-        }
-        for r in 0..R {
-            let mut ms = [0f32; 4];
-            _mm_storeu_ps(ms.as_mut_ptr(), macc[r]);
-            for c in 0..C {
-                *out.add((t + c) * n + o + r) = hsum(_mm256_add_ps(acc[0][r][c], acc[1][r][c])) + ms[c];
-            }
-        }
+    fn live_rows(p: usize, n: usize) -> usize {
+        (n - p * PANEL).min(PANEL)
     }
 
-    /// Prefetches the weights `PREFETCH_BYTES` ahead of block `b` of rows
-    /// `o..o+R`: one prefetch per cache line of each stream (16 B of quants
-    /// and 4 B of each scale per block). Prefetches never fault, so the last
-    /// rows may point past the matrix.
+    /// Integer dot products of 16 rows' 32 weights (`w[q]`: four weights of
+    /// each row, 0 <= w < 256) with one activation block (`x`: its eight
+    /// groups of four bytes). With few columns in flight one chain of eight
+    /// dependent instructions would stall on latency, so it runs as two.
     #[inline(always)]
-    unsafe fn prefetch_q4(qs: &[u8], d: &[f32], m: &[f32], nb: usize, o: usize, rows: usize, b: usize) {
-        if b % 4 == 0 {
-            for r in 0..rows {
-                let rb = (o + r) * nb + b;
-                _mm_prefetch(qs.as_ptr().wrapping_add(rb * 16 + PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-                if b % 16 == 0 {
-                    _mm_prefetch(d.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
-                    _mm_prefetch(m.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
-                }
+    unsafe fn block_dots<const C: usize>(w: &[__m512i; 8], x: *const i32) -> __m512i {
+        if C < 4 {
+            let (mut a, mut b) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for q in 0..4 {
+                a = _mm512_dpbusd_epi32(a, w[q], _mm512_set1_epi32(x.add(q).read_unaligned()));
+                b = _mm512_dpbusd_epi32(b, w[q + 4], _mm512_set1_epi32(x.add(q + 4).read_unaligned()));
             }
-        }
-    }
-
-    /// The nibbles of two consecutive Q4 blocks as 64 unsigned bytes in
-    /// element order (`mask` 0xffff loads only the first block, the second
-    /// reads as zero weights).
-    #[inline(always)]
-    unsafe fn unpack_q4_pair(p: *const u8, mask: u32) -> __m512i {
-        let v = _mm256_maskz_loadu_epi8(mask, p as *const i8);
-        // 128-bit lanes: [block b, block b, block b+1, block b+1] ...
-        let z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(v));
-        // ... low nibbles (elements 0..16) from the first copy, high
-        // nibbles (elements 16..32) from the second.
-        let four = 0x0004_0004_0004_0004;
-        let z = _mm512_srlv_epi16(z, _mm512_setr_epi64(0, 0, four, four, 0, 0, four, four));
-        _mm512_and_si512(z, _mm512_set1_epi8(0x0f))
-    }
-
-    /// An R x C tile with 512-bit registers (AVX-512 VNNI): two blocks per
-    /// instruction, the even block in the low 8 lanes and the odd one in the
-    /// high 8, which is the order `scalar::dot_q4` defines.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn q4_tile512<const R: usize, const C: usize>(
-        qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        let mut macc = [_mm_setzero_ps(); R];
-        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
-        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        for b in (0..nb).step_by(2) {
-            // The last block of an odd count pairs with zero weights and zero
-            // scales: it adds exact zeros to the odd lanes.
-            let pair = b + 1 < nb;
-            let mut xs = [_mm512_setzero_si512(); C];
-            for c in 0..C {
-                xs[c] = _mm512_maskz_loadu_epi8(if pair { !0 } else { 0xffff_ffff }, xqp[c].add(b * QK));
-            }
-            // `b` is even: every other pair starts a cache line of quants.
-            prefetch_q4(qs, d, m, nb, o, R, b);
-            for r in 0..R {
-                let rb = (o + r) * nb + b;
-                let wv = unpack_q4_pair(qs.as_ptr().add(rb * 16), if pair { !0 } else { 0xffff });
-                let dw2 = _mm_maskz_loadu_ps(if pair { 0b11 } else { 0b01 }, d.as_ptr().add(rb));
-                let dw = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dw2));
-                macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb)), *acts.xs4.get_unchecked(b), macc[r]);
-                if pair {
-                    macc[r] = _mm_fmadd_ps(_mm_set1_ps(*m.get_unchecked(rb + 1)), *acts.xs4.get_unchecked(b + 1), macc[r]);
-                }
-                for c in 0..C {
-                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xs[c]);
-                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(acts.dxz.get_unchecked(b / 2 * 4 + c).as_ptr()));
-                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r][c]);
-                }
-            }
-        }
-        for r in 0..R {
-            let mut ms = [0f32; 4];
-            _mm_storeu_ps(ms.as_mut_ptr(), macc[r]);
-            for c in 0..C {
-                *out.add((t + c) * n + o + r) = hsum512(acc[r][c]) + ms[c];
-            }
-        }
-    }
-
-    /// All rows `t` and weight rows `o0..o1` of a Q4 product, in tiles.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_task(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
-        if vnni {
-            q4_task_512(qs, d, m, k, xq, groups, rows, o0, o1, out, n)
+            _mm512_add_epi32(a, b)
         } else {
-            q4_task_avx2(qs, d, m, k, xq, groups, rows, o0, o1, out, n)
+            let mut a = _mm512_setzero_si512();
+            for q in 0..8 {
+                a = _mm512_dpbusd_epi32(a, w[q], _mm512_set1_epi32(x.add(q).read_unaligned()));
+            }
+            a
         }
     }
 
-    /// AVX2 has 16 vector registers and the tiles hold two accumulators per
-    /// element, so they stay at 8 accumulators or fewer.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn q4_task_avx2(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        let nb = k / QK;
-        sweep_tiles!(rows, o0, o1, [4, 2, 1, 1], |t, o| q4_tile(qs, d, m, nb, xq, &groups[t / 4], o, t, out, n));
+    /// Stores the 16 lanes of `v` (panel `p`'s rows) into output row `t`,
+    /// leaving out rows past `n`.
+    #[inline(always)]
+    unsafe fn store512(v: __m512, out: *mut f32, n: usize, p: usize, t: usize) {
+        let live = live_rows(p, n);
+        let mask: __mmask16 = if live == PANEL { !0 } else { (1u16 << live) - 1 };
+        _mm512_mask_storeu_ps(out.add(t * n + p * PANEL), mask, v);
     }
 
-    /// AVX-512 has 32 registers: up to 4 x 4 tiles (16 accumulators), so
-    /// each unpacked weight pair serves four activation rows and each
-    /// activation pair four weight rows.
+    /// Panel `p` of a Q4 matrix against activation rows `t..t+C`
+    /// (AVX-512 VNNI): the nibbles of a panel block are unpacked once and
+    /// serve every column.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q4_tile512<const C: usize>(qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        let cols = Columns::<C>::new(xq, t);
+        let low = _mm512_set1_epi8(0x0f);
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..nb {
+            let pb = p * nb + b;
+            let wp = qs.as_ptr().add(pb * Q4_PANEL_BLOCK);
+            let mut w = [_mm512_setzero_si512(); 8];
+            for j in 0..4 {
+                let v = _mm512_loadu_si512(wp.add(j * 64) as *const _);
+                w[j] = _mm512_and_si512(v, low);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            let dv = _mm512_loadu_ps(d.as_ptr().add(pb * PANEL));
+            let mv = _mm512_loadu_ps(m.as_ptr().add(pb * PANEL));
+            for c in 0..C {
+                let s = block_dots::<C>(&w, cols.quads(c, b));
+                let scale = _mm512_mul_ps(dv, _mm512_set1_ps(*cols.d[c].add(b)));
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[c]);
+                acc[c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(*cols.s[c].add(b)), acc[c]);
+            }
+        }
+        for c in 0..C {
+            store512(acc[c], out, n, p, t + c);
+        }
+    }
+
+    /// Panel `p` of a Q8_0 matrix against activation rows `t..t+C`
+    /// (AVX-512 VNNI). The weights are stored as `w + 128`, so the integer
+    /// sums carry `128 * sum(x)`, taken off exactly before conversion.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile512<const C: usize>(qs: &[u8], d: &[f32], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        let cols = Columns::<C>::new(xq, t);
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..nb {
+            let pb = p * nb + b;
+            let wp = qs.as_ptr().add(pb * Q8_PANEL_BLOCK);
+            let mut w = [_mm512_setzero_si512(); 8];
+            for (q, wq) in w.iter_mut().enumerate() {
+                *wq = _mm512_loadu_si512(wp.add(q * 64) as *const _);
+            }
+            let dv = _mm512_loadu_ps(d.as_ptr().add(pb * PANEL));
+            for c in 0..C {
+                let s = block_dots::<C>(&w, cols.quads(c, b));
+                let s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * *cols.sq[c].add(b)));
+                let scale = _mm512_mul_ps(dv, _mm512_set1_ps(*cols.d[c].add(b)));
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[c]);
+            }
+        }
+        for c in 0..C {
+            store512(acc[c], out, n, p, t + c);
+        }
+    }
+
+    /// AVX-512 has 32 registers: eight weight registers, eight columns'
+    /// accumulators and their integer sums fit.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn q4_task_512(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        let nb = k / QK;
-        sweep_tiles!(rows, o0, o1, [4, 4, 4, 4], |t, o| q4_tile512(qs, d, m, nb, xq, &groups[t / 4], o, t, out, n));
-    }
-
-    /// An R x C tile of a Q8_0 product (AVX2); per element the arithmetic
-    /// of `scalar::dot_q8`.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn q8_tile<const R: usize, const C: usize>(
-        qs: &[i8], d: &[f32], nb: usize, xq: &QuantizedActs, o: usize, t: usize, out: *mut f32, n: usize,
-    ) {
-        let mut acc = [[[_mm256_setzero_ps(); C]; R]; 2];
-        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
-        let xdp: [&[f32]; C] = std::array::from_fn(|c| xq.row_d(t + c));
-        for b in 0..nb {
-            let mut xs = [_mm256_setzero_si256(); C];
-            for c in 0..C {
-                xs[c] = _mm256_loadu_si256(xqp[c].add(b * QK) as *const __m256i);
-            }
-            prefetch_q8(qs, d, nb, o, R, b);
-            for r in 0..R {
-                let rb = (o + r) * nb + b;
-                let w = _mm256_loadu_si256(qs.as_ptr().add(rb * QK) as *const __m256i);
-                let aw = _mm256_abs_epi8(w);
-                let dw = *d.get_unchecked(rb);
-                for c in 0..C {
-                    let s = isum(aw, _mm256_sign_epi8(xs[c], w));
-                    let scale = _mm256_set1_ps(dw * *xdp[c].get_unchecked(b));
-                    acc[b % 2][r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[b % 2][r][c]);
-                }
-            }
-        }
-        for r in 0..R {
-            for c in 0..C {
-                *out.add((t + c) * n + o + r) = hsum(_mm256_add_ps(acc[0][r][c], acc[1][r][c]));
-            }
-        }
-    }
-
-    /// As `prefetch_q4`, for Q8_0 (32 B of quants per block).
-    #[inline(always)]
-    unsafe fn prefetch_q8(qs: &[i8], d: &[f32], nb: usize, o: usize, rows: usize, b: usize) {
-        if b % 2 == 0 {
-            for r in 0..rows {
-                let rb = (o + r) * nb + b;
-                _mm_prefetch(qs.as_ptr().wrapping_add(rb * QK + 2 * PREFETCH_BYTES), _MM_HINT_T0);
-                if b % 16 == 0 {
-                    _mm_prefetch(d.as_ptr().wrapping_add(rb + PREFETCH_BYTES / 16) as *const i8, _MM_HINT_T0);
-                }
-            }
-        }
-    }
-
-    /// An R x C tile of a Q8_0 product with 512-bit registers: two blocks
-    /// per instruction, even block low, odd block high, as `scalar::dot_q8`.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn q8_tile512<const R: usize, const C: usize>(
-        qs: &[i8], d: &[f32], nb: usize, xq: &QuantizedActs, acts: &ActBlocks, o: usize, t: usize, out: *mut f32, n: usize,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        let xqp: [*const i8; C] = std::array::from_fn(|c| xq.row_q(t + c).as_ptr());
-        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        for b in (0..nb).step_by(2) {
-            // An odd count's last block pairs with zeros (exact zeros added).
-            let pair = b + 1 < nb;
-            let bytes = if pair { !0u64 } else { 0xffff_ffff };
-            let mut xs = [_mm512_setzero_si512(); C];
-            for c in 0..C {
-                xs[c] = _mm512_maskz_loadu_epi8(bytes, xqp[c].add(b * QK));
-            }
-            prefetch_q8(qs, d, nb, o, R, b);
-            for r in 0..R {
-                let rb = (o + r) * nb + b;
-                let w = _mm512_maskz_loadu_epi8(bytes, qs.as_ptr().add(rb * QK));
-                // |w| * (x * sign(w)) = w * x with an unsigned left operand;
-                // w = 0 contributes 0 either way.
-                let neg = _mm512_movepi8_mask(w);
-                let aw = _mm512_abs_epi8(w);
-                let dw2 = _mm_maskz_loadu_ps(if pair { 0b11 } else { 0b01 }, d.as_ptr().add(rb));
-                let dw = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dw2));
-                for c in 0..C {
-                    let sx = _mm512_mask_sub_epi8(xs[c], neg, _mm512_setzero_si512(), xs[c]);
-                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
-                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(acts.dxz.get_unchecked(b / 2 * 4 + c).as_ptr()));
-                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r][c]);
-                }
-            }
-        }
-        for r in 0..R {
-            for c in 0..C {
-                *out.add((t + c) * n + o + r) = hsum512(acc[r][c]);
-            }
-        }
-    }
-
-    /// `hsum8` of the lane-wise sum of the two halves.
-    #[inline(always)]
-    unsafe fn hsum512(v: __m512) -> f32 {
-        hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_task(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize, vnni: bool) {
-        if vnni {
-            q8_task_512(qs, d, k, xq, groups, rows, o0, o1, out, n)
-        } else {
-            q8_task_avx2(qs, d, k, xq, rows, o0, o1, out, n)
-        }
-    }
-
-    /// Tiles of at most 8 accumulators (two per element), as `q4_task_avx2`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn q8_task_avx2(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        let nb = k / QK;
-        sweep_tiles!(rows, o0, o1, [4, 2, 1, 1], |t, o| q8_tile(qs, d, nb, xq, o, t, out, n));
+    pub unsafe fn q4_panel_512(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
+        column_groups!(rows, [1, 2, 3, 4, 5, 6, 7, 8], |t| q4_tile512(qs, d, m, k / QK, xq, p, out, n, t));
     }
 
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn q8_task_512(qs: &[i8], d: &[f32], k: usize, xq: &QuantizedActs, groups: &[ActBlocks], rows: usize, o0: usize, o1: usize, out: *mut f32, n: usize) {
-        let nb = k / QK;
-        sweep_tiles!(rows, o0, o1, [4, 4, 4, 4], |t, o| q8_tile512(qs, d, nb, xq, &groups[t / 4], o, t, out, n));
+    pub unsafe fn q8_panel_512(qs: &[u8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
+        column_groups!(rows, [1, 2, 3, 4, 5, 6, 7, 8], |t| q8_tile512(qs, d, k / QK, xq, p, out, n, t));
+    }
+
+    /// Stores the 8 lanes of `v` (rows `8h..8h+8` of panel `p`) into output
+    /// row `t`, leaving out rows past `n`.
+    #[inline(always)]
+    unsafe fn store256(v: __m256, out: *mut f32, n: usize, p: usize, h: usize, t: usize) {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+        let live = live_rows(p, n).saturating_sub(h * 8).min(8);
+        std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.add(t * n + p * PANEL + h * 8), live);
+    }
+
+    /// Panel `p` of a Q4 matrix against activation rows `t..t+C` (AVX2),
+    /// one half panel (8 rows) at a time. `maddubs` adds pairs of products
+    /// (at most 2 * 15 * 127 in magnitude), so eight of them still fit 16
+    /// bits before one widening to 32.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q4_tile_avx2<const C: usize>(qs: &[u8], d: &[f32], m: &[f32], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        let cols = Columns::<C>::new(xq, t);
+        let low = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        for h in 0..2 {
+            if h * 8 >= live_rows(p, n) {
+                break;
+            }
+            let mut acc = [_mm256_setzero_ps(); C];
+            for b in 0..nb {
+                let pb = p * nb + b;
+                let wp = qs.as_ptr().add(pb * Q4_PANEL_BLOCK + h * 32);
+                let mut w = [_mm256_setzero_si256(); 8];
+                for j in 0..4 {
+                    let v = _mm256_loadu_si256(wp.add(j * 64) as *const __m256i);
+                    w[j] = _mm256_and_si256(v, low);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                let dv = _mm256_loadu_ps(d.as_ptr().add(pb * PANEL + h * 8));
+                let mv = _mm256_loadu_ps(m.as_ptr().add(pb * PANEL + h * 8));
+                for c in 0..C {
+                    let mut s16 = _mm256_setzero_si256();
+                    for q in 0..8 {
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(cols.quads(c, b).add(q).read_unaligned())));
+                    }
+                    let s = _mm256_madd_epi16(s16, ones);
+                    let scale = _mm256_mul_ps(dv, _mm256_set1_ps(*cols.d[c].add(b)));
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[c]);
+                    acc[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(*cols.s[c].add(b)), acc[c]);
+                }
+            }
+            for c in 0..C {
+                store256(acc[c], out, n, p, h, t + c);
+            }
+        }
+    }
+
+    /// Panel `p` of a Q8_0 matrix against activation rows `t..t+C` (AVX2):
+    /// `|w| * (x * sign(w))` keeps the unsigned operand of `maddubs` below
+    /// 129, so each pair sum fits 16 bits.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile_avx2<const C: usize>(qs: &[u8], d: &[f32], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        let cols = Columns::<C>::new(xq, t);
+        let bias = _mm256_set1_epi8(0x80u8 as i8);
+        let ones = _mm256_set1_epi16(1);
+        for h in 0..2 {
+            if h * 8 >= live_rows(p, n) {
+                break;
+            }
+            let mut acc = [_mm256_setzero_ps(); C];
+            for b in 0..nb {
+                let pb = p * nb + b;
+                let wp = qs.as_ptr().add(pb * Q8_PANEL_BLOCK + h * 32);
+                let dv = _mm256_loadu_ps(d.as_ptr().add(pb * PANEL + h * 8));
+                let mut s = [_mm256_setzero_si256(); C];
+                for q in 0..8 {
+                    let w = _mm256_xor_si256(_mm256_loadu_si256(wp.add(q * 64) as *const __m256i), bias);
+                    let aw = _mm256_abs_epi8(w);
+                    for c in 0..C {
+                        let sx = _mm256_sign_epi8(_mm256_set1_epi32(cols.quads(c, b).add(q).read_unaligned()), w);
+                        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+                    }
+                }
+                for c in 0..C {
+                    let scale = _mm256_mul_ps(dv, _mm256_set1_ps(*cols.d[c].add(b)));
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), scale, acc[c]);
+                }
+            }
+            for c in 0..C {
+                store256(acc[c], out, n, p, h, t + c);
+            }
+        }
+    }
+
+    /// AVX2 has 16 vector registers: eight hold the unpacked weights, so
+    /// at most four columns.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_panel_avx2(qs: &[u8], d: &[f32], m: &[f32], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
+        column_groups!(rows, [1, 2, 3, 4], |t| q4_tile_avx2(qs, d, m, k / QK, xq, p, out, n, t));
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_panel_avx2(qs: &[u8], d: &[f32], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
+        column_groups!(rows, [1, 2, 3, 4], |t| q8_tile_avx2(qs, d, k / QK, xq, p, out, n, t));
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -716,16 +650,6 @@ mod simd {
             acc = _mm256_fmadd_ps(va, vb, acc);
         }
         hsum(acc)
-    }
-
-    /// 32 nibbles of one Q4 block as 32 unsigned bytes in element order.
-    #[inline(always)]
-    unsafe fn unpack_q4(p: *const u8) -> __m256i {
-        let v = _mm_loadu_si128(p as *const __m128i);
-        let mask = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(v, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        _mm256_set_m128i(hi, lo)
     }
 }
 
@@ -806,9 +730,9 @@ mod tests {
         }
     }
 
-    /// Every tile shape of both SIMD paths (AVX2 and AVX-512), over odd and
-    /// even block counts and ragged row counts, equals the scalar reference
-    /// bit for bit.
+    /// Every column-group size of both SIMD paths (AVX2 and AVX-512), over
+    /// ragged panels (n not a multiple of 16) and row counts, equals the
+    /// scalar reference bit for bit.
     #[test]
     fn simd_tiles_equal_scalar_bit_for_bit() {
         #[cfg(target_arch = "x86_64")]
@@ -822,7 +746,7 @@ mod tests {
                 for (n, k) in [(5, 32), (37, 96), (9, 256), (70, 160)] {
                     let nb = k / QK;
                     let (w, _) = matrix(format, n, k, &mut seed);
-                    for rows in [1, 2, 3, 4, 5, 7, 9] {
+                    for rows in [1, 2, 3, 4, 5, 7, 9, 17] {
                         let x: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed) * 3.0).collect();
                         let mut xq = QuantizedActs::default();
                         xq.quantize(&Pool::new(1).unwrap(), &x, rows, k);
@@ -830,15 +754,8 @@ mod tests {
                         for t in 0..rows {
                             for o in 0..n {
                                 want[t * n + o] = match &w.kind {
-                                    Prepared::Q4 { qs, d, m } => scalar::dot_q4(
-                                        &qs[o * nb * 16..(o + 1) * nb * 16],
-                                        &d[o * nb..(o + 1) * nb],
-                                        &m[o * nb..(o + 1) * nb],
-                                        xq.row_q(t),
-                                        xq.row_d(t),
-                                        xq.row_s(t),
-                                    ),
-                                    Prepared::Q8 { qs, d } => scalar::dot_q8(&qs[o * k..(o + 1) * k], &d[o * nb..(o + 1) * nb], xq.row_q(t), xq.row_d(t)),
+                                    Prepared::Q4 { qs, d, m } => scalar::dot_q4(qs, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
+                                    Prepared::Q8 { qs, d } => scalar::dot_q8(qs, d, nb, o, xq.row_q(t), xq.row_d(t)),
                                     Prepared::F32(_) => unreachable!(),
                                 };
                             }
@@ -849,21 +766,18 @@ mod tests {
                                 eprintln!("SKIPPED: the AVX-512 tiles (no AVX-512 VNNI here)");
                                 continue;
                             }
-                            let mut got = vec![0f32; rows * n];
-                            // SAFETY: the ISA checks above; `got` holds rows * n.
-                            unsafe {
-                                match &w.kind {
-                                    Prepared::Q4 { qs, d, m } => {
-                                        let groups: Vec<simd::ActBlocks> =
-                                            (0..rows.div_ceil(4)).map(|g| simd::ActBlocks::new(&xq, g * 4, (rows - g * 4).min(4))).collect();
-                                        simd::q4_task(qs, d, m, k, &xq, &groups, rows, 0, n, got.as_mut_ptr(), n, vnni)
+                            // A sentinel shows a store past the panel's live rows.
+                            let mut got = vec![f32::NAN; rows * n];
+                            for p in 0..n.div_ceil(PANEL) {
+                                // SAFETY: the ISA checks above; `got` holds rows * n.
+                                unsafe {
+                                    match (&w.kind, vnni) {
+                                        (Prepared::Q4 { qs, d, m }, true) => simd::q4_panel_512(qs, d, m, k, &xq, rows, p, got.as_mut_ptr(), n),
+                                        (Prepared::Q4 { qs, d, m }, false) => simd::q4_panel_avx2(qs, d, m, k, &xq, rows, p, got.as_mut_ptr(), n),
+                                        (Prepared::Q8 { qs, d }, true) => simd::q8_panel_512(qs, d, k, &xq, rows, p, got.as_mut_ptr(), n),
+                                        (Prepared::Q8 { qs, d }, false) => simd::q8_panel_avx2(qs, d, k, &xq, rows, p, got.as_mut_ptr(), n),
+                                        (Prepared::F32(_), _) => unreachable!(),
                                     }
-                                    Prepared::Q8 { qs, d } => {
-                                        let groups: Vec<simd::ActBlocks> =
-                                            (0..rows.div_ceil(4)).map(|g| simd::ActBlocks::new(&xq, g * 4, (rows - g * 4).min(4))).collect();
-                                        simd::q8_task(qs, d, k, &xq, &groups, rows, 0, n, got.as_mut_ptr(), n, vnni)
-                                    }
-                                    Prepared::F32(_) => unreachable!(),
                                 }
                             }
                             let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
@@ -875,6 +789,39 @@ mod tests {
             let x: Vec<f32> = (0..256).map(|_| lcg(&mut seed)).collect();
             // SAFETY: AVX2 and FMA (the ISA check above).
             assert_eq!(scalar::dot_f32(&x, &x).to_bits(), unsafe { simd::dot_f32(&x, &x) }.to_bits());
+        }
+    }
+
+    /// Q8_0 weights of -128 (outside GGML's own range, but a file may hold
+    /// them) and 127 against extreme activations: the offset and sign
+    /// tricks of the SIMD paths stay exact.
+    #[test]
+    fn q8_extremes_are_exact() {
+        let (n, k) = (16, 64);
+        let mut bytes = Vec::new();
+        for r in 0..n {
+            for b in 0..k / QK {
+                bytes.extend_from_slice(&f16::from_f32(0.5 + r as f32 + b as f32).to_bits().to_le_bytes());
+                bytes.extend((0..QK).map(|e| if (e + r) % 3 == 0 { 0x80u8 } else if e % 2 == 0 { 127 } else { 0 }));
+            }
+        }
+        let w = QMatrix::from_ggml(WeightFormat::Q8_0, n, k, &bytes).unwrap();
+        let x: Vec<f32> = (0..2 * k).map(|i| if i % 5 == 0 { -1.0 } else { 1.0 }).collect();
+        let got = run(&w, &x, 2);
+        let mut xq = QuantizedActs::default();
+        xq.quantize(&Pool::new(1).unwrap(), &x, 2, k);
+        for t in 0..2 {
+            for o in 0..n {
+                let want = match &w.kind {
+                    Prepared::Q8 { qs, d } => scalar::dot_q8(qs, d, k / QK, o, xq.row_q(t), xq.row_d(t)),
+                    _ => unreachable!(),
+                };
+                assert_eq!(got[t * n + o].to_bits(), want.to_bits(), "t={t} o={o}");
+                let mut row = vec![0f32; k];
+                w.row_f32(o, &mut row);
+                let exact: f32 = row.iter().zip(&x[t * k..(t + 1) * k]).map(|(a, b)| a * b).sum();
+                assert!((want - exact).abs() <= 1e-3 * exact.abs().max(1.0), "{want} vs {exact}");
+            }
         }
     }
 

@@ -173,8 +173,9 @@ pub fn quantize_row_q4_0(x: &[f32], out: &mut Vec<u8>) {
 
 /// A batch of activation rows quantized to 8 bits per 32-element block.
 ///
-/// Per block: `q` (32 signed bytes in [-127, 127]), the scale `d`, and
-/// `s = d * sum(q)` (the block sum, used by the formats with an offset).
+/// Per block: `q` (32 signed bytes in [-127, 127]), the scale `d`,
+/// `s = d * sum(q)` (the block sum, used by the formats with an offset) and
+/// `sq = sum(q)` exactly (the Q8_0 tiles take `128 * sq` off their sums).
 #[derive(Default)]
 pub struct QuantizedActs {
     pub rows: usize,
@@ -182,6 +183,7 @@ pub struct QuantizedActs {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
     pub s: Vec<f32>,
+    pub sq: Vec<i32>,
 }
 
 impl QuantizedActs {
@@ -194,27 +196,30 @@ impl QuantizedActs {
         self.q.resize(rows * k, 0);
         self.d.resize(rows * nb, 0.0);
         self.s.resize(rows * nb, 0.0);
+        self.sq.resize(rows * nb, 0);
         let x = &x[..rows * k];
-        let (qp, dp, sp) = (SendPtr(self.q.as_mut_ptr()), SendPtr(self.d.as_mut_ptr()), SendPtr(self.s.as_mut_ptr()));
+        let (qp, dp, sp, sqp) =
+            (SendPtr(self.q.as_mut_ptr()), SendPtr(self.d.as_mut_ptr()), SendPtr(self.s.as_mut_ptr()), SendPtr(self.sq.as_mut_ptr()));
         const ROWS: usize = 4;
         pool.run(rows.div_ceil(ROWS), &|task| {
             let (r0, r1) = (task * ROWS, (task * ROWS + ROWS).min(rows));
-            let (qp, dp, sp) = (qp, dp, sp);
+            let (qp, dp, sp, sqp) = (qp, dp, sp, sqp);
             // SAFETY: tasks cover disjoint rows of buffers sized above.
-            let (qr, dr, sr) = unsafe {
+            let (qr, dr, sr, sqr) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(qp.0.add(r0 * k), (r1 - r0) * k),
                     std::slice::from_raw_parts_mut(dp.0.add(r0 * nb), (r1 - r0) * nb),
                     std::slice::from_raw_parts_mut(sp.0.add(r0 * nb), (r1 - r0) * nb),
+                    std::slice::from_raw_parts_mut(sqp.0.add(r0 * nb), (r1 - r0) * nb),
                 )
             };
             let xr = &x[r0 * k..r1 * k];
             #[cfg(target_arch = "x86_64")]
             if crate::matmul::isa() != crate::matmul::Isa::Scalar {
                 // SAFETY: the ISA check above guarantees AVX2, FMA and F16C.
-                return unsafe { quantize_rows_avx2(xr, qr, dr, sr) };
+                return unsafe { quantize_rows_avx2(xr, qr, dr, sr, sqr) };
             }
-            quantize_rows(xr, qr, dr, sr)
+            quantize_rows(xr, qr, dr, sr, sqr)
         });
     }
 
@@ -234,6 +239,12 @@ impl QuantizedActs {
         let nb = self.k / QK;
         &self.s[r * nb..(r + 1) * nb]
     }
+
+    #[inline]
+    pub fn row_sq(&self, r: usize) -> &[i32] {
+        let nb = self.k / QK;
+        &self.sq[r * nb..(r + 1) * nb]
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -245,7 +256,7 @@ unsafe impl<T> Sync for SendPtr<T> {}
 /// `d = max|x| / 127`, ties to even; `d` and `d * sum(q)` kept at f16
 /// precision, as GGML's activation blocks store them.
 #[inline(always)]
-fn quantize_rows(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+fn quantize_rows(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], sq: &mut [i32]) {
     for (b, blk) in x.chunks_exact(QK).enumerate() {
         let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
         let scale = amax / 127.0;
@@ -258,6 +269,7 @@ fn quantize_rows(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
         }
         d[b] = f16::from_f32(scale).to_f32();
         s[b] = f16::from_f32(scale * sum as f32).to_f32();
+        sq[b] = sum;
     }
 }
 
@@ -268,7 +280,7 @@ fn quantize_rows(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
 /// decode time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_rows_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+unsafe fn quantize_rows_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], sq: &mut [i32]) {
     use std::arch::x86_64::*;
     let sign = _mm256_set1_ps(-0.0);
     let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
@@ -299,6 +311,7 @@ unsafe fn quantize_rows_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f3
         _mm256_storeu_si256(q.as_mut_ptr().add(b * QK) as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
         d[b] = f16::from_f32(scale).to_f32();
         s[b] = f16::from_f32(scale * sum as f32).to_f32();
+        sq[b] = sum;
     }
 }
 
@@ -342,10 +355,14 @@ mod tests {
         let nb = x.len() / QK;
         let (mut q1, mut d1, mut s1) = (vec![0i8; x.len()], vec![0f32; nb], vec![0f32; nb]);
         let (mut q2, mut d2, mut s2) = (q1.clone(), d1.clone(), s1.clone());
-        quantize_rows(&x, &mut q1, &mut d1, &mut s1);
+        let (mut sq1, mut sq2) = (vec![0i32; nb], vec![0i32; nb]);
+        quantize_rows(&x, &mut q1, &mut d1, &mut s1, &mut sq1);
         // SAFETY: the ISA check above guarantees AVX2, FMA and F16C.
-        unsafe { quantize_rows_avx2(&x, &mut q2, &mut d2, &mut s2) };
+        unsafe { quantize_rows_avx2(&x, &mut q2, &mut d2, &mut s2, &mut sq2) };
         assert_eq!(q1, q2);
+        assert_eq!(sq1, sq2);
+        let sums: Vec<i32> = q1.chunks_exact(QK).map(|b| b.iter().map(|&v| v as i32).sum()).collect();
+        assert_eq!(sq1, sums);
         assert_eq!(d1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), d2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         assert_eq!(s1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), s2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         assert!(q1[QK..2 * QK].iter().any(|&v| v % 2 != 0), "the tie block quantizes to mixed parities");

@@ -205,7 +205,7 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
         self.ensure_len(out, len);
-        ops::silu_mul(&gate[..len], &up[..len], &mut out[..len]);
+        ops::silu_mul_parallel(&self.pool, &gate[..len], &up[..len], &mut out[..len]);
     }
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {

@@ -40,6 +40,28 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     out.iter_mut().zip(gate).zip(up).for_each(f);
 }
 
+/// [`silu_mul`] split across `pool` in chunks. One `exp` per element made
+/// it ~5% of batch-32 decode on the calling thread alone while the other
+/// thread spun idle; element-wise, so the split changes no result.
+pub fn silu_mul_parallel(pool: &crate::pool::Pool, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    const CHUNK: usize = 4096;
+    let len = out.len();
+    if len < 2 * CHUNK {
+        return silu_mul(gate, up, out);
+    }
+    struct Out(*mut f32);
+    // SAFETY: tasks write disjoint chunks of `out`, which outlives the run.
+    unsafe impl Sync for Out {}
+    let o = Out(out.as_mut_ptr());
+    pool.run(len.div_ceil(CHUNK), &|task| {
+        let (a, b) = (task * CHUNK, (task * CHUNK + CHUNK).min(len));
+        let o = &o;
+        // SAFETY: as above; chunk `task` is `a..b`, within `len`.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(o.0.add(a), b - a) };
+        silu_mul(&gate[a..b], &up[a..b], chunk);
+    });
+}
+
 /// Precomputed cos/sin of rotary angles for positions `0..max_pos`.
 ///
 /// Angles follow GGML's recurrence (`theta *= base^(-2/d)` in f32), the
@@ -130,6 +152,17 @@ mod tests {
         let n0: f32 = orig[8..].iter().map(|v| v * v).sum();
         let n1: f32 = x[8..].iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-4);
+    }
+
+    #[test]
+    fn silu_mul_parallel_equals_serial_bit_for_bit() {
+        let n = 20_003;
+        let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
+        let u: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+        silu_mul(&g, &u, &mut a);
+        silu_mul_parallel(&crate::pool::Pool::new(2).unwrap(), &g, &u, &mut b);
+        assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
 
     #[test]

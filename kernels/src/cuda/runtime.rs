@@ -123,7 +123,7 @@ fn open_first(sonames: &[String], what: &str) -> Result<(Library, String), Kerne
 /// `lib{name}.so.{major}` for each major the driver can run (all of them
 /// when no driver is present: PTX compiles without one).
 fn versioned(name: &str) -> Vec<String> {
-    let driver_major = driver_version().map(|v| v / 1000);
+    let driver_major = driver_version().ok().map(|v| v / 1000);
     LIBRARY_MAJORS.iter().filter(|&&m| driver_major.is_none_or(|d| m <= d)).map(|m| format!("lib{name}.so.{m}")).collect()
 }
 
@@ -161,21 +161,28 @@ pub fn load_nvrtc() -> Result<String, KernelError> {
     super::nvrtc::Nvrtc::get().map(|n| n.found.clone())
 }
 
-/// The driver's CUDA version (12040 for 12.4), when a driver loads; no GPU needed.
-fn driver_version() -> Option<i32> {
-    static VERSION: OnceLock<Option<i32>> = OnceLock::new();
-    *VERSION.get_or_init(|| {
-        type GetVersion = unsafe extern "C" fn(*mut i32) -> i32;
-        // SAFETY: the driver API's signature; cuDriverGetVersion needs no cuInit.
-        unsafe {
-            let (lib, _) = open_first(&["libcuda.so.1".to_string()], "the NVIDIA driver").ok()?;
-            let get_version = lib.get::<GetVersion>(b"cuDriverGetVersion\0").ok()?;
-            let mut version = 0;
-            let ok = get_version(&mut version) == 0;
-            kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
-            ok.then_some(version)
-        }
-    })
+/// The driver's CUDA version (12040 for 12.4), read once; no GPU needed
+/// (`cuDriverGetVersion` needs no `cuInit`).
+fn driver_version() -> Result<i32, String> {
+    static VERSION: OnceLock<Result<i32, String>> = OnceLock::new();
+    VERSION
+        .get_or_init(|| {
+            type GetVersion = unsafe extern "C" fn(*mut i32) -> i32;
+            // SAFETY: the driver API's signature.
+            unsafe {
+                let (lib, _) = open_first(&["libcuda.so.1".to_string()], "the NVIDIA driver").map_err(reason)?;
+                let get_version =
+                    lib.get::<GetVersion>(b"cuDriverGetVersion\0").map_err(|e| format!("libcuda.so.1 lacks cuDriverGetVersion: {e}"))?;
+                let mut version = 0;
+                let rc = get_version(&mut version);
+                kept().lock().unwrap_or_else(|p| p.into_inner()).push(lib);
+                if rc != 0 {
+                    return Err(format!("cuDriverGetVersion failed (CUresult {rc})"));
+                }
+                Ok(version)
+            }
+        })
+        .clone()
 }
 
 /// What the driver reports, read through our own handle before cudarc loads it.
@@ -201,29 +208,23 @@ pub fn check_cuda() -> Result<DriverInfo, KernelError> {
 }
 
 fn driver_info() -> Result<DriverInfo, KernelError> {
-    type GetVersion = unsafe extern "C" fn(*mut i32) -> i32;
+    let version = driver_version().map_err(unavailable)?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(unavailable(format!(
+            "the driver supports CUDA {}.{}; Baton's CUDA backend needs {}.{} or later",
+            version / 1000,
+            version % 1000 / 10,
+            MIN_DRIVER_VERSION / 1000,
+            MIN_DRIVER_VERSION % 1000 / 10
+        )));
+    }
     type Init = unsafe extern "C" fn(u32) -> i32;
     type GetCount = unsafe extern "C" fn(*mut i32) -> i32;
     // SAFETY: these signatures are the driver API's.
     unsafe {
         let (lib, _) = open_first(&["libcuda.so.1".to_string()], "the NVIDIA driver")?;
-        let get_version = lib.get::<GetVersion>(b"cuDriverGetVersion\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuDriverGetVersion: {e}")))?;
         let init = lib.get::<Init>(b"cuInit\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuInit: {e}")))?;
         let get_count = lib.get::<GetCount>(b"cuDeviceGetCount\0").map_err(|e| unavailable(format!("libcuda.so.1 lacks cuDeviceGetCount: {e}")))?;
-        let mut version = 0;
-        let rc = get_version(&mut version);
-        if rc != 0 {
-            return Err(unavailable(format!("cuDriverGetVersion failed (CUresult {rc})")));
-        }
-        if version < MIN_DRIVER_VERSION {
-            return Err(unavailable(format!(
-                "the driver supports CUDA {}.{}; Baton's CUDA backend needs {}.{} or later",
-                version / 1000,
-                version % 1000 / 10,
-                MIN_DRIVER_VERSION / 1000,
-                MIN_DRIVER_VERSION % 1000 / 10
-            )));
-        }
         let rc = init(0);
         if rc != 0 {
             // 100 = CUDA_ERROR_NO_DEVICE: a driver without a GPU (or hidden by CUDA_VISIBLE_DEVICES).

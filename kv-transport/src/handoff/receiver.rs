@@ -699,13 +699,17 @@ impl Inner {
             Status::Taken => return Error::ReservationEnded { reservation: entry.id }.to_wire(),
         }
         st.status = Status::Ended(w);
-        // Under the entry lock: no install can be writing into these blocks.
+        // Under the entry lock: no install can be writing into these blocks, and
+        // whoever finds the reservation ended (a cancel racing the deadline timer)
+        // also finds it gone from the table and the live gauge: with these after
+        // the unlock, a cancel could return while the timer's thread still held
+        // the entry in `live`.
         self.sink.release(&entry.blocks);
+        self.retire(entry.id, w);
+        self.stats.reservations_live.fetch_sub(1, Ordering::Relaxed);
         drop(st);
         self.abort_timer(entry);
-        self.retire(entry.id, w);
         let s = &self.stats;
-        s.reservations_live.fetch_sub(1, Ordering::Relaxed);
         s.add(&s.reservations_released, 1);
         if matches!(why, Error::ReservationExpired { .. }) {
             s.add(&s.reservations_expired, 1);
@@ -729,10 +733,11 @@ impl Inner {
             }
         }
         st.status = Status::Taken;
-        drop(st);
+        // As in `end`: table and gauge change with the status.
         self.retire(entry.id, Error::ReservationEnded { reservation: entry.id }.to_wire());
+        self.stats.reservations_live.fetch_sub(1, Ordering::Relaxed);
+        drop(st);
         let s = &self.stats;
-        s.reservations_live.fetch_sub(1, Ordering::Relaxed);
         s.add(&s.reservations_completed, 1);
         Ok(entry.blocks.clone())
     }

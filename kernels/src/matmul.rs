@@ -51,9 +51,10 @@ enum Prepared {
 /// them on one.
 pub(crate) const PANEL: usize = 16;
 
-/// How many panel blocks ahead the tiles prefetch (4 KiB of Q4 quants). Decode batch 1, three alternating runs each: none
-/// 74.6 / 92.9 / 80.7 tok/s, 4 blocks 89.3 / 106.2 / 82.5, 8 blocks
-/// 97.2 / 92.3 / 89.2, 16 blocks 92.1 / 111.0 / 102.9.
+/// How many panel blocks ahead the tiles prefetch (4 KiB of Q4 quants).
+/// Decode batch 1, three alternating runs each: none 74.6 / 92.9 / 80.7
+/// tok/s, 4 blocks 89.3 / 106.2 / 82.5, 8 blocks 97.2 / 92.3 / 89.2,
+/// 16 blocks 92.1 / 111.0 / 102.9.
 const PREFETCH_BLOCKS: usize = 16;
 
 /// Quant bytes per panel and block.

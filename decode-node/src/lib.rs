@@ -239,7 +239,6 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         kv_deadline: config.kv_deadline,
         draining: draining.clone(),
         warm: warm.clone(),
-        in_flight,
     };
     let control = service::Control { engine: engine.clone(), warm, drainer };
     on_bound(&bound);
@@ -277,7 +276,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         let _ = stop_tx.send(true);
     });
     let grpc_srv = tonic::transport::Server::builder()
-        .add_service(DecodeNodeServer::new(svc))
+        .add_service(drain::CountedService::new(DecodeNodeServer::new(svc), in_flight))
         .add_service(NodeControlServer::new(control))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), stopped(stop_rx.clone()));
     let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use crate::convert;
-use crate::drain::{Drainer, InFlight, InFlightGuard};
+use crate::drain::Drainer;
 use crate::handoff::{adopt, remote_prefill, Route, Router};
 use crate::kv::{parse_endpoint, ExportSource, KvNode};
 use crate::metrics::Metrics;
@@ -34,7 +34,6 @@ pub struct DecodeService {
     pub kv_deadline: Duration,
     pub draining: Arc<AtomicBool>,
     pub warm: Arc<WarmTable>,
-    pub in_flight: InFlight,
 }
 
 /// Runs a blocking engine call off the async workers.
@@ -56,8 +55,8 @@ impl DecodeNode for DecodeService {
     type GenerateStream = EventStream;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
-        // Counted before the check, so a drain that starts now waits for this turn.
-        let turn_guard = self.in_flight.enter();
+        // In flight already, until its last event is written: the server
+        // counts every call (`CountedService`), so a drain waits for this turn.
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
@@ -112,7 +111,7 @@ impl DecodeNode for DecodeService {
             Err(e) => return Err(convert::status(e)),
         };
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(forward(sub.stream, tx, path, self.metrics.clone(), warm, turn_guard));
+        tokio::spawn(forward(sub.stream, tx, path, self.metrics.clone(), warm));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
@@ -227,7 +226,6 @@ async fn forward(
     path: pb::PrefillPath,
     metrics: Arc<Metrics>,
     mut warm: Option<(WarmConversation, Arc<WarmTable>)>,
-    _turn: InFlightGuard,
 ) {
     use pb::generate_event::Event as E;
     let mut timer = crate::metrics::TokenTimer::new(&metrics);

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use baton_engine::Engine;
+use baton_node_common::in_flight::CountedService;
 use baton_kv_transport::NodeTls;
 use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
 use baton_proto::node::prefill_node_server::PrefillNodeServer;
@@ -176,7 +177,6 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         pull_deadline: config.kv_deadline,
         layer_delay: config.kv_layer_delay,
         draining: draining.clone(),
-        in_flight: in_flight.clone(),
     };
     let membership_slot = Arc::new(tokio::sync::Mutex::new(None));
     let control = service::Control {
@@ -185,7 +185,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         ready: ready.clone(),
         membership: membership_slot.clone(),
         default_drain_deadline: Duration::from_secs(60),
-        in_flight,
+        in_flight: in_flight.clone(),
     };
     on_bound(&bound);
 
@@ -222,7 +222,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         let _ = stop_tx.send(true);
     });
     let grpc_srv = tonic::transport::Server::builder()
-        .add_service(PrefillNodeServer::new(svc))
+        .add_service(CountedService::new(PrefillNodeServer::new(svc), in_flight))
         .add_service(NodeControlServer::new(control))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), stopped(stop_rx.clone()));
     let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));

@@ -33,7 +33,6 @@ pub struct PrefillService {
     /// Test hook: pause after each layer shipped (to kill the node mid-transfer).
     pub layer_delay: Option<Duration>,
     pub draining: Arc<AtomicBool>,
-    pub in_flight: InFlight,
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
@@ -43,8 +42,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 #[tonic::async_trait]
 impl PrefillNode for PrefillService {
     async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
-        // Counted before the check, so a drain that starts now waits for it.
-        let _serving = self.in_flight.enter();
+        // In flight already: the server counts every call (`CountedService`).
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }

@@ -11,7 +11,7 @@
 
 use crate::kv::{KvDtype, KvStorage};
 use half::{bf16, f16, slice::{HalfBitsSliceExt, HalfFloatSliceExt}};
-use crate::pool::Pool;
+use crate::pool::{Pool, SendPtr};
 
 /// One query row: the sequence's block table and the row's position.
 #[derive(Clone, Copy, Debug)]
@@ -19,11 +19,6 @@ pub struct AttnRow<'a> {
     pub block_table: &'a [u32],
     pub pos: usize,
 }
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 impl KvStorage {
     /// Keys or values of head `head` for the first `n` slots of `block`.
@@ -102,7 +97,7 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
         runs.push((i, j));
         i = j;
     }
-    let ptr = OutPtr(out.as_mut_ptr());
+    let ptr = SendPtr(out.as_mut_ptr());
     let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale };
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
@@ -130,12 +125,12 @@ impl Task<'_> {
     /// order (no FMA contraction), eight lanes wide, so results are equal.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn run_avx2(&self, i: usize, out: OutPtr) {
+    unsafe fn run_avx2(&self, i: usize, out: SendPtr<f32>) {
         self.run(i, out)
     }
 
     #[inline(always)]
-    fn run(&self, task: usize, p: OutPtr) {
+    fn run(&self, task: usize, p: SendPtr<f32>) {
         let (kv, layer, q, rows, scale) = (self.kv, self.layer, self.q, self.rows, self.scale);
         let l = &kv.layout;
         let (hd, kvh, bt) = (l.head_dim, l.kv_heads, l.block_tokens);

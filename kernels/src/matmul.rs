@@ -10,7 +10,7 @@
 
 use crate::quant::{dequantize_row, QuantizedActs, WeightFormat, QK};
 use half::f16;
-use crate::pool::Pool;
+use crate::pool::{Pool, SendPtr};
 use std::sync::OnceLock;
 
 /// A weight matrix of `n` rows (output features) by `k` columns (input
@@ -256,12 +256,6 @@ pub fn isa() -> Isa {
     })
 }
 
-/// Raw pointer that may cross threads: tasks write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// `out[t * w.n + o] = dot(x[t], w[o])` for `rows` activation rows.
 ///
 /// `x` is row-major `rows x w.k`; `xq` must hold the same rows quantized
@@ -274,14 +268,14 @@ pub fn matmul(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, w: &QMatr
 /// projections; gate and up), in one parallel dispatch. One task is one
 /// panel of [`PANEL`] weight rows against every activation row.
 pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs: &mut [(&QMatrix, &mut [f32])]) {
-    let mut jobs: Vec<(&QMatrix, OutPtr, usize)> = Vec::new();
+    let mut jobs: Vec<(&QMatrix, SendPtr<f32>, usize)> = Vec::new();
     for (w, out) in outs.iter_mut() {
         assert!(out.len() >= rows * w.n, "matmul output too small");
         assert!(x.len() >= rows * w.k || w.wants_quantized_acts());
         if w.wants_quantized_acts() {
             assert!(xq.rows >= rows && xq.k == w.k, "activations not quantized for this matrix");
         }
-        let ptr = OutPtr(out.as_mut_ptr());
+        let ptr = SendPtr(out.as_mut_ptr());
         for panel in 0..w.n.div_ceil(PANEL) {
             jobs.push((*w, ptr, panel));
         }

@@ -49,14 +49,12 @@ pub fn silu_mul_parallel(pool: &crate::pool::Pool, gate: &[f32], up: &[f32], out
     if len < 2 * CHUNK {
         return silu_mul(gate, up, out);
     }
-    struct Out(*mut f32);
-    // SAFETY: tasks write disjoint chunks of `out`, which outlives the run.
-    unsafe impl Sync for Out {}
-    let o = Out(out.as_mut_ptr());
+    // Tasks write disjoint chunks of `out`.
+    let o = crate::pool::SendPtr(out.as_mut_ptr());
     pool.run(len.div_ceil(CHUNK), &|task| {
         let (a, b) = (task * CHUNK, (task * CHUNK + CHUNK).min(len));
         let o = &o;
-        // SAFETY: as above; chunk `task` is `a..b`, within `len`.
+        // SAFETY: chunk `task` is `a..b`, within `len`, and no other task's.
         let chunk = unsafe { std::slice::from_raw_parts_mut(o.0.add(a), b - a) };
         silu_mul(&gate[a..b], &up[a..b], chunk);
     });

@@ -11,6 +11,15 @@ use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// A raw pointer the tasks of one job share: each task writes a part of the
+/// buffer no other task touches, and the buffer outlives the job (`run`
+/// returns only when every task has).
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr<T>(pub(crate) *mut T);
+// SAFETY: see above; whoever dereferences it keeps the parts disjoint.
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_millis(3);
 

@@ -9,6 +9,7 @@
 //! lanes exactly, so every machine computes bit-identical results.
 
 use half::{bf16, f16};
+use crate::pool::SendPtr;
 
 /// Elements per quantization block (all formats here).
 pub const QK: usize = 32;
@@ -246,11 +247,6 @@ impl QuantizedActs {
         &self.sq[r * nb..(r + 1) * nb]
     }
 }
-
-#[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
 
 /// 8-bit quantization of whole blocks: `q = round(x / d)` with
 /// `d = max|x| / 127`, ties to even; `d` and `d * sum(q)` kept at f16

@@ -1,12 +1,12 @@
-//! KV transport benchmark: one run prints GB/s for 1 GiB of KV blocks over QUIC loopback,
-//! TLS over TCP loopback (the baseline), the in-process transport and a plain memory copy
-//! (the ceiling), then the time to ship one turn's KV for 150, 3,000 and 16,000 tokens of
+//! KV transport benchmark: one run prints GB/s for 1 GiB of KV blocks over QUIC loopback
+//! (Baton's tuning, and quinn's own defaults as the tuning's baseline), TLS over TCP
+//! loopback (the baseline), the in-process transport and a plain memory copy (the ceiling), then the time to ship one turn's KV for 150, 3,000 and 16,000 tokens of
 //! the default model (SmolLM2-135M, f16).
 //!
 //! Run: `cargo bench -p baton-kv-transport --bench transport`
 //! Env: `BATON_KVT_BENCH_MIB` (default 1024), `BATON_KVT_BENCH_ROUNDS` (default 3),
 //! `BATON_KVT_BENCH_QUIC_CC` (`cubic`, default; `bbr`; `newreno`), `BATON_KVT_BENCH_ONLY`
-//! (comma-separated subset of `quic,tls_tcp,inproc`), `BATON_KVT_BENCH_SOCKET_MIB` (QUIC's UDP
+//! (comma-separated subset of `quic,quic_dflt,tls_tcp,inproc`), `BATON_KVT_BENCH_SOCKET_MIB` (QUIC's UDP
 //! socket buffers; the kernel caps them at `net.core.rmem_max` / `wmem_max`).
 //!
 //! Every number goes through the full handoff: reserve, grant, frames with checksums,
@@ -129,7 +129,7 @@ async fn main() {
 
     let mut results = Vec::new();
     let only = std::env::var("BATON_KVT_BENCH_ONLY").unwrap_or_default();
-    for name in ["quic", "tls_tcp", "inproc"] {
+    for name in ["quic", "quic_dflt", "tls_tcp", "inproc"] {
         if !only.is_empty() && !only.split(',').any(|o| o == name) {
             continue;
         }
@@ -137,17 +137,13 @@ async fn main() {
         let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).expect("receiver");
         let mut quic_connector = None;
         let (connector, listener): (Arc<dyn Connector>, Box<dyn Listener>) = match name {
-            "quic" => (
-                {
-                    let c = Arc::new(QuicConnector::new(&client, &tuning).expect("connector"));
-                    quic_connector = Some(c.clone());
-                    c
-                },
-                Box::new(
-                    QuicListener::bind(loopback, "decode-0", &server, &tuning, receiver.clone())
-                        .expect("listener"),
-                ),
-            ),
+            "quic" | "quic_dflt" => {
+                let tuning = if name == "quic" { tuning.clone() } else { QuicTuning::quinn_defaults() };
+                let c = Arc::new(QuicConnector::new(&client, &tuning).expect("connector"));
+                quic_connector = Some(c.clone());
+                let l = QuicListener::bind(loopback, "decode-0", &server, &tuning, receiver.clone()).expect("listener");
+                (c, Box::new(l))
+            }
             "tls_tcp" => (
                 Arc::new(TlsTcpConnector::new(&client).expect("connector")),
                 Box::new(
@@ -210,7 +206,11 @@ async fn main() {
     }
     println!("  {:<8} {copy:>6.2} GB/s", "memcpy");
     let quic = results.iter().find(|r| r.0 == "quic").map_or(0.0, |r| r.1);
+    let dflt = results.iter().find(|r| r.0 == "quic_dflt").map_or(0.0, |r| r.1);
     let tcp = results.iter().find(|r| r.0 == "tls_tcp").map_or(0.0, |r| r.1);
+    if quic > 0.0 && dflt > 0.0 {
+        println!("  quic / quic_dflt = {:.2} (the tuning against quinn's defaults)", quic / dflt);
+    }
     if quic > 0.0 && tcp > 0.0 {
         println!(
             "  quic / tls_tcp = {:.2} (TLS over TCP is {:.2}x QUIC)",

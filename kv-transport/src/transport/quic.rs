@@ -49,7 +49,7 @@ pub struct QuicTuning {
     pub receive_window: u64,
     /// Bytes this end buffers for sending on a connection.
     pub send_window: u64,
-    /// Kernel socket buffer size asked for (the kernel may cap it).
+    /// Kernel socket buffer size asked for (the kernel may cap it); 0 keeps the kernel's default.
     pub socket_buffer_bytes: usize,
     /// A connection with no traffic for this long is dead.
     pub idle_timeout: Duration,
@@ -90,6 +90,19 @@ impl QuicTuning {
     /// Both ends on one machine (single-machine clusters, the benchmark).
     pub fn loopback() -> Self {
         Self::large_datagrams(65_507)
+    }
+
+    /// quinn's own defaults, untuned: the baseline the benchmark measures the tuning
+    /// against. Windows sized for 100 Mbit/s at 100 ms (1.25 MB a stream, 10 MB of send
+    /// buffer), 1452-byte datagrams at most, and the kernel's socket buffers.
+    pub fn quinn_defaults() -> Self {
+        QuicTuning {
+            stream_receive_window: 1_250_000,
+            receive_window: (1 << 62) - 1,
+            send_window: 10_000_000,
+            socket_buffer_bytes: 0,
+            ..QuicTuning::default()
+        }
     }
 }
 
@@ -166,8 +179,10 @@ pub(crate) fn endpoint(
     let io = |e| Error::io("binding a QUIC socket", e);
     let s = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP)).map_err(io)?;
     // Best effort: the kernel caps these at its maximum; smaller only costs throughput.
-    let _ = s.set_recv_buffer_size(t.socket_buffer_bytes);
-    let _ = s.set_send_buffer_size(t.socket_buffer_bytes);
+    if t.socket_buffer_bytes > 0 {
+        let _ = s.set_recv_buffer_size(t.socket_buffer_bytes);
+        let _ = s.set_send_buffer_size(t.socket_buffer_bytes);
+    }
     s.bind(&bind.into()).map_err(io)?;
     let mut ec = quinn::EndpointConfig::default();
     ec.max_udp_payload_size(t.max_udp_payload)

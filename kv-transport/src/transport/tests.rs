@@ -84,7 +84,7 @@ async fn tuned_quic_presets_carry_a_transfer() {
     };
     let mut reno = QuicTuning::large_datagrams(8972);
     reno.congestion = QuicCongestion::NewReno;
-    for tuning in [QuicTuning::loopback(), QuicTuning::default(), bbr, reno] {
+    for tuning in [QuicTuning::loopback(), QuicTuning::default(), QuicTuning::quinn_defaults(), bbr, reno] {
         let dst = Arc::new(ArenaPool::new(LAYOUT, 64).unwrap());
         let src = Arc::new(ArenaPool::new(LAYOUT, 64).unwrap());
         let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).unwrap();

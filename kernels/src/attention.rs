@@ -21,32 +21,40 @@ pub struct AttnRow<'a> {
 }
 
 impl KvStorage {
-    /// Keys or values of head `head` for the first `n` slots of `block`.
-    fn read_head_slots(&self, layer: usize, block: usize, which: usize, head: usize, n: usize, out: &mut [f32]) {
+    /// Keys or values of heads `heads` for the first `n` slots of `block`:
+    /// head `heads.start + i`, slot `j` lands at `out[(i * block_tokens + j) * head_dim..]`.
+    /// Slot by slot, so the reads walk the block in memory order.
+    fn read_heads_slots(&self, layer: usize, block: usize, which: usize, heads: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
         let l = &self.layout;
-        let (te, hd) = (l.token_elems(), l.head_dim);
-        let base = ((block * l.layers + layer) * 2 + which) * l.block_tokens * te + head * hd;
+        let (te, hd, bt) = (l.token_elems(), l.head_dim, l.block_tokens);
+        let base = ((block * l.layers + layer) * 2 + which) * bt * te;
         #[cfg(target_arch = "x86_64")]
         if let (Raw::Half(d), KvDtype::F16) = (self.raw(), l.dtype) {
             if hd % 8 == 0 && std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
                 for j in 0..n {
-                    let src = &d[base + j * te..base + j * te + hd];
-                    // SAFETY: F16C and AVX are present; both slices hold `hd` elements.
-                    unsafe { avx2::f16_to_f32(src, &mut out[j * hd..(j + 1) * hd]) };
+                    for (i, h) in heads.clone().enumerate() {
+                        let src = &d[base + j * te + h * hd..base + j * te + (h + 1) * hd];
+                        let o = (i * bt + j) * hd;
+                        // SAFETY: F16C and AVX are present; both slices hold `hd` elements.
+                        unsafe { avx2::f16_to_f32(src, &mut out[o..o + hd]) };
+                    }
                 }
                 return;
             }
         }
         for j in 0..n {
-            let src = base + j * te;
-            let dst = &mut out[j * hd..(j + 1) * hd];
-            match self.raw() {
-                Raw::F32(d) => dst.copy_from_slice(&d[src..src + hd]),
-                Raw::Half(d) => match l.dtype {
-                    KvDtype::F16 => d[src..src + hd].reinterpret_cast::<f16>().convert_to_f32_slice(dst),
-                    _ => d[src..src + hd].reinterpret_cast::<bf16>().convert_to_f32_slice(dst),
-                },
-                Raw::Byte(d) => crate::fp8::decode_slice(&d[src..src + hd], dst),
+            for (i, h) in heads.clone().enumerate() {
+                let src = base + j * te + h * hd;
+                let o = (i * bt + j) * hd;
+                let dst = &mut out[o..o + hd];
+                match self.raw() {
+                    Raw::F32(d) => dst.copy_from_slice(&d[src..src + hd]),
+                    Raw::Half(d) => match l.dtype {
+                        KvDtype::F16 => d[src..src + hd].reinterpret_cast::<f16>().convert_to_f32_slice(dst),
+                        _ => d[src..src + hd].reinterpret_cast::<bf16>().convert_to_f32_slice(dst),
+                    },
+                    Raw::Byte(d) => crate::fp8::decode_slice(&d[src..src + hd], dst),
+                }
             }
         }
     }
@@ -98,18 +106,25 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
         i = j;
     }
     let ptr = SendPtr(out.as_mut_ptr());
-    let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale };
+    // With runs enough to keep every thread busy (a decode batch), one task
+    // takes every KV head of its run, so it reads each block's keys (and
+    // values) as one contiguous stretch instead of a third of every slot;
+    // otherwise one task per (run, KV head). Each row's arithmetic is the same.
+    let heads_per_task = if runs.len() >= 4 * pool.threads() { kvh } else { 1 };
+    let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale, heads_per_task };
+    let tasks = runs.len() * (kvh / heads_per_task);
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present (checked just above).
-        pool.run(runs.len() * kvh, &|i| unsafe { task.run_avx2(i, ptr) });
+        pool.run(tasks, &|i| unsafe { task.run_avx2(i, ptr) });
         return;
     }
-    pool.run(runs.len() * kvh, &|i| task.run(i, ptr));
+    pool.run(tasks, &|i| task.run(i, ptr));
 }
 
-/// What every task of one [`attention`] call shares; task `i` computes run
-/// `i / kv_heads` for KV head `i % kv_heads`.
+/// What every task of one [`attention`] call shares; with `k` KV heads per
+/// run split into groups of `heads_per_task`, task `i` computes run
+/// `i / (k / heads_per_task)` for the `(i % (k / heads_per_task))`-th group.
 struct Task<'a> {
     kv: &'a KvStorage,
     layer: usize,
@@ -118,6 +133,7 @@ struct Task<'a> {
     runs: &'a [(usize, usize)],
     n_heads: usize,
     scale: f32,
+    heads_per_task: usize,
 }
 
 impl Task<'_> {
@@ -131,66 +147,83 @@ impl Task<'_> {
 
     #[inline(always)]
     fn run(&self, task: usize, p: SendPtr<f32>) {
+        let groups = self.kv.layout.kv_heads / self.heads_per_task;
+        let first = (task % groups) * self.heads_per_task;
+        self.run_heads(self.runs[task / groups], first..first + self.heads_per_task, p);
+    }
+
+    /// Run `(r0, r1)` of rows for KV heads `heads` (KV head `h` serves query
+    /// heads `h * group .. (h + 1) * group`).
+    #[inline(always)]
+    fn run_heads(&self, (r0, r1): (usize, usize), heads: std::ops::Range<usize>, p: SendPtr<f32>) {
         let (kv, layer, q, rows, scale) = (self.kv, self.layer, self.q, self.rows, self.scale);
         let l = &kv.layout;
         let (hd, kvh, bt) = (l.head_dim, l.kv_heads, l.block_tokens);
         let group = self.n_heads / kvh;
         let width = self.n_heads * hd;
-        let ((r0, r1), h) = (self.runs[task / kvh], task % kvh);
         let max_ctx = rows[r0..r1].iter().map(|r| r.pos + 1).max().unwrap_or(0);
         let table = rows[r0].block_table;
-        let nr = r1 - r0;
-        let mut scores = vec![0f32; nr * group * max_ctx];
-        let mut buf = vec![0f32; bt * hd];
+        let (nr, nh, h0) = (r1 - r0, heads.len(), heads.start);
+        // Per row, the query heads of `heads` in order: index (ri * nh + i) * group + g.
+        let nq = nh * group;
+        let mut scores = vec![0f32; nr * nq * max_ctx];
+        let mut buf = vec![0f32; nh * bt * hd];
         for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)) {
             let n = bt.min(max_ctx - bi * bt);
-            kv.read_head_slots(layer, block as usize, 0, h, n, &mut buf);
+            kv.read_heads_slots(layer, block as usize, 0, heads.clone(), n, &mut buf);
             for (ri, row) in rows[r0..r1].iter().enumerate() {
                 let ctx = row.pos + 1;
                 let m = n.min(ctx.saturating_sub(bi * bt));
                 let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
-                for g in 0..group {
-                    let qh = &qrow[(h * group + g) * hd..(h * group + g + 1) * hd];
-                    let srow = &mut scores[(ri * group + g) * max_ctx + bi * bt..];
-                    scores_into(qh, &buf, hd, m, scale, srow);
+                for i in 0..nh {
+                    let keys = &buf[i * bt * hd..(i + 1) * bt * hd];
+                    for g in 0..group {
+                        let head = (h0 + i) * group + g;
+                        let qh = &qrow[head * hd..(head + 1) * hd];
+                        let srow = &mut scores[(ri * nq + i * group + g) * max_ctx + bi * bt..];
+                        scores_into(qh, keys, hd, m, scale, srow);
+                    }
                 }
             }
         }
-        let mut sums = vec![0f32; nr * group];
+        let mut sums = vec![0f32; nr * nq];
         for (ri, row) in rows[r0..r1].iter().enumerate() {
             let ctx = row.pos + 1;
-            for g in 0..group {
-                let s = &mut scores[(ri * group + g) * max_ctx..(ri * group + g) * max_ctx + ctx];
+            for k in 0..nq {
+                let s = &mut scores[(ri * nq + k) * max_ctx..(ri * nq + k) * max_ctx + ctx];
                 let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let mut sum = 0f32;
                 for v in s.iter_mut() {
                     *v = (*v - max).exp();
                     sum += *v;
                 }
-                sums[ri * group + g] = sum;
+                sums[ri * nq + k] = sum;
             }
         }
-        let mut acc = vec![0f32; nr * group * hd];
+        let mut acc = vec![0f32; nr * nq * hd];
         for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)) {
             let n = bt.min(max_ctx - bi * bt);
-            kv.read_head_slots(layer, block as usize, 1, h, n, &mut buf);
+            kv.read_heads_slots(layer, block as usize, 1, heads.clone(), n, &mut buf);
             for (ri, row) in rows[r0..r1].iter().enumerate() {
                 let m = n.min((row.pos + 1).saturating_sub(bi * bt));
-                for g in 0..group {
-                    let a = &mut acc[(ri * group + g) * hd..(ri * group + g + 1) * hd];
-                    let srow = &scores[(ri * group + g) * max_ctx + bi * bt..];
-                    accumulate(a, &srow[..m], &buf, hd);
+                for i in 0..nh {
+                    let values = &buf[i * bt * hd..(i + 1) * bt * hd];
+                    for g in 0..group {
+                        let k = ri * nq + i * group + g;
+                        let a = &mut acc[k * hd..(k + 1) * hd];
+                        accumulate(a, &scores[k * max_ctx + bi * bt..][..m], values, hd);
+                    }
                 }
             }
         }
         for ri in 0..nr {
-            for g in 0..group {
-                let inv = 1.0 / sums[ri * group + g];
-                let head = h * group + g;
+            for k in 0..nq {
+                let inv = 1.0 / sums[ri * nq + k];
+                let head = h0 * group + k;
                 for d in 0..hd {
-                    // SAFETY: task (run, h) alone writes heads h*group..(h+1)*group
+                    // SAFETY: this task alone writes query heads h0*group..(h0+nh)*group
                     // of the run's rows, inside `out` (asserted in `attention`).
-                    unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = acc[(ri * group + g) * hd + d] * inv };
+                    unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = acc[(ri * nq + k) * hd + d] * inv };
                 }
             }
         }
@@ -343,7 +376,7 @@ mod tests {
         let (hd, group) = (l.head_dim, nh / l.kv_heads);
         let read = |which: usize, h: usize, j: usize| {
             let mut b = vec![0f32; l.block_tokens * hd];
-            kv.read_head_slots(0, table[j / l.block_tokens] as usize, which, h, l.block_tokens, &mut b);
+            kv.read_heads_slots(0, table[j / l.block_tokens] as usize, which, h..h + 1, l.block_tokens, &mut b);
             b[(j % l.block_tokens) * hd..(j % l.block_tokens + 1) * hd].to_vec()
         };
         let mut out = vec![0f32; nh * hd];
@@ -403,9 +436,16 @@ mod tests {
             let scale = 1.0 / (hd as f32).sqrt();
             let mut out = vec![0f32; len * nh * hd];
             attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, &mut out);
+            // The same rows as a decode batch: each its own sequence (its own
+            // block table), so one task takes every KV head of a row.
+            let tables: Vec<[u32; 5]> = vec![table; len];
+            let batch: Vec<AttnRow> = (0..len).map(|p| AttnRow { block_table: &tables[p], pos: p }).collect();
+            let mut batched = vec![0f32; len * nh * hd];
+            attention(&Pool::new(2).unwrap(), &kv, 0, &q, &batch, nh, scale, &mut batched);
             for p in 0..len {
                 let want = plain(&kv, &q[p * nh * hd..(p + 1) * nh * hd], &table, p, nh, scale);
                 assert_eq!(out[p * nh * hd..(p + 1) * nh * hd], want[..], "head_dim {hd}, position {p}");
+                assert_eq!(batched[p * nh * hd..(p + 1) * nh * hd], want[..], "head_dim {hd}, position {p}, batched");
             }
         }
     }

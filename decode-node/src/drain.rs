@@ -31,7 +31,7 @@ use crate::warm::{WarmConversation, WarmTable};
 /// Conversations moved at once.
 const PARALLEL_MOVES: usize = 4;
 
-pub use baton_node_common::in_flight::{CountedService, InFlight};
+pub use baton_node_common::in_flight::InFlight;
 use baton_node_common::in_flight::stop_taking_work;
 
 /// Everything a drain touches.

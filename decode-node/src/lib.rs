@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use baton_engine::Engine;
+use baton_node_common::in_flight::CountedService;
 use baton_kv_transport::NodeTls;
 use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
@@ -276,7 +277,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         let _ = stop_tx.send(true);
     });
     let grpc_srv = tonic::transport::Server::builder()
-        .add_service(drain::CountedService::new(DecodeNodeServer::new(svc), in_flight))
+        .add_service(CountedService::new(DecodeNodeServer::new(svc), in_flight))
         .add_service(NodeControlServer::new(control))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), stopped(stop_rx.clone()));
     let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));

@@ -1,7 +1,8 @@
 //! KV transport benchmark: one run prints GB/s for 1 GiB of KV blocks over QUIC loopback
 //! (Baton's tuning, and quinn's own defaults as the tuning's baseline), TLS over TCP
-//! loopback (the baseline), the in-process transport and a plain memory copy (the ceiling), then the time to ship one turn's KV for 150, 3,000 and 16,000 tokens of
-//! the default model (SmolLM2-135M, f16).
+//! loopback (the baseline), the in-process transport and a plain memory copy (the
+//! ceiling), then the time to ship one turn's KV for 150, 3,000 and 16,000 tokens of the
+//! default model (SmolLM2-135M, f16).
 //!
 //! Run: `cargo bench -p baton-kv-transport --bench transport`
 //! Env: `BATON_KVT_BENCH_MIB` (default 1024), `BATON_KVT_BENCH_ROUNDS` (default 3),

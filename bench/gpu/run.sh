@@ -13,7 +13,8 @@
 #                                              KV bytes, checked bit for bit first)
 #   matrix products (bf16 in, f32 accumulate)  1e-2
 #   bf16 embedding rows                        4e-3
-#   KV bytes written by both backends: identical; a row's result: the same bits
+#   KV bytes written by both backends, and blocks moved through the staging
+#   buffers in groups: identical; a row's result: the same bits
 #   alone as in a batch (matrix products and attention).
 # The engine on CUDA (engine/tests/cuda_engine.rs, the first 4 layers of SmolLM2 where
 # the host has no model): logits Pearson >= 0.98 against the CPU backend per row, the

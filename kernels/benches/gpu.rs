@@ -6,7 +6,8 @@
 //!   the bandwidth roofline: (bytes of weights + KV read per step) / measured
 //!   device copy bandwidth;
 //! - prefill tokens/s against the matrix-unit roofline: model FLOPs per token /
-//!   measured cuBLAS bf16 GEMM throughput.
+//!   measured cuBLAS bf16 GEMM throughput;
+//! - KV blocks to and from host memory through the staging buffers.
 //!
 //! Shapes: Llama-3-8B, and one GPU's slice of Llama-3-70B under tensor
 //! parallelism 8 (heads, KV heads, FFN and vocabulary divided by 8; the
@@ -178,6 +179,45 @@ fn gemm_tflops(g: &CudaBackend) -> (f64, f64) {
     (flops / one_call / 1e12, flops / backend / 1e12)
 }
 
+/// KV blocks leaving and entering the GPU arena (a prefill node's export, a
+/// decode node's import): 1,000 blocks of llama-3-8b (2 MiB each, a
+/// 16,000-token conversation) in one call through the staging buffers, against
+/// the same blocks a call each, and against one device-to-host copy of the
+/// same bytes into ordinary memory.
+fn kv_staging(g: &CudaBackend) {
+    let s = LLAMA_8B;
+    let layout = KvLayout { layers: s.layers, block_tokens: BLOCK_TOKENS, kv_heads: s.kv_heads, head_dim: s.head_dim, dtype: KvDtype::BF16 };
+    let n = 1000;
+    let bb = layout.block_bytes();
+    let mut kv = g.kv(layout, n + 24).expect("kv arena");
+    let ids: Vec<usize> = (0..n).map(|i| (i * 7) % (n + 24)).collect();
+    let mut host = vec![vec![0u8; bb]; n];
+    let gb = (n * bb) as f64 / 1e9;
+    let out_one_call = best_of_five(g, || g.kv_blocks_out(&kv, &ids, &mut host.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>()));
+    let out_per_block = best_of_five(g, || {
+        for (&b, h) in ids.iter().zip(host.iter_mut()) {
+            g.kv_copy_block_out(&kv, b, h);
+        }
+    });
+    let refs: Vec<&[u8]> = host.iter().map(Vec::as_slice).collect();
+    let in_one_call = best_of_five(g, || {
+        g.kv_blocks_in(&mut kv, &ids, &refs);
+        g.synchronize();
+    });
+    let flat = g.tensor(n * bb / 4);
+    let mut pageable = vec![0f32; n * bb / 4];
+    let raw = best_of_five(g, || g.download(&flat, &mut pageable));
+    println!(
+        "KV blocks, {n} x {} MiB (llama-3-8b, bf16): out in one call {:.1} GB/s, out a call per block {:.1} GB/s, in one call {:.1} GB/s; one {:.1} GB device-to-host copy into ordinary memory {:.1} GB/s",
+        bb >> 20,
+        gb / out_one_call,
+        gb / out_per_block,
+        gb / in_one_call,
+        gb,
+        gb / raw
+    );
+}
+
 fn main() {
     let g = match CudaBackend::new(0) {
         Ok(g) => g,
@@ -190,6 +230,7 @@ fn main() {
     let bw = copy_bandwidth(&g);
     let (tflops, backend_tflops) = gemm_tflops(&g);
     println!("measured copy bandwidth {bw:.0} GB/s; bf16 GEMM 8192^3: one cuBLAS call {tflops:.0} TFLOP/s, the backend's matmul (f32 input, {GEMM_ROWS}-row calls) {backend_tflops:.0} TFLOP/s");
+    kv_staging(&g);
     println!();
     println!("| shape | batch | step ms | roofline ms | ratio | bytes read/step |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: |");

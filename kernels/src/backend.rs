@@ -85,6 +85,21 @@ pub trait Backend: Send + Sync {
     /// Bytes of one block (all layers), for the second tier and transport.
     fn kv_copy_block_out(&self, kv: &Self::Kv, block: usize, out: &mut [u8]);
     fn kv_copy_block_in(&self, kv: &mut Self::Kv, block: usize, data: &[u8]);
+    /// `outs[i] =` the bytes of block `blocks[i]` (all layers). One call for a
+    /// whole export, so that a device backend moves it in a few large copies.
+    fn kv_blocks_out(&self, kv: &Self::Kv, blocks: &[usize], outs: &mut [&mut [u8]]) {
+        assert_eq!(blocks.len(), outs.len(), "kv_blocks_out: one output per block");
+        for (&block, out) in blocks.iter().zip(outs.iter_mut()) {
+            self.kv_copy_block_out(kv, block, out);
+        }
+    }
+    /// Installs `data[i]` (as [`Backend::kv_blocks_out`] writes it) into block `blocks[i]`.
+    fn kv_blocks_in(&self, kv: &mut Self::Kv, blocks: &[usize], data: &[&[u8]]) {
+        assert_eq!(blocks.len(), data.len(), "kv_blocks_in: one input per block");
+        for (&block, d) in blocks.iter().zip(data) {
+            self.kv_copy_block_in(kv, block, d);
+        }
+    }
     fn kv_block_layer_out(&self, kv: &Self::Kv, block: usize, layer: usize, out: &mut [u8]);
     fn kv_block_layer_in(&self, kv: &mut Self::Kv, block: usize, layer: usize, data: &[u8]);
 }

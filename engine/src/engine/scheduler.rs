@@ -52,6 +52,14 @@ impl<B: Backend> BlockStore for ArenaStore<'_, B> {
     }
 }
 
+/// Copies of arena blocks `ids` (all layers), in one backend call.
+fn copy_blocks_out<B: Backend>(backend: &B, kv: &B::Kv, ids: &[usize], block_bytes: usize) -> Vec<Vec<u8>> {
+    let mut blocks = vec![vec![0u8; block_bytes]; ids.len()];
+    let mut outs: Vec<&mut [u8]> = blocks.iter_mut().map(Vec::as_mut_slice).collect();
+    backend.kv_blocks_out(kv, ids, &mut outs);
+    blocks
+}
+
 pub(crate) struct Worker<B: Backend> {
     backend: B,
     model: Model<B>,
@@ -199,16 +207,8 @@ impl<B: Backend> Worker<B> {
         let bytes = self.layout.block_bytes();
         let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: bytes };
         let m = self.cache.match_prefix(chain.hashes(), &mut store);
-        let blocks = m
-            .blocks
-            .iter()
-            .skip(start_block)
-            .map(|&b| {
-                let mut out = vec![0u8; bytes];
-                self.backend.kv_copy_block_out(&self.kv, b.index(), &mut out);
-                out
-            })
-            .collect();
+        let ids: Vec<usize> = m.blocks.iter().skip(start_block).map(|b| b.index()).collect();
+        let blocks = copy_blocks_out(&self.backend, &self.kv, &ids, bytes);
         if let Err(e) = self.cache.release(&m.blocks) {
             tracing::error!(error = %e, "release of exported blocks refused");
         }
@@ -220,14 +220,8 @@ impl<B: Backend> Worker<B> {
         let bt = self.layout.block_tokens;
         let end = seq.prompt_len.div_ceil(bt).min(seq.blocks.len());
         let bytes = self.layout.block_bytes();
-        let blocks = seq.blocks[start.min(end)..end]
-            .iter()
-            .map(|&b| {
-                let mut out = vec![0u8; bytes];
-                self.backend.kv_copy_block_out(&self.kv, b.index(), &mut out);
-                out
-            })
-            .collect();
+        let ids: Vec<usize> = seq.blocks[start.min(end)..end].iter().map(|b| b.index()).collect();
+        let blocks = copy_blocks_out(&self.backend, &self.kv, &ids, bytes);
         KvExport { start_block: start, blocks }
     }
 
@@ -460,9 +454,9 @@ impl<B: Backend> Worker<B> {
                             tracing::debug!(seq = seq.id.0, matched, start = import.start_block, "import not contiguous with the cache; computing locally");
                         }
                         ImportPlan::Use { first, end, computed } => {
-                            for i in first..end {
-                                store.copy_in(seq.blocks[i], &import.blocks[i - import.start_block]);
-                            }
+                            let ids: Vec<usize> = seq.blocks[first..end].iter().map(|b| b.index()).collect();
+                            let data: Vec<&[u8]> = import.blocks[first - import.start_block..end - import.start_block].iter().map(Vec::as_slice).collect();
+                            store.backend.kv_blocks_in(store.kv, &ids, &data);
                             seq.computed = computed;
                             seq.imported_first = import.first_token;
                         }

@@ -10,6 +10,8 @@
 //!   the device's architecture on first use and cached (`compile`).
 //! - The KV arena is one device allocation with the CPU backend's block layout,
 //!   so blocks packed here unpack on a CPU node and the other way round.
+//!   Blocks leave and enter it in groups through page-locked host buffers
+//!   (`staging`), one DMA per group.
 //!
 //! Construction checks for the driver, a GPU, NVRTC and cuBLAS before cudarc
 //! is touched (`runtime`), so a machine without them gets an error, not a panic.
@@ -22,6 +24,7 @@ pub mod blas;
 pub mod compile;
 pub mod nvrtc;
 pub mod runtime;
+mod staging;
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -113,7 +116,6 @@ struct Scratch {
     acts_bf16: Option<CudaSlice<u16>>,
     part_acc: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
-    packed: Option<CudaSlice<u32>>,
 }
 
 /// The number the kernels use for a KV element type (`KV_*` in common.cuh).
@@ -132,6 +134,8 @@ pub struct CudaBackend {
     blas: Mutex<blas::BlasHandle>,
     k: Kernels,
     scratch: Mutex<Scratch>,
+    /// Page-locked host buffers for KV blocks that leave or enter the arena.
+    staging: Mutex<staging::Staging>,
     name: String,
     arch: &'static str,
     driver: runtime::DriverInfo,
@@ -148,6 +152,13 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(stream:
 fn elementwise_config(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Consecutive index ranges of `n` items of `span` bytes, as many per range as
+/// fit `capacity`, and at most 65,535 (a group is one launch's grid y).
+fn staging_groups(n: usize, span: usize, capacity: usize) -> Vec<std::ops::Range<usize>> {
+    let per = (capacity / span).clamp(1, 65_535);
+    (0..n).step_by(per).map(|s| s..(s + per).min(n)).collect()
 }
 
 fn rows_config(rows: usize, threads: u32) -> LaunchConfig {
@@ -203,7 +214,8 @@ impl CudaBackend {
         let stream = ctx.default_stream();
         ctx.bind_to_thread().map_err(|e| cuda_error("binding the context", e))?;
         let blas = blas::BlasHandle::new(stream.cu_stream() as *mut c_void)?;
-        Ok(CudaBackend { ctx, stream, blas: Mutex::new(blas), k, scratch: Mutex::new(Scratch::default()), name, arch, driver })
+        let staging = staging::Staging::new(&ctx, &stream, staging::STAGING_BYTES).map_err(|e| cuda_error("allocating KV staging", e))?;
+        Ok(CudaBackend { ctx, stream, blas: Mutex::new(blas), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging), name, arch, driver })
     }
 
     /// Waits for every queued operation (benchmarks time with this).
@@ -263,20 +275,36 @@ impl CudaBackend {
         unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("softmax_rows", e));
     }
 
-    /// Layers `layers` of `blocks`, packed block after block (the transport's
-    /// wire order), copied to host memory.
-    pub fn kv_pack(&self, kv: &CudaKv, blocks: &[u32], layers: std::ops::Range<usize>, out: &mut [u8]) {
-        let l = &kv.layout;
-        let span = layers.len() * l.block_layer_bytes();
-        assert_eq!(out.len(), blocks.len() * span, "kv_pack: output size");
-        assert!(blocks.iter().all(|&b| (b as usize) < kv.blocks) && layers.end <= l.layers, "kv_pack: block or layer out of range");
+    /// Layers `layers` of `blocks[i]` into `outs[i]` (host memory), through
+    /// the page-locked staging buffers, a group of blocks per DMA (`staging`).
+    pub fn kv_pack(&self, kv: &CudaKv, blocks: &[u32], layers: std::ops::Range<usize>, outs: &mut [&mut [u8]]) {
+        let span = layers.len() * kv.layout.block_layer_bytes();
+        assert_eq!(outs.len(), blocks.len(), "kv_pack: one output per block");
+        assert!(outs.iter().all(|o| o.len() == span), "kv_pack: an output is not {span} bytes");
+        assert!(blocks.iter().all(|&b| (b as usize) < kv.blocks) && layers.end <= kv.layout.layers, "kv_pack: block or layer out of range");
         if blocks.is_empty() || span == 0 {
             return;
         }
-        let words = out.len() / 4;
-        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        grow(&self.stream, &mut s.packed, words, "kv_pack staging");
-        let packed = s.packed.as_mut().expect("grown above");
+        let mut st = self.staging(span);
+        let groups = staging_groups(blocks.len(), span, st.capacity());
+        // Queue group g's pack and DMA into buffer g % 2, then copy group g - 1
+        // out of the other buffer while the GPU works.
+        self.pack_group(kv, &blocks[groups[0].clone()], &layers, &mut st, 0);
+        for (g, range) in groups.iter().enumerate() {
+            if let Some(next) = groups.get(g + 1) {
+                self.pack_group(kv, &blocks[next.clone()], &layers, &mut st, (g + 1) % 2);
+            }
+            st.wait(g % 2).unwrap_or_else(|e| fail("kv_pack download", e));
+            for (out, packed) in outs[range.clone()].iter_mut().zip(st.host(g % 2).chunks_exact(span)) {
+                out.copy_from_slice(packed);
+            }
+        }
+    }
+
+    /// Packs `blocks` into the staging device buffer and queues its DMA into host buffer `half`.
+    fn pack_group(&self, kv: &CudaKv, blocks: &[u32], layers: &std::ops::Range<usize>, st: &mut staging::Staging, half: usize) {
+        let l = &kv.layout;
+        let span = layers.len() * l.block_layer_bytes();
         let ids = self.upload_u32(blocks);
         let (wpbl, nl, l0, l1) = ((l.block_layer_bytes() / 4) as u64, l.layers as i32, layers.start as i32, layers.end as i32);
         let mut cfg = elementwise_config(span / 4);
@@ -285,44 +313,55 @@ impl CudaBackend {
         // SAFETY: the arena's bytes are viewed as words (block_layer_bytes % 4 == 0, checked in `kv`).
         let arena = unsafe { kv.arena.transmute::<u32>(kv.arena.len() / 4) }.expect("arena word view");
         let mut b = self.stream.launch_builder(&self.k.kv_pack);
-        args::kv_pack(&mut b, &arena, &ids, &wpbl, &nl, &l0, &l1, &mut *packed);
+        args::kv_pack(&mut b, &arena, &ids, &wpbl, &nl, &l0, &l1, &mut st.device);
         unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_pack", e));
-        // SAFETY: `out` has exactly `words` words of bytes.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u32, words) };
-        if (out.as_ptr() as usize).is_multiple_of(4) {
-            self.stream.memcpy_dtoh(&packed.slice(..words), dst).unwrap_or_else(|e| fail("kv_pack download", e));
-            self.synchronize();
-        } else {
-            let v = self.stream.memcpy_dtov(&packed.slice(..words)).unwrap_or_else(|e| fail("kv_pack download", e));
-            for (o, w) in out.chunks_exact_mut(4).zip(v) {
-                o.copy_from_slice(&w.to_ne_bytes());
-            }
-        }
+        st.download(&self.stream, half, blocks.len() * span).unwrap_or_else(|e| fail("kv_pack download", e));
     }
 
-    /// Installs `data` (as [`Self::kv_pack`] lays it out) into `blocks`.
-    pub fn kv_unpack(&self, kv: &mut CudaKv, blocks: &[u32], layers: std::ops::Range<usize>, data: &[u8]) {
+    /// Installs `data[i]` (laid out as [`Self::kv_pack`] writes it) into layers
+    /// `layers` of `blocks[i]`, a group of blocks per DMA. `data` may be freed
+    /// as soon as this returns.
+    pub fn kv_unpack(&self, kv: &mut CudaKv, blocks: &[u32], layers: std::ops::Range<usize>, data: &[&[u8]]) {
         let l = kv.layout;
         let span = layers.len() * l.block_layer_bytes();
-        assert_eq!(data.len(), blocks.len() * span, "kv_unpack: input size");
+        assert_eq!(data.len(), blocks.len(), "kv_unpack: one input per block");
+        assert!(data.iter().all(|d| d.len() == span), "kv_unpack: an input is not {span} bytes");
         assert!(blocks.iter().all(|&b| (b as usize) < kv.blocks) && layers.end <= l.layers, "kv_unpack: block or layer out of range");
         if blocks.is_empty() || span == 0 {
             return;
         }
-        let words: Vec<u32> = data.chunks_exact(4).map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let staged = self.stream.memcpy_stod(&words).unwrap_or_else(|e| fail("kv_unpack upload", e));
-        let ids = self.upload_u32(blocks);
+        let mut st = self.staging(span);
         let (wpbl, nl, l0, l1) = ((l.block_layer_bytes() / 4) as u64, l.layers as i32, layers.start as i32, layers.end as i32);
-        let mut cfg = elementwise_config(span / 4);
-        cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
-        cfg.grid_dim.1 = blocks.len() as u32;
         let n_words = kv.arena.len() / 4;
-        // SAFETY: as in kv_pack.
-        let mut arena = unsafe { kv.arena.transmute_mut::<u32>(n_words) }.expect("arena word view");
-        let mut b = self.stream.launch_builder(&self.k.kv_unpack);
-        args::kv_unpack(&mut b, &mut arena, &ids, &wpbl, &nl, &l0, &l1, &staged);
-        unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_unpack", e));
-        self.synchronize();
+        for (g, range) in staging_groups(blocks.len(), span, st.capacity()).into_iter().enumerate() {
+            // Refill buffer g % 2 once its previous DMA (group g - 2) is done;
+            // the GPU meanwhile installs group g - 1.
+            st.wait(g % 2).unwrap_or_else(|e| fail("kv_unpack upload", e));
+            for (packed, d) in st.host_mut(g % 2).chunks_exact_mut(span).zip(&data[range.clone()]) {
+                packed.copy_from_slice(d);
+            }
+            st.upload(&self.stream, g % 2, range.len() * span).unwrap_or_else(|e| fail("kv_unpack upload", e));
+            let ids = self.upload_u32(&blocks[range.clone()]);
+            let mut cfg = elementwise_config(span / 4);
+            cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
+            cfg.grid_dim.1 = range.len() as u32;
+            // SAFETY: as in pack_group.
+            let mut arena = unsafe { kv.arena.transmute_mut::<u32>(n_words) }.expect("arena word view");
+            let mut b = self.stream.launch_builder(&self.k.kv_unpack);
+            args::kv_unpack(&mut b, &mut arena, &ids, &wpbl, &nl, &l0, &l1, &st.device);
+            unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_unpack", e));
+        }
+    }
+
+    /// The staging buffers, grown (once, for a model whose block is larger
+    /// than [`staging::STAGING_BYTES`]) to hold at least one `span`.
+    fn staging(&self, span: usize) -> std::sync::MutexGuard<'_, staging::Staging> {
+        let mut st = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if st.capacity() < span {
+            let bigger = staging::Staging::new(&self.ctx, &self.stream, span.next_multiple_of(4)).unwrap_or_else(|e| fail("allocating KV staging", e));
+            *st = bigger;
+        }
+        st
     }
 
     /// `out[..rows][..n] = x[..rows] · wᵀ`, in calls of exactly [`GEMM_ROWS`]
@@ -383,8 +422,12 @@ impl Backend for CudaBackend {
     type Rope = CudaRope;
 
     fn describe(&self) -> String {
+        let staging = match &self.staging.lock().unwrap_or_else(|p| p.into_inner()).pageable_because {
+            None => "pinned KV staging".to_string(),
+            Some(why) => format!("pageable KV staging: {why}"),
+        };
         format!(
-            "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS)",
+            "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS, {staging})",
             self.name,
             self.arch,
             self.driver.version / 1000,
@@ -653,19 +696,45 @@ impl Backend for CudaBackend {
     }
 
     fn kv_copy_block_out(&self, kv: &CudaKv, block: usize, out: &mut [u8]) {
-        self.kv_pack(kv, &[block as u32], 0..kv.layout.layers, out);
+        self.kv_pack(kv, &[block as u32], 0..kv.layout.layers, &mut [out]);
     }
 
     fn kv_copy_block_in(&self, kv: &mut CudaKv, block: usize, data: &[u8]) {
         let layers = kv.layout.layers;
-        self.kv_unpack(kv, &[block as u32], 0..layers, data);
+        self.kv_unpack(kv, &[block as u32], 0..layers, &[data]);
+    }
+
+    fn kv_blocks_out(&self, kv: &CudaKv, blocks: &[usize], outs: &mut [&mut [u8]]) {
+        let ids: Vec<u32> = blocks.iter().map(|&b| b as u32).collect();
+        self.kv_pack(kv, &ids, 0..kv.layout.layers, outs);
+    }
+
+    fn kv_blocks_in(&self, kv: &mut CudaKv, blocks: &[usize], data: &[&[u8]]) {
+        let ids: Vec<u32> = blocks.iter().map(|&b| b as u32).collect();
+        let layers = kv.layout.layers;
+        self.kv_unpack(kv, &ids, 0..layers, data);
     }
 
     fn kv_block_layer_out(&self, kv: &CudaKv, block: usize, layer: usize, out: &mut [u8]) {
-        self.kv_pack(kv, &[block as u32], layer..layer + 1, out);
+        self.kv_pack(kv, &[block as u32], layer..layer + 1, &mut [out]);
     }
 
     fn kv_block_layer_in(&self, kv: &mut CudaKv, block: usize, layer: usize, data: &[u8]) {
-        self.kv_unpack(kv, &[block as u32], layer..layer + 1, data);
+        self.kv_unpack(kv, &[block as u32], layer..layer + 1, &[data]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::staging_groups;
+
+    #[test]
+    fn staging_groups_cover_every_block_once_in_order() {
+        assert_eq!(staging_groups(137, 368_640, 16 << 20), vec![0..45, 45..90, 90..135, 135..137]);
+        assert_eq!(staging_groups(3, 100, 1000), vec![0..3]);
+        // A block larger than the buffer still moves (the caller grows the buffer first).
+        assert_eq!(staging_groups(2, 2000, 1000), vec![0..1, 1..2]);
+        assert!(staging_groups(0, 100, 1000).is_empty());
+        assert_eq!(staging_groups(70_000, 4, 16 << 20), vec![0..65_535, 65_535..70_000]);
     }
 }

@@ -24,6 +24,12 @@ if [ "$status" -eq 0 ]; then
     cargo test -p baton-kv-transport --release --locked --features rdma "$@" 2>&1 | tee -a "$log"
     status=${PIPESTATUS[0]}
 fi
+# The CUDA kernels compiled for the CPU (feature emu, kernels/emu) and checked against the
+# CPU backend: their logic is tested here even without a GPU.
+if [ "$status" -eq 0 ]; then
+    cargo test -p baton-kernels --release --locked --features emu --test cuda_emulated "$@" 2>&1 | tee -a "$log"
+    status=${PIPESTATUS[0]}
+fi
 # The Kubernetes node identities (wildcard certificates, tls-layout.sh) with the binary just built.
 if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
     bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"

@@ -29,6 +29,10 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(u >> 16);
 }
 
+#ifdef BATON_CUDA_EMULATION  // the CPU run of the kernels in tests (kernels/emu)
+__device__ __forceinline__ float f16_to_f32(u16 h) { return emu::f16_to_f32(h); }
+__device__ __forceinline__ u16 f32_to_f16(float f) { return emu::f32_to_f16(f); }
+#else
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -40,6 +44,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 // OCP FP8 E4M3 ("e4m3fn"): bias 7, no infinities, 0x7f/0xff are NaN, largest
 // finite 448. Values beyond it saturate, as KV caches want.

@@ -11,6 +11,8 @@ pub mod backend;
 pub mod fp8;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "emu")]
+pub mod emu;
 pub mod kv;
 pub mod matmul;
 pub mod ops;

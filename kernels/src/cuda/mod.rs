@@ -23,6 +23,7 @@ mod args;
 pub mod blas;
 pub mod compile;
 pub mod nvrtc;
+pub mod plan;
 pub mod runtime;
 mod staging;
 
@@ -46,15 +47,8 @@ use crate::quant::WeightFormat;
 /// step still costs one read of the weights up to 128 sequences.
 pub const GEMM_ROWS: usize = 128;
 
-/// Keys per attention partition; must equal `ATTN_PART` in attention.cu.
-pub const ATTN_PART: usize = 256;
-const ATTN_THREADS: u32 = 128;
-/// Rows of one sequence per block of the tiled kernel, and keys it stages at a
-/// time (`ATTN_TILE_ROWS`, `ATTN_KEY_CHUNK` in attention.cu).
-const ATTN_TILE_ROWS: usize = 16;
-const ATTN_KEY_CHUNK: usize = 32;
-/// The tiled kernel's shared memory fits the default 48 KiB up to this head size.
-const ATTN_TILED_MAX_HEAD_DIM: usize = 128;
+pub use plan::ATTN_PART;
+use plan::{AttentionPlan, Geometry, ROW_THREADS, TOKEN_THREADS};
 
 fn cuda_error(op: &str, e: impl std::fmt::Debug) -> KernelError {
     KernelError::BackendUnavailable { backend: "cuda", reason: format!("{op}: {e:?}") }
@@ -148,10 +142,9 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(stream:
     }
 }
 
-/// A grid-stride launch over `n` elements.
-fn elementwise_config(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+/// The launch configuration of a plan's geometry.
+fn config(g: Geometry) -> LaunchConfig {
+    LaunchConfig { grid_dim: g.grid, block_dim: (g.block, 1, 1), shared_mem_bytes: g.shared_bytes }
 }
 
 /// Consecutive index ranges of `n` items of `span` bytes, as many per range as
@@ -159,10 +152,6 @@ fn elementwise_config(n: usize) -> LaunchConfig {
 fn staging_groups(n: usize, span: usize, capacity: usize) -> Vec<std::ops::Range<usize>> {
     let per = (capacity / span).clamp(1, 65_535);
     (0..n).step_by(per).map(|s| s..(s + per).min(n)).collect()
-}
-
-fn rows_config(rows: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
 impl CudaBackend {
@@ -242,7 +231,7 @@ impl CudaBackend {
         let len = (n * k) as u64;
         let mut b = self.stream.launch_builder(&self.k.fill_uniform_bf16);
         args::fill_uniform_bf16(&mut b, &mut w, &len, &seed, &scale);
-        unsafe { b.launch(elementwise_config(n * k)) }.unwrap_or_else(|e| fail("fill_uniform_bf16", e));
+        unsafe { b.launch(config(plan::elementwise(n * k))) }.unwrap_or_else(|e| fail("fill_uniform_bf16", e));
         Ok(CudaMatrix { n, k, w })
     }
 
@@ -259,7 +248,7 @@ impl CudaBackend {
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(&self.k.argmax_rows);
         args::argmax_rows(&mut b, logits, &n_i, &mut out);
-        unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("argmax_rows", e));
+        unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("argmax_rows", e));
         self.stream.memcpy_dtov(&out).unwrap_or_else(|e| fail("argmax_rows download", e))
     }
 
@@ -272,7 +261,7 @@ impl CudaBackend {
         let (n_i, inv_t) = (n as i32, 1.0 / temperature);
         let mut b = self.stream.launch_builder(&self.k.softmax_rows);
         args::softmax_rows(&mut b, logits, &n_i, &inv_t, out);
-        unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("softmax_rows", e));
+        unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("softmax_rows", e));
     }
 
     /// Layers `layers` of `blocks[i]` into `outs[i]` (host memory), through
@@ -307,9 +296,7 @@ impl CudaBackend {
         let span = layers.len() * l.block_layer_bytes();
         let ids = self.upload_u32(blocks);
         let (wpbl, nl, l0, l1) = ((l.block_layer_bytes() / 4) as u64, l.layers as i32, layers.start as i32, layers.end as i32);
-        let mut cfg = elementwise_config(span / 4);
-        cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
-        cfg.grid_dim.1 = blocks.len() as u32;
+        let cfg = config(plan::kv_copy(span, blocks.len()));
         // SAFETY: the arena's bytes are viewed as words (block_layer_bytes % 4 == 0, checked in `kv`).
         let arena = unsafe { kv.arena.transmute::<u32>(kv.arena.len() / 4) }.expect("arena word view");
         let mut b = self.stream.launch_builder(&self.k.kv_pack);
@@ -342,9 +329,7 @@ impl CudaBackend {
             }
             st.upload(&self.stream, g % 2, range.len() * span).unwrap_or_else(|e| fail("kv_unpack upload", e));
             let ids = self.upload_u32(&blocks[range.clone()]);
-            let mut cfg = elementwise_config(span / 4);
-            cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
-            cfg.grid_dim.1 = range.len() as u32;
+            let cfg = config(plan::kv_copy(span, range.len()));
             // SAFETY: as in pack_group.
             let mut arena = unsafe { kv.arena.transmute_mut::<u32>(n_words) }.expect("arena word view");
             let mut b = self.stream.launch_builder(&self.k.kv_unpack);
@@ -521,7 +506,7 @@ impl Backend for CudaBackend {
         let width = table.k as i32;
         let mut b = self.stream.launch_builder(&self.k.embed_bf16);
         args::embed_bf16(&mut b, &table.w, &ids, &width, out);
-        unsafe { b.launch(rows_config(tokens.len(), 256)) }.unwrap_or_else(|e| fail("embed_bf16", e));
+        unsafe { b.launch(config(plan::per_row(tokens.len(), ROW_THREADS))) }.unwrap_or_else(|e| fail("embed_bf16", e));
     }
 
     fn rmsnorm(&self, x: &CudaSlice<f32>, weight: &CudaSlice<f32>, eps: f32, rows: usize, dim: usize, out: &mut CudaSlice<f32>) {
@@ -532,7 +517,7 @@ impl Backend for CudaBackend {
         let dim_i = dim as i32;
         let mut b = self.stream.launch_builder(&self.k.rmsnorm);
         args::rmsnorm(&mut b, x, weight, &eps, &dim_i, out);
-        unsafe { b.launch(rows_config(rows, 256)) }.unwrap_or_else(|e| fail("rmsnorm", e));
+        unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("rmsnorm", e));
     }
 
     fn matmul(&self, x: &CudaSlice<f32>, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
@@ -550,7 +535,7 @@ impl Backend for CudaBackend {
         let len = (rows * k) as u64;
         let mut b = self.stream.launch_builder(&self.k.to_bf16);
         args::to_bf16(&mut b, x, &mut *xb, &len);
-        unsafe { b.launch(elementwise_config(rows * k)) }.unwrap_or_else(|e| fail("to_bf16", e));
+        unsafe { b.launch(config(plan::elementwise(rows * k))) }.unwrap_or_else(|e| fail("to_bf16", e));
         for (w, out) in outs.iter_mut() {
             self.ensure_len(out, padded * w.n);
             self.gemm(w, xb, rows, out);
@@ -568,7 +553,7 @@ impl Backend for CudaBackend {
         let (heads_i, half_i) = (heads as i32, rope.half as i32);
         let mut b = self.stream.launch_builder(&self.k.rope);
         args::rope(&mut b, x, &rope.cos, &rope.sin, &pos, &heads_i, &half_i);
-        unsafe { b.launch(rows_config(positions.len(), 128)) }.unwrap_or_else(|e| fail("rope", e));
+        unsafe { b.launch(config(plan::per_row(positions.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("rope", e));
     }
 
     fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, len: usize, out: &mut CudaSlice<f32>) {
@@ -579,7 +564,7 @@ impl Backend for CudaBackend {
         let n = len as u64;
         let mut b = self.stream.launch_builder(&self.k.silu_mul);
         args::silu_mul(&mut b, gate, up, out, &n);
-        unsafe { b.launch(elementwise_config(len)) }.unwrap_or_else(|e| fail("silu_mul", e));
+        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("silu_mul", e));
     }
 
     fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) {
@@ -589,7 +574,7 @@ impl Backend for CudaBackend {
         let n = len as u64;
         let mut b = self.stream.launch_builder(&self.k.add_inplace);
         args::add_inplace(&mut b, x, y, &n);
-        unsafe { b.launch(elementwise_config(len)) }.unwrap_or_else(|e| fail("add_inplace", e));
+        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("add_inplace", e));
     }
 
     fn gather_rows(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize], out: &mut CudaSlice<f32>) {
@@ -602,7 +587,7 @@ impl Backend for CudaBackend {
         let width_i = width as i32;
         let mut b = self.stream.launch_builder(&self.k.gather_rows);
         args::gather_rows(&mut b, x, &ids, &width_i, out);
-        unsafe { b.launch(rows_config(rows.len(), 256)) }.unwrap_or_else(|e| fail("gather_rows", e));
+        unsafe { b.launch(config(plan::per_row(rows.len(), ROW_THREADS))) }.unwrap_or_else(|e| fail("gather_rows", e));
     }
 
     fn kv_write(&self, kv: &mut CudaKv, layer: usize, k: &CudaSlice<f32>, v: &CudaSlice<f32>, slots: &[(u32, u32)]) {
@@ -616,7 +601,7 @@ impl Backend for CudaBackend {
         let (layer_i, layers_i, bt, te) = (layer as i32, l.layers as i32, l.block_tokens as i32, l.token_elems() as i32);
         let mut b = self.stream.launch_builder(&self.k.kv_write[kv_code(l.dtype)]);
         args::kv_write(&mut b, &mut kv.arena, k, v, &flat, &layer_i, &layers_i, &bt, &te);
-        unsafe { b.launch(rows_config(slots.len(), 128)) }.unwrap_or_else(|e| fail("kv_write", e));
+        unsafe { b.launch(config(plan::per_row(slots.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("kv_write", e));
     }
 
     fn attention(&self, kv: &CudaKv, layer: usize, q: &CudaSlice<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut CudaSlice<f32>) {
@@ -626,73 +611,35 @@ impl Backend for CudaBackend {
         let l = &kv.layout;
         let hd = l.head_dim;
         self.ensure_len(out, rows.len() * n_heads * hd);
-        // One copy of each distinct block table (a prefill chunk's rows share one).
-        let (mut tables, mut offsets, mut positions) = (Vec::new(), Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
-        // Runs of consecutive rows on one table, for the tiled kernel.
-        let (mut run_start, mut run_len): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
-        let mut last: Option<(*const u32, usize)> = None;
-        for (i, r) in rows.iter().enumerate() {
-            let same_table = last.is_some_and(|(p, _)| std::ptr::eq(p, r.block_table.as_ptr()));
-            match run_len.last_mut() {
-                Some(n) if same_table && (*n as usize) < ATTN_TILE_ROWS => *n += 1,
-                _ => {
-                    run_start.push(i as u32);
-                    run_len.push(1);
-                }
-            }
-            let needed = r.pos / l.block_tokens + 1;
-            assert!(r.block_table.len() >= needed, "attention: a row at position {} has {} blocks", r.pos, r.block_table.len());
-            let start = match last {
-                Some((p, start)) if std::ptr::eq(p, r.block_table.as_ptr()) => start,
-                _ => {
-                    let start = tables.len();
-                    tables.extend_from_slice(r.block_table);
-                    last = Some((r.block_table.as_ptr(), start));
-                    start
-                }
-            };
-            offsets.push(start as u32);
-            positions.push(r.pos as u32);
-        }
-        let max_parts = rows.iter().map(|r| r.pos / ATTN_PART + 1).max().unwrap_or(1);
-        let (tables, offsets, positions) = (self.upload_u32(&tables), self.upload_u32(&offsets), self.upload_u32(&positions));
+        let p = AttentionPlan::new(rows, l.block_tokens, hd, n_heads);
+        let max_parts = p.max_parts;
+        let (tables, offsets, positions) = (self.upload_u32(&p.tables), self.upload_u32(&p.offsets), self.upload_u32(&p.positions));
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let slots = rows.len() * n_heads * max_parts;
+        let slots = p.partial_slots(n_heads);
         grow(&self.stream, &mut s.part_acc, slots * hd, "attention partials");
         grow(&self.stream, &mut s.part_ml, slots * 2, "attention partials");
         let Scratch { part_acc, part_ml, .. } = &mut *s;
         let (part_acc, part_ml) = (part_acc.as_mut().expect("grown"), part_ml.as_mut().expect("grown"));
         let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
             (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);
-        if run_start.len() < rows.len() && hd <= ATTN_TILED_MAX_HEAD_DIM {
+        if p.tiled {
             // Prefill chunks: each key and value is read once per run of rows, not once per row.
-            let cfg = LaunchConfig {
-                grid_dim: (run_start.len() as u32, n_heads as u32, max_parts as u32),
-                block_dim: (ATTN_THREADS, 1, 1),
-                shared_mem_bytes: ((ATTN_TILE_ROWS * hd + ATTN_TILE_ROWS * ATTN_PART + ATTN_KEY_CHUNK * hd + 32) * 4) as u32,
-            };
-            let (starts, lens) = (self.upload_u32(&run_start), self.upload_u32(&run_len));
+            let (starts, lens) = (self.upload_u32(&p.run_start), self.upload_u32(&p.run_len));
             let mut b = self.stream.launch_builder(&self.k.attn_partial_tiled[kv_code(l.dtype)]);
             #[rustfmt::skip]
             args::attn_partial_tiled(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
                 &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &mp, &mut *part_acc, &mut *part_ml);
-            unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial_tiled", e));
+            unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial_tiled", e));
         } else {
-            let cfg = LaunchConfig {
-                grid_dim: (rows.len() as u32, n_heads as u32, max_parts as u32),
-                block_dim: (ATTN_THREADS, 1, 1),
-                shared_mem_bytes: ((hd + ATTN_PART + 32) * 4) as u32,
-            };
             let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
             #[rustfmt::skip]
             args::attn_partial(&mut b, &kv.arena, q, &tables, &offsets, &positions,
                 &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &mp, &mut *part_acc, &mut *part_ml);
-            unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_partial", e));
+            unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial", e));
         }
-        let cfg = LaunchConfig { grid_dim: (rows.len() as u32, n_heads as u32, 1), block_dim: (hd.next_multiple_of(32).min(256) as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.k.attn_combine);
         args::attn_combine(&mut b, &*part_acc, &*part_ml, &positions, &nh, &hd_i, &mp, out);
-        unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("attn_combine", e));
+        unsafe { b.launch(config(p.combine)) }.unwrap_or_else(|e| fail("attn_combine", e));
     }
 
     fn kv_copy_block_out(&self, kv: &CudaKv, block: usize, out: &mut [u8]) {

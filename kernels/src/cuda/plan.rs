@@ -1,0 +1,118 @@
+//! How each kernel is launched, worked out on the host without touching a
+//! GPU: grid and block sizes, dynamic shared memory, and for attention the
+//! index arrays the kernels read. The CUDA backend launches from these, and
+//! the CPU emulation tests (`tests/cuda_emulated.rs`) run the same kernels
+//! from the same plans, so what they check is what the GPU runs.
+
+use crate::attention::AttnRow;
+
+/// Keys per attention partition; must equal `ATTN_PART` in attention.cu.
+pub const ATTN_PART: usize = 256;
+/// Threads of an attention partial block (`ATTN_THREADS` in attention.cu).
+pub const ATTN_THREADS: u32 = 128;
+/// Rows of one sequence per block of the tiled kernel, and keys it stages at a
+/// time (`ATTN_TILE_ROWS`, `ATTN_KEY_CHUNK` in attention.cu).
+pub const ATTN_TILE_ROWS: usize = 16;
+pub const ATTN_KEY_CHUNK: usize = 32;
+/// The tiled kernel's shared memory fits the default 48 KiB up to this head size.
+pub const ATTN_TILED_MAX_HEAD_DIM: usize = 128;
+/// Threads per row of the row-wise kernels (`SAMPLING_THREADS` in sampling.cu for argmax).
+pub const ROW_THREADS: u32 = 256;
+/// Threads per token of rope and kv_write.
+pub const TOKEN_THREADS: u32 = 128;
+
+/// Grid, threads per block (one dimension) and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub shared_bytes: u32,
+}
+
+/// A grid-stride launch over `n` elements (silu_mul, add_inplace, to_bf16, fill).
+pub fn elementwise(n: usize) -> Geometry {
+    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+    Geometry { grid: (blocks, 1, 1), block: 256, shared_bytes: 0 }
+}
+
+/// One block of `threads` per row (rmsnorm, embed, gather, softmax, argmax, rope, kv_write).
+pub fn per_row(rows: usize, threads: u32) -> Geometry {
+    Geometry { grid: (rows as u32, 1, 1), block: threads, shared_bytes: 0 }
+}
+
+/// kv_pack / kv_unpack of `blocks` blocks, `span_bytes` each: grid y walks the blocks.
+pub fn kv_copy(span_bytes: usize, blocks: usize) -> Geometry {
+    let mut g = elementwise(span_bytes / 4);
+    g.grid.0 = g.grid.0.min(1024);
+    g.grid.1 = blocks as u32;
+    g
+}
+
+/// What one attention call uploads and launches.
+#[derive(Debug)]
+pub struct AttentionPlan {
+    /// Each distinct block table once (a prefill chunk's rows share one).
+    pub tables: Vec<u32>,
+    /// Per row: where its table starts in `tables`, and its position.
+    pub offsets: Vec<u32>,
+    pub positions: Vec<u32>,
+    /// Runs of consecutive rows on one table (at most [`ATTN_TILE_ROWS`]), for the tiled kernel.
+    pub run_start: Vec<u32>,
+    pub run_len: Vec<u32>,
+    /// Partitions of the longest row: the partial buffers hold rows x heads x this.
+    pub max_parts: usize,
+    /// Whether `attn_partial_tiled` runs (some run has more than one row) instead of `attn_partial`.
+    pub tiled: bool,
+    pub partial: Geometry,
+    pub combine: Geometry,
+}
+
+impl AttentionPlan {
+    /// Panics if a row's block table is shorter than its position needs.
+    pub fn new(rows: &[AttnRow], block_tokens: usize, head_dim: usize, n_heads: usize) -> AttentionPlan {
+        let (mut tables, mut offsets, mut positions) = (Vec::new(), Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        let (mut run_start, mut run_len): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
+        let mut last: Option<(*const u32, usize)> = None;
+        for (i, r) in rows.iter().enumerate() {
+            let same_table = last.is_some_and(|(p, _)| std::ptr::eq(p, r.block_table.as_ptr()));
+            match run_len.last_mut() {
+                Some(n) if same_table && (*n as usize) < ATTN_TILE_ROWS => *n += 1,
+                _ => {
+                    run_start.push(i as u32);
+                    run_len.push(1);
+                }
+            }
+            let needed = r.pos / block_tokens + 1;
+            assert!(r.block_table.len() >= needed, "attention: a row at position {} has {} blocks", r.pos, r.block_table.len());
+            let start = match last {
+                Some((p, start)) if std::ptr::eq(p, r.block_table.as_ptr()) => start,
+                _ => {
+                    let start = tables.len();
+                    tables.extend_from_slice(r.block_table);
+                    last = Some((r.block_table.as_ptr(), start));
+                    start
+                }
+            };
+            offsets.push(start as u32);
+            positions.push(r.pos as u32);
+        }
+        let max_parts = rows.iter().map(|r| r.pos / ATTN_PART + 1).max().unwrap_or(1);
+        let tiled = run_start.len() < rows.len() && head_dim <= ATTN_TILED_MAX_HEAD_DIM;
+        let partial = if tiled {
+            Geometry {
+                grid: (run_start.len() as u32, n_heads as u32, max_parts as u32),
+                block: ATTN_THREADS,
+                shared_bytes: ((ATTN_TILE_ROWS * head_dim + ATTN_TILE_ROWS * ATTN_PART + ATTN_KEY_CHUNK * head_dim + 32) * 4) as u32,
+            }
+        } else {
+            Geometry { grid: (rows.len() as u32, n_heads as u32, max_parts as u32), block: ATTN_THREADS, shared_bytes: ((head_dim + ATTN_PART + 32) * 4) as u32 }
+        };
+        let combine = Geometry { grid: (rows.len() as u32, n_heads as u32, 1), block: head_dim.next_multiple_of(32).min(256) as u32, shared_bytes: 0 };
+        AttentionPlan { tables, offsets, positions, run_start, run_len, max_parts, tiled, partial, combine }
+    }
+
+    /// Entries of the partial buffers: `part_acc` holds this many x head_dim floats, `part_ml` x 2.
+    pub fn partial_slots(&self, n_heads: usize) -> usize {
+        self.positions.len() * n_heads * self.max_parts
+    }
+}

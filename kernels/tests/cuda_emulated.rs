@@ -1,0 +1,295 @@
+//! The CUDA kernels run on the CPU (feature `emu`, `kernels/emu`) against the
+//! CPU backend, launched from the same plans the CUDA backend launches from
+//! (`cuda::plan`). No GPU needed, so every CI run checks the kernels' indexing,
+//! reductions, rounding and batch invariance; the GPU suite
+//! (`cuda_conformance.rs`, bench/gpu/run.sh) remains the judge of what only a
+//! GPU does (its math library, FMA contraction, memory model).
+//!
+//! Tolerances are the GPU suite's: 1e-5 relative for f32 arithmetic, exact for
+//! KV bytes, conversions, copies and argmax, and the same bits for a row alone
+//! as in a batch.
+#![cfg(feature = "emu")]
+
+use baton_kernels::cuda::plan::{self, AttentionPlan, ROW_THREADS, TOKEN_THREADS};
+use baton_kernels::emu::{self, Launch};
+use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
+
+fn launch(g: plan::Geometry) -> Launch {
+    Launch::new(g.grid, g.block, g.shared_bytes as usize)
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+#[test]
+fn row_and_elementwise_kernels_match_the_cpu() {
+    let c = CpuBackend::new(1).unwrap();
+    let (rows, dim) = (7, 576);
+    let x = values(rows * dim, 1);
+    let w = values(dim, 2);
+
+    let mut want = c.tensor(0);
+    c.rmsnorm(&x, &w, 1e-5, rows, dim, &mut want);
+    let mut got = vec![0f32; rows * dim];
+    unsafe { emu::rmsnorm(&launch(plan::per_row(rows, ROW_THREADS)), x.as_ptr(), w.as_ptr(), 1e-5, dim as i32, got.as_mut_ptr()) };
+    let e = rel_err(&got, &want[..rows * dim]);
+    assert!(e <= 1e-5, "rmsnorm: {e}");
+
+    let y = values(rows * dim, 3);
+    let mut want = c.tensor(0);
+    c.silu_mul(&x, &y, rows * dim, &mut want);
+    let mut got = vec![0f32; rows * dim];
+    unsafe { emu::silu_mul(&launch(plan::elementwise(rows * dim)), x.as_ptr(), y.as_ptr(), got.as_mut_ptr(), (rows * dim) as u64) };
+    let e = rel_err(&got, &want[..rows * dim]);
+    assert!(e <= 1e-5, "silu_mul: {e}");
+
+    let mut want = x.clone();
+    c.add(&mut want, &y, rows * dim);
+    let mut got = x.clone();
+    unsafe { emu::add_inplace(&launch(plan::elementwise(rows * dim)), got.as_mut_ptr(), y.as_ptr(), (rows * dim) as u64) };
+    assert_eq!(got, want, "add is exact");
+
+    let picks = [5usize, 0, 5];
+    let mut want = c.tensor(0);
+    c.gather_rows(&x, dim, &picks, &mut want);
+    let ids: Vec<u32> = picks.iter().map(|&r| r as u32).collect();
+    let mut got = vec![0f32; 3 * dim];
+    unsafe { emu::gather_rows(&launch(plan::per_row(3, ROW_THREADS)), x.as_ptr(), ids.as_ptr(), dim as i32, got.as_mut_ptr()) };
+    assert_eq!(got, want[..3 * dim], "gather is exact");
+
+    let (heads, hd) = (9, 64);
+    let q = values(rows * heads * hd, 4);
+    let positions: Vec<u32> = vec![0, 1, 2, 100, 1000, 4095, 17];
+    let table = c.rope(hd, 10_000.0, 4096);
+    let mut want = q.clone();
+    c.apply_rope(&table, &mut want, &positions, heads);
+    let (cos, sin) = table.tables();
+    let mut got = q.clone();
+    unsafe { emu::rope(&launch(plan::per_row(rows, TOKEN_THREADS)), got.as_mut_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), heads as i32, (hd / 2) as i32) };
+    let e = rel_err(&got, &want);
+    assert!(e <= 1e-5, "rope: {e}");
+}
+
+#[test]
+fn conversions_round_like_the_cpu_bit_for_bit() {
+    // Ties, subnormals, the largest finite values, infinities and NaN.
+    let mut x = values(4096, 6);
+    x.extend([0.0, -0.0, 1.0 + f32::EPSILON * 64.0, 65504.0, 65520.0, 1e-7, -3e-8, 6.0e-5, f32::INFINITY, f32::NEG_INFINITY, 3.4e38, 1.0e-40]);
+    x.extend((0..64).map(|i| f32::from_bits(0x3f80_8000 + i * 0x1_0000))); // bf16 ties, odd and even
+    let n = x.len();
+    let mut got = vec![0u16; n];
+    unsafe { emu::to_bf16(&launch(plan::elementwise(n)), x.as_ptr(), got.as_mut_ptr(), n as u64) };
+    let want: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    assert_eq!(got, want, "to_bf16");
+
+    // The embedding rows come back as exactly the bf16 values of the table.
+    let (vocab, dim) = (100, 64);
+    let table: Vec<u16> = values(vocab * dim, 8).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let tokens = [0u32, 99, 17, 17];
+    let mut got = vec![0f32; tokens.len() * dim];
+    unsafe { emu::embed_bf16(&launch(plan::per_row(tokens.len(), ROW_THREADS)), table.as_ptr(), tokens.as_ptr(), dim as i32, got.as_mut_ptr()) };
+    let want: Vec<f32> = tokens.iter().flat_map(|&t| table[t as usize * dim..(t as usize + 1) * dim].iter().map(|&b| half::bf16::from_bits(b).to_f32())).collect();
+    assert_eq!(got, want, "embed_bf16");
+}
+
+#[test]
+fn sampling_kernels_match_the_cpu() {
+    let n = 49_152;
+    let mut logits = values(3 * n, 5);
+    logits[n + 7] = 5.0;
+    logits[n + 9] = 5.0; // a tie: the lower index wins
+    let mut got = vec![0u32; 3];
+    unsafe { emu::argmax_rows(&launch(plan::per_row(3, ROW_THREADS)), logits.as_ptr(), n as i32, got.as_mut_ptr()) };
+    let want: Vec<u32> = logits.chunks(n).map(|r| baton_kernels::ops::argmax(r) as u32).collect();
+    assert_eq!(got, want);
+    assert_eq!(got[1], 7);
+
+    let t = 0.7f32;
+    let mut got = vec![0f32; 3 * n];
+    unsafe { emu::softmax_rows(&launch(plan::per_row(3, ROW_THREADS)), logits.as_ptr(), n as i32, 1.0 / t, got.as_mut_ptr()) };
+    for (r, row) in logits.chunks(n).enumerate() {
+        let m = row.iter().map(|&v| (v / t) as f64).fold(f64::MIN, f64::max);
+        let sum: f64 = row.iter().map(|&v| ((v / t) as f64 - m).exp()).sum();
+        let want: Vec<f32> = row.iter().map(|&v| (((v / t) as f64 - m).exp() / sum) as f32).collect();
+        let e = rel_err(&got[r * n..(r + 1) * n], &want);
+        assert!(e <= 1e-5, "softmax row {r}: {e}");
+    }
+}
+
+/// The CPU arena's bytes, every block in order: the GPU arena's layout.
+fn arena_bytes(c: &CpuBackend, kv: &<CpuBackend as Backend>::Kv, layout: KvLayout, blocks: usize) -> Vec<u8> {
+    let bb = layout.block_bytes();
+    let mut out = vec![0u8; blocks * bb];
+    for (b, chunk) in out.chunks_exact_mut(bb).enumerate() {
+        c.kv_copy_block_out(kv, b, chunk);
+    }
+    out
+}
+
+/// `kv_write` for `dtype` on an emulated arena.
+fn emu_kv_write(arena: &mut [u8], layout: KvLayout, layer: usize, k: &[f32], v: &[f32], slots: &[(u32, u32)]) {
+    let flat: Vec<u32> = slots.iter().flat_map(|&(b, s)| [b, s]).collect();
+    let l = launch(plan::per_row(slots.len(), TOKEN_THREADS));
+    let args = (arena.as_mut_ptr(), k.as_ptr(), v.as_ptr(), flat.as_ptr(), layer as i32, layout.layers as i32, layout.block_tokens as i32, layout.token_elems() as i32);
+    unsafe {
+        match layout.dtype {
+            KvDtype::F32 => emu::kv_write_f32(&l, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),
+            KvDtype::F16 => emu::kv_write_f16(&l, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),
+            KvDtype::BF16 => emu::kv_write_bf16(&l, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),
+            KvDtype::F8E4M3 => emu::kv_write_e4m3(&l, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),
+        }
+    }
+}
+
+/// Attention on an emulated arena, launched as `CudaBackend::attention` launches it.
+#[allow(clippy::too_many_arguments)]
+fn emu_attention(arena: &[u8], layout: KvLayout, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32) -> Vec<f32> {
+    let hd = layout.head_dim;
+    let p = AttentionPlan::new(rows, layout.block_tokens, hd, n_heads);
+    let slots = p.partial_slots(n_heads);
+    let (mut part_acc, mut part_ml) = (vec![f32::NAN; slots * hd], vec![f32::NAN; slots * 2]);
+    let mut out = vec![0f32; rows.len() * n_heads * hd];
+    let (layer, layers, bt, kvh, hd_i, nh, mp) = (layer as i32, layout.layers as i32, layout.block_tokens as i32, layout.kv_heads as i32, hd as i32, n_heads as i32, p.max_parts as i32);
+    let (a, qp, t, o, pos) = (arena.as_ptr(), q.as_ptr(), p.tables.as_ptr(), p.offsets.as_ptr(), p.positions.as_ptr());
+    let (acc, ml) = (part_acc.as_mut_ptr(), part_ml.as_mut_ptr());
+    let l = launch(p.partial);
+    unsafe {
+        if p.tiled {
+            let (s, n) = (p.run_start.as_ptr(), p.run_len.as_ptr());
+            match layout.dtype {
+                KvDtype::F32 => emu::attn_partial_tiled_f32(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+                KvDtype::F16 => emu::attn_partial_tiled_f16(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+                KvDtype::BF16 => emu::attn_partial_tiled_bf16(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+                KvDtype::F8E4M3 => emu::attn_partial_tiled_e4m3(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+            }
+        } else {
+            match layout.dtype {
+                KvDtype::F32 => emu::attn_partial_f32(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+                KvDtype::F16 => emu::attn_partial_f16(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+                KvDtype::BF16 => emu::attn_partial_bf16(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+                KvDtype::F8E4M3 => emu::attn_partial_e4m3(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
+            }
+        }
+        emu::attn_combine(&launch(p.combine), acc, ml, pos, nh, hd_i, mp, out.as_mut_ptr());
+    }
+    out
+}
+
+/// The same tokens written into the CPU arena and by the emulated kernels give
+/// the same bytes in every KV dtype; then attention for a decode batch of
+/// different lengths (grouped-query heads, up to 3 partitions) and for a
+/// prefill chunk (the tiled kernel) matches the CPU backend, and a row alone
+/// gives the same bits as in its batch or chunk.
+#[test]
+fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
+    let c = CpuBackend::new(1).unwrap();
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16, KvDtype::F8E4M3] {
+        let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads: 2, head_dim: 64, dtype };
+        let (n_heads, layer, blocks) = (4, 1, 64);
+        let mut kc = c.kv(layout, blocks).unwrap();
+        let mut arena = arena_bytes(&c, &kc, layout, blocks);
+        let lens = [600usize, 150, 1];
+        // Blocks scattered over the arena (5 is coprime to 64).
+        let mut order = (0..blocks as u32).map(|i| (i * 5) % blocks as u32);
+        let tables: Vec<Vec<u32>> = lens.iter().map(|&len| order.by_ref().take(len.div_ceil(16)).collect()).collect();
+        let te = layout.token_elems();
+        for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
+            let k = values(len * te, 100 + s as u64);
+            let v = values(len * te, 200 + s as u64);
+            let slots: Vec<(u32, u32)> = (0..len).map(|p| (table[p / 16], (p % 16) as u32)).collect();
+            c.kv_write(&mut kc, layer, &k, &v, &slots);
+            emu_kv_write(&mut arena, layout, layer, &k, &v, &slots);
+            // Layer 0 (not attended below): values past e4m3's 448 and in f16's
+            // subnormals, so saturation and rounding are compared too.
+            let wide: Vec<f32> = k.iter().enumerate().map(|(i, v)| v * [1.0, 600.0, 1e-5, 7e4][i % 4]).collect();
+            c.kv_write(&mut kc, 0, &wide, &v, &slots);
+            emu_kv_write(&mut arena, layout, 0, &wide, &v, &slots);
+        }
+        assert!(arena == arena_bytes(&c, &kc, layout, blocks), "{dtype:?}: KV bytes differ from the CPU arena's");
+
+        let scale = 1.0 / 8.0;
+        let rows: Vec<AttnRow> = lens.iter().zip(&tables).map(|(&len, t)| AttnRow { block_table: t, pos: len - 1 }).collect();
+        let q = values(rows.len() * n_heads * 64, 9);
+        let mut want = c.tensor(0);
+        c.attention(&kc, layer, &q, &rows, n_heads, scale, &mut want);
+        let batch = emu_attention(&arena, layout, layer, &q, &rows, n_heads, scale);
+        let e = rel_err(&batch, &want[..q.len()]);
+        assert!(e <= 1e-5, "{dtype:?} decode attention: {e}");
+        let alone = emu_attention(&arena, layout, layer, &q[..n_heads * 64], &rows[..1], n_heads, scale);
+        assert_eq!(alone, batch[..n_heads * 64], "{dtype:?}: attention depends on the batch");
+
+        // Prefill: positions 230..270 of the first sequence as one chunk (runs of 16, 16 and 8 rows).
+        let chunk: Vec<AttnRow> = (230..270).map(|p| AttnRow { block_table: &tables[0], pos: p }).collect();
+        let q = values(chunk.len() * n_heads * 64, 10);
+        let mut want = c.tensor(0);
+        c.attention(&kc, layer, &q, &chunk, n_heads, scale, &mut want);
+        let chunk_out = emu_attention(&arena, layout, layer, &q, &chunk, n_heads, scale);
+        let e = rel_err(&chunk_out, &want[..q.len()]);
+        assert!(e <= 1e-5, "{dtype:?} prefill attention: {e}");
+        for &i in &[0usize, 25, 26, 39] {
+            let w = n_heads * 64;
+            let alone = emu_attention(&arena, layout, layer, &q[i * w..(i + 1) * w], &chunk[i..i + 1], n_heads, scale);
+            assert_eq!(alone, chunk_out[i * w..(i + 1) * w], "{dtype:?}: prefill row {i} depends on its chunk");
+        }
+    }
+}
+
+/// Blocks packed by the emulated kernel (a layer range of scattered blocks)
+/// equal the CPU arena's slices; unpacked into other blocks, they read back the same.
+#[test]
+fn kv_pack_and_unpack_move_whole_layers() {
+    let c = CpuBackend::new(1).unwrap();
+    let layout = KvLayout { layers: 5, block_tokens: 16, kv_heads: 3, head_dim: 64, dtype: KvDtype::BF16 };
+    let blocks = 12;
+    let mut kc = c.kv(layout, blocks).unwrap();
+    let te = layout.token_elems();
+    for layer in 0..layout.layers {
+        let slots: Vec<(u32, u32)> = (0..6 * 16).map(|p| (p / 16, p % 16)).collect();
+        c.kv_write(&mut kc, layer, &values(96 * te, layer as u64), &values(96 * te, 50 + layer as u64), &slots);
+    }
+    let mut arena = arena_bytes(&c, &kc, layout, blocks);
+    let (ids, layers) = ([4u32, 0, 2], 1..4);
+    let (lb, span) = (layout.block_layer_bytes(), 3 * layout.block_layer_bytes());
+    let mut packed = vec![0u8; ids.len() * span];
+    let words_per_block_layer = (lb / 4) as u64;
+    let (nl, l0, l1) = (layout.layers as i32, layers.start as i32, layers.end as i32);
+    let arena_words = arena.as_ptr().cast::<u32>();
+    unsafe { emu::kv_pack(&launch(plan::kv_copy(span, ids.len())), arena_words, ids.as_ptr(), words_per_block_layer, nl, l0, l1, packed.as_mut_ptr().cast()) };
+    for (i, &b) in ids.iter().enumerate() {
+        let at = b as usize * layout.block_bytes() + layers.start * lb;
+        assert!(packed[i * span..(i + 1) * span] == arena[at..at + span], "block {b}: packed bytes differ");
+    }
+    let into = [11u32, 7, 9];
+    unsafe { emu::kv_unpack(&launch(plan::kv_copy(span, into.len())), arena.as_mut_ptr().cast(), into.as_ptr(), words_per_block_layer, nl, l0, l1, packed.as_ptr().cast()) };
+    for (i, &b) in into.iter().enumerate() {
+        let at = b as usize * layout.block_bytes() + layers.start * lb;
+        assert!(arena[at..at + span] == packed[i * span..(i + 1) * span], "block {b}: unpacked bytes differ");
+    }
+}
+
+/// The emulator keeps CUDA's rules: a warp shuffle needs a whole warp, so a
+/// block of 48 threads (a warp and a half) is an error, not a quiet answer.
+#[test]
+#[should_panic(expected = "warp shuffle in a warp of 16 threads")]
+fn a_shuffle_in_a_partial_warp_is_reported() {
+    let x = values(576, 1);
+    let w = values(576, 2);
+    let mut out = vec![0f32; 576];
+    unsafe { emu::rmsnorm(&launch(plan::per_row(1, 48)), x.as_ptr(), w.as_ptr(), 1e-5, 576, out.as_mut_ptr()) };
+}

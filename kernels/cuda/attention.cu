@@ -5,7 +5,7 @@
 // cached prefix is just the lower positions of that table.
 //
 // Keys are split into partitions of ATTN_PART (flash-decoding): one thread
-// block computes one (row, head, partition) and writes its max, sum of
+// block computes one (row, heads of a KV head, partition) and writes its max, sum of
 // exponentials and unnormalised output; attn_combine merges the partitions of
 // a row in order. The partition size is fixed, so a row's result depends only
 // on its own keys, never on what else is in the batch or how a prompt was
@@ -32,53 +32,83 @@ __device__ void softmax_partition(float* scores, int n, float* scratch, float* m
     *sum_out = block_sum(l, scratch);
 }
 
-// Shared memory: head_dim floats of query, ATTN_PART scores, 32 for reductions.
+// Query heads per block of attn_partial: the heads that share one KV head (a
+// grouped-query group), at most ATTN_GROUP of them, so each key and value is
+// read from memory once for all of them. Each head's arithmetic is the one
+// the tiled kernel below does for a row, so a position's bits do not depend on
+// which kernel computed it or on how many heads shared the block.
+#define ATTN_GROUP 8
+
+// Grid: (rows, kv_heads x ceil(group / ATTN_GROUP), partitions), group =
+// n_heads / kv_heads. Shared memory: min(group, ATTN_GROUP) x head_dim query
+// floats, as many x ATTN_PART scores, 32 for reductions.
 template <int D>
 __device__ void attn_partial_impl(const void* arena, const float* q, const u32* tables, const u32* table_off, const u32* pos,
                                   int layer, int layers, int block_tokens, int kv_heads, int head_dim, int n_heads, float scale,
                                   int max_parts, float* part_acc, float* part_ml) {
     extern __shared__ float shared[];
-    float* qs = shared;
-    float* scores = shared + head_dim;
-    float* scratch = scores + ATTN_PART;
-    int row = blockIdx.x, h = blockIdx.y, p = blockIdx.z;
+    int row = blockIdx.x, p = blockIdx.z;
+    int group = n_heads / kv_heads, chunks = (group + ATTN_GROUP - 1) / ATTN_GROUP;
+    int kvh = blockIdx.y / chunks;
+    int h0 = kvh * group + (blockIdx.y % chunks) * ATTN_GROUP;  // this block's first query head
+    int nh = min(ATTN_GROUP, kvh * group + group - h0);          // and how many
+    int stride = min(group, ATTN_GROUP);
     int n_keys = (int)pos[row] + 1;
     int k0 = p * ATTN_PART;
     if (k0 >= n_keys) return;  // past this row's keys: attn_combine never reads it
-    int k1 = min(k0 + ATTN_PART, n_keys);
-    int kvh = h / (n_heads / kv_heads);
+    int k1 = min(k0 + ATTN_PART, n_keys), n = k1 - k0;
+    float* qs = shared;                        // [nh][head_dim]
+    float* scores = qs + stride * head_dim;    // [nh][ATTN_PART]
+    float* scratch = scores + stride * ATTN_PART;
     int te = kv_heads * head_dim;
     const u32* table = tables + table_off[row];
-    const float* qr = q + ((u64)row * n_heads + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+    for (int i = threadIdx.x; i < nh * head_dim; i += blockDim.x) qs[i] = q[((u64)row * n_heads + h0) * head_dim + i];
     __syncthreads();
 
-    // Scores: one warp per key, lanes across the head; summed in warp_sum's fixed order.
+    // Scores: one warp per (key, head) pair, lanes across the head, summed in
+    // warp_sum's fixed order; a key's heads go to neighbouring warps.
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int j = k0 + warp; j < k1; j += warps) {
-        u64 base = kv_index(table[j / block_tokens], layer, layers, 0, j % block_tokens, block_tokens, te) + (u64)kvh * head_dim;
+    for (int pair = warp; pair < n * nh; pair += warps) {
+        int j = pair / nh, h = pair - j * nh;
+        int key = k0 + j;
+        u64 base = kv_index(table[key / block_tokens], layer, layers, 0, key % block_tokens, block_tokens, te) + (u64)kvh * head_dim;
         float s = 0.f;
-        for (int d = lane; d < head_dim; d += 32) s += qs[d] * kv_load<D>(arena, base + d);
+        for (int d = lane; d < head_dim; d += 32) s += qs[h * head_dim + d] * kv_load<D>(arena, base + d);
         s = warp_sum(s);
-        if (lane == 0) scores[j - k0] = s * scale;
+        if (lane == 0) scores[h * ATTN_PART + j] = s * scale;
     }
     __syncthreads();
-    float m, l;
-    softmax_partition(scores, k1 - k0, scratch, &m, &l);
-
-    // Values: one thread per output element, keys in order.
-    u64 slot = ((u64)row * n_heads + h) * max_parts + p;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.f;
-        for (int j = k0; j < k1; j++) {
-            u64 vb = kv_index(table[j / block_tokens], layer, layers, 1, j % block_tokens, block_tokens, te) + (u64)kvh * head_dim;
-            acc += scores[j - k0] * kv_load<D>(arena, vb + d);
+    for (int h = 0; h < nh; h++) {
+        float m, l;
+        softmax_partition(scores + h * ATTN_PART, n, scratch, &m, &l);
+        if (threadIdx.x == 0) {
+            u64 slot = ((u64)row * n_heads + h0 + h) * max_parts + p;
+            part_ml[slot * 2] = m;
+            part_ml[slot * 2 + 1] = l;
         }
-        part_acc[slot * head_dim + d] = acc;
     }
-    if (threadIdx.x == 0) {
-        part_ml[slot * 2] = m;
-        part_ml[slot * 2 + 1] = l;
+
+    // Values: a thread per (element, share of the heads), keys in order; each
+    // value is read once and used for every head of the share.
+    int split = max(1, min(nh, (int)blockDim.x / head_dim));
+    for (int o = threadIdx.x; o < head_dim * split; o += blockDim.x) {
+        int d = o % head_dim, first = o / head_dim;
+        float acc[ATTN_GROUP];
+        for (int i = 0; i < ATTN_GROUP; i++) acc[i] = 0.f;
+        for (int j = 0; j < n; j++) {
+            int key = k0 + j;
+            float v = kv_load<D>(arena, kv_index(table[key / block_tokens], layer, layers, 1, key % block_tokens, block_tokens, te) + (u64)kvh * head_dim + d);
+#pragma unroll
+            for (int i = 0; i < ATTN_GROUP; i++) {
+                int h = first + i * split;
+                if (h < nh) acc[i] += scores[h * ATTN_PART + j] * v;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ATTN_GROUP; i++) {
+            int h = first + i * split;
+            if (h < nh) part_acc[(((u64)row * n_heads + h0 + h) * max_parts + p) * head_dim + d] = acc[i];
+        }
     }
 }
 

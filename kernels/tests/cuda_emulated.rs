@@ -161,7 +161,7 @@ fn emu_kv_write(arena: &mut [u8], layout: KvLayout, layer: usize, k: &[f32], v: 
 #[allow(clippy::too_many_arguments)]
 fn emu_attention(arena: &[u8], layout: KvLayout, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32) -> Vec<f32> {
     let hd = layout.head_dim;
-    let p = AttentionPlan::new(rows, layout.block_tokens, hd, n_heads);
+    let p = AttentionPlan::new(rows, layout.block_tokens, hd, n_heads, layout.kv_heads);
     let slots = p.partial_slots(n_heads);
     let (mut part_acc, mut part_ml) = (vec![f32::NAN; slots * hd], vec![f32::NAN; slots * 2]);
     let mut out = vec![0f32; rows.len() * n_heads * hd];
@@ -193,15 +193,27 @@ fn emu_attention(arena: &[u8], layout: KvLayout, layer: usize, q: &[f32], rows: 
 
 /// The same tokens written into the CPU arena and by the emulated kernels give
 /// the same bytes in every KV dtype; then attention for a decode batch of
-/// different lengths (grouped-query heads, up to 3 partitions) and for a
-/// prefill chunk (the tiled kernel) matches the CPU backend, and a row alone
-/// gives the same bits as in its batch or chunk.
+/// different lengths (up to 3 partitions) and for a prefill chunk (the tiled
+/// kernel) matches the CPU backend, and a row alone gives the same bits as in
+/// its batch or chunk. Head shapes: grouped queries of 2, 3 and 10 (more than
+/// one block's group of 8) query heads per KV head, plain multi-head, and head
+/// sizes of 32, 64 and 128 (a value element per thread, or shared by several).
 #[test]
 fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
     let c = CpuBackend::new(1).unwrap();
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16, KvDtype::F8E4M3] {
-        let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads: 2, head_dim: 64, dtype };
-        let (n_heads, layer, blocks) = (4, 1, 64);
+    let cases = [
+        (KvDtype::F32, 2, 4, 64),
+        (KvDtype::F16, 2, 4, 64),
+        (KvDtype::BF16, 2, 4, 64),
+        (KvDtype::F8E4M3, 2, 4, 64),
+        (KvDtype::F16, 3, 9, 64),
+        (KvDtype::BF16, 1, 10, 32),
+        (KvDtype::F32, 2, 2, 128),
+    ];
+    for (dtype, kv_heads, n_heads, hd) in cases {
+        let what = format!("{dtype:?}, {n_heads} heads over {kv_heads}, head size {hd}");
+        let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads, head_dim: hd, dtype };
+        let (layer, blocks) = (1, 64);
         let mut kc = c.kv(layout, blocks).unwrap();
         let mut arena = arena_bytes(&c, &kc, layout, blocks);
         let lens = [600usize, 150, 1];
@@ -221,31 +233,33 @@ fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
             c.kv_write(&mut kc, 0, &wide, &v, &slots);
             emu_kv_write(&mut arena, layout, 0, &wide, &v, &slots);
         }
-        assert!(arena == arena_bytes(&c, &kc, layout, blocks), "{dtype:?}: KV bytes differ from the CPU arena's");
+        assert!(arena == arena_bytes(&c, &kc, layout, blocks), "{what}: KV bytes differ from the CPU arena's");
 
-        let scale = 1.0 / 8.0;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let w = n_heads * hd;
         let rows: Vec<AttnRow> = lens.iter().zip(&tables).map(|(&len, t)| AttnRow { block_table: t, pos: len - 1 }).collect();
-        let q = values(rows.len() * n_heads * 64, 9);
+        let q = values(rows.len() * w, 9);
         let mut want = c.tensor(0);
         c.attention(&kc, layer, &q, &rows, n_heads, scale, &mut want);
         let batch = emu_attention(&arena, layout, layer, &q, &rows, n_heads, scale);
         let e = rel_err(&batch, &want[..q.len()]);
-        assert!(e <= 1e-5, "{dtype:?} decode attention: {e}");
-        let alone = emu_attention(&arena, layout, layer, &q[..n_heads * 64], &rows[..1], n_heads, scale);
-        assert_eq!(alone, batch[..n_heads * 64], "{dtype:?}: attention depends on the batch");
+        assert!(e <= 1e-5, "{what}: decode attention: {e}");
+        let alone = emu_attention(&arena, layout, layer, &q[..w], &rows[..1], n_heads, scale);
+        assert_eq!(alone, batch[..w], "{what}: attention depends on the batch");
 
-        // Prefill: positions 230..270 of the first sequence as one chunk (runs of 16, 16 and 8 rows).
-        let chunk: Vec<AttnRow> = (230..270).map(|p| AttnRow { block_table: &tables[0], pos: p }).collect();
-        let q = values(chunk.len() * n_heads * 64, 10);
+        // Prefill: positions 240..276 of the first sequence as one chunk (runs of 16, 16 and 4
+        // rows; the partition boundary at 256 falls inside the second run).
+        let chunk: Vec<AttnRow> = (240..276).map(|p| AttnRow { block_table: &tables[0], pos: p }).collect();
+        let q = values(chunk.len() * w, 10);
         let mut want = c.tensor(0);
         c.attention(&kc, layer, &q, &chunk, n_heads, scale, &mut want);
         let chunk_out = emu_attention(&arena, layout, layer, &q, &chunk, n_heads, scale);
         let e = rel_err(&chunk_out, &want[..q.len()]);
-        assert!(e <= 1e-5, "{dtype:?} prefill attention: {e}");
-        for &i in &[0usize, 25, 26, 39] {
-            let w = n_heads * 64;
+        assert!(e <= 1e-5, "{what}: prefill attention: {e}");
+        // A chunk row (tiled kernel) equals the same position alone (the grouped decode kernel).
+        for &i in &[0usize, 15, 16, 35] {
             let alone = emu_attention(&arena, layout, layer, &q[i * w..(i + 1) * w], &chunk[i..i + 1], n_heads, scale);
-            assert_eq!(alone, chunk_out[i * w..(i + 1) * w], "{dtype:?}: prefill row {i} depends on its chunk");
+            assert_eq!(alone, chunk_out[i * w..(i + 1) * w], "{what}: prefill row {i} depends on its chunk");
         }
     }
 }

@@ -611,7 +611,7 @@ impl Backend for CudaBackend {
         let l = &kv.layout;
         let hd = l.head_dim;
         self.ensure_len(out, rows.len() * n_heads * hd);
-        let p = AttentionPlan::new(rows, l.block_tokens, hd, n_heads);
+        let p = AttentionPlan::new(rows, l.block_tokens, hd, n_heads, l.kv_heads);
         let max_parts = p.max_parts;
         let (tables, offsets, positions) = (self.upload_u32(&p.tables), self.upload_u32(&p.offsets), self.upload_u32(&p.positions));
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());

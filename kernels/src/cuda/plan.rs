@@ -16,6 +16,8 @@ pub const ATTN_TILE_ROWS: usize = 16;
 pub const ATTN_KEY_CHUNK: usize = 32;
 /// The tiled kernel's shared memory fits the default 48 KiB up to this head size.
 pub const ATTN_TILED_MAX_HEAD_DIM: usize = 128;
+/// Query heads of one KV head per block of `attn_partial` (`ATTN_GROUP` in attention.cu).
+pub const ATTN_GROUP: usize = 8;
 /// Threads per row of the row-wise kernels (`SAMPLING_THREADS` in sampling.cu for argmax).
 pub const ROW_THREADS: u32 = 256;
 /// Threads per token of rope and kv_write.
@@ -68,8 +70,10 @@ pub struct AttentionPlan {
 }
 
 impl AttentionPlan {
-    /// Panics if a row's block table is shorter than its position needs.
-    pub fn new(rows: &[AttnRow], block_tokens: usize, head_dim: usize, n_heads: usize) -> AttentionPlan {
+    /// Panics if a row's block table is shorter than its position needs, or
+    /// if `n_heads` is not a multiple of `kv_heads`.
+    pub fn new(rows: &[AttnRow], block_tokens: usize, head_dim: usize, n_heads: usize, kv_heads: usize) -> AttentionPlan {
+        assert!(kv_heads > 0 && n_heads.is_multiple_of(kv_heads), "attention: {n_heads} query heads over {kv_heads} KV heads");
         let (mut tables, mut offsets, mut positions) = (Vec::new(), Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
         let (mut run_start, mut run_len): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
         let mut last: Option<(*const u32, usize)> = None;
@@ -105,7 +109,14 @@ impl AttentionPlan {
                 shared_bytes: ((ATTN_TILE_ROWS * head_dim + ATTN_TILE_ROWS * ATTN_PART + ATTN_KEY_CHUNK * head_dim + 32) * 4) as u32,
             }
         } else {
-            Geometry { grid: (rows.len() as u32, n_heads as u32, max_parts as u32), block: ATTN_THREADS, shared_bytes: ((head_dim + ATTN_PART + 32) * 4) as u32 }
+            // A block per (row, up to ATTN_GROUP query heads of one KV head, partition).
+            let group = n_heads / kv_heads;
+            let per_block = group.min(ATTN_GROUP);
+            Geometry {
+                grid: (rows.len() as u32, (kv_heads * group.div_ceil(ATTN_GROUP)) as u32, max_parts as u32),
+                block: ATTN_THREADS,
+                shared_bytes: ((per_block * head_dim + per_block * ATTN_PART + 32) * 4) as u32,
+            }
         };
         let combine = Geometry { grid: (rows.len() as u32, n_heads as u32, 1), block: head_dim.next_multiple_of(32).min(256) as u32, shared_bytes: 0 };
         AttentionPlan { tables, offsets, positions, run_start, run_len, max_parts, tiled, partial, combine }
@@ -114,5 +125,37 @@ impl AttentionPlan {
     /// Entries of the partial buffers: `part_acc` holds this many x head_dim floats, `part_ml` x 2.
     pub fn partial_slots(&self, n_heads: usize) -> usize {
         self.positions.len() * n_heads * self.max_parts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_plans_share_tables_and_group_heads() {
+        let (a, b): (Vec<u32>, Vec<u32>) = ((0..40).collect(), (40..60).collect());
+        // A prefill chunk of 20 rows on one table, then a decode row on another.
+        let mut rows: Vec<AttnRow> = (300..320).map(|pos| AttnRow { block_table: &a, pos }).collect();
+        rows.push(AttnRow { block_table: &b, pos: 5 });
+        let p = AttentionPlan::new(&rows, 16, 64, 10, 1);
+        assert_eq!(p.tables.len(), 60, "each table once");
+        assert_eq!((p.offsets[0], p.offsets[19], p.offsets[20]), (0, 0, 40));
+        assert_eq!((p.run_start, p.run_len), (vec![0, 16, 20], vec![16, 4, 1]));
+        assert_eq!(p.max_parts, 2);
+        assert!(p.tiled);
+        assert_eq!(p.partial.grid, (3, 10, 2), "tiled: a block per (run, query head, partition)");
+
+        // Decode rows: a block per (row, up to ATTN_GROUP heads of a KV head, partition).
+        let decode = [AttnRow { block_table: &a, pos: 600 }, AttnRow { block_table: &b, pos: 0 }];
+        let p = AttentionPlan::new(&decode, 16, 64, 10, 1);
+        assert!(!p.tiled);
+        assert_eq!(p.partial.grid, (2, 2, 3), "10 heads of one KV head: blocks of 8 and 2");
+        assert_eq!(p.partial.shared_bytes, ((8 * 64 + 8 * ATTN_PART + 32) * 4) as u32);
+        let p = AttentionPlan::new(&decode, 16, 128, 32, 8);
+        assert_eq!(p.partial.grid, (2, 8, 3), "groups of 4");
+        assert_eq!(p.partial.shared_bytes, ((4 * 128 + 4 * ATTN_PART + 32) * 4) as u32);
+        assert_eq!(p.combine.grid, (2, 32, 1));
+        assert_eq!(p.partial_slots(32), 2 * 32 * 3);
     }
 }

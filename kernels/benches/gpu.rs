@@ -4,7 +4,9 @@
 //!
 //! - decode step time at batch 1, 64 and 256 with 3,000-token contexts, against
 //!   the bandwidth roofline: (bytes of weights + KV read per step) / measured
-//!   device copy bandwidth;
+//!   device copy bandwidth; beside it the step's matrix products alone and its
+//!   attention alone, each with the bandwidth it reached (weights, KV), so a
+//!   miss names its cause;
 //! - prefill tokens/s against the matrix-unit roofline: model FLOPs per token /
 //!   measured cuBLAS bf16 GEMM throughput;
 //! - KV blocks to and from host memory through the staging buffers.
@@ -124,6 +126,17 @@ fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a:
     g.matmul(&a.h, logits_rows.len(), &mut [(&m.head, &mut a.logits)]);
 }
 
+/// The matrix products of one forward pass alone (every layer, and the head for `logits_rows`).
+fn products_only(g: &CudaBackend, m: &Model, a: &mut Acts, rows: usize, logits_rows: &[usize]) {
+    for l in &m.layers {
+        g.matmul(&a.h, rows, &mut [(&l.wq, &mut a.q), (&l.wk, &mut a.k), (&l.wv, &mut a.v)]);
+        g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
+        g.matmul(&a.h, rows, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
+        g.matmul(&a.act, rows, &mut [(&l.down, &mut a.o)]);
+    }
+    g.matmul(&a.h, logits_rows.len(), &mut [(&m.head, &mut a.logits)]);
+}
+
 fn acts(g: &CudaBackend, s: Shape, rows: usize) -> Acts {
     let t = |n: usize| g.tensor(n);
     Acts {
@@ -232,8 +245,8 @@ fn main() {
     println!("measured copy bandwidth {bw:.0} GB/s; bf16 GEMM 8192^3: one cuBLAS call {tflops:.0} TFLOP/s, the backend's matmul (f32 input, {GEMM_ROWS}-row calls) {backend_tflops:.0} TFLOP/s");
     kv_staging(&g);
     println!();
-    println!("| shape | batch | step ms | roofline ms | ratio | bytes read/step |");
-    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    println!("| shape | batch | step ms | roofline ms | ratio | bytes read/step | products ms (weights GB/s) | attention ms (KV GB/s) |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut prefill_lines = Vec::new();
     for s in [LLAMA_8B, LLAMA_70B_TP8] {
         let m = build(&g, s);
@@ -245,7 +258,7 @@ fn main() {
             let need = blocks * layout.block_bytes();
             let (free, _) = g.memory();
             if need + (2 << 30) > free {
-                println!("| {} | {batch} | skipped: KV needs {} GiB, {} GiB free | | | |", s.name, need >> 30, free >> 30);
+                println!("| {} | {batch} | skipped: KV needs {} GiB, {} GiB free | | | | | |", s.name, need >> 30, free >> 30);
                 continue;
             }
             let mut kv = g.kv(layout, blocks).expect("kv arena");
@@ -268,7 +281,27 @@ fn main() {
             let step = t.elapsed().as_secs_f64() / steps as f64;
             let bytes = weight_bytes + batch * (CONTEXT + 1) * s.kv_bytes_per_token();
             let roof = bytes as f64 / (bw * 1e9);
-            println!("| {} | {batch} | {:.2} | {:.2} | {:.2}x | {:.1} GB |", s.name, step * 1e3, roof * 1e3, step / roof, bytes as f64 / 1e9);
+            // Where the step goes: the same products alone, and attention over every layer alone.
+            let products = best_of_five(&g, || products_only(&g, &m, &mut a, batch, &logits_rows));
+            let scale = 1.0 / (s.head_dim as f32).sqrt();
+            let attention = best_of_five(&g, || {
+                for li in 0..s.layers {
+                    g.attention(&kv, li, &a.q, &attn, s.heads, scale, &mut a.att);
+                }
+            });
+            let kv_read = batch * (CONTEXT + 1) * s.kv_bytes_per_token();
+            println!(
+                "| {} | {batch} | {:.2} | {:.2} | {:.2}x | {:.1} GB | {:.2} ({:.0}) | {:.2} ({:.0}) |",
+                s.name,
+                step * 1e3,
+                roof * 1e3,
+                step / roof,
+                bytes as f64 / 1e9,
+                products * 1e3,
+                weight_bytes as f64 / products / 1e9,
+                attention * 1e3,
+                kv_read as f64 / attention / 1e9
+            );
         }
 
         // Prefill: one 2,048-token prompt in one step.

@@ -200,21 +200,33 @@ __device__ void attn_partial_tiled_impl(const void* arena, const float* q, const
     }
     __syncthreads();
 
-    // Values: one thread per (element, row), keys in order; each value is read
-    // once per thread and used for every row of the run that reaches it.
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    // Values: a thread per (element, share of the rows), keys in order; each
+    // value is read once per thread and used for every row of its share that
+    // reaches it. Unrolled over the rows so the sums stay in registers.
+    int split = max(1, min(rows, (int)blockDim.x / head_dim));
+    for (int o = threadIdx.x; o < head_dim * split; o += blockDim.x) {
+        int d = o % head_dim, r0 = o / head_dim;
         float acc[ATTN_TILE_ROWS];
-        for (int r = 0; r < ATTN_TILE_ROWS; r++) acc[r] = 0.f;
+        int last[ATTN_TILE_ROWS];  // each row's last key, -1 past the run
+#pragma unroll
+        for (int i = 0; i < ATTN_TILE_ROWS; i++) {
+            int r = r0 + i * split;
+            acc[i] = 0.f;
+            last[i] = r < rows ? (int)pos[first + r] : -1;
+        }
         for (int j = k0; j < k_end; j++) {
             float v = kv_load<D>(arena, kv_index(table[j / block_tokens], layer, layers, 1, j % block_tokens, block_tokens, te) + (u64)kvh * head_dim + d);
-            for (int r = 0; r < ATTN_TILE_ROWS; r++) {
-                if (r < rows && j <= (int)pos[first + r]) acc[r] += scores[r * ATTN_PART + (j - k0)] * v;
+#pragma unroll
+            for (int i = 0; i < ATTN_TILE_ROWS; i++) {
+                if (j <= last[i]) acc[i] += scores[(r0 + i * split) * ATTN_PART + (j - k0)] * v;
             }
         }
-        for (int r = 0; r < rows; r++) {
-            if (k0 > (int)pos[first + r]) continue;
+#pragma unroll
+        for (int i = 0; i < ATTN_TILE_ROWS; i++) {
+            int r = r0 + i * split;
+            if (k0 > last[i]) continue;  // past the run, or a row with no keys in this partition
             u64 slot = ((u64)(first + r) * n_heads + h) * max_parts + p;
-            part_acc[slot * head_dim + d] = acc[r];
+            part_acc[slot * head_dim + d] = acc[i];
         }
     }
 }

@@ -67,6 +67,26 @@ fn every_kernel_file_compiles_to_ptx_for_sm90_and_sm80() {
     }
 }
 
+/// No kernel keeps an array in local memory (off-chip, behind L1): per-row or
+/// per-head sums must stay in registers, which needs loops over them unrolled
+/// with constant indices. The tiled attention kernel once had 26 local loads
+/// and stores in its value loop; this keeps that from coming back unseen.
+#[test]
+fn no_kernel_keeps_an_array_in_local_memory() {
+    if nvrtc().is_none() {
+        return;
+    }
+    for &(name, source) in SOURCES {
+        let ptx = compile(name, source, "sm_90").unwrap_or_else(|e| panic!("{e}")).to_src();
+        for entry in ptx.split(".entry ").skip(1) {
+            let kernel = entry.split('(').next().unwrap();
+            let body = entry.split("\n}").next().unwrap();
+            let local = body.matches("ld.local").count() + body.matches("st.local").count();
+            assert_eq!(local, 0, "{name}.cu: {kernel} has {local} local-memory loads/stores in its PTX");
+        }
+    }
+}
+
 #[test]
 fn every_cu_file_in_the_folder_is_compiled_by_the_backend() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");

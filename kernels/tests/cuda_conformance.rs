@@ -16,6 +16,9 @@
 use std::io::Write;
 
 use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout};
+use support::{rel_err, values};
+
+mod support;
 
 fn gpu() -> Option<CudaBackend> {
     match CudaBackend::new(0) {
@@ -30,25 +33,6 @@ fn gpu() -> Option<CudaBackend> {
             None
         }
     }
-}
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn rel_err(gpu: &[f32], cpu: &[f32]) -> f32 {
-    assert_eq!(gpu.len(), cpu.len());
-    let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    gpu.iter().zip(cpu).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
 }
 
 fn down(g: &CudaBackend, t: &<CudaBackend as Backend>::Tensor, n: usize) -> Vec<f32> {

@@ -15,7 +15,8 @@
 #   bf16 embedding rows                        4e-3
 #   KV bytes written by both backends, and blocks moved through the staging
 #   buffers in groups: identical; a row's result: the same bits
-#   alone as in a batch (matrix products and attention).
+#   alone as in a batch (matrix products and attention), and a product's on
+#   one stream as on several.
 # The engine on CUDA (engine/tests/cuda_engine.rs, the first 4 layers of SmolLM2 where
 # the host has no model): logits Pearson >= 0.98 against the CPU backend per row, the
 # same top token on >= 70% of rows, greedy tokens equal alone, chunked and batched.

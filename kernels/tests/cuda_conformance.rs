@@ -116,6 +116,36 @@ fn matrix_products_match_the_cpu_and_do_not_depend_on_the_batch() {
     }
 }
 
+/// A product of 300 rows runs as three 128-row cuBLAS calls spread over the
+/// side streams: it matches the CPU, row 200 alone has the same bits as in the
+/// batch, and one stream gives the same bits as several.
+#[test]
+fn a_product_over_several_calls_and_streams_keeps_every_row_s_bits() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(2).unwrap();
+    let (n, k, rows) = (1536, 576, 300);
+    let w = values(n * k, 21);
+    let (wc, wg) = (c.matrix_from_f32(n, k, w.clone()).unwrap(), g.matrix_from_f32(n, k, w).unwrap());
+    let x = values(rows * k, 22);
+    let mut oc = c.tensor(0);
+    c.matmul(&x, rows, &mut [(&wc, &mut oc)]);
+    let run = |streams: usize| {
+        let used = g.set_gemm_streams(streams);
+        let mut og = g.tensor(1);
+        g.matmul(&g.upload(&x), rows, &mut [(&wg, &mut og)]);
+        (used, down(&g, &og, rows * n))
+    };
+    let (lanes, spread) = run(4);
+    let e = rel_err(&spread, &oc[..rows * n]);
+    assert!(e <= 1e-2, "matmul over {lanes} streams: {e}");
+    let (_, one) = run(1);
+    assert_eq!(one, spread, "one stream and {lanes} streams give different bits");
+    let mut alone = g.tensor(1);
+    g.matmul(&g.upload(&x[200 * k..201 * k]), 1, &mut [(&wg, &mut alone)]);
+    assert_eq!(down(&g, &alone, n), spread[200 * n..201 * n].to_vec(), "row 200 alone differs from row 200 in a batch of {rows}");
+    g.set_gemm_streams(4);
+}
+
 /// Writes the same tokens into a CPU and a GPU arena and checks the bytes,
 /// then attention for a decode batch of different lengths (up to 3,000 keys:
 /// 12 partitions) and for a prefill chunk.

@@ -24,6 +24,7 @@ pub mod blas;
 pub mod compile;
 pub mod nvrtc;
 pub mod plan;
+mod products;
 pub mod runtime;
 mod staging;
 
@@ -125,7 +126,8 @@ fn kv_code(dtype: KvDtype) -> usize {
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    blas: Mutex<blas::BlasHandle>,
+    /// cuBLAS handles: the main stream's and the side streams' (`products`).
+    products: Mutex<products::Products>,
     k: Kernels,
     scratch: Mutex<Scratch>,
     /// Page-locked host buffers for KV blocks that leave or enter the arena.
@@ -202,9 +204,10 @@ impl CudaBackend {
         };
         let stream = ctx.default_stream();
         ctx.bind_to_thread().map_err(|e| cuda_error("binding the context", e))?;
-        let blas = blas::BlasHandle::new(stream.cu_stream() as *mut c_void)?;
+        let streams = std::env::var("BATON_CUDA_GEMM_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(products::DEFAULT_STREAMS).max(1);
+        let products = products::Products::new(&ctx, stream.cu_stream(), streams)?;
         let staging = staging::Staging::new(&ctx, &stream, staging::STAGING_BYTES).map_err(|e| cuda_error("allocating KV staging", e))?;
-        Ok(CudaBackend { ctx, stream, blas: Mutex::new(blas), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging), name, arch, driver })
+        Ok(CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging), name, arch, driver })
     }
 
     /// Waits for every queued operation (benchmarks time with this).
@@ -367,31 +370,43 @@ impl CudaBackend {
     /// `padded` rows (a multiple of `call_rows`) as cuBLAS calls of `call_rows` rows.
     fn gemm_calls(&self, w: &CudaMatrix, x: &CudaSlice<u16>, padded: usize, call_rows: usize, out: &mut CudaSlice<f32>) {
         assert!(padded.is_multiple_of(call_rows) && x.len() >= padded * w.k && out.len() >= padded * w.n, "gemm: buffers shorter than the padded batch");
-        let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        let products = self.products.lock().unwrap_or_else(|p| p.into_inner());
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
         let (a, _ra) = w.w.device_ptr(&self.stream);
         let (bx, _rb) = x.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr_mut(&self.stream);
-        for chunk in 0..padded / call_rows {
-            // Row-major out[rows][n] = x[rows][k] · w[n][k]ᵀ is, column-major,
-            // out (n x rows) = wᵀ (n x k) · x (k x rows).
-            let x_chunk = bx + (chunk * call_rows * w.k * 2) as u64;
-            let out_chunk = c + (chunk * call_rows * w.n * 4) as u64;
-            // SAFETY: the pointers are live device allocations holding the
-            // chunk's rows (checked above), in the handle's context.
-            unsafe {
-                blas.gemm_ex(
-                    (blas::OP_T, blas::OP_N),
-                    (w.n, call_rows, w.k),
-                    1.0,
-                    (a as *const c_void, blas::R_16BF, w.k),
-                    (x_chunk as *const c_void, blas::R_16BF, w.k),
-                    0.0,
-                    (out_chunk as *mut c_void, blas::R_32F, w.n),
-                )
-            }
-            .unwrap_or_else(|status| fail("cublasGemmEx", format!("cublasStatus {status}")));
-        }
+        products
+            .run(padded / call_rows, |handle, chunk| {
+                // Row-major out[rows][n] = x[rows][k] · w[n][k]ᵀ is, column-major,
+                // out (n x rows) = wᵀ (n x k) · x (k x rows).
+                let x_chunk = bx + (chunk * call_rows * w.k * 2) as u64;
+                let out_chunk = c + (chunk * call_rows * w.n * 4) as u64;
+                // SAFETY: the pointers are live device allocations holding the
+                // chunk's rows (checked above), in the handle's context; `run`
+                // orders the handle's stream after the main stream's work.
+                unsafe {
+                    handle.gemm_ex(
+                        (blas::OP_T, blas::OP_N),
+                        (w.n, call_rows, w.k),
+                        1.0,
+                        (a as *const c_void, blas::R_16BF, w.k),
+                        (x_chunk as *const c_void, blas::R_16BF, w.k),
+                        0.0,
+                        (out_chunk as *mut c_void, blas::R_32F, w.n),
+                    )
+                }
+                .map_err(|status| format!("cublasStatus {status}"))
+            })
+            .unwrap_or_else(|e| fail("cublasGemmEx", e));
+    }
+
+    /// How many streams a product of many rows may spread its calls over (1 =
+    /// the main stream alone), up to the lanes made at start-up; returns the
+    /// number set. Results do not depend on it (benchmarks compare).
+    pub fn set_gemm_streams(&self, n: usize) -> usize {
+        let mut p = self.products.lock().unwrap_or_else(|p| p.into_inner());
+        p.streams = n.clamp(1, p.lanes());
+        p.streams
     }
 
     fn upload_bf16(&self, n: usize, k: usize, bits: Vec<u16>) -> Result<CudaMatrix, KernelError> {
@@ -411,12 +426,14 @@ impl Backend for CudaBackend {
             None => "pinned KV staging".to_string(),
             Some(why) => format!("pageable KV staging: {why}"),
         };
+        let streams = self.products.lock().unwrap_or_else(|p| p.into_inner()).streams;
         format!(
-            "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS, {staging})",
+            "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS on {streams} stream{}, {staging})",
             self.name,
             self.arch,
             self.driver.version / 1000,
-            self.driver.version % 1000 / 10
+            self.driver.version % 1000 / 10,
+            if streams == 1 { "" } else { "s" }
         )
     }
 

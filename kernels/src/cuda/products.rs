@@ -29,6 +29,29 @@ struct Lane {
     done: CUevent,
 }
 
+impl Lane {
+    /// A non-blocking stream (no implicit ordering with the legacy main
+    /// stream: `Products::run` orders them with events), its handle and event.
+    fn new() -> Result<Lane, KernelError> {
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| driver("creating a stream", e))?;
+        let made = result::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver("creating an event", e))
+            .and_then(|done| match BlasHandle::new(stream as *mut c_void) {
+                Ok(blas) => Ok(Lane { stream, blas, done }),
+                Err(e) => {
+                    // SAFETY: made just above, unused.
+                    unsafe { result::event::destroy(done) }.ok();
+                    Err(e)
+                }
+            });
+        if made.is_err() {
+            // SAFETY: made above, unused.
+            unsafe { result::stream::destroy(stream) }.ok();
+        }
+        made
+    }
+}
+
 /// The main stream's cuBLAS handle and the side lanes. Used under the backend's lock.
 pub struct Products {
     /// Kept for Drop: the streams and events must be destroyed in a live, current context.
@@ -58,23 +81,8 @@ impl Products {
         let mut p = Products { ctx: ctx.clone(), main_stream, main, lanes: Vec::new(), inputs_ready, streams: 1 };
         if streams > 1 {
             for _ in 0..streams {
-                // Non-blocking: no implicit ordering with the legacy main stream;
-                // `run` orders them with events.
-                let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| driver("creating a stream", e))?;
-                let done = result::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| driver("creating an event", e))?;
-                // A lane is complete before it can fail, so Drop frees what was made.
-                let blas = match BlasHandle::new(stream as *mut c_void) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        // SAFETY: made just above, unused.
-                        unsafe {
-                            let _ = result::event::destroy(done);
-                            let _ = result::stream::destroy(stream);
-                        }
-                        return Err(e);
-                    }
-                };
-                p.lanes.push(Lane { stream, blas, done });
+                // Pushed whole, so on an error Drop frees the lanes made so far.
+                p.lanes.push(Lane::new()?);
             }
             p.streams = streams;
         }

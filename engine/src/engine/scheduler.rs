@@ -101,7 +101,7 @@ impl<B: Backend> Worker<B> {
         rx: mpsc::Receiver<Command>,
     ) -> Self {
         let scratch = Scratch::new(&backend);
-        Worker {
+        let mut worker = Worker {
             backend,
             model,
             kv,
@@ -115,7 +115,12 @@ impl<B: Backend> Worker<B> {
             running: Vec::new(),
             waiting: VecDeque::new(),
             scratch,
-        }
+        };
+        // Before the thread starts: a node that registers at once reports its
+        // real free blocks, not the zeros of a default (a coordinator reads
+        // those as a full pool and routes around the node).
+        worker.publish_stats(0.0);
+        worker
     }
 
     pub fn run(mut self) {

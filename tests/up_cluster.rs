@@ -16,6 +16,9 @@ struct Up {
     child: Child,
     gateway: String,
     prefill_metrics: String,
+    /// The coordinator's and the decode node's metrics, shown (with the prefill node's) when a check fails.
+    coordinator_metrics: String,
+    decode_metrics: String,
     _dir: tempfile::TempDir,
 }
 
@@ -52,19 +55,42 @@ fn start() -> Up {
             }
         }
     });
-    let (mut gateway, mut prefill_metrics) = (None, None);
+    let (mut gateway, mut prefill_metrics, mut decode_metrics, mut coordinator_metrics) = (None, None, None, None);
     let deadline = Instant::now() + Duration::from_secs(120);
-    while gateway.is_none() || prefill_metrics.is_none() {
+    while gateway.is_none() || prefill_metrics.is_none() || decode_metrics.is_none() || coordinator_metrics.is_none() {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = rx.recv_timeout(left).expect("baton up printed its banner in time");
-        let url = line.split_whitespace().find(|w| w.starts_with("http://")).map(str::to_string);
-        if line.trim_start().starts_with("web chat") {
-            gateway = url.map(|u| u.trim_end_matches('/').to_string());
-        } else if line.trim_start().starts_with("prefill-0") {
-            prefill_metrics = url;
+        let mut urls = line.split_whitespace().filter(|w| w.starts_with("http://")).map(str::to_string);
+        match line.split_whitespace().next() {
+            Some("web") => gateway = urls.next().map(|u| u.trim_end_matches('/').to_string()),
+            Some("prefill-0") => prefill_metrics = urls.next(),
+            Some("decode-0") => decode_metrics = urls.next(),
+            Some("coordinator") => coordinator_metrics = urls.find(|u| u.ends_with("/metrics")),
+            _ => {}
         }
     }
-    Up { child, gateway: gateway.unwrap(), prefill_metrics: prefill_metrics.unwrap(), _dir: dir }
+    Up {
+        child,
+        gateway: gateway.unwrap(),
+        prefill_metrics: prefill_metrics.unwrap(),
+        coordinator_metrics: coordinator_metrics.unwrap(),
+        decode_metrics: decode_metrics.unwrap(),
+        _dir: dir,
+    }
+}
+
+/// The routing, prefill and KV-pool lines of every part's metrics, for a failure message.
+async fn routing_metrics(http: &reqwest::Client, up: &Up) -> String {
+    let mut out = String::new();
+    for url in [&up.coordinator_metrics, &up.decode_metrics, &up.prefill_metrics] {
+        let text = http.get(url).send().await.unwrap().text().await.unwrap();
+        out += &format!("{url}:\n");
+        let wanted = ["routing_decisions", "coordinator_nodes", "prefills_total", "prefill_turns", "kv_blocks", "registrations"];
+        for l in text.lines().filter(|l| !l.starts_with('#') && wanted.iter().any(|w| l.contains(w))) {
+            out += &format!("  {l}\n");
+        }
+    }
+    out
 }
 
 fn long_prompt() -> serde_json::Value {
@@ -105,7 +131,9 @@ async fn baton_up_serves_chat_through_the_disaggregated_cluster() {
     let reply = first["choices"][0]["message"]["content"].as_str().unwrap().to_string();
     assert!(!reply.is_empty(), "{first}");
     let metrics = http.get(&up.prefill_metrics).send().await.unwrap().text().await.unwrap();
-    assert!(counter(&metrics, "baton_prefill_turns_total") >= 1.0, "the prefill node computed nothing:\n{metrics}");
+    if counter(&metrics, "baton_prefill_turns_total") < 1.0 {
+        panic!("the prefill node computed nothing:\n{}", routing_metrics(&http, &up).await);
+    }
 
     // The same prompt again: served from the decode node's prefix cache (all but the
     // last partial block), with the same greedy reply.

@@ -16,7 +16,7 @@
 use std::io::Write;
 
 use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout};
-use support::{rel_err, values};
+use support::{rel_err, scattered_tables, slots_of, values};
 
 mod support;
 
@@ -162,14 +162,13 @@ fn kv_and_attention_match_the_cpu_for_every_dtype() {
         // Three sequences: 3,000, 700 and 1 tokens, blocks scattered over the arena.
         let lens = [3000usize, 700, 1];
         // A fixed permutation of the arena (7 is coprime to 400), split between the sequences.
-        let mut order = (0..blocks as u32).map(|i| (i * 7) % blocks as u32);
-        let tables: Vec<Vec<u32>> = lens.iter().map(|&len| order.by_ref().take(len.div_ceil(16)).collect()).collect();
+        let tables = scattered_tables(&lens, blocks, 7);
         let all: Vec<u32> = tables.iter().flatten().copied().collect();
         let te = layout.token_elems();
         for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
             let k = values(len * te, 100 + s as u64);
             let v = values(len * te, 200 + s as u64);
-            let slots: Vec<(u32, u32)> = (0..len).map(|p| (table[p / 16], (p % 16) as u32)).collect();
+            let slots = slots_of(table, len);
             c.kv_write(&mut kc, layer, &k, &v, &slots);
             g.kv_write(&mut kg, layer, &g.upload(&k), &g.upload(&v), &slots);
         }

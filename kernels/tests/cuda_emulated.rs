@@ -13,7 +13,7 @@
 use baton_kernels::cuda::plan::{self, AttentionPlan, ROW_THREADS, TOKEN_THREADS};
 use baton_kernels::emu::{self, Launch};
 use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
-use support::{rel_err, values};
+use support::{rel_err, scattered_tables, slots_of, values};
 
 mod support;
 
@@ -201,14 +201,12 @@ fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
         let mut kc = c.kv(layout, blocks).unwrap();
         let mut arena = arena_bytes(&c, &kc, layout, blocks);
         let lens = [600usize, 150, 1];
-        // Blocks scattered over the arena (5 is coprime to 64).
-        let mut order = (0..blocks as u32).map(|i| (i * 5) % blocks as u32);
-        let tables: Vec<Vec<u32>> = lens.iter().map(|&len| order.by_ref().take(len.div_ceil(16)).collect()).collect();
+        let tables = scattered_tables(&lens, blocks, 5);
         let te = layout.token_elems();
         for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
             let k = values(len * te, 100 + s as u64);
             let v = values(len * te, 200 + s as u64);
-            let slots: Vec<(u32, u32)> = (0..len).map(|p| (table[p / 16], (p % 16) as u32)).collect();
+            let slots = slots_of(table, len);
             c.kv_write(&mut kc, layer, &k, &v, &slots);
             emu_kv_write(&mut arena, layout, layer, &k, &v, &slots);
             // Layer 0 (not attended below): values past e4m3's 448 and in f16's

@@ -19,3 +19,15 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
     got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
 }
+
+/// Block tables for sequences of `lens` tokens (16 per block), their blocks
+/// scattered over an arena of `blocks` by stepping `stride` (coprime to `blocks`).
+pub fn scattered_tables(lens: &[usize], blocks: usize, stride: u32) -> Vec<Vec<u32>> {
+    let mut order = (0..blocks as u32).map(|i| (i * stride) % blocks as u32);
+    lens.iter().map(|&len| order.by_ref().take(len.div_ceil(16)).collect()).collect()
+}
+
+/// The (block, slot) of each of the first `len` positions of `table` (16 tokens per block).
+pub fn slots_of(table: &[u32], len: usize) -> Vec<(u32, u32)> {
+    (0..len).map(|p| (table[p / 16], (p % 16) as u32)).collect()
+}

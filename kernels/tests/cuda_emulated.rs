@@ -219,28 +219,30 @@ fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
 
         let scale = 1.0 / (hd as f32).sqrt();
         let w = n_heads * hd;
+        let emulated = |q: &[f32], rows: &[AttnRow]| emu_attention(&arena, layout, layer, q, rows, n_heads, scale);
+        // The emulated kernels' output for `rows`, checked against the CPU backend's.
+        let checked = |q: &Vec<f32>, rows: &[AttnRow], kind: &str| {
+            let mut want = c.tensor(0);
+            c.attention(&kc, layer, q, rows, n_heads, scale, &mut want);
+            let got = emulated(q, rows);
+            let e = rel_err(&got, &want[..q.len()]);
+            assert!(e <= 1e-5, "{what}: {kind} attention: {e}");
+            got
+        };
+
         let rows: Vec<AttnRow> = lens.iter().zip(&tables).map(|(&len, t)| AttnRow { block_table: t, pos: len - 1 }).collect();
         let q = values(rows.len() * w, 9);
-        let mut want = c.tensor(0);
-        c.attention(&kc, layer, &q, &rows, n_heads, scale, &mut want);
-        let batch = emu_attention(&arena, layout, layer, &q, &rows, n_heads, scale);
-        let e = rel_err(&batch, &want[..q.len()]);
-        assert!(e <= 1e-5, "{what}: decode attention: {e}");
-        let alone = emu_attention(&arena, layout, layer, &q[..w], &rows[..1], n_heads, scale);
-        assert_eq!(alone, batch[..w], "{what}: attention depends on the batch");
+        let batch = checked(&q, &rows, "decode");
+        assert_eq!(emulated(&q[..w], &rows[..1]), batch[..w], "{what}: attention depends on the batch");
 
         // Prefill: positions 240..276 of the first sequence as one chunk (runs of 16, 16 and 4
         // rows; the partition boundary at 256 falls inside the second run).
         let chunk: Vec<AttnRow> = (240..276).map(|p| AttnRow { block_table: &tables[0], pos: p }).collect();
         let q = values(chunk.len() * w, 10);
-        let mut want = c.tensor(0);
-        c.attention(&kc, layer, &q, &chunk, n_heads, scale, &mut want);
-        let chunk_out = emu_attention(&arena, layout, layer, &q, &chunk, n_heads, scale);
-        let e = rel_err(&chunk_out, &want[..q.len()]);
-        assert!(e <= 1e-5, "{what}: prefill attention: {e}");
+        let chunk_out = checked(&q, &chunk, "prefill");
         // A chunk row (tiled kernel) equals the same position alone (the grouped decode kernel).
         for &i in &[0usize, 15, 16, 35] {
-            let alone = emu_attention(&arena, layout, layer, &q[i * w..(i + 1) * w], &chunk[i..i + 1], n_heads, scale);
+            let alone = emulated(&q[i * w..(i + 1) * w], &chunk[i..i + 1]);
             assert_eq!(alone, chunk_out[i * w..(i + 1) * w], "{what}: prefill row {i} depends on its chunk");
         }
     }

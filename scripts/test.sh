@@ -1,43 +1,65 @@
 #!/usr/bin/env bash
-# The test command of the README: fetch the default model (cached, checked by
-# sha256), run every test of the workspace, and close with one summary line
-# over all test binaries.
+# The test command of the README: install what the tests need (scripts/setup.sh test:
+# only what is missing), fetch the default model (cached, checked by sha256), run every
+# test of the workspace, and close with one summary line over all test binaries. A step
+# that fails without a failing test (a build error, a check script) counts as one failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+# Installed by setup.sh, so the browser test must run rather than skip.
+export BATON_REQUIRE_BROWSER=1
+echo "disk before the build: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free"
+
+log="$(mktemp)"
+step_log="$(mktemp)"
+trap 'rm -f "$log" "$step_log"' EXIT
+status=0
+failed_steps=()
+# step NAME CMD...: run CMD unless an earlier step failed; its output goes to the log.
+step() {
+    local name="$1"
+    shift
+    [ "$status" -eq 0 ] || return 0
+    set +e
+    "$@" 2>&1 | tee "$step_log"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    cat "$step_log" >>"$log"
+    if [ "$rc" -ne 0 ]; then
+        status=$rc
+        # Failing tests are counted from cargo's own lines; a step that failed without
+        # one (the build, a script) is one failure of its own.
+        if ! grep -Eq '[1-9][0-9]* failed;' "$step_log"; then
+            failed_steps+=("$name (exit $rc)")
+        fi
+    fi
+}
+
 # Deployment checks first (manifests, compose, alert rules, shellcheck): seconds, not minutes.
-bash deploy/check.sh
+step "deploy/check.sh" bash deploy/check.sh
 BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
 export BATON_MODEL
 # NVRTC (from PyPI): kernels/tests/cuda_ptx.rs compiles every CUDA kernel to PTX
 # with it, no GPU needed, so it must not skip here.
 bash scripts/fetch-nvrtc.sh >/dev/null
 export BATON_REQUIRE_NVRTC=1
-log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
-set +e
-cargo test --workspace --release --locked "$@" 2>&1 | tee "$log"
-status=${PIPESTATUS[0]}
+step "cargo test --workspace" cargo test --workspace --release --locked "$@"
 # The RDMA transport is an off-by-default feature: build and test it too. Without an RDMA
 # device its device tests print "SKIPPED: no RDMA device (...)"; BATON_REQUIRE_RDMA=1 on a
 # runner with one makes them fail instead.
-if [ "$status" -eq 0 ]; then
-    cargo test -p baton-kv-transport --release --locked --features rdma "$@" 2>&1 | tee -a "$log"
-    status=${PIPESTATUS[0]}
-fi
+step "cargo test --features rdma" cargo test -p baton-kv-transport --release --locked --features rdma "$@"
 # The CUDA kernels compiled for the CPU (feature emu, kernels/emu) and checked against the
 # CPU backend: their logic is tested here even without a GPU.
-if [ "$status" -eq 0 ]; then
-    cargo test -p baton-kernels --release --locked --features emu --test cuda_emulated "$@" 2>&1 | tee -a "$log"
-    status=${PIPESTATUS[0]}
-fi
+step "cargo test --features emu" cargo test -p baton-kernels --release --locked --features emu --test cuda_emulated "$@"
 # The Kubernetes node identities (wildcard certificates, tls-layout.sh) with the binary just built.
-if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
-    bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"
-    status=$?
+if [ $# -eq 0 ]; then
+    step "deploy/k8s/identity-test.sh" bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"
 fi
-set -e
+
 passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')
+failed=$((failed + ${#failed_steps[@]}))
 echo
+for s in "${failed_steps[@]}"; do echo "failed without a failing test: $s"; done
 echo "tests: ${passed} passed, ${failed} failed"
 exit "$status"

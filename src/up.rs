@@ -299,24 +299,24 @@ async fn wait_for_members(coordinator_url: &str, tasks: &mut tokio::task::JoinSe
 }
 
 /// `tls`: the gateway serves HTTPS (its URLs say so; `curl -k` for a self-signed certificate).
+/// The chat page, API base and key come last, where a newcomer looks.
 fn print_banner(gateway: SocketAddr, tls: bool, key: &str, key_given: bool, s: &Started, took: Duration) {
     let key_line = if key_given { "the key from BATON_API_KEY".to_string() } else { key.to_string() };
     let g = format!("{}://{gateway}", if tls { "https" } else { "http" });
     println!(
-        "Baton is up ({:.1} s).\n\
-         \n  web chat     {g}/\n  API          {g}/v1  (OpenAI-compatible)\n  API key      {key_line}\n\
-         \n  metrics      gateway {g}/metrics\n  coordinator  grpc {}  http http://{}/debug/routing?key=ID  http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
+        "\n  metrics      gateway {g}/metrics\n  coordinator  grpc {}  http http://{}/debug/routing?key=ID  http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
          \nTry:\n  curl -N {g}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
          -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\":\"baton\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n\
-         \nCtrl-C stops the cluster.",
-        took.as_secs_f64(),
+         \nCtrl-C stops the cluster.\n\
+         \nBaton is up (the cluster started in {:.1} s).\n  web chat     {g}/\n  API          {g}/v1  (OpenAI-compatible)\n  API key      {key_line}",
         s.coordinator,
         s.coordinator_http,
         s.coordinator_http,
         s.decode_http,
         s.prefill_http,
         if key_given { "$BATON_API_KEY" } else { key },
+        took.as_secs_f64(),
     );
 }
 

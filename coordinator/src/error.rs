@@ -9,6 +9,7 @@ pub enum Error {
     InvalidRequest { what: &'static str },
     #[error("no {role} node is registered")]
     NoNodes { role: &'static str },
+    #[cfg(feature = "etcd")]
     #[error("membership store: {0}")]
     Etcd(#[from] etcd_client::Error),
     #[error("stored node record {key} cannot be decoded")]
@@ -32,6 +33,7 @@ impl Error {
             Error::Config { .. } => "config",
             Error::InvalidRequest { .. } => "invalid_request",
             Error::NoNodes { .. } => "no_nodes",
+            #[cfg(feature = "etcd")]
             Error::Etcd(_) => "membership_store",
             Error::CorruptRecord { .. } => "corrupt_record",
             Error::EvictFailed { .. } => "evict_failed",
@@ -48,7 +50,12 @@ impl From<Error> for tonic::Status {
             Error::NoNodes { .. } => tonic::Status::unavailable(e.to_string()),
             Error::EvictFailed { .. } => tonic::Status::aborted(e.to_string()),
             // Internal details (store addresses, keys) stay in the logs.
-            Error::Etcd(_) | Error::CorruptRecord { .. } | Error::Bind { .. } | Error::Serve(_) => {
+            Error::CorruptRecord { .. } | Error::Bind { .. } | Error::Serve(_) => {
+                tracing::warn!(error = %e, kind = e.kind(), "coordinator error");
+                tonic::Status::unavailable(e.kind())
+            }
+            #[cfg(feature = "etcd")]
+            Error::Etcd(_) => {
                 tracing::warn!(error = %e, kind = e.kind(), "coordinator error");
                 tonic::Status::unavailable(e.kind())
             }

@@ -31,7 +31,9 @@ use tokio::sync::watch;
 
 pub use error::{Error, Result};
 pub use evict::{EvictError, GrpcEvictor, NodeEvictor};
-pub use membership::{EtcdMembership, Lease, Member, Membership, MemoryMembership};
+#[cfg(feature = "etcd")]
+pub use membership::EtcdMembership;
+pub use membership::{Lease, Member, Membership, MemoryMembership};
 pub use service::CoordinatorService;
 
 /// Where membership lives.
@@ -160,6 +162,11 @@ impl TryFrom<Args> for Config {
         }
         let membership = match a.membership {
             MembershipKind::Memory => MembershipConfig::Memory,
+            #[cfg(not(feature = "etcd"))]
+            MembershipKind::Etcd => {
+                return Err(bad("membership", "this build has no etcd membership (built without the `etcd` feature; `cargo build --release` has it)"));
+            }
+            #[cfg(feature = "etcd")]
             MembershipKind::Etcd => {
                 let endpoints: Vec<String> = a.etcd_endpoints.into_iter().filter(|e| !e.is_empty()).collect();
                 if endpoints.is_empty() {
@@ -217,6 +224,11 @@ impl Coordinator {
     ) -> Result<Self> {
         let membership: Arc<dyn Membership> = match &config.membership {
             MembershipConfig::Memory => MemoryMembership::new(config.lease_ttl),
+            #[cfg(not(feature = "etcd"))]
+            MembershipConfig::Etcd { .. } => {
+                return Err(Error::Config { field: "membership", why: "this build has no etcd membership".into() });
+            }
+            #[cfg(feature = "etcd")]
             MembershipConfig::Etcd { endpoints, prefix } => {
                 EtcdMembership::connect(endpoints, prefix, config.lease_ttl).await?
             }

@@ -6,6 +6,7 @@
 //! leaves; renewing an unknown lease answers `false`, which tells the node to register
 //! again. Every change bumps a generation number that [`Membership::subscribe`] exposes.
 
+#[cfg(feature = "etcd")]
 mod etcd;
 mod memory;
 /// The conformance suite every implementation must pass (used by this crate's tests and
@@ -19,6 +20,7 @@ use async_trait::async_trait;
 use baton_proto::common::NodeInfo;
 use tokio::sync::watch;
 
+#[cfg(feature = "etcd")]
 pub use etcd::EtcdMembership;
 pub use memory::MemoryMembership;
 

@@ -133,10 +133,10 @@ pub enum Error {
     },
     #[error("TLS configuration: {detail}")]
     Tls { detail: String },
-    #[error("certificate generation failed")]
+    #[error("certificates: {source}")]
     Certs {
         #[source]
-        source: rcgen::Error,
+        source: baton_identity::Error,
     },
     #[error("RDMA transport unavailable: {reason}")]
     RdmaUnavailable { reason: String },
@@ -334,5 +334,14 @@ mod tests {
         let e = Error::RdmaCompletion { status: "x".into(), vendor_err: 0 };
         assert_eq!(e.kind(), "rdma_completion");
         assert_eq!(KINDS.len(), 30);
+    }
+}
+
+impl From<baton_identity::Error> for Error {
+    fn from(source: baton_identity::Error) -> Self {
+        match source {
+            baton_identity::Error::Tls(detail) => Error::Tls { detail },
+            source => Error::Certs { source },
+        }
     }
 }

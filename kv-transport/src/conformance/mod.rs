@@ -213,7 +213,7 @@ impl Rig {
         let (server, _) = self.tls.as_ref().unwrap();
         let tuning = QuicTuning::default();
         let crypto =
-            quinn::crypto::rustls::QuicServerConfig::try_from(server.server_config().unwrap())
+            quinn::crypto::rustls::QuicServerConfig::try_from(server.server_config(crate::certs::ALPN).unwrap())
                 .unwrap();
         let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         sc.transport_config(Arc::new(

@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -123,7 +123,6 @@ struct Inner {
     layout: KvLayout,
     epoch: Epoch,
     config: ReceiverConfig,
-    next_id: AtomicU64,
     table: Mutex<Table>,
     /// Receiver-wide: reservations, and every frame whatever carried it.
     stats: Arc<TransportStats>,
@@ -154,16 +153,16 @@ enum Step {
     CancelledBySender,
 }
 
+/// 64 bits from the operating system's CSPRNG. Epochs and reservation IDs are what a
+/// grant names, so a peer that never saw the grant must not be able to guess them.
+fn random_u64() -> u64 {
+    let rng = ring::rand::SystemRandom::new();
+    let bytes: [u8; 8] = ring::rand::generate(&rng).expect("the OS random source works").expose();
+    u64::from_le_bytes(bytes)
+}
+
 fn random_epoch() -> Epoch {
-    use std::hash::{BuildHasher, Hasher};
-    // RandomState is seeded from the OS per process; mix in the time for extra spread.
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    Epoch(h.finish() | 1)
+    Epoch(random_u64() | 1)
 }
 
 impl KvReceiver {
@@ -183,7 +182,6 @@ impl KvReceiver {
                 layout,
                 epoch: random_epoch(),
                 config,
-                next_id: AtomicU64::new(1),
                 table: Mutex::new(Table::default()),
                 stats: Arc::new(TransportStats::new("all", Side::Receiver)),
                 link_stats: Mutex::new(Vec::new()),
@@ -261,7 +259,16 @@ impl KvReceiver {
             what: "reserve must be called inside a Tokio runtime",
         })?;
         let block_ids = inner.sink.reserve(blocks)?;
-        let id = ReservationId(inner.next_id.fetch_add(1, Ordering::Relaxed));
+        // Random, not sequential: knowing one's own grant says nothing about another's.
+        let id = {
+            let table = inner.table();
+            loop {
+                let id = ReservationId(random_u64());
+                if id.0 != 0 && !table.live.contains_key(&id) {
+                    break id;
+                }
+            }
+        };
         let created = Instant::now();
         let (phase_tx, phase_rx) = watch::channel(Phase {
             ready_layers: 0,

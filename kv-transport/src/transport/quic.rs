@@ -261,7 +261,7 @@ impl QuicListener {
         tuning: &QuicTuning,
         handler: StreamHandler,
     ) -> Result<Self> {
-        let crypto = QuicServerConfig::try_from(tls.server_config()?)
+        let crypto = QuicServerConfig::try_from(tls.server_config(crate::certs::ALPN)?)
             .map_err(|e| Error::Tls { detail: e.to_string() })?;
         let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         sc.transport_config(Arc::new(transport_config(tuning)?));
@@ -366,7 +366,7 @@ impl QuicConnector {
 
     /// A connector bound to `bind`.
     pub fn bind(bind: SocketAddr, tls: &NodeTls, tuning: &QuicTuning) -> Result<Self> {
-        let crypto = QuicClientConfig::try_from(tls.client_config()?)
+        let crypto = QuicClientConfig::try_from(tls.client_config(crate::certs::ALPN)?)
             .map_err(|e| Error::Tls { detail: e.to_string() })?;
         let mut cc = quinn::ClientConfig::new(Arc::new(crypto));
         cc.transport_config(Arc::new(transport_config(tuning)?));

@@ -75,7 +75,7 @@ impl TlsTcpListener {
         tls: &NodeTls,
         receiver: KvReceiver,
     ) -> Result<Self> {
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config()?));
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config(crate::certs::ALPN)?));
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| Error::io("binding a TCP listener", e))?;
@@ -147,7 +147,7 @@ pub struct TlsTcpConnector {
 impl TlsTcpConnector {
     pub fn new(tls: &NodeTls) -> Result<Self> {
         Ok(TlsTcpConnector {
-            connector: tokio_rustls::TlsConnector::from(Arc::new(tls.client_config()?)),
+            connector: tokio_rustls::TlsConnector::from(Arc::new(tls.client_config(crate::certs::ALPN)?)),
         })
     }
 }

@@ -1,0 +1,45 @@
+//! The crate's one error type.
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can go wrong with certificates and identities.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("certificate generation failed: {0}")]
+    Generate(#[from] rcgen::Error),
+    #[error("TLS configuration: {0}")]
+    Tls(String),
+    #[error("certificate cannot be parsed: {0}")]
+    Parse(String),
+    #[error("certificate names no Baton identity (a DNS name NAME.ROLE.{domain})", domain = crate::IDENTITY_DOMAIN)]
+    NoIdentity,
+    #[error("certificate names more than one Baton identity ({0} and {1})")]
+    AmbiguousIdentity(String, String),
+    #[error("no certificate for {0}")]
+    UnknownName(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid name {name:?}: {why}")]
+    InvalidName { name: String, why: &'static str },
+}
+
+impl Error {
+    /// A stable short label (metrics, logs).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Generate(_) => "generate",
+            Error::Tls(_) => "tls",
+            Error::Parse(_) => "parse",
+            Error::NoIdentity => "no_identity",
+            Error::AmbiguousIdentity(..) => "ambiguous_identity",
+            Error::UnknownName(_) => "unknown_name",
+            Error::Io { .. } => "io",
+            Error::InvalidName { .. } => "invalid_name",
+        }
+    }
+}

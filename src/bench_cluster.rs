@@ -9,6 +9,7 @@
 //! Every repetition runs as a fresh owner, so nothing is cached across
 //! repetitions or modes and each cold turn is really cold.
 
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -102,10 +103,12 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
                 prefill_http_listen: loopback,
                 local_prefill_threshold: threshold,
                 kv_transport: baton_kv_transport::transport::select::TransportChoice::Quic,
+                insecure_plaintext_internal: false,
             };
             let mut cluster = start_cluster(spec, engines.clone(), stop_rx).await.context("starting the cluster")?;
             let grpc = format!("http://{}", cluster.decode_grpc);
-            let r = measure(mode, &a, cold, extra, |owner, prompt| through_cluster(grpc.clone(), owner, prompt, a.max_tokens)).await;
+            let plane = cluster.gateway_plane.clone();
+            let r = measure(mode, &a, cold, extra, |owner, prompt| through_cluster(plane.clone(), grpc.clone(), owner, prompt, a.max_tokens)).await;
             let _ = stop_tx.send(true);
             while cluster.tasks.join_next().await.is_some() {}
             results.push(r?);
@@ -215,9 +218,11 @@ async fn in_process(engine: Arc<Engine>, owner: String, prompt: Vec<u32>, max_to
 }
 
 /// One turn through the decode node's gRPC API (routing, remote prefill and KV transfer included).
-async fn through_cluster(grpc: String, owner: String, prompt: Vec<u32>, max_tokens: usize) -> Result<(Timing, Vec<u32>)> {
+async fn through_cluster(plane: Plane, grpc: String, owner: String, prompt: Vec<u32>, max_tokens: usize) -> Result<(Timing, Vec<u32>)> {
     let started = Instant::now();
-    let mut client = DecodeNodeClient::connect(grpc).await.context("connecting to the decode node")?;
+    let endpoint = plane.endpoint(&grpc)?;
+    let channel = plane.connect(&endpoint, Expect::Role(IdRole::Decode)).await.context("connecting to the decode node")?;
+    let mut client = DecodeNodeClient::new(channel);
     let req = pb::GenerateRequest {
         turn: Some(pb::Turn { prompt, owner: owner.clone(), platform_prefix_len: 0, conversation: owner }),
         sampling: Some(pb::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() }),

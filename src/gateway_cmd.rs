@@ -9,6 +9,7 @@ use baton_api_gateway::client::{Client, Method};
 use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
 use baton_api_gateway::generator::local::LocalGenerator;
 use baton_api_gateway::{auth, Config};
+use baton_proto::plane::{Plane, Role};
 use clap::{Args, Subcommand};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -24,17 +25,30 @@ pub struct GatewayArgs {
     /// of an in-process engine; the model file then only supplies the tokenizer.
     #[arg(long, env = "BATON_COORDINATOR")]
     pub coordinator: Option<String>,
+    /// With --coordinator: folder with ca.pem and the gateway's certificate and key
+    /// (`baton certs`), for the internal plane's mutual TLS.
+    #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
+    pub certs_dir: PathBuf,
+    /// File name of the certificate in --certs-dir (NAME.pem, NAME.key); it must name a
+    /// gateway identity (NAME.gateway.baton).
+    #[arg(long, env = "BATON_TLS_NAME", default_value = "gateway")]
+    pub tls_name: String,
+    /// INSECURE: call the coordinator and decode nodes without TLS or identities. Only for
+    /// a network of trusted processes.
+    #[arg(long, env = "BATON_INSECURE_PLAINTEXT_INTERNAL")]
+    pub insecure_plaintext_internal: bool,
 }
 
 pub fn run_gateway(a: GatewayArgs) -> Result<()> {
     let config = Config::try_from(a.gateway)?;
     let model = a.engine.model_path();
     if let Some(url) = &a.coordinator {
+        let plane = Plane::from_flags(&a.certs_dir, &a.tls_name, Role::Gateway, a.insecure_plaintext_internal)?;
         // The cluster client's lazy channels need the runtime when they are created.
         let rt = runtime()?;
         let generator = {
             let _in_runtime = rt.enter();
-            Arc::new(ClusterGenerator::new(url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?)
+            Arc::new(ClusterGenerator::new(url, ClusterConfig::default(), plane).map_err(|e| anyhow::anyhow!("{e}"))?)
         };
         return rt.block_on(baton_api_gateway::run(config, generator, &model, shutdown_signal()));
     }

@@ -18,6 +18,7 @@ use baton_kv_transport::transport::select::TransportChoice;
 use baton_proto::common::Role;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::ListNodesRequest;
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use clap::Args;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -26,6 +27,10 @@ use crate::engine_args::EngineArgs;
 
 const DECODE_NAME: &str = "decode-0";
 const PREFILL_NAME: &str = "prefill-0";
+const COORDINATOR_NAME: &str = "coordinator";
+const GATEWAY_NAME: &str = "gateway";
+/// `baton up`'s own calls (waiting for the nodes to register).
+const OPERATOR_NAME: &str = "operator";
 
 /// Flags of `baton up`.
 #[derive(Args, Debug)]
@@ -114,6 +119,8 @@ pub(crate) struct ClusterSpec<'a> {
     pub local_prefill_threshold: u32,
     /// The KV transport both nodes ask for (RDMA falls back to QUIC).
     pub kv_transport: TransportChoice,
+    /// gRPC between the parts without TLS (`--insecure-plaintext-internal`; benchmarks).
+    pub insecure_plaintext_internal: bool,
 }
 
 /// The coordinator, the decode node and the prefill node, serving in this
@@ -125,17 +132,29 @@ pub(crate) struct LocalCluster {
     pub decode_grpc: SocketAddr,
     pub decode_http: SocketAddr,
     pub prefill_http: SocketAddr,
+    /// How a gateway (or a client acting as one) calls the cluster.
+    pub gateway_plane: Plane,
     pub tasks: tokio::task::JoinSet<Result<()>>,
 }
 
 /// Starts the cluster without its gateway and waits until both nodes are registered.
 pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill_engine): (Arc<Engine>, Arc<Engine>), stop: watch::Receiver<bool>) -> Result<LocalCluster> {
-    let certs = baton_kv_transport::generate_dev_certs("baton-up", &[DECODE_NAME, PREFILL_NAME]).context("making the cluster's TLS certificates")?;
+    // A fresh CA per start, in memory only: its key signs these five identities and is
+    // then dropped, so nothing outside this process can join the cluster.
+    let certs = baton_kv_transport::generate_dev_certs("baton-up", &[DECODE_NAME, PREFILL_NAME, COORDINATOR_NAME, GATEWAY_NAME, OPERATOR_NAME])
+        .context("making the cluster's TLS certificates")?;
+    let plane = |name: &str| -> Result<Plane> {
+        if spec.insecure_plaintext_internal {
+            Ok(Plane::insecure_plaintext())
+        } else {
+            Ok(Plane::mtls(certs.node_tls(name)?)?)
+        }
+    };
     let coordinator_config = baton_coordinator::Config {
         listen: spec.coordinator_listen,
         http_listen: spec.coordinator_http_listen,
         local_prefill_threshold: spec.local_prefill_threshold,
-        ..baton_coordinator::Config::default()
+        ..baton_coordinator::Config::with_defaults(plane(COORDINATOR_NAME)?)
     };
     let coordinator = baton_coordinator::Coordinator::bind(coordinator_config).await.context("starting the coordinator")?;
     let coordinator_addr = coordinator.grpc_addr();
@@ -164,6 +183,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         drain_timeout: Duration::from_secs(60),
         warm_conversations: 8192,
         certs_dir: Default::default(),
+        insecure_plaintext_internal: spec.insecure_plaintext_internal,
         kv_transport: spec.kv_transport.clone(),
         engine: node_engine(),
     };
@@ -190,6 +210,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         kv_deadline: Duration::from_secs(30),
         kv_staging_bytes: 256 << 20,
         certs_dir: Default::default(),
+        insecure_plaintext_internal: spec.insecure_plaintext_internal,
         kv_layer_delay: None,
         kv_transport: spec.kv_transport.clone(),
         engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: a.threads, config: a.engine_config() },
@@ -206,8 +227,9 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         async move { baton_prefill_node::serve(prefill_config, prefill_parts, |_| {}, stopped(stop)).await.context("prefill node") }
     });
 
-    wait_for_members(&coordinator_url, &mut tasks).await?;
-    Ok(LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_grpc, decode_http, prefill_http, tasks })
+    let (gateway_plane, operator_plane) = (plane(GATEWAY_NAME)?, plane(OPERATOR_NAME)?);
+    wait_for_members(&operator_plane, &coordinator_url, &mut tasks).await?;
+    Ok(LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_grpc, decode_http, prefill_http, gateway_plane, tasks })
 }
 
 async fn serve(
@@ -229,8 +251,10 @@ async fn serve(
         prefill_http_listen: a.prefill_http_listen,
         local_prefill_threshold: a.local_prefill_threshold,
         kv_transport,
+        insecure_plaintext_internal: false,
     };
-    let LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_http, prefill_http, mut tasks, .. } = start_cluster(spec, engines, stop.clone()).await?;
+    let LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_http, prefill_http, gateway_plane, mut tasks, .. } =
+        start_cluster(spec, engines, stop.clone()).await?;
 
     // The gateway: the key first, so the banner can show it.
     let store = baton_api_gateway::open_store(&gateway_config).await?;
@@ -239,7 +263,7 @@ async fn serve(
     let model_id = gateway_config.served_model_name.clone().unwrap_or_else(|| {
         model.file_stem().map_or_else(|| "baton".to_string(), |s| s.to_string_lossy().into_owned())
     });
-    let generator = Arc::new(ClusterGenerator::new(&coordinator_url, ClusterConfig::default()).map_err(|e| anyhow::anyhow!("{e}"))?);
+    let generator = Arc::new(ClusterGenerator::new(&coordinator_url, ClusterConfig::default(), gateway_plane).map_err(|e| anyhow::anyhow!("{e}"))?);
     let tls = gateway_config.tls.is_some();
     let app = baton_api_gateway::build_app(gateway_config, generator, store, tokenizer, template, model_id)?;
     let gateway_addr = gateway_listener.local_addr()?;
@@ -270,11 +294,12 @@ async fn serve(
 }
 
 /// Waits until both nodes hold a lease, or fails if one of them stopped.
-async fn wait_for_members(coordinator_url: &str, tasks: &mut tokio::task::JoinSet<Result<()>>) -> Result<()> {
+async fn wait_for_members(plane: &Plane, coordinator_url: &str, tasks: &mut tokio::task::JoinSet<Result<()>>) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
+    let endpoint = plane.endpoint(coordinator_url)?;
     let mut client = loop {
-        if let Ok(c) = CoordinatorClient::connect(coordinator_url.to_string()).await {
-            break c;
+        if let Ok(c) = plane.connect(&endpoint, Expect::Role(IdRole::Coordinator)).await {
+            break CoordinatorClient::new(c);
         }
         if Instant::now() > deadline {
             bail!("the coordinator at {coordinator_url} did not start");

@@ -21,6 +21,7 @@ use baton_coordinator::routing::decode::DecodeRouter;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::{RouteDecodeRequest, RouteDecodeResponse};
 use baton_proto::node::decode_node_client::DecodeNodeClient;
+use baton_proto::plane::Plane;
 use cluster_support::*;
 
 const SYSTEM: &str = "You are a careful assistant for a science museum. Answer in two or three sentences, with concrete facts and no filler. \
@@ -33,14 +34,15 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
-async fn route_full(coordinator: &str, key: &str) -> RouteDecodeResponse {
-    let mut c = CoordinatorClient::connect(coordinator.to_string()).await.unwrap();
+/// RouteDecode as the gateway does it.
+async fn route_full(gateway: &Plane, coordinator: &str, key: &str) -> RouteDecodeResponse {
+    let mut c = CoordinatorClient::new(channel(gateway, coordinator).await);
     let ask = RouteDecodeRequest { routing_key: key.into(), owner: "alice".into(), prompt_tokens: 100, exclude: vec![] };
     c.route_decode(ask).await.unwrap().into_inner()
 }
 
-async fn route(coordinator: &str, key: &str) -> String {
-    route_full(coordinator, key).await.node.unwrap().node_id.unwrap().id
+async fn route(gateway: &Plane, coordinator: &str, key: &str) -> String {
+    route_full(gateway, coordinator, key).await.node.unwrap().node_id.unwrap().id
 }
 
 fn healthz_status(http: &str) -> String {
@@ -60,20 +62,20 @@ fn drain_hands_a_warm_conversation_to_its_new_owner_token_exact() {
     let rt = runtime();
     let coordinator = cluster.url();
 
-    let owner_id = rt.block_on(route(&coordinator, "conv-a"));
+    let owner_id = rt.block_on(route(&cluster.plane("gateway"), &coordinator, "conv-a"));
     let (owner, other) = if owner_id == "decode-0" { (&d0, &d1) } else { (&d1, &d0) };
     let (owner_grpc, other_grpc) = (owner.addr("grpc"), other.addr("grpc"));
 
     // Turn 1 on the conversation's home node.
     let turn1 = chat(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
-    let (got1, _) = rt.block_on(generate(owner_grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
+    let (got1, _) = rt.block_on(generate(cluster.plane("gateway"), owner_grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
     let mut turn2 = turn1.clone();
     turn2.extend(&got1);
     turn2.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd why are sunsets red?<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
     let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
 
     // Drain the home node the way a preStop hook does.
-    let out = Command::new(env!("CARGO_BIN_EXE_baton")).args(["drain", "--node", &owner_grpc, "--timeout", "30s"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_baton")).args(["drain", "--node", &owner_grpc, "--timeout", "30s", "--certs-dir", cluster.certs_dir(), "--tls-name", "operator"]).output().unwrap();
     let report = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "baton drain failed: {report} {}", String::from_utf8_lossy(&out.stderr));
     assert!(report.contains("deregistered=true"), "{report}");
@@ -83,15 +85,15 @@ fn drain_hands_a_warm_conversation_to_its_new_owner_token_exact() {
     // The drained node takes no turns and is not ready; the conversation now
     // routes to the other node.
     let refused = rt.block_on(async {
-        let mut c = DecodeNodeClient::connect(format!("http://{owner_grpc}")).await.unwrap();
+        let mut c = DecodeNodeClient::new(channel(&cluster.plane("gateway"), &owner_grpc).await);
         c.generate(generate_request(&turn2, "alice", "conv-a", 4)).await.err().map(|s| s.code())
     });
     assert_eq!(refused, Some(tonic::Code::Unavailable));
     assert!(healthz_status(&owner.addr("http")).contains("503"), "a drained node reports not ready");
-    assert_eq!(rt.block_on(route(&coordinator, "conv-a")), if owner_id == "decode-0" { "decode-1" } else { "decode-0" });
+    assert_eq!(rt.block_on(route(&cluster.plane("gateway"), &coordinator, "conv-a")), if owner_id == "decode-0" { "decode-1" } else { "decode-0" });
 
     // Turn 2 on the new owner: warm, and token-exact.
-    let (got2, fin2) = rt.block_on(generate(other_grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
+    let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), other_grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
     let usage = fin2.usage.unwrap();
     let bt = 16;
     assert!(
@@ -103,15 +105,15 @@ fn drain_hands_a_warm_conversation_to_its_new_owner_token_exact() {
     assert_eq!(got2, want2, "turn 2 after the move vs single engine");
 
     // The moved blocks are still alice's: the same tokens for another user hit nothing.
-    let (_, fin_m) = rt.block_on(generate(other_grpc.clone(), generate_request(&turn2, "mallory", "conv-m", 2)));
+    let (_, fin_m) = rt.block_on(generate(cluster.plane("gateway"), other_grpc.clone(), generate_request(&turn2, "mallory", "conv-m", 2)));
     assert_eq!(fin_m.usage.unwrap().cached_tokens, 0, "another user must not read alice's moved prefix");
 
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(other_grpc.clone()))));
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), other_grpc.clone()))));
     reference.shutdown();
 }
 
-async fn decode_stats_owned(grpc: String) -> baton_proto::node::NodeStats {
-    decode_stats(&grpc).await
+async fn decode_stats_owned(operator: Plane, grpc: String) -> baton_proto::node::NodeStats {
+    decode_stats(&operator, &grpc).await
 }
 
 #[test]
@@ -133,9 +135,9 @@ fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over() {
     let rt = runtime();
     let coordinator = cluster.url();
 
-    assert_eq!(rt.block_on(route(&coordinator, &conv)), "decode-0", "decode-0 is the only node yet");
+    assert_eq!(rt.block_on(route(&cluster.plane("gateway"), &coordinator, &conv)), "decode-0", "decode-0 is the only node yet");
     let turn1 = chat(&reference, SYSTEM, "What makes a rainbow? Name the effect and its cause.");
-    let (got1, _) = rt.block_on(generate(d0.addr("grpc"), generate_request(&turn1, "alice", &conv, 24)));
+    let (got1, _) = rt.block_on(generate(cluster.plane("gateway"), d0.addr("grpc"), generate_request(&turn1, "alice", &conv, 24)));
     let mut turn2 = turn1.clone();
     turn2.extend(&got1);
     turn2.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nWhy is it curved?<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
@@ -144,7 +146,7 @@ fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over() {
     // decode-1 joins and becomes the conversation's home; the first routing
     // after the move names decode-0 as where the warm prefix is.
     let d1 = cluster.node("decode", "decode-1", THRESHOLD, &[]);
-    let moved = rt.block_on(route_full(&coordinator, &conv));
+    let moved = rt.block_on(route_full(&cluster.plane("gateway"), &coordinator, &conv));
     assert_eq!(moved.node.as_ref().unwrap().node_id.as_ref().unwrap().id, "decode-1");
     let previous = moved.previous.expect("the first turn after the move names the previous owner");
     assert_eq!(previous.grpc_addr, d0.addr("grpc"));
@@ -152,14 +154,14 @@ fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over() {
     // The turn on decode-1, told where the prefix is, starts warm and is token-exact.
     let mut req = generate_request(&turn2, "alice", &conv, 24);
     req.prefix_source = previous.grpc_addr.clone();
-    let (got2, fin2) = rt.block_on(generate(d1.addr("grpc"), req));
+    let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), d1.addr("grpc"), req));
     let cached = fin2.usage.unwrap().cached_tokens as usize;
     let bt = 16;
     assert!(cached >= (turn1.len() + got1.len()) / bt * bt - bt, "pulled on join: cached {cached} of {}", turn1.len() + got1.len());
     assert_eq!(got2, want2, "turn 2 on the joined node vs single engine");
-    assert!(rt.block_on(route_full(&coordinator, &conv)).previous.is_none(), "named once");
+    assert!(rt.block_on(route_full(&cluster.plane("gateway"), &coordinator, &conv)).previous.is_none(), "named once");
 
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(d1.addr("grpc")))));
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(d0.addr("grpc")))));
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), d1.addr("grpc")))));
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), d0.addr("grpc")))));
     reference.shutdown();
 }

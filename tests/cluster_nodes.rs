@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use baton_proto::node::decode_node_client::DecodeNodeClient;
 use baton_proto::node::generate_event::Event as GenEv;
 use baton_proto::node::PrefillPath;
+use baton_proto::plane::Plane;
 use cluster_support::*;
 
 const SYSTEM: &str = "You are a careful assistant for a science museum. Answer in two or three sentences, with concrete facts and no filler. \
@@ -57,7 +58,7 @@ fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
     let turn1 = chat(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
     assert!(turn1.len() >= THRESHOLD);
     let want1 = reference_tokens(&reference, &turn1, "alice", 24);
-    let (got1, fin1) = rt.block_on(generate(grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
+    let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
     assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
     assert_eq!(got1, want1, "turn 1: remote prefill vs single engine");
 
@@ -75,7 +76,7 @@ fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
             .unwrap(),
     );
     let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
-    let (got2, fin2) = rt.block_on(generate(grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
+    let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
     let usage = fin2.usage.unwrap();
     let bt = 16;
     assert!(
@@ -93,13 +94,13 @@ fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
     turn3.extend(&got2);
     turn3.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
     let want3 = reference_tokens(&reference, &turn3, "alice-ref3", 16);
-    let (got3, fin3) = rt.block_on(generate(grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
+    let (got3, fin3) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
     assert_eq!(fin3.prefill_path, PrefillPath::Local as i32, "a short tail stays local");
     assert_eq!(got3, want3, "turn 3: local prefill vs single engine");
 
     rt.block_on(async {
-        assert_no_leaks(|| Box::pin(decode_stats_owned(grpc.clone()))).await;
-        assert_no_leaks(|| Box::pin(prefill_stats_owned(pgrpc.clone()))).await;
+        assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))).await;
+        assert_no_leaks(|| Box::pin(prefill_stats_owned(cluster.plane("operator"), pgrpc.clone()))).await;
     });
     reference.shutdown();
 }
@@ -118,17 +119,17 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
     // local prefill, with the same tokens, and nothing stays reserved.
     let prompt = chat(&reference, SYSTEM, "What makes a rainbow appear after rain? Describe refraction and dispersion in water droplets.");
     let want = reference_tokens(&reference, &prompt, "bob", 16);
-    let turn = rt.spawn(generate(grpc.clone(), generate_request(&prompt, "bob", "conv-b", 16)));
+    let turn = rt.spawn(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&prompt, "bob", "conv-b", 16)));
     wait_until_prefill_sampled(&prefill);
     prefill.kill9();
     let (got, fin) = rt.block_on(turn).unwrap();
     assert_eq!(fin.prefill_path, PrefillPath::Fallback as i32, "the decode node fell back to local prefill");
     assert_eq!(got, want, "fallback tokens vs single engine");
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(grpc.clone()))));
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))));
 
     // The decode node dies mid-stream: the caller sees an error within 5 s.
     let rx = rt.block_on(async {
-        let mut c = DecodeNodeClient::connect(format!("http://{grpc}")).await.unwrap();
+        let mut c = DecodeNodeClient::new(channel(&cluster.plane("gateway"), &grpc).await);
         let mut s = c.generate(generate_request(&prompt, "bob", "conv-b", 1000)).await.unwrap().into_inner();
         // Wait for the first token so the kill lands mid-stream.
         match s.message().await.unwrap().and_then(|e| e.event) {
@@ -167,12 +168,12 @@ fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
     let rt = runtime();
     let prompt = chat(&reference, SYSTEM, "Why is the sky blue at noon? Explain Rayleigh scattering by air molecules.");
     let want = reference_tokens(&reference, &prompt, "carol", 12);
-    let turn = rt.spawn(generate(grpc.clone(), generate_request(&prompt, "carol", "conv-c", 12)));
+    let turn = rt.spawn(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&prompt, "carol", "conv-c", 12)));
     wait_until_prefill_sampled(&prefill);
     // The engine is done; the KV is still on its way. A drain (a preStop hook)
     // must wait for it, and the node may then be killed without harm.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["drain", "--node", &prefill.addr("grpc"), "--timeout", "30s"])
+        .args(["drain", "--node", &prefill.addr("grpc"), "--timeout", "30s", "--certs-dir", cluster.certs_dir(), "--tls-name", "operator"])
         .output()
         .unwrap();
     let report = String::from_utf8_lossy(&out.stdout).to_string();
@@ -182,7 +183,7 @@ fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
     let (got, fin) = rt.block_on(turn).unwrap();
     assert_eq!(fin.prefill_path, PrefillPath::Remote as i32, "the tail arrived before the drained node went away");
     assert_eq!(got, want, "remote prefill tokens vs single engine");
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(grpc.clone()))));
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))));
     reference.shutdown();
 }
 
@@ -204,7 +205,7 @@ fn cluster_isolation_users_share_only_the_platform_blocks() {
     let turn = |prompt: &[u32], owner: &str, conv: &str| {
         let mut req = generate_request(prompt, owner, conv, 8);
         req.turn.as_mut().unwrap().platform_prefix_len = platform as u32;
-        rt.block_on(generate(grpc.clone(), req))
+        rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), req))
     };
 
     let (_, fin) = turn(&alice, "alice", "conv-a");
@@ -222,16 +223,16 @@ fn cluster_isolation_users_share_only_the_platform_blocks() {
     let (_, fin) = turn(&alice, "alice", "conv-a");
     assert!(fin.usage.unwrap().cached_tokens as usize >= (alice.len() - 1) / bt * bt, "alice reuses her own prefix");
 
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(grpc.clone()))));
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))));
     reference.shutdown();
 }
 
 /// Owned-argument wrappers so the futures are `'static`.
-async fn decode_stats_owned(grpc: String) -> baton_proto::node::NodeStats {
-    decode_stats(&grpc).await
+async fn decode_stats_owned(operator: Plane, grpc: String) -> baton_proto::node::NodeStats {
+    decode_stats(&operator, &grpc).await
 }
 
-async fn prefill_stats_owned(grpc: String) -> baton_proto::node::NodeStats {
-    prefill_stats(&grpc).await
+async fn prefill_stats_owned(operator: Plane, grpc: String) -> baton_proto::node::NodeStats {
+    prefill_stats(&operator, &grpc).await
 }
 

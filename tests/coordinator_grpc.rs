@@ -2,6 +2,7 @@
 //! registration and keep-alive through `MembershipClient`, decode and prefill routing
 //! with explanations, lease expiry, re-registration after a coordinator restart,
 //! fleet-wide eviction over `NodeControl.Evict`, and the `baton coordinator` binary.
+//! Every call runs over the internal plane's mutual TLS, each party with its own identity.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +18,7 @@ use baton_proto::coordinator::{
 };
 use baton_proto::node::node_control_server::{NodeControl, NodeControlServer};
 use baton_proto::node::{DrainRequest, DrainResponse, EvictRequest, EvictResponse};
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use baton_proto::{MembershipClient, MembershipHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -44,8 +46,16 @@ impl Running {
         format!("http://{}", self.grpc)
     }
 
+    /// A client with the identity of certificate `name` (`gateway`, `operator`, a node).
+    async fn client_as(&self, name: &str) -> CoordinatorClient<Channel> {
+        let plane = plane(name);
+        let endpoint = plane.endpoint(&self.url()).unwrap();
+        CoordinatorClient::new(plane.connect(&endpoint, Expect::Role(IdRole::Coordinator)).await.unwrap())
+    }
+
+    /// The gateway's client (routing, listing, eviction).
     async fn client(&self) -> CoordinatorClient<Channel> {
-        CoordinatorClient::connect(self.url()).await.unwrap()
+        self.client_as("gateway").await
     }
 
     async fn stop(mut self) {
@@ -56,8 +66,23 @@ impl Running {
     }
 }
 
+/// One cluster CA for the whole file, with every identity its tests use.
+fn pki() -> &'static baton_kv_transport::DevCerts {
+    static PKI: std::sync::OnceLock<baton_kv_transport::DevCerts> = std::sync::OnceLock::new();
+    PKI.get_or_init(|| {
+        let names = ["coordinator", "gateway", "operator", "decode:a", "decode:b", "prefill:p0"];
+        let nodes = ["d0", "d1", "d2", "d3", "d9"].map(|n| format!("decode:{n}"));
+        let all: Vec<&str> = names.iter().copied().chain(nodes.iter().map(String::as_str)).collect();
+        baton_kv_transport::generate_dev_certs("coordinator-grpc-test", &all).unwrap()
+    })
+}
+
+fn plane(name: &str) -> Plane {
+    Plane::mtls(pki().node_tls(name).unwrap()).unwrap()
+}
+
 fn config(ttl_ms: u64) -> Config {
-    Config { lease_ttl: Duration::from_millis(ttl_ms), ..Config::default() }
+    Config { lease_ttl: Duration::from_millis(ttl_ms), ..Config::with_defaults(plane("coordinator")) }
 }
 
 fn node(id: &str, role: Role, grpc_addr: String) -> NodeInfo {
@@ -73,7 +98,7 @@ fn node(id: &str, role: Role, grpc_addr: String) -> NodeInfo {
 }
 
 fn join(url: &str, id: &str, role: Role) -> MembershipHandle {
-    MembershipClient::new(url, node(id, role, format!("127.0.0.1:{}", 10_000 + id.len())))
+    MembershipClient::new(url, node(id, role, format!("127.0.0.1:{}", 10_000 + id.len())), plane(id))
         .with_load(|| LoadReport { kv_blocks_free: 900, running: 1, waiting: 0 })
         .spawn()
 }
@@ -157,17 +182,20 @@ async fn routing_round_trip_with_explanations_metrics_and_health() {
         uncached_tokens: uncached,
         decode_node: Some(NodeId { id: first.clone() }),
     };
-    let r = c.route_prefill(pre(100)).await.unwrap().into_inner();
+    // RoutePrefill is the decode node's call; Explain the operator's.
+    let mut as_decode = co.client_as(&first).await;
+    let mut as_operator = co.client_as("operator").await;
+    let r = as_decode.route_prefill(pre(100)).await.unwrap().into_inner();
     assert!(matches!(r.choice, Some(Choice::Local(_))));
     assert_eq!(r.explanation.unwrap().reason, Reason::LocalShortTail as i32);
-    let r = c.route_prefill(pre(2000)).await.unwrap().into_inner();
+    let r = as_decode.route_prefill(pre(2000)).await.unwrap().into_inner();
     match r.choice {
         Some(Choice::Remote(n)) => assert_eq!(n.node_id.unwrap().id, "p0"),
         other => panic!("expected a remote prefill, got {other:?}"),
     }
 
     // Explain: newest first, every decision about conv-a.
-    let ex = c.explain(ExplainRequest { routing_key: "conv-a".into(), limit: 0 }).await.unwrap().into_inner();
+    let ex = as_operator.explain(ExplainRequest { routing_key: "conv-a".into(), limit: 0 }).await.unwrap().into_inner();
     assert_eq!(ex.records.len(), 5);
     assert_eq!(ex.records[0].reason, Reason::RemoteLeastLoaded as i32);
     assert_eq!(ex.records[4].candidates.len(), 4);
@@ -258,13 +286,16 @@ impl NodeControl for FakeNode {
     }
 }
 
-async fn fake_node(evictions: Arc<AtomicU64>, refuse: bool) -> SocketAddr {
+/// A node's control service as node `id`, behind the plane's TLS and authorization.
+async fn fake_node(id: &str, evictions: Arc<AtomicU64>, refuse: bool) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
+    let plane = plane(id);
     tokio::spawn(
         tonic::transport::Server::builder()
+            .layer(plane.authorize())
             .add_service(NodeControlServer::new(FakeNode { evictions, refuse }))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+            .serve_with_incoming(plane.incoming(l)),
     );
     addr
 }
@@ -276,8 +307,8 @@ async fn eviction_reaches_every_node_and_fails_if_one_refuses() {
     let evictions = Arc::new(AtomicU64::new(0));
     let mut handles = Vec::new();
     for (id, role) in [("d0", Role::Decode), ("d1", Role::Decode), ("p0", Role::Prefill)] {
-        let addr = fake_node(evictions.clone(), false).await;
-        let h = MembershipClient::new(co.url(), node(id, role, addr.to_string())).spawn();
+        let addr = fake_node(id, evictions.clone(), false).await;
+        let h = MembershipClient::new(co.url(), node(id, role, addr.to_string()), plane(id)).spawn();
         h.wait_registered(1).await;
         handles.push(h);
     }
@@ -288,8 +319,8 @@ async fn eviction_reaches_every_node_and_fails_if_one_refuses() {
     assert_eq!(evictions.load(Ordering::SeqCst), 3);
 
     // One node refuses: the eviction is reported failed, the others still evicted.
-    let bad = fake_node(evictions.clone(), true).await;
-    let h = MembershipClient::new(co.url(), node("d9", Role::Decode, bad.to_string())).spawn();
+    let bad = fake_node("d9", evictions.clone(), true).await;
+    let h = MembershipClient::new(co.url(), node("d9", Role::Decode, bad.to_string()), plane("d9")).spawn();
     h.wait_registered(1).await;
     handles.push(h);
     let err = c.evict_conversation(req()).await.unwrap_err();
@@ -305,8 +336,12 @@ async fn eviction_reaches_every_node_and_fails_if_one_refuses() {
 #[test]
 fn baton_coordinator_binary_serves_and_reports_its_ports() {
     use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    pki().write_to_dir(dir.path(), false).unwrap();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["coordinator", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--lease-ttl", "3s"])
+        .arg("--certs-dir")
+        .arg(dir.path())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -319,4 +354,18 @@ fn baton_coordinator_binary_serves_and_reports_its_ports() {
     let _ = child.wait();
     assert_eq!(health, (200, "ok\n".to_string()));
     assert!(line.starts_with("coordinator grpc=127.0.0.1:"), "{line}");
+}
+
+#[test]
+fn baton_coordinator_binary_refuses_to_start_without_certificates() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["coordinator", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
+        .arg("--certs-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a coordinator without its certificate must not serve plaintext");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("coordinator.pem"), "the error names the missing file: {err}");
 }

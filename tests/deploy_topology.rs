@@ -16,6 +16,7 @@ use std::time::Duration;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::RouteDecodeRequest;
 use cluster_support::etcd::{free_port, Etcd};
+use baton_proto::plane::Plane;
 use cluster_support::*;
 
 /// Tails of at least this many tokens go to a prefill node.
@@ -37,10 +38,10 @@ fn baton(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).to_string()
 }
 
-fn start_gateway(db: &Path, model: &Path, coordinator: &str) -> (Gateway, String) {
+fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str) -> (Gateway, String) {
     let addr = format!("127.0.0.1:{}", free_port());
     let child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["gateway", "--listen", &addr, "--coordinator", coordinator])
+        .args(["gateway", "--listen", &addr, "--coordinator", coordinator, "--certs-dir", certs_dir])
         .arg("--db")
         .arg(db)
         .arg("--model")
@@ -54,8 +55,8 @@ fn start_gateway(db: &Path, model: &Path, coordinator: &str) -> (Gateway, String
     (g, addr)
 }
 
-async fn owner_of(coordinator: &str, conversation: &str) -> String {
-    let mut c = CoordinatorClient::connect(coordinator.to_string()).await.unwrap();
+async fn owner_of(gateway: &Plane, coordinator: &str, conversation: &str) -> String {
+    let mut c = CoordinatorClient::new(channel(gateway, coordinator).await);
     let ask = RouteDecodeRequest { routing_key: conversation.into(), owner: "alice".into(), prompt_tokens: 1, exclude: vec![] };
     c.route_decode(ask).await.unwrap().into_inner().node.unwrap().node_id.unwrap().id
 }
@@ -96,6 +97,8 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
         "2s",
         "--local-prefill-threshold",
         &THRESHOLD.to_string(),
+        "--certs-dir",
+        dir.path().to_str().unwrap(),
     ]);
     let cluster = Cluster { dir, model: model.clone(), coordinator };
     let url = cluster.url();
@@ -105,7 +108,7 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
 
     let db = cluster.dir.path().join("gateway.db");
     let key = baton(&["keys", "--db", db.to_str().unwrap(), "create", "--user", "alice"]).trim().to_string();
-    let (_gateway, gateway) = start_gateway(&db, &model, &url);
+    let (_gateway, gateway) = start_gateway(&db, &model, &url, cluster.certs_dir());
     let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
 
     rt.block_on(async {
@@ -124,16 +127,16 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
 
         // Rolling restart of the conversation's decode node, as a StatefulSet
         // does it: drain (the preStop hook), stop, start again under the same name.
-        let home = owner_of(&url, &conv).await;
+        let home = owner_of(&cluster.plane("gateway"), &url, &conv).await;
         let i = decodes.iter().position(|p| p.addr("kv").starts_with(&format!("{home}@"))).expect("the home node is one of ours");
-        let report = baton(&["drain", "--node", &decodes[i].addr("grpc"), "--timeout", "30s"]);
+        let report = baton(&["drain", "--node", &decodes[i].addr("grpc"), "--timeout", "30s", "--certs-dir", cluster.certs_dir(), "--tls-name", "operator"]);
         assert!(report.contains("conversations_moved=1"), "{report}");
         decodes.remove(i).kill9();
 
         // Turn 4 lands on the other node and starts warm: everything up to turn 3's
         // reply was pushed there by the drain, though that node never served it.
         let (prompt4, cached4, reply4) = turn(&http, &gateway, &key, &conv, "Thanks. One more fact about the Rhine, please.").await;
-        let interim = owner_of(&url, &conv).await;
+        let interim = owner_of(&cluster.plane("gateway"), &url, &conv).await;
         assert_ne!(interim, home);
         assert!(cached4 + 32 >= prompt3, "turn 4 starts warm on {interim}: cached {cached4}, turn 3's prompt was {prompt3}");
         assert!(!reply4.is_empty());
@@ -142,7 +145,7 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
         // moves back, and its first turn there pulls the warm prefix from the interim owner.
         decodes.push(cluster.node("decode", &home, THRESHOLD, &[]));
         let (_, cached5, _) = turn(&http, &gateway, &key, &conv, "Where does the Rhine reach the sea?").await;
-        assert_eq!(owner_of(&url, &conv).await, home);
+        assert_eq!(owner_of(&cluster.plane("gateway"), &url, &conv).await, home);
         assert!(cached5 + 32 >= prompt4, "turn 5 starts warm back on {home}: cached {cached5}, turn 4's prompt was {prompt4}");
 
         // The home node now dies outright (no drain): the next turn still
@@ -152,9 +155,10 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
         let (_, _, reply6) = turn(&http, &gateway, &key, &conv, "Summarise both rivers in one sentence.").await;
         assert!(!reply6.is_empty());
         let survivor = decodes[0].addr("grpc");
+        let operator = cluster.plane("operator");
         assert_no_leaks(|| {
-            let s = survivor.clone();
-            Box::pin(async move { decode_stats(&s).await })
+            let (s, op) = (survivor.clone(), operator.clone());
+            Box::pin(async move { decode_stats(&op, &s).await })
         })
         .await;
     });

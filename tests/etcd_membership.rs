@@ -8,6 +8,7 @@
 
 mod cluster_support;
 
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use std::time::Duration;
 
 use baton_coordinator::membership::conformance;
@@ -56,6 +57,15 @@ async fn wait_nodes(client: &mut CoordinatorClient<tonic::transport::Channel>, w
     }
 }
 
+/// The cluster's identities: a coordinator, a gateway, and the nodes that join.
+fn plane(name: &str) -> Plane {
+    static PKI: std::sync::OnceLock<baton_kv_transport::DevCerts> = std::sync::OnceLock::new();
+    let pki = PKI.get_or_init(|| {
+        baton_kv_transport::generate_dev_certs("etcd-test", &["coordinator", "gateway", "decode:d1", "decode:d2", "prefill:p1"]).unwrap()
+    });
+    Plane::mtls(pki.node_tls(name).unwrap()).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_join_lease_expiry_and_reregistration_after_etcd_restart() {
     let Some(mut etcd) = Etcd::start() else { return };
@@ -63,7 +73,7 @@ async fn etcd_join_lease_expiry_and_reregistration_after_etcd_restart() {
     let config = Config {
         membership: MembershipConfig::Etcd { endpoints: vec![etcd.endpoint()], prefix: "/baton-test/".into() },
         lease_ttl: Duration::from_secs(2),
-        ..Config::default()
+        ..Config::with_defaults(plane("coordinator"))
     };
     let coordinator = Coordinator::bind(config).await.unwrap();
     let url = format!("http://{}", coordinator.grpc_addr());
@@ -71,12 +81,13 @@ async fn etcd_join_lease_expiry_and_reregistration_after_etcd_restart() {
     let server = tokio::spawn(coordinator.serve(async move {
         let _ = stop_rx.await;
     }));
-    let mut client = CoordinatorClient::connect(url.clone()).await.unwrap();
+    let gateway = plane("gateway");
+    let mut client = CoordinatorClient::new(gateway.connect(&gateway.endpoint(&url).unwrap(), Expect::Role(IdRole::Coordinator)).await.unwrap());
 
     // Join.
-    let d1 = MembershipClient::new(url.clone(), node("d1", Role::Decode)).spawn();
-    let d2 = MembershipClient::new(url.clone(), node("d2", Role::Decode)).spawn();
-    let p1 = MembershipClient::new(url.clone(), node("p1", Role::Prefill)).spawn();
+    let d1 = MembershipClient::new(url.clone(), node("d1", Role::Decode), plane("d1")).spawn();
+    let d2 = MembershipClient::new(url.clone(), node("d2", Role::Decode), plane("d2")).spawn();
+    let p1 = MembershipClient::new(url.clone(), node("p1", Role::Prefill), plane("p1")).spawn();
     d1.wait_registered(1).await;
     d2.wait_registered(1).await;
     p1.wait_registered(1).await;

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use baton_proto::common::NodeInfo;
+use baton_proto::common::{NodeInfo, Role};
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use baton_proto::node::node_control_client::NodeControlClient;
 use baton_proto::node::EvictRequest;
 
@@ -27,17 +28,25 @@ pub enum EvictError {
 }
 
 /// The real evictor: `NodeControl.Evict` over gRPC at the node's `grpc_addr`.
-#[derive(Debug, Clone, Default)]
-pub struct GrpcEvictor;
+#[derive(Debug, Clone)]
+pub struct GrpcEvictor {
+    plane: Plane,
+}
+
+impl GrpcEvictor {
+    /// Calls nodes over `plane` (each must hold the identity of the node it registered as).
+    pub fn new(plane: Plane) -> Self {
+        GrpcEvictor { plane }
+    }
+}
 
 #[async_trait]
 impl NodeEvictor for GrpcEvictor {
     async fn evict(&self, node: &NodeInfo, conversation: &str, owner: &str) -> Result<u64, EvictError> {
-        let url = if node.grpc_addr.contains("://") { node.grpc_addr.clone() } else { format!("http://{}", node.grpc_addr) };
-        let endpoint = tonic::transport::Endpoint::from_shared(url)
-            .map_err(|e| EvictError::Unreachable(e.to_string()))?
-            .connect_timeout(Duration::from_secs(2));
-        let channel = endpoint.connect().await.map_err(|e| EvictError::Unreachable(e.to_string()))?;
+        let endpoint = self.plane.endpoint(&node.grpc_addr).map_err(|e| EvictError::Unreachable(e.to_string()))?.connect_timeout(Duration::from_secs(2));
+        let role = if node.role == Role::Prefill as i32 { IdRole::Prefill } else { IdRole::Decode };
+        let expect = Expect::Node { role, name: crate::membership::node_id_of(node).to_string() };
+        let channel = self.plane.connect(&endpoint, expect).await.map_err(|e| EvictError::Unreachable(e.to_string()))?;
         let req = EvictRequest { conversation: conversation.to_string(), owner: owner.to_string() };
         let resp = NodeControlClient::new(channel)
             .evict(req)

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_proto::coordinator::coordinator_server::CoordinatorServer;
+use baton_proto::plane::{Plane, Role as IdRole};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -94,6 +95,18 @@ pub struct Args {
     /// How long a node may take to acknowledge an eviction.
     #[arg(long, env = "BATON_EVICT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub evict_timeout: Duration,
+    /// Folder with ca.pem and this coordinator's certificate and key (`baton certs`), for
+    /// the internal plane's mutual TLS.
+    #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
+    pub certs_dir: std::path::PathBuf,
+    /// File name of the certificate in --certs-dir (NAME.pem, NAME.key); it must name a
+    /// coordinator identity (NAME.coordinator.baton).
+    #[arg(long, env = "BATON_TLS_NAME", default_value = "coordinator")]
+    pub tls_name: String,
+    /// INSECURE: serve gRPC without TLS, identities or authorization; anyone who can reach
+    /// the port may register nodes, route and evict. Only for a network of trusted processes.
+    #[arg(long, env = "BATON_INSECURE_PLAINTEXT_INTERNAL")]
+    pub insecure_plaintext_internal: bool,
 }
 
 /// Membership backend, validated.
@@ -118,11 +131,14 @@ pub struct Config {
     pub conversation_idle_ttl: Duration,
     pub explain_capacity: usize,
     pub evict_timeout: Duration,
+    /// The internal plane: mutual TLS as this coordinator, or plaintext.
+    pub plane: Plane,
 }
 
-impl Default for Config {
-    /// The embedded defaults, on ephemeral loopback ports.
-    fn default() -> Self {
+impl Config {
+    /// The embedded defaults, on ephemeral loopback ports, serving on `plane` (there is
+    /// no default plane: a caller chooses TLS or, by name, plaintext).
+    pub fn with_defaults(plane: Plane) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             http_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -136,6 +152,7 @@ impl Default for Config {
             conversation_idle_ttl: Duration::from_secs(1800),
             explain_capacity: 4096,
             evict_timeout: Duration::from_secs(5),
+            plane,
         }
     }
 }
@@ -188,6 +205,8 @@ impl TryFrom<Args> for Config {
             conversation_idle_ttl: a.conversation_idle_ttl,
             explain_capacity: a.explain_capacity,
             evict_timeout: a.evict_timeout,
+            plane: Plane::from_flags(&a.certs_dir, &a.tls_name, IdRole::Coordinator, a.insecure_plaintext_internal)
+                .map_err(|e| Error::Config { field: "certs_dir", why: e.to_string() })?,
         })
     }
 }
@@ -198,6 +217,7 @@ pub struct Coordinator {
     grpc: TcpListener,
     http: TcpListener,
     state: Arc<service::State>,
+    plane: Plane,
 }
 
 impl Coordinator {
@@ -212,7 +232,8 @@ impl Coordinator {
 
     /// Uses listeners the caller bound (`config.listen`/`http_listen` are ignored).
     pub async fn from_listeners(config: Config, grpc: TcpListener, http: TcpListener) -> Result<Self> {
-        Self::with_evictor(config, grpc, http, Arc::new(GrpcEvictor)).await
+        let evictor = Arc::new(GrpcEvictor::new(config.plane.clone()));
+        Self::with_evictor(config, grpc, http, evictor).await
     }
 
     /// As [`Coordinator::from_listeners`], with a custom eviction fan-out (tests).
@@ -234,7 +255,7 @@ impl Coordinator {
             }
         };
         let state = Arc::new(service::State::new(&config, membership, evictor)?);
-        Ok(Self { grpc, http, state })
+        Ok(Self { grpc, http, state, plane: config.plane })
     }
 
     /// The gRPC address (what nodes and gateways dial).
@@ -265,8 +286,9 @@ impl Coordinator {
         );
         let svc = CoordinatorService { state: self.state.clone() };
         let grpc = tonic::transport::Server::builder()
+            .layer(self.plane.authorize())
             .add_service(CoordinatorServer::new(svc))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(self.grpc), stopped(stop_rx.clone()));
+            .serve_with_incoming_shutdown(self.plane.incoming(self.grpc), stopped(stop_rx.clone()));
         let http = axum::serve(self.http, http::router(self.state.clone())).with_graceful_shutdown(stopped(stop_rx));
         let (g, h) = tokio::join!(grpc, http);
         g.map_err(|e| Error::Serve(e.to_string()))?;

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
 use baton_proto::coordinator as pb;
 use baton_proto::coordinator::coordinator_server::Coordinator as CoordinatorRpc;
+use baton_proto::plane::authz::{caller, claim_node};
+use baton_proto::plane::Role as IdRole;
 use tonic::{Request, Response, Status};
 
 use crate::error::{Error, Result};
@@ -330,11 +332,40 @@ fn valid_node(info: &NodeInfo) -> Result<()> {
     }
 }
 
+impl CoordinatorService {
+    /// A node renews or releases only its own lease: the lease's node, and the node the
+    /// request names, must both be the caller's (checked against its certificate).
+    async fn lease_holder<T>(&self, req: &Request<T>, lease_id: u64, named: Option<&NodeId>) -> Result<(), Status> {
+        if caller(req).is_none() {
+            return Ok(()); // plaintext mode: no identities to check
+        }
+        const EITHER: &[IdRole] = &[IdRole::Prefill, IdRole::Decode];
+        let member = self.state.members().await?.into_iter().find(|m| m.lease_id == lease_id);
+        let mut claims: Vec<(String, &[IdRole])> = Vec::new();
+        if let Some(m) = &member {
+            let role: &[IdRole] = if m.info.role == Role::Prefill as i32 { &[IdRole::Prefill] } else { &[IdRole::Decode] };
+            claims.push((node_id_of(&m.info).to_string(), role));
+        }
+        if let Some(n) = named {
+            claims.push((n.id.clone(), EITHER));
+        }
+        for (node, roles) in claims {
+            if !roles.iter().any(|r| claim_node(req, &node, *r).is_ok()) {
+                return Err(Status::permission_denied(format!("lease {lease_id} or node {node:?} is not the caller's")));
+            }
+        }
+        Ok(())
+    }
+}
+
 #[tonic::async_trait]
 impl CoordinatorRpc for CoordinatorService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
-        let info = req.into_inner().node.ok_or(Error::InvalidRequest { what: "node is missing" })?;
+        let info = req.get_ref().node.clone().ok_or(Error::InvalidRequest { what: "node is missing" })?;
         valid_node(&info)?;
+        // The name and role come from the request; the certificate must allow both.
+        let role = if info.role == Role::Prefill as i32 { IdRole::Prefill } else { IdRole::Decode };
+        claim_node(&req, node_id_of(&info), role)?;
         let id = node_id_of(&info).to_string();
         if let Some(l) = info.load {
             lock(&self.state.loads).insert(id.clone(), l);
@@ -349,6 +380,7 @@ impl CoordinatorRpc for CoordinatorService {
     }
 
     async fn keep_alive(&self, req: Request<pb::KeepAliveRequest>) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        self.lease_holder(&req, req.get_ref().lease_id, req.get_ref().node_id.as_ref()).await?;
         let req = req.into_inner();
         let alive = self.state.membership.keep_alive(req.lease_id).await?;
         if alive {
@@ -364,6 +396,7 @@ impl CoordinatorRpc for CoordinatorService {
     }
 
     async fn deregister(&self, req: Request<pb::DeregisterRequest>) -> Result<Response<pb::DeregisterResponse>, Status> {
+        self.lease_holder(&req, req.get_ref().lease_id, req.get_ref().node_id.as_ref()).await?;
         let req = req.into_inner();
         let removed = self.state.membership.deregister(req.lease_id).await?;
         if removed {

@@ -43,6 +43,8 @@ pub struct Drainer {
     /// `/healthz` answers 503 once false.
     pub ready: Arc<AtomicBool>,
     pub coordinator: Option<CoordinatorClient<Channel>>,
+    /// How the drain reaches the conversations' new owners.
+    pub plane: baton_proto::plane::Plane,
     /// Taken (and deregistered) by the first drain.
     pub membership: Arc<Mutex<Option<MembershipHandle>>>,
     pub node_id: String,
@@ -119,7 +121,7 @@ impl Drainer {
         if target.node_id.as_ref().is_some_and(|n| n.id == self.node_id) {
             return Err(Status::failed_precondition("the coordinator routed the conversation back to the draining node"));
         }
-        let mut client = crate::handoff::adopt::connect(&target.grpc_addr).await?;
+        let mut client = crate::handoff::adopt::connect(&self.plane, &target.grpc_addr).await?;
         let adopt = pb::AdoptPrefixRequest {
             turn: Some(pb::Turn {
                 prompt: w.tokens[..cached + 1].to_vec(),

@@ -33,6 +33,7 @@ use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::node::decode_node_server::DecodeNodeServer;
 use baton_proto::node::node_control_server::NodeControlServer;
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use tokio::net::TcpListener;
 
 pub use baton_kv_transport::transport::select::{RdmaConfig, TransportChoice};
@@ -88,9 +89,14 @@ pub struct Args {
     /// tokens the KV tiers hold).
     #[arg(long, env = "BATON_WARM_CONVERSATIONS", default_value_t = 8192)]
     pub warm_conversations: usize,
-    /// Folder with ca.pem and NAME.pem/NAME.key (`baton certs`).
+    /// Folder with ca.pem and NAME.pem/NAME.key (`baton certs`): the node's identity on
+    /// the KV transport and the internal gRPC plane.
     #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
     pub certs_dir: PathBuf,
+    /// INSECURE: serve and call gRPC without TLS, identities or authorization (the KV
+    /// transport keeps its mutual TLS). Only for a network of trusted processes.
+    #[arg(long, env = "BATON_INSECURE_PLAINTEXT_INTERNAL")]
+    pub insecure_plaintext_internal: bool,
     #[command(flatten)]
     pub kv_transport: KvTransportArgs,
     #[command(flatten)]
@@ -113,6 +119,8 @@ pub struct Config {
     pub drain_timeout: Duration,
     pub warm_conversations: usize,
     pub certs_dir: PathBuf,
+    /// gRPC without TLS (`--insecure-plaintext-internal`).
+    pub insecure_plaintext_internal: bool,
     /// The KV transport asked for (`--kv-transport`); RDMA falls back to QUIC.
     pub kv_transport: TransportChoice,
     pub engine: EngineSetup,
@@ -150,6 +158,7 @@ impl TryFrom<Args> for Config {
             drain_timeout: a.drain_timeout,
             warm_conversations: a.warm_conversations,
             certs_dir: a.certs_dir,
+            insecure_plaintext_internal: a.insecure_plaintext_internal,
             kv_transport: a.kv_transport.try_into()?,
             engine: a.engine.try_into()?,
         })
@@ -200,8 +209,12 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let grpc_addr = format!("{host}:{}", grpc_local.port());
     let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.local_addr.ip()), kv.local_addr.port()));
     let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
+    let plane = Plane::for_node(&tls, &config.name, IdRole::Decode, config.insecure_plaintext_internal)?;
     let coordinator: Option<CoordinatorClient<tonic::transport::Channel>> = match &config.coordinator {
-        Some(url) => Some(CoordinatorClient::new(tonic::transport::Endpoint::from_shared(url.clone())?.connect_timeout(Duration::from_secs(2)).connect_lazy())),
+        Some(url) => {
+            let endpoint = plane.endpoint(url)?.connect_timeout(Duration::from_secs(2));
+            Some(CoordinatorClient::new(plane.connect_lazy(&endpoint, Expect::Role(IdRole::Coordinator))?))
+        }
         None => None,
     };
     let metrics = Arc::new(metrics::Metrics::default());
@@ -219,6 +232,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         draining: draining.clone(),
         ready: ready.clone(),
         coordinator: coordinator.clone(),
+        plane: plane.clone(),
         membership: membership_slot.clone(),
         node_id: config.name.clone(),
         grpc_addr: grpc_addr.clone(),
@@ -229,6 +243,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let svc = service::DecodeService {
         engine: engine.clone(),
         kv: kv.clone(),
+        plane: plane.clone(),
         router: Router {
             threshold: config.local_prefill_threshold,
             coordinator,
@@ -255,7 +270,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
             load: None,
         };
         let e = engine.clone();
-        let handle = baton_proto::client::MembershipClient::new(url.clone(), info).with_load(move || load_report(&e)).spawn();
+        let handle = baton_proto::client::MembershipClient::new(url.clone(), info, plane.clone()).with_load(move || load_report(&e)).spawn();
         let mut watch = handle.watch();
         let (ready, draining) = (ready.clone(), draining.clone());
         tokio::spawn(async move {
@@ -277,9 +292,10 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         let _ = stop_tx.send(true);
     });
     let grpc_srv = tonic::transport::Server::builder()
+        .layer(plane.authorize())
         .add_service(CountedService::new(DecodeNodeServer::new(svc), in_flight))
         .add_service(NodeControlServer::new(control))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(plane.incoming(grpc), stopped(stop_rx.clone()));
     let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));
     let (g, h) = tokio::join!(grpc_srv, http_srv);
     if let Some(m) = membership_slot.lock().await.take() {

@@ -27,6 +27,8 @@ use crate::warm::{WarmConversation, WarmTable};
 pub struct DecodeService {
     pub engine: Arc<Engine>,
     pub kv: Arc<KvNode>,
+    /// How this node calls prefill nodes and other decode nodes.
+    pub plane: baton_proto::plane::Plane,
     pub router: Router,
     pub metrics: Arc<Metrics>,
     /// This node's gRPC address as others reach it.
@@ -79,7 +81,7 @@ impl DecodeNode for DecodeService {
         let mut path = pb::PrefillPath::Local;
         let mut import = None;
         if let Route::Remote(addr) = self.router.route(&req, cached).await {
-            match remote_prefill(&self.kv, &req, cached, &addr, &self.grpc_addr, self.kv_deadline).await {
+            match remote_prefill(&self.kv, &self.plane, &req, cached, &addr, &self.grpc_addr, self.kv_deadline).await {
                 Ok(i) => {
                     import = Some(i);
                     path = pb::PrefillPath::Remote;
@@ -147,7 +149,7 @@ impl DecodeNode for DecodeService {
         }
         let turn = r.turn.ok_or_else(|| Status::invalid_argument("turn is missing"))?;
         let (conversation, owner, platform, tokens) = (turn.conversation.clone(), turn.owner.clone(), turn.platform_prefix_len as usize, turn.prompt.clone());
-        let a = adopt::adopt(&self.engine, &self.kv, turn, &r.source, self.kv_deadline).await?;
+        let a = adopt::adopt(&self.engine, &self.kv, &self.plane, turn, &r.source, self.kv_deadline).await?;
         if a.pulled_tokens > 0 {
             self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
         }
@@ -186,7 +188,7 @@ impl DecodeService {
             platform_prefix_len: req.platform_prefix_len as u32,
             conversation: req.conversation.as_ref().map(|c| c.as_str().to_string()).unwrap_or_default(),
         };
-        match adopt::adopt(&self.engine, &self.kv, turn, source, self.kv_deadline).await {
+        match adopt::adopt(&self.engine, &self.kv, &self.plane, turn, source, self.kv_deadline).await {
             Ok(a) if a.pulled_tokens > 0 => {
                 self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
                 cached.max(a.had_tokens + a.pulled_tokens)

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Checks the Kubernetes node-identity scheme with real processes on loopback:
 #  - certificates made with the openssl commands of docs/operations.md (one CA, one
-#    wildcard certificate per pool: *.decode.baton, *.prefill.baton);
+#    wildcard certificate per pool: *.decode.baton, *.prefill.baton, *.coordinator.baton,
+#    *.gateway.baton);
 #  - laid out for --certs-dir by base/tls-layout.sh, as the pods' initContainer does;
 #  - node names POD_NAME.prefill.baton / POD_NAME.decode.baton, as the pods use.
 # A turn whose uncached tail goes to the prefill node must ship its KV blocks over QUIC
-# (mutual TLS; the dialler checks the peer's name) with no local fallback. Then a decode
-# node holding a certificate for the wrong pool must be refused (the turn falls back).
+# (mutual TLS; the dialler checks the peer's name) with no local fallback; every gRPC call
+# runs over the internal plane's mutual TLS (the coordinator and gateway read their Secret
+# as mounted). Then a decode node holding a certificate for the wrong pool must refuse to
+# start, naming the identity it holds.
 #
 #   bash deploy/k8s/identity-test.sh target/release/baton ~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf
 set -euo pipefail
@@ -27,7 +30,7 @@ echo "== certificates (openssl, as in docs/operations.md)"
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 3650 \
     -subj /CN=baton -keyout ca.key -out ca.crt \
     -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign 2>/dev/null
-for pool in decode prefill; do
+for pool in decode prefill coordinator gateway; do
     openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$pool.baton" \
         -keyout "$pool.key" -out "$pool.csr" 2>/dev/null
     printf 'subjectAltName=DNS:*.%s.baton\nextendedKeyUsage=serverAuth,clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n' "$pool" >"$pool.ext"
@@ -73,7 +76,7 @@ run_cluster() {
     coord="127.0.0.1:$(port)"
     coord_http="127.0.0.1:$(port)"
     "$bin" coordinator --listen "$coord" --http-listen "$coord_http" \
-        --local-prefill-threshold 16 >coordinator.log 2>&1 &
+        --local-prefill-threshold 16 --certs-dir secret-coordinator >coordinator.log 2>&1 &
     pids+=($!)
     start_node prefill baton-prefill-7d9f8-x2kqp.prefill.baton prefill
     prefill_http="$http"
@@ -82,7 +85,8 @@ run_cluster() {
     rm -f gw.db
     key="$("$bin" keys --db gw.db create --user identity-test | tail -n 1)"
     gw="127.0.0.1:$(port)"
-    "$bin" gateway --listen "$gw" --db gw.db --model "$model" --coordinator "http://$coord" >gateway.log 2>&1 &
+    "$bin" gateway --listen "$gw" --db gw.db --model "$model" --coordinator "http://$coord" \
+        --certs-dir secret-gateway >gateway.log 2>&1 &
     pids+=($!)
     for _ in $(seq 300); do curl -fsS "http://$gw/healthz" >/dev/null 2>&1 && break; sleep 0.2; done
     # A node is healthy before its lease reaches the coordinator: a turn routed before
@@ -120,10 +124,19 @@ if [ "${shipped%.*}" -le 0 ] || [ "${fallbacks%.*}" -ne 0 ]; then
     exit 1
 fi
 
-echo "== a decode node with the prefill pool's certificate is refused"
-run_cluster prefill
-if [ "${fallbacks%.*}" -lt 1 ]; then
-    echo "FAIL: a certificate that does not name the decode node was accepted" >&2
+echo "== a decode node with the prefill pool's certificate refuses to start"
+name=baton-decode-1.decode.baton
+mkdir -p "certs-$name"
+BATON_NODE_NAME="$name" TLS_DIR=secret-prefill CERTS_DIR="certs-$name" sh "$layout"
+if "$bin" decode --name "$name" --coordinator "http://127.0.0.1:9" --certs-dir "certs-$name" \
+    --model "$model" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --kv-listen 127.0.0.1:0 >wrong-pool.log 2>&1; then
+    echo "FAIL: a decode node started with the prefill pool's certificate" >&2
     exit 1
 fi
+if ! grep -q "names prefill" wrong-pool.log; then
+    cat wrong-pool.log >&2
+    echo "FAIL: the refusal does not name the certificate's identity" >&2
+    exit 1
+fi
+echo "refused: $(grep -o 'the certificate of.*' wrong-pool.log | head -n 1)"
 echo "identity-test: ok"

@@ -14,18 +14,18 @@ use baton_engine::kv::UserId;
 use baton_engine::KvImport;
 use baton_proto::node as pb;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
+use baton_proto::plane::{Expect, Plane, Role};
 use tonic::transport::Channel;
 use tonic::Status;
 
 use crate::kv::KvNode;
 
-/// A client of the decode node at `addr` (host:port or URL).
-pub async fn connect_decode_node(addr: &str) -> Result<DecodeNodeClient<Channel>, Status> {
-    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-    let channel = tonic::transport::Endpoint::from_shared(url)
-        .map_err(|e| Status::invalid_argument(e.to_string()))?
-        .connect_timeout(Duration::from_secs(2))
-        .connect()
+/// A client of the decode node at `addr` (host:port or URL); over mutual TLS, the
+/// server must hold a decode identity.
+pub async fn connect_decode_node(plane: &Plane, addr: &str) -> Result<DecodeNodeClient<Channel>, Status> {
+    let endpoint = plane.endpoint(addr).map_err(|e| Status::invalid_argument(e.to_string()))?.connect_timeout(Duration::from_secs(2));
+    let channel = plane
+        .connect(&endpoint, Expect::Role(Role::Decode))
         .await
         .map_err(|e| Status::unavailable(format!("cannot reach the decode node at {addr}: {e}")))?;
     Ok(DecodeNodeClient::new(channel))

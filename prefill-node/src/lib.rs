@@ -25,6 +25,7 @@ use baton_kv_transport::NodeTls;
 use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
 use baton_proto::node::prefill_node_server::PrefillNodeServer;
 use baton_proto::node::node_control_server::NodeControlServer;
+use baton_proto::plane::{Plane, Role as IdRole};
 use tokio::net::TcpListener;
 
 pub use baton_kv_transport::transport::select::{RdmaConfig, TransportChoice};
@@ -63,9 +64,14 @@ pub struct Args {
     /// Staging memory for pulled prefixes, MiB.
     #[arg(long, env = "BATON_KV_STAGING_MIB", default_value_t = 256)]
     pub kv_staging_mib: usize,
-    /// Folder with ca.pem and NAME.pem/NAME.key (`baton certs`).
+    /// Folder with ca.pem and NAME.pem/NAME.key (`baton certs`): the node's identity on
+    /// the KV transport and the internal gRPC plane.
     #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
     pub certs_dir: PathBuf,
+    /// INSECURE: serve and call gRPC without TLS, identities or authorization (the KV
+    /// transport keeps its mutual TLS). Only for a network of trusted processes.
+    #[arg(long, env = "BATON_INSECURE_PLAINTEXT_INTERNAL")]
+    pub insecure_plaintext_internal: bool,
     /// Testing only: pause this long after each layer shipped.
     #[arg(long, env = "BATON_KV_LAYER_DELAY", value_parser = parse_duration, hide = true)]
     pub kv_layer_delay: Option<Duration>,
@@ -87,6 +93,8 @@ pub struct Config {
     pub kv_deadline: Duration,
     pub kv_staging_bytes: usize,
     pub certs_dir: PathBuf,
+    /// gRPC without TLS (`--insecure-plaintext-internal`).
+    pub insecure_plaintext_internal: bool,
     pub kv_layer_delay: Option<Duration>,
     /// The KV transport asked for (`--kv-transport`); RDMA falls back to QUIC.
     pub kv_transport: TransportChoice,
@@ -115,6 +123,7 @@ impl TryFrom<Args> for Config {
             kv_deadline: a.kv_deadline,
             kv_staging_bytes: a.kv_staging_mib << 20,
             certs_dir: a.certs_dir,
+            insecure_plaintext_internal: a.insecure_plaintext_internal,
             kv_layer_delay: a.kv_layer_delay,
             kv_transport: a.kv_transport.try_into()?,
             engine: a.engine.try_into()?,
@@ -166,6 +175,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let grpc_addr = format!("{host}:{}", grpc_local.port());
     let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.local_addr.ip()), kv.local_addr.port()));
     let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
+    let plane = Plane::for_node(&tls, &config.name, IdRole::Prefill, config.insecure_plaintext_internal)?;
     let metrics = Arc::new(metrics::Metrics::default());
     let draining = Arc::new(AtomicBool::new(false));
     let in_flight = baton_node_common::in_flight::InFlight::default();
@@ -173,6 +183,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
     let svc = service::PrefillService {
         engine: engine.clone(),
         kv: kv.clone(),
+        plane: plane.clone(),
         metrics: metrics.clone(),
         pull_deadline: config.kv_deadline,
         layer_delay: config.kv_layer_delay,
@@ -200,7 +211,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
             load: None,
         };
         let e = engine.clone();
-        let handle = baton_proto::client::MembershipClient::new(url.clone(), info).with_load(move || load_report(&e)).spawn();
+        let handle = baton_proto::client::MembershipClient::new(url.clone(), info, plane.clone()).with_load(move || load_report(&e)).spawn();
         let mut watch = handle.watch();
         let (ready, draining) = (ready.clone(), draining.clone());
         tokio::spawn(async move {
@@ -222,9 +233,10 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         let _ = stop_tx.send(true);
     });
     let grpc_srv = tonic::transport::Server::builder()
+        .layer(plane.authorize())
         .add_service(CountedService::new(PrefillNodeServer::new(svc), in_flight))
         .add_service(NodeControlServer::new(control))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(plane.incoming(grpc), stopped(stop_rx.clone()));
     let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));
     let (g, h) = tokio::join!(grpc_srv, http_srv);
     if let Some(m) = membership_slot.lock().await.take() {

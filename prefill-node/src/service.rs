@@ -25,6 +25,8 @@ use baton_node_common::prefix_pull::{connect_decode_node, pull_prefix};
 use crate::metrics::Metrics;
 
 pub struct PrefillService {
+    /// How this node pulls prefixes from decode nodes.
+    pub plane: baton_proto::plane::Plane,
     pub engine: Arc<Engine>,
     pub kv: Arc<KvNode>,
     pub metrics: Arc<Metrics>,
@@ -160,7 +162,7 @@ impl PrefillService {
     /// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node at `source`.
     async fn pull_prefix(&self, prefix: &[u32], owner: &UserId, platform: usize, start_block: usize, source: &str) -> Result<KvImport, Status> {
         let started = Instant::now();
-        let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(source)).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
+        let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(&self.plane, source)).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
         let left = self.pull_deadline.saturating_sub(started.elapsed());
         pull_prefix(&self.kv, &mut client, prefix, owner, platform, start_block, left).await
     }

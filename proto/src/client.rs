@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
+
+use crate::plane::{Expect, Plane, Role};
 
 use crate::common::{LoadReport, NodeInfo};
 use crate::coordinator::coordinator_client::CoordinatorClient;
@@ -30,6 +32,7 @@ pub struct MembershipState {
 /// Builds and starts a node's membership loop.
 pub struct MembershipClient {
     coordinator_url: String,
+    plane: Plane,
     node: NodeInfo,
     load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
     max_backoff: Duration,
@@ -45,11 +48,13 @@ impl std::fmt::Debug for MembershipClient {
 }
 
 impl MembershipClient {
-    /// `coordinator_url` like `http://127.0.0.1:7100`; `node` is what gets registered
-    /// (its `load` field is replaced by the load callback's answer on each renewal).
-    pub fn new(coordinator_url: impl Into<String>, node: NodeInfo) -> Self {
+    /// `coordinator_url` like `http://127.0.0.1:7100`, reached over `plane` (the server
+    /// must hold a coordinator identity); `node` is what gets registered (its `load`
+    /// field is replaced by the load callback's answer on each renewal).
+    pub fn new(coordinator_url: impl Into<String>, node: NodeInfo, plane: Plane) -> Self {
         Self {
             coordinator_url: coordinator_url.into(),
+            plane,
             node,
             load: Arc::new(LoadReport::default),
             max_backoff: Duration::from_secs(2),
@@ -86,7 +91,7 @@ impl MembershipClient {
             }
             let c = match &mut client {
                 Some(c) => c,
-                None => match connect(&self.coordinator_url).await {
+                None => match connect(&self.plane, &self.coordinator_url).await {
                     Ok(c) => client.insert(c),
                     Err(e) => {
                         tracing::debug!(error = %e, url = %self.coordinator_url, "coordinator unreachable");
@@ -163,12 +168,9 @@ impl MembershipClient {
     }
 }
 
-async fn connect(url: &str) -> Result<CoordinatorClient<Channel>, tonic::transport::Error> {
-    let ch = Endpoint::from_shared(url.to_string())?
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(5))
-        .connect()
-        .await?;
+async fn connect(plane: &Plane, url: &str) -> Result<CoordinatorClient<Channel>, String> {
+    let endpoint = plane.endpoint(url).map_err(|e| e.to_string())?.connect_timeout(Duration::from_secs(2)).timeout(Duration::from_secs(5));
+    let ch = plane.connect(&endpoint, Expect::Role(Role::Coordinator)).await.map_err(|e| format!("{e}: {:?}", std::error::Error::source(&e)))?;
     Ok(CoordinatorClient::new(ch))
 }
 

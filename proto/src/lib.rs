@@ -4,6 +4,7 @@
 //! - [`common`]: node identity, role, capacity and load.
 //! - [`coordinator`]: the coordinator service (membership, routing, eviction).
 //! - [`node`]: the services nodes serve to each other and to the coordinator.
+//! - [`plane`]: the internal plane's mutual TLS, connections and authorization table.
 //! - [`client`]: [`client::MembershipClient`], the register + keep-alive loop nodes run.
 
 #[allow(clippy::all, missing_docs)]
@@ -14,5 +15,6 @@ mod generated {
 pub use generated::baton::{common, coordinator, node};
 
 pub mod client;
+pub mod plane;
 
 pub use client::{MembershipClient, MembershipHandle, MembershipState};

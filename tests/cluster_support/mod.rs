@@ -21,6 +21,9 @@ use baton_proto::node::decode_node_client::DecodeNodeClient;
 use baton_proto::node::generate_event::Event as GenEv;
 use baton_proto::node::prefill_node_client::PrefillNodeClient;
 use baton_proto::node::{self as pb, FinishedEvent};
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
+use baton_kv_transport::NodeTls;
+use tonic::transport::Channel;
 
 /// The default model, or `None` (the test says it is skipped).
 pub fn model_path() -> Option<PathBuf> {
@@ -111,10 +114,12 @@ pub fn metrics(http: &str) -> String {
     resp
 }
 
-/// Development certificates for the named nodes, in a temporary folder.
+/// Development certificates for the named nodes, plus `coordinator`, `gateway` and
+/// `operator` (the identities the tests' own clients use), in a temporary folder.
 pub fn certs(dir: &Path, nodes: &str) {
+    let all = format!("coordinator,gateway,operator,{nodes}");
     let st = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["certs", "--out", dir.to_str().unwrap(), "--nodes", nodes])
+        .args(["certs", "--out", dir.to_str().unwrap(), "--nodes", &all])
         .stdout(Stdio::null())
         .status()
         .expect("baton certs");
@@ -143,12 +148,25 @@ impl Cluster {
             &threshold.to_string(),
             "--lease-ttl",
             "2s",
+            "--certs-dir",
+            dir.path().to_str().unwrap(),
         ]);
         Some(Cluster { dir, model, coordinator })
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.coordinator.addr("grpc"))
+    }
+
+    /// The folder with every certificate of the test.
+    pub fn certs_dir(&self) -> &str {
+        self.dir.path().to_str().unwrap()
+    }
+
+    /// The internal plane as the process whose certificate is `name` (`gateway`,
+    /// `operator`, a node's name).
+    pub fn plane(&self, name: &str) -> Plane {
+        plane(self.dir.path(), name)
     }
 
     fn node_args(&self, role: &str, name: &str, threshold: usize, extra: &[&str]) -> Vec<String> {
@@ -240,9 +258,23 @@ pub fn generate_request(prompt: &[u32], owner: &str, conversation: &str, max_tok
     }
 }
 
-/// Runs one turn on a decode node; returns its tokens and final event.
-pub async fn generate(grpc: String, req: pb::GenerateRequest) -> (Vec<u32>, FinishedEvent) {
-    let mut c = DecodeNodeClient::connect(format!("http://{grpc}")).await.unwrap();
+/// The internal plane as `name`, from the certificates in `dir`.
+pub fn plane(dir: &Path, name: &str) -> Plane {
+    Plane::mtls(NodeTls::from_dir(dir, name).unwrap()).unwrap()
+}
+
+/// A channel to `addr` over `plane`, to a server of any node role.
+pub async fn channel(plane: &Plane, addr: &str) -> Channel {
+    let endpoint = plane.endpoint(addr).unwrap();
+    plane
+        .connect(&endpoint, Expect::OneOf(vec![IdRole::Decode, IdRole::Prefill, IdRole::Coordinator]))
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {addr}: {e}: {:?}", std::error::Error::source(&e)))
+}
+
+/// Runs one turn on a decode node, as the gateway; returns its tokens and final event.
+pub async fn generate(gateway: Plane, grpc: String, req: pb::GenerateRequest) -> (Vec<u32>, FinishedEvent) {
+    let mut c = DecodeNodeClient::new(channel(&gateway, &grpc).await);
     let mut s = c.generate(req).await.unwrap().into_inner();
     let mut tokens = Vec::new();
     while let Some(ev) = s.message().await.unwrap() {
@@ -255,13 +287,15 @@ pub async fn generate(grpc: String, req: pb::GenerateRequest) -> (Vec<u32>, Fini
     panic!("stream ended without a final event");
 }
 
-pub async fn decode_stats(grpc: &str) -> pb::NodeStats {
-    let mut c = DecodeNodeClient::connect(format!("http://{grpc}")).await.unwrap();
+/// A decode node's stats, as an operator.
+pub async fn decode_stats(operator: &Plane, grpc: &str) -> pb::NodeStats {
+    let mut c = DecodeNodeClient::new(channel(operator, grpc).await);
     c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
 }
 
-pub async fn prefill_stats(grpc: &str) -> pb::NodeStats {
-    let mut c = PrefillNodeClient::connect(format!("http://{grpc}")).await.unwrap();
+/// A prefill node's stats, as an operator.
+pub async fn prefill_stats(operator: &Plane, grpc: &str) -> pb::NodeStats {
+    let mut c = PrefillNodeClient::new(channel(operator, grpc).await);
     c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
 }
 

@@ -20,7 +20,8 @@ use baton_proto::coordinator::{EvictConversationRequest, RouteDecodeRequest};
 use baton_proto::node as pb;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
 use futures::StreamExt;
-use tonic::transport::{Channel, Endpoint};
+use baton_proto::plane::{Expect, Plane, Role};
+use tonic::transport::Channel;
 use tonic::Code;
 
 use super::{GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
@@ -56,19 +57,55 @@ impl Default for ClusterConfig {
 pub struct ClusterGenerator {
     coordinator: CoordinatorClient<Channel>,
     config: ClusterConfig,
+    plane: Plane,
     /// Decode nodes that failed recently, by node ID.
     failed: Arc<Mutex<HashMap<String, Instant>>>,
+    /// One HTTP/2 connection per decode node (ID, address), reused by every turn routed
+    /// there (a TLS handshake per turn would cost more than the routing); dropped when a
+    /// turn finds the node unreachable.
+    channels: Mutex<HashMap<(String, String), Channel>>,
 }
 
 impl ClusterGenerator {
-    /// `coordinator_url` like `http://127.0.0.1:7100`. Connects lazily.
-    pub fn new(coordinator_url: &str, config: ClusterConfig) -> Result<Self, GenerateError> {
-        let channel = Endpoint::from_shared(coordinator_url.to_string())
+    /// `coordinator_url` like `http://127.0.0.1:7100`, reached over `plane` (the server
+    /// must hold a coordinator identity; decode nodes the identity they registered as).
+    /// Connects lazily.
+    pub fn new(coordinator_url: &str, config: ClusterConfig, plane: Plane) -> Result<Self, GenerateError> {
+        let endpoint = plane
+            .endpoint(coordinator_url)
             .map_err(|e| GenerateError::Internal(format!("bad coordinator URL: {e}")))?
             .connect_timeout(config.connect_timeout)
-            .timeout(config.request_timeout)
-            .connect_lazy();
-        Ok(ClusterGenerator { coordinator: CoordinatorClient::new(channel), config, failed: Arc::default() })
+            .timeout(config.request_timeout);
+        let channel = plane.connect_lazy(&endpoint, Expect::Role(Role::Coordinator)).map_err(|e| GenerateError::Internal(e.to_string()))?;
+        Ok(ClusterGenerator { coordinator: CoordinatorClient::new(channel), config, plane, failed: Arc::default(), channels: Mutex::default() })
+    }
+
+    /// The cached connection to decode node `id` at `addr`, or a new one.
+    async fn decode_channel(&self, id: &str, addr: &str) -> Result<Channel, GenerateError> {
+        let key = (id.to_string(), addr.to_string());
+        if let Some(c) = self.channels.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(c.clone());
+        }
+        let endpoint = self
+            .plane
+            .endpoint(addr)
+            .map_err(|e| GenerateError::Internal(format!("bad decode node address: {e}")))?
+            .connect_timeout(self.config.connect_timeout)
+            .http2_keep_alive_interval(self.config.keepalive_interval)
+            .keep_alive_timeout(self.config.keepalive_timeout)
+            .keep_alive_while_idle(true);
+        let expect = Expect::Node { role: Role::Decode, name: id.to_string() };
+        let channel = self
+            .plane
+            .connect(&endpoint, expect)
+            .await
+            .map_err(|e| GenerateError::Unavailable(format!("cannot reach the decode node: {e}: {:?}", std::error::Error::source(&e))))?;
+        self.channels.lock().unwrap_or_else(|p| p.into_inner()).insert(key, channel.clone());
+        Ok(channel)
+    }
+
+    fn forget_channel(&self, id: &str, addr: &str) {
+        self.channels.lock().unwrap_or_else(|p| p.into_inner()).remove(&(id.to_string(), addr.to_string()));
     }
 
     fn excluded(&self) -> Vec<NodeId> {
@@ -93,17 +130,8 @@ impl ClusterGenerator {
         Ok((id, node.grpc_addr, previous))
     }
 
-    async fn open(&self, addr: &str, prefix_source: String, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
-        let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-        let channel = Endpoint::from_shared(url)
-            .map_err(|e| GenerateError::Internal(format!("bad decode node address: {e}")))?
-            .connect_timeout(self.config.connect_timeout)
-            .http2_keep_alive_interval(self.config.keepalive_interval)
-            .keep_alive_timeout(self.config.keepalive_timeout)
-            .keep_alive_while_idle(true)
-            .connect()
-            .await
-            .map_err(|e| GenerateError::Unavailable(format!("cannot reach the decode node: {e}")))?;
+    async fn open(&self, id: &str, addr: &str, prefix_source: String, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
+        let channel = self.decode_channel(id, addr).await?;
         let s = &req.sampling;
         let wire = pb::GenerateRequest {
             turn: Some(pb::Turn {
@@ -126,8 +154,15 @@ impl ClusterGenerator {
             }),
             prefix_source,
         };
-        let r = DecodeNodeClient::new(channel).generate(wire).await.map_err(status_error)?;
-        Ok(r.into_inner())
+        match DecodeNodeClient::new(channel).generate(wire).await.map_err(status_error) {
+            Ok(r) => Ok(r.into_inner()),
+            Err(e) => {
+                if matches!(e, GenerateError::Unavailable(_)) {
+                    self.forget_channel(id, addr);
+                }
+                Err(e)
+            }
+        }
     }
 
     fn mark_failed(failed: &Mutex<HashMap<String, Instant>>, id: &str) {
@@ -147,7 +182,7 @@ impl Generator for ClusterGenerator {
         let mut opened = None;
         for _ in 0..2 {
             let (id, addr, previous) = self.route(&req).await?;
-            match self.open(&addr, previous, &req).await {
+            match self.open(&id, &addr, previous, &req).await {
                 Ok(s) => {
                     opened = Some((id, s));
                     break;

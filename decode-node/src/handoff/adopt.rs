@@ -24,6 +24,7 @@ use tonic::Status;
 use crate::convert;
 use crate::kv::KvNode;
 pub(crate) use baton_node_common::prefix_pull::connect_decode_node as connect;
+use baton_proto::plane::Plane;
 use baton_node_common::prefix_pull::pull_prefix;
 
 /// What an adoption did.
@@ -37,7 +38,7 @@ pub struct Adopted {
 
 /// Makes `turn.prompt`'s whole blocks (all but its last token) warm here, as
 /// far as the decode node at `source` holds them, pulling what is missing.
-pub async fn adopt(engine: &std::sync::Arc<Engine>, kv: &KvNode, turn: pb::Turn, source: &str, deadline: Duration) -> Result<Adopted, Status> {
+pub async fn adopt(engine: &std::sync::Arc<Engine>, kv: &KvNode, plane: &Plane, turn: pb::Turn, source: &str, deadline: Duration) -> Result<Adopted, Status> {
     let started = Instant::now();
     let sampling = pb::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() };
     let req = convert::request(Some(turn), Some(sampling))?;
@@ -61,7 +62,7 @@ pub async fn adopt(engine: &std::sync::Arc<Engine>, kv: &KvNode, turn: pb::Turn,
     if had_blocks >= (req.prompt.len() - 1) / bt {
         return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
     }
-    let mut client = tokio::time::timeout(deadline, connect(source)).await.map_err(|_| Status::deadline_exceeded("connecting to the prefix source"))??;
+    let mut client = tokio::time::timeout(deadline, connect(plane, source)).await.map_err(|_| Status::deadline_exceeded("connecting to the prefix source"))??;
     let peek = pb::CachedPrefixRequest { tokens: req.prompt.clone(), owner: req.owner.as_str().to_string(), platform_prefix_len: req.platform_prefix_len as u32 };
     let theirs = tokio::time::timeout(deadline, client.cached_prefix(peek)).await.map_err(|_| Status::deadline_exceeded("asking the prefix source"))??.into_inner();
     let whole = theirs.cached_tokens as usize / bt;

@@ -7,6 +7,7 @@
 
 pub mod adopt;
 
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use std::time::{Duration, Instant};
 
 use baton_engine::{ImportedToken, KvImport, Request};
@@ -110,7 +111,7 @@ impl Router {
 
 /// Has the prefill node at `addr` compute `req`'s tail past `cached` tokens
 /// and ship it into staging blocks here; returns the engine import.
-pub async fn remote_prefill(kv: &KvNode, req: &Request, cached: usize, addr: &str, self_grpc: &str, deadline: Duration) -> Result<KvImport, HandoffError> {
+pub async fn remote_prefill(kv: &KvNode, plane: &Plane, req: &Request, cached: usize, addr: &str, self_grpc: &str, deadline: Duration) -> Result<KvImport, HandoffError> {
     let bt = kv.layout.block_tokens as usize;
     let start_block = cached / bt;
     let end = req.prompt.len().div_ceil(bt);
@@ -129,12 +130,10 @@ pub async fn remote_prefill(kv: &KvNode, req: &Request, cached: usize, addr: &st
         kv_endpoint: kv.endpoint.clone(),
         prefix_source: self_grpc.to_string(),
     };
-    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
     let call = async {
-        let channel = tonic::transport::Endpoint::from_shared(url)
-            .map_err(|e| HandoffError::Connect(e.to_string()))?
-            .connect_timeout(Duration::from_secs(2))
-            .connect()
+        let endpoint = plane.endpoint(addr).map_err(|e| HandoffError::Connect(e.to_string()))?.connect_timeout(Duration::from_secs(2));
+        let channel = plane
+            .connect(&endpoint, Expect::Role(IdRole::Prefill))
             .await
             .map_err(|e| HandoffError::Connect(e.to_string()))?;
         PrefillNodeClient::new(channel).prefill(ask).await.map_err(HandoffError::Prefill)

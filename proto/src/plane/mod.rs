@@ -1,0 +1,153 @@
+//! The internal plane: how Baton's processes call each other's gRPC services, and who may.
+//!
+//! Owns: [`Plane`] (a process's side of the plane: mutual TLS from its certificate, or
+//! plaintext when the operator asked for it by name), the server's accept loop
+//! ([`Plane::incoming`]: TLS handshakes off the accept path, each bounded in time), the
+//! client's connector ([`Plane::connect`]: the server must hold the identity the caller
+//! expects), and the authorization table ([`authz`]).
+//!
+//! Invariants: with TLS on, every connection in either direction is TLS 1.3 with a
+//! certificate from the cluster CA that names one identity; a request reaches a service
+//! only if the table lets the caller's role call that method ([`AuthorizeLayer`]); the
+//! caller's identity reaches handlers as [`Caller`], read from the certificate, never
+//! from a request field.
+
+pub mod authz;
+mod client;
+mod server;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_identity::{Identity, NodeTls};
+
+pub use authz::{AuthorizeLayer, Caller};
+pub use baton_identity::{Expect, Role};
+pub use server::{PeerInfo, PlaneConn};
+
+/// ALPN protocol of the internal plane (gRPC over HTTP/2).
+pub const ALPN: &[u8] = b"h2";
+
+/// How long a client may take to complete its TLS handshake before the server drops it.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// At most this many TLS handshakes in flight per listener; connections past it are
+/// closed at once rather than queued (a flood of slow handshakes cannot pin memory).
+pub const MAX_PENDING_HANDSHAKES: usize = 4096;
+
+/// Why a [`Plane`] could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum PlaneError {
+    #[error("internal plane TLS: {0}")]
+    Identity(#[from] baton_identity::Error),
+    #[error("{file} names {names}, not a {role} identity")]
+    WrongRole { file: String, names: String, role: Role },
+    #[error("internal plane URL {url:?}: {why}")]
+    Url { url: String, why: String },
+}
+
+enum Security {
+    Mtls { tls: NodeTls, identity: Identity, acceptor: tokio_rustls::TlsAcceptor },
+    InsecurePlaintext,
+}
+
+/// One process's side of the internal plane; cheap to clone.
+#[derive(Clone)]
+pub struct Plane {
+    security: Arc<Security>,
+}
+
+impl std::fmt::Debug for Plane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &*self.security {
+            Security::Mtls { identity, .. } => write!(f, "Plane(mTLS as {identity})"),
+            Security::InsecurePlaintext => f.write_str("Plane(INSECURE plaintext)"),
+        }
+    }
+}
+
+impl Plane {
+    /// Mutual TLS as the identity `tls`'s certificate names (it must name one).
+    pub fn mtls(tls: NodeTls) -> Result<Plane, PlaneError> {
+        let identity = tls.identity()?;
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config(ALPN)?));
+        Ok(Plane { security: Arc::new(Security::Mtls { tls, identity, acceptor }) })
+    }
+
+    /// No TLS, no identities, no authorization: anyone who reaches a port may call any
+    /// method. Only for a network where every process is trusted; the flag that selects
+    /// it says so (`--insecure-plaintext-internal`).
+    pub fn insecure_plaintext() -> Plane {
+        Plane { security: Arc::new(Security::InsecurePlaintext) }
+    }
+
+    /// This process's identity (None in plaintext mode).
+    pub fn identity(&self) -> Option<&Identity> {
+        match &*self.security {
+            Security::Mtls { identity, .. } => Some(identity),
+            Security::InsecurePlaintext => None,
+        }
+    }
+
+    /// True when running without TLS.
+    pub fn is_insecure(&self) -> bool {
+        matches!(&*self.security, Security::InsecurePlaintext)
+    }
+
+    /// The authorization layer for a server of this plane.
+    pub fn authorize(&self) -> AuthorizeLayer {
+        AuthorizeLayer::new(self.identity().cloned(), self.is_insecure())
+    }
+}
+
+/// The `http://host:port` form of an address or URL (the plane's own TLS replaces the
+/// scheme's; `https://` is accepted and means the same).
+pub fn normalize_url(addr: &str) -> String {
+    match addr.split_once("://") {
+        Some(("https", rest)) => format!("http://{rest}"),
+        Some(_) => addr.to_string(),
+        None => format!("http://{addr}"),
+    }
+}
+
+impl PartialEq for Plane {
+    fn eq(&self, other: &Plane) -> bool {
+        self.is_insecure() == other.is_insecure() && self.identity() == other.identity()
+    }
+}
+
+impl Plane {
+    /// The plane of a process whose flags name a certificate: `dir/NAME.pem`, `dir/NAME.key`
+    /// and `dir/ca.pem`, which must name a `role` identity; or plaintext if the operator
+    /// passed `--insecure-plaintext-internal`.
+    pub fn from_flags(dir: &std::path::Path, name: &str, role: Role, insecure_plaintext: bool) -> Result<Plane, PlaneError> {
+        if insecure_plaintext {
+            tracing::warn!("the internal plane runs WITHOUT TLS or identities (--insecure-plaintext-internal): anyone who reaches this process's ports may call it");
+            return Ok(Plane::insecure_plaintext());
+        }
+        let plane = Plane::mtls(NodeTls::from_dir(dir, name)?)?;
+        let id = plane.identity().expect("an mTLS plane has an identity");
+        if id.role() != role {
+            return Err(PlaneError::WrongRole { file: dir.join(format!("{name}.pem")).display().to_string(), names: id.to_string(), role });
+        }
+        Ok(plane)
+    }
+}
+
+impl Plane {
+    /// The plane of a node called `name` in `role`, from the TLS identity it also uses on
+    /// the KV transport: its certificate must let it act as that node. Plaintext if the
+    /// operator passed `--insecure-plaintext-internal`.
+    pub fn for_node(tls: &NodeTls, name: &str, role: Role, insecure_plaintext: bool) -> Result<Plane, PlaneError> {
+        if insecure_plaintext {
+            tracing::warn!("the internal plane runs WITHOUT TLS or identities (--insecure-plaintext-internal): anyone who reaches this node's gRPC port may call it");
+            return Ok(Plane::insecure_plaintext());
+        }
+        let plane = Plane::mtls(tls.clone())?;
+        let id = plane.identity().expect("an mTLS plane has an identity");
+        if id.role() != role || !id.may_act_as(name) {
+            return Err(PlaneError::WrongRole { file: format!("the certificate of {name}"), names: id.to_string(), role });
+        }
+        Ok(plane)
+    }
+}

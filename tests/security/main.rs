@@ -1,0 +1,218 @@
+//! Attacks on the internal plane, run against real `baton` processes on loopback: each
+//! one is what a process on the cluster's network could try, and each must fail.
+//!
+//! - a plaintext client, and a client whose certificate another CA signed, get no answer;
+//! - a certificate without a role, or with the wrong role, cannot call a method its role
+//!   is not granted (docs/SECURITY.md's table, row by row: [`every_row_of_the_table`]);
+//! - a node cannot register, renew or leave under another node's name (fake registration);
+//! - only the gateway may say whose turn it is (owner spoofing on Generate, CachedPrefix,
+//!   ExportPrefix from any other role);
+//! - a server with the wrong identity is not trusted by a client (impersonation);
+//! - connections that never finish their handshake do not keep a real caller out.
+
+#[path = "../cluster_support/mod.rs"]
+mod cluster_support;
+
+use std::time::{Duration, Instant};
+
+use baton_proto::common::{NodeId, NodeInfo, Role};
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator as cpb;
+use baton_proto::node as pb;
+use baton_proto::node::decode_node_client::DecodeNodeClient;
+use baton_proto::node::node_control_client::NodeControlClient;
+use baton_proto::plane::authz::{Allow, RULES};
+use baton_proto::plane::{Expect, Plane, Role as IdRole};
+use cluster_support::*;
+use tonic::transport::Channel;
+use tonic::Code;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// Every identity the attacks use: the cluster's own, a node of each role, and a
+/// certificate with no role (signed by the cluster CA all the same).
+const IDENTITIES: &str = "prefill-0,decode-0,decode-1,kv-only";
+
+/// A channel to `addr` as `plane`, trusting any server of the cluster CA.
+async fn dial(plane: &Plane, addr: &str) -> Result<Channel, tonic::transport::Error> {
+    let any = Expect::OneOf(vec![IdRole::Coordinator, IdRole::Decode, IdRole::Prefill]);
+    plane.connect(&plane.endpoint(addr).unwrap().connect_timeout(Duration::from_secs(3)), any).await
+}
+
+fn decode_info(name: &str) -> NodeInfo {
+    NodeInfo {
+        node_id: Some(NodeId { id: name.into() }),
+        role: Role::Decode as i32,
+        grpc_addr: "127.0.0.1:9".into(),
+        kv_endpoint: format!("{name}@127.0.0.1:9"),
+        block_tokens: 16,
+        kv_blocks_total: 1000,
+        load: None,
+    }
+}
+
+#[test]
+fn a_plaintext_client_and_a_foreign_ca_get_no_answer() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    let rt = runtime();
+    let url = cluster.url();
+    rt.block_on(async {
+        // Plaintext: the server speaks TLS only.
+        let plain = Plane::insecure_plaintext();
+        let r = match dial(&plain, &url).await {
+            Err(_) => None,
+            Ok(ch) => Some(CoordinatorClient::new(ch).list_nodes(cpb::ListNodesRequest { role: 0 }).await),
+        };
+        assert!(!matches!(r, Some(Ok(_))), "a plaintext ListNodes was answered: {r:?}");
+        // A certificate from another CA, naming a gateway.
+        let foreign = baton_kv_transport::generate_dev_certs("evil", &["gateway"]).unwrap();
+        let evil = Plane::mtls(foreign.node_tls("gateway").unwrap()).unwrap();
+        assert!(dial(&evil, &url).await.is_err(), "a foreign CA's certificate completed a handshake");
+        // A certificate from the cluster CA that names no role gets no call through.
+        let kv_only = Plane::mtls(baton_kv_transport::NodeTls::from_dir(cluster.dir.path(), "kv-only").unwrap());
+        assert!(kv_only.is_err(), "a role-less certificate is not a plane identity");
+    });
+}
+
+#[test]
+fn fake_registration_and_someone_elses_lease_are_refused() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    let rt = runtime();
+    let url = cluster.url();
+    rt.block_on(async {
+        let register = |who: &'static str, info: NodeInfo| {
+            let plane = cluster.plane(who);
+            let url = url.clone();
+            async move {
+                let mut c = CoordinatorClient::new(dial(&plane, &url).await.unwrap());
+                c.register(cpb::RegisterRequest { node: Some(info) }).await
+            }
+        };
+        // A gateway, or a decode node under another decode node's name, or as a prefill node.
+        assert_eq!(register("gateway", decode_info("decode-0")).await.unwrap_err().code(), Code::PermissionDenied);
+        assert_eq!(register("decode-1", decode_info("decode-0")).await.unwrap_err().code(), Code::PermissionDenied);
+        let mut as_prefill = decode_info("decode-1");
+        as_prefill.role = Role::Prefill as i32;
+        assert_eq!(register("decode-1", as_prefill).await.unwrap_err().code(), Code::PermissionDenied);
+        // Its own name: accepted.
+        let lease = register("decode-0", decode_info("decode-0")).await.unwrap().into_inner().lease_id;
+
+        // decode-1 may not renew or drop decode-0's lease, nor report load under its name.
+        let mut c1 = CoordinatorClient::new(dial(&cluster.plane("decode-1"), &url).await.unwrap());
+        let renew = cpb::KeepAliveRequest { lease_id: lease, node_id: Some(NodeId { id: "decode-1".into() }), load: None };
+        assert_eq!(c1.keep_alive(renew).await.unwrap_err().code(), Code::PermissionDenied);
+        let drop = cpb::DeregisterRequest { lease_id: lease, node_id: Some(NodeId { id: "decode-0".into() }) };
+        assert_eq!(c1.deregister(drop.clone()).await.unwrap_err().code(), Code::PermissionDenied);
+        // The real node still holds it, and may release it.
+        let mut op = CoordinatorClient::new(dial(&cluster.plane("operator"), &url).await.unwrap());
+        let ids: Vec<String> = op.list_nodes(cpb::ListNodesRequest { role: 0 }).await.unwrap().into_inner().nodes.into_iter().filter_map(|n| n.node_id.map(|i| i.id)).collect();
+        assert_eq!(ids, vec!["decode-0".to_string()]);
+        let mut c0 = CoordinatorClient::new(dial(&cluster.plane("decode-0"), &url).await.unwrap());
+        assert!(c0.deregister(drop).await.unwrap().into_inner().removed);
+    });
+}
+
+/// Calls `method` as `who` with an empty request; the status code only.
+async fn call_as(cluster: &Cluster, who: &str, addr: &str, method: &str) -> Code {
+    let channel = dial(&cluster.plane(who), addr).await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let codec = tonic_prost::ProstCodec::<(), ()>::default();
+    let path = method.parse().unwrap();
+    match grpc.unary(tonic::Request::new(()), path, codec).await {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+/// Each row of the authorization table, against the real server that serves it: every
+/// role the row does not grant is refused with PermissionDenied before the handler runs;
+/// a granted role gets past the check (whatever the handler then says of an empty
+/// request, it is not PermissionDenied).
+#[test]
+fn every_row_of_the_table() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    let prefill = cluster.node("prefill", "prefill-0", 512, &[]);
+    let decode = cluster.node("decode", "decode-0", 512, &[]);
+    let rt = runtime();
+    let who_is = [("gateway", IdRole::Gateway), ("coordinator", IdRole::Coordinator), ("prefill-0", IdRole::Prefill), ("decode-1", IdRole::Decode), ("operator", IdRole::Operator)];
+    rt.block_on(async {
+        for rule in RULES {
+            let addr = match rule.method.split('/').nth(1).unwrap() {
+                "baton.coordinator.Coordinator" => cluster.url(),
+                "baton.node.PrefillNode" => prefill.addr("grpc"),
+                // NodeControl is served by both node kinds; the decode node's answers here.
+                _ => decode.addr("grpc"),
+            };
+            for (who, role) in who_is {
+                // Drain and Deregister would change the cluster under the other rows.
+                if rule.method.ends_with("/Drain") || rule.method.ends_with("/Deregister") {
+                    continue;
+                }
+                let granted = rule.allow.contains(&Allow::Role(role));
+                let code = call_as(&cluster, who, &addr, rule.method).await;
+                if granted {
+                    assert_ne!(code, Code::PermissionDenied, "{who} ({role}) is granted {}", rule.method);
+                } else {
+                    assert_eq!(code, Code::PermissionDenied, "{who} ({role}) called {}", rule.method);
+                }
+            }
+        }
+        // Drain and Deregister: refused to every role they do not grant.
+        for (who, _) in who_is.iter().filter(|(_, r)| !matches!(r, IdRole::Coordinator | IdRole::Operator)) {
+            assert_eq!(call_as(&cluster, who, &decode.addr("grpc"), "/baton.node.NodeControl/Drain").await, Code::PermissionDenied, "{who} drained");
+        }
+        for who in ["gateway", "coordinator", "operator"] {
+            assert_eq!(call_as(&cluster, who, &cluster.url(), "/baton.coordinator.Coordinator/Deregister").await, Code::PermissionDenied, "{who}");
+        }
+        // Owner spoofing: no role but the gateway may name a turn's owner to the decode node.
+        let spoof = generate_request(&[1, 2, 3, 4], "alice", "conv-a", 1);
+        for who in ["prefill-0", "decode-1", "coordinator", "operator"] {
+            let mut c = DecodeNodeClient::new(dial(&cluster.plane(who), &decode.addr("grpc")).await.unwrap());
+            let code = c.generate(spoof.clone()).await.map(|_| ()).unwrap_err().code();
+            assert_eq!(code, Code::PermissionDenied, "{who} ran a turn as alice");
+        }
+        let peek = pb::CachedPrefixRequest { tokens: vec![1; 64], owner: "alice".into(), platform_prefix_len: 0 };
+        let mut as_gateway = DecodeNodeClient::new(dial(&cluster.plane("gateway"), &decode.addr("grpc")).await.unwrap());
+        assert_eq!(as_gateway.cached_prefix(peek).await.unwrap_err().code(), Code::PermissionDenied, "the cache oracle");
+        // Eviction of a user's conversation on a node: the coordinator's alone.
+        let mut ctl = NodeControlClient::new(dial(&cluster.plane("gateway"), &decode.addr("grpc")).await.unwrap());
+        let evict = pb::EvictRequest { conversation: "conv-a".into(), owner: "alice".into() };
+        assert_eq!(ctl.evict(evict).await.unwrap_err().code(), Code::PermissionDenied);
+    });
+}
+
+#[test]
+fn a_client_does_not_trust_a_server_with_the_wrong_identity() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    let rt = runtime();
+    rt.block_on(async {
+        // The coordinator's address, but the client expects a decode node (a hijacked
+        // address or DNS name): the handshake fails on the client's side.
+        let gw = cluster.plane("gateway");
+        let endpoint = gw.endpoint(&cluster.url()).unwrap().connect_timeout(Duration::from_secs(3));
+        assert!(gw.connect(&endpoint, Expect::Role(IdRole::Decode)).await.is_err());
+        assert!(gw.connect(&endpoint, Expect::Node { role: IdRole::Coordinator, name: "coordinator".into() }).await.is_ok());
+        assert!(gw.connect(&endpoint, Expect::Node { role: IdRole::Coordinator, name: "other".into() }).await.is_err());
+    });
+}
+
+#[test]
+fn idle_connections_do_not_keep_a_real_caller_out() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    let addr = cluster.coordinator.addr("grpc");
+    // 300 connections that never send a byte (each holds one of the coordinator's
+    // handshake slots until its timeout, or is refused at once past MAX_PENDING).
+    let idle: Vec<std::net::TcpStream> = (0..300).map(|_| std::net::TcpStream::connect(&addr).unwrap()).collect();
+    let rt = runtime();
+    let took = rt.block_on(async {
+        let started = Instant::now();
+        let mut c = CoordinatorClient::new(dial(&cluster.plane("operator"), &cluster.url()).await.unwrap());
+        c.list_nodes(cpb::ListNodesRequest { role: 0 }).await.unwrap();
+        started.elapsed()
+    });
+    assert!(took < Duration::from_secs(1), "a real call took {took:?} behind 300 idle connections");
+    drop(idle);
+}

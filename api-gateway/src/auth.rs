@@ -17,6 +17,13 @@ pub fn hash_key(key: &str) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// How a user appears in logs: 16 hex digits of SHA-256 over the user ID, so log lines of
+/// one user can be correlated without the logs naming anyone.
+pub fn user_log_id(user: &str) -> String {
+    let d = Sha256::digest(format!("baton-log-user:{user}").as_bytes());
+    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
 /// A new random key, `bk-` plus 40 hex digits (160 bits).
 pub fn generate_key() -> String {
     let mut rng = rand::rng();
@@ -60,14 +67,11 @@ pub struct AuthUser(pub String, pub KeyHash);
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct KeyHash(pub String);
 
+/// The key of `Authorization: Bearer KEY`, and only there: a key in a URL ends up in
+/// access logs, proxies and browser history.
 fn bearer(parts: &Parts) -> Option<String> {
-    if let Some(v) = parts.headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
-        let v = v.trim();
-        if let Some(k) = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")) {
-            return Some(k.trim().to_string());
-        }
-    }
-    parts.uri.query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("key=").map(|k| k.to_string())))
+    let v = parts.headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok())?.trim();
+    v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).map(|k| k.trim().to_string())
 }
 
 impl FromRequestParts<Arc<App>> for AuthUser {

@@ -51,7 +51,7 @@ async fn owned(app: &App, user: &str, id: &str) -> Result<Conversation, ApiError
 
 pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, body: Body) -> Result<Response, ApiError> {
     metrics::request("conversations_create");
-    let body = read_body(body, app.config.max_body_bytes).await?;
+    let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let b: CreateBody = if body.iter().all(u8::is_ascii_whitespace) {
         CreateBody::default()
     } else {
@@ -174,7 +174,7 @@ pub async fn add_turn(
     body: Body,
 ) -> Result<Response, ApiError> {
     metrics::request("turns_create");
-    let raw = read_body(body, app.config.max_body_bytes).await?;
+    let raw = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let body: TurnBody = serde_json::from_slice(&raw).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
     let conv = owned(&app, &user, &id).await?;
     let header_id = headers.get("idempotency-key").map(|v| v.to_str().map(str::to_string));
@@ -188,8 +188,10 @@ pub async fn add_turn(
     let from = last_event_id(&headers)?.map(|n| n + 1).unwrap_or(0);
     let stream = body.stream.unwrap_or(true);
     let hash = request_hash(&body);
+    let max_tokens = body.max_tokens.map(|v| v as usize).unwrap_or(app.config.default_max_tokens);
+    crate::openai::check_max_tokens(max_tokens, app.config.max_tokens_ceiling)?;
     let mut sampling = SamplingParams {
-        max_tokens: body.max_tokens.map(|v| v as usize).unwrap_or(app.config.default_max_tokens),
+        max_tokens,
         temperature: body.temperature.unwrap_or(0.7),
         top_p: body.top_p.unwrap_or(1.0),
         seed: body.seed,

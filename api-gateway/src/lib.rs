@@ -16,6 +16,7 @@ pub mod conversations;
 pub mod error;
 pub mod generator;
 pub mod limits;
+pub mod listen;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
@@ -109,6 +110,19 @@ pub struct Args {
     /// PEM private key of --tls-cert (PKCS#8, PKCS#1 or SEC1).
     #[arg(long, env = "BATON_GATEWAY_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
+    /// The largest max_tokens a request may ask for; above it the request gets a 400.
+    #[arg(long, env = "BATON_MAX_TOKENS_CEILING", default_value_t = 4096)]
+    pub max_tokens_ceiling: usize,
+    /// Client connections open at once; past it a new connection is closed at once.
+    #[arg(long, env = "BATON_MAX_CONNECTIONS", default_value_t = 8192)]
+    pub max_connections: usize,
+    /// Client connections open at once from one IP address.
+    #[arg(long, env = "BATON_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = 256)]
+    pub max_connections_per_address: usize,
+    /// Seconds a client has to send a request's headers; a keep-alive connection idle
+    /// this long is closed. Request bodies have the same deadline.
+    #[arg(long, env = "BATON_HEADER_TIMEOUT_SECONDS", default_value_t = 15)]
+    pub header_timeout_seconds: u64,
 }
 
 /// A validated configuration.
@@ -132,6 +146,10 @@ pub struct Config {
     pub summary_max_tokens: usize,
     /// HTTPS on the listener; `None`: plain HTTP.
     pub tls: Option<tls::TlsConfig>,
+    /// Requests asking for more max_tokens are refused.
+    pub max_tokens_ceiling: usize,
+    /// Open connections, header and body deadlines.
+    pub connections: listen::ConnLimits,
 }
 
 impl TryFrom<Args> for Config {
@@ -144,6 +162,14 @@ impl TryFrom<Args> for Config {
         };
         anyhow::ensure!(a.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
         anyhow::ensure!(a.default_max_tokens >= 1, "--default-max-tokens must be at least 1");
+        anyhow::ensure!(
+            a.max_tokens_ceiling >= a.default_max_tokens,
+            "--max-tokens-ceiling ({}) must be at least --default-max-tokens ({})",
+            a.max_tokens_ceiling,
+            a.default_max_tokens
+        );
+        anyhow::ensure!(a.max_connections >= 1 && a.max_connections_per_address >= 1, "connection limits must be at least 1");
+        anyhow::ensure!(a.header_timeout_seconds >= 1, "--header-timeout-seconds must be at least 1");
         anyhow::ensure!(a.open_streams >= 1, "--open-streams must be at least 1");
         anyhow::ensure!(a.retention_days >= 1, "--retention-days must be at least 1");
         let rules = match &a.check_rules {
@@ -174,6 +200,12 @@ impl TryFrom<Args> for Config {
             summary_threshold_tokens: a.summary_threshold_tokens,
             summary_keep_turns: a.summary_keep_turns,
             summary_max_tokens: a.summary_max_tokens.max(1),
+            max_tokens_ceiling: a.max_tokens_ceiling,
+            connections: listen::ConnLimits {
+                max_connections: a.max_connections,
+                max_per_address: a.max_connections_per_address,
+                header_timeout: Duration::from_secs(a.header_timeout_seconds),
+            },
         })
     }
 }

@@ -45,6 +45,10 @@ pub const USER_TURN_TOKENS: &str = "baton_gateway_user_turn_tokens";
 pub const ACTIVE_USERS: &str = "baton_gateway_active_users";
 /// Counter: metering writes that failed.
 pub const METERING_FAILURES_TOTAL: &str = "baton_gateway_metering_failures_total";
+/// Client connections open now.
+pub const OPEN_CONNECTIONS: &str = "baton_gateway_open_connections";
+/// Client connections closed on accept, by the limit they hit.
+pub const CONNECTIONS_REFUSED_TOTAL: &str = "baton_gateway_connections_refused_total";
 
 /// The window of [`ACTIVE_USERS`].
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(300);
@@ -130,6 +134,14 @@ pub fn error(kind: &'static str) {
 
 pub fn turn(outcome: &'static str) {
     turn_counter(&get().recorder, outcome).increment(1);
+}
+
+pub fn set_open_connections(n: usize) {
+    gauge(&get().recorder, OPEN_CONNECTIONS, "Client connections open now").set(n as f64);
+}
+
+pub fn connection_refused(reason: &'static str) {
+    counter(&get().recorder, CONNECTIONS_REFUSED_TOTAL, "Client connections closed on accept, by the limit they hit", &[("reason", reason)]).increment(1);
 }
 
 pub fn rate_limited(limit: &'static str) {

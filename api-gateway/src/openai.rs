@@ -107,6 +107,14 @@ pub struct ValidChat {
 }
 
 /// Parses and validates a body (pure: the fuzz and property tests call it).
+/// The operator's ceiling on one reply's length (`--max-tokens-ceiling`): a clear 400 above it.
+pub fn check_max_tokens(max_tokens: usize, ceiling: usize) -> Result<(), ApiError> {
+    if max_tokens > ceiling {
+        return Err(ApiError::bad_param("max_tokens", format!("max_tokens is {max_tokens}; this server allows at most {ceiling}")));
+    }
+    Ok(())
+}
+
 pub fn parse_chat(body: &[u8], default_max_tokens: usize) -> Result<ValidChat, ApiError> {
     let req: ChatRequest = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
     if req.messages.is_empty() {
@@ -193,8 +201,9 @@ pub async fn chat_completions(
     body: Body,
 ) -> Result<Response, ApiError> {
     metrics::request("chat_completions");
-    let body = read_body(body, app.config.max_body_bytes).await?;
+    let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let chat = parse_chat(&body, app.config.default_max_tokens)?;
+    check_max_tokens(chat.sampling.max_tokens, app.config.max_tokens_ceiling)?;
     if let Some(last_user) = chat.messages.iter().rev().find(|m| m.role == "user") {
         app.checks
             .check_input(&last_user.content)
@@ -207,7 +216,7 @@ pub async fn chat_completions(
         None => routing_key(&user, &chat.messages),
     };
     let id = format!("chatcmpl-{}", request_id());
-    tracing::info!(request = %id, user = %user, prompt_tokens = prompt.ids.len(), "chat completion");
+    tracing::info!(request = %id, user = %crate::auth::user_log_id(&user), prompt_tokens = prompt.ids.len(), "chat completion");
     let reply = app.start_reply(&user, &api_key, prompt, key, chat.sampling.clone()).await?;
     let created = crate::store::now_unix();
     if chat.stream {

@@ -9,14 +9,12 @@ use crate::error::ApiError;
 use crate::generator::Generator;
 use crate::limits::Limiter;
 use crate::store::ConversationStore;
-use crate::tls::TlsListener;
 use crate::turns::Registry;
 use crate::{conversations, metrics, openai, Config};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -47,10 +45,14 @@ pub struct App {
     >,
 }
 
-/// Reads a whole body, refusing more than `limit` bytes with 413.
-pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+/// Reads a whole body, refusing more than `limit` bytes with 413, and a body that takes
+/// longer than `deadline` to arrive with 408.
+pub async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
     let limited = http_body_util::Limited::new(body, limit);
-    match limited.collect().await {
+    let Ok(collected) = tokio::time::timeout(deadline, limited.collect()).await else {
+        return Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, "request_timeout", format!("the request body did not arrive within {deadline:?}")));
+    };
+    match collected {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
         Err(_) => Err(ApiError::bad_request("could not read the request body")),
@@ -116,24 +118,16 @@ async fn retention_job(app: Arc<App>) {
 }
 
 /// Serves `app` on `listener` until `shutdown` completes.
+/// Serves `app` on `listener` until `shutdown` completes, under the connection limits of
+/// its config ([`crate::listen`]).
 pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
     let job = tokio::spawn(retention_job(app.clone()));
-    let r = match app.config.tls.clone() {
-        Some(tls) => {
-            tracing::info!(addr = %listener.local_addr()?, cert = %tls.cert.display(), "gateway serves HTTPS");
-            axum::serve(TlsListener::new(listener, &tls)?, router(app)).with_graceful_shutdown(shutdown).await
-        }
-        None => {
-            // Without TCP_NODELAY, a small SSE frame written after another waits for
-            // the peer's delayed ACK (up to 40 ms): every token would stall.
-            let listener = listener.tap_io(|tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!(error = %e, "TCP_NODELAY not set");
-                }
-            });
-            axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await
-        }
-    };
+    let tls = app.config.tls.as_ref().map(|t| {
+        tracing::info!(cert = %t.cert.display(), "gateway serves HTTPS");
+        t.acceptor()
+    });
+    let limits = app.config.connections;
+    let r = crate::listen::serve(listener, router(app), tls, limits, shutdown).await;
     job.abort();
     r
 }

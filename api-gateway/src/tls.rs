@@ -1,19 +1,16 @@
 //! HTTPS on the gateway's listener (`--tls-cert`, `--tls-key`): the PEM files
 //! are read and checked once at start (a bad file is an error naming it, not
-//! a failure on the first connection), and [`TlsListener`] hands axum only
-//! connections whose handshake finished. Handshakes run concurrently, each
-//! bounded by [`HANDSHAKE_TIMEOUT`], so a slow or silent client cannot hold
-//! up the others; a plain-HTTP request to the port fails its handshake.
+//! a failure on the first connection). [`crate::listen`] runs each handshake in
+//! its connection's task, bounded by [`HANDSHAKE_TIMEOUT`], so a slow or silent
+//! client cannot hold up the others; a plain-HTTP request to the port fails its
+//! handshake.
 //!
 //! rustls with the ring provider, as kv-transport uses, so the workspace
 //! carries one TLS stack.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -87,80 +84,8 @@ impl TlsConfig {
         Ok(TlsConfig { cert: cert.to_path_buf(), key: key.to_path_buf(), server: Arc::new(server) })
     }
 
-    fn acceptor(&self) -> TlsAcceptor {
+    pub(crate) fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(self.server.clone())
     }
 }
 
-/// An axum listener yielding connections whose TLS handshake finished.
-pub struct TlsListener {
-    ready: mpsc::Receiver<(tokio_rustls::server::TlsStream<TcpStream>, SocketAddr)>,
-    local: SocketAddr,
-    accept_task: tokio::task::JoinHandle<()>,
-}
-
-impl TlsListener {
-    /// Accepts on `listener`; handshakes run in their own tasks.
-    pub fn new(listener: TcpListener, tls: &TlsConfig) -> std::io::Result<Self> {
-        let local = listener.local_addr()?;
-        let (tx, ready) = mpsc::channel(64);
-        let accept_task = tokio::spawn(accept_loop(listener, tls.acceptor(), tx));
-        Ok(TlsListener { ready, local, accept_task })
-    }
-}
-
-impl Drop for TlsListener {
-    fn drop(&mut self) {
-        self.accept_task.abort();
-    }
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    acceptor: TlsAcceptor,
-    ready: mpsc::Sender<(tokio_rustls::server::TlsStream<TcpStream>, SocketAddr)>,
-) {
-    loop {
-        let (tcp, peer) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(error = %e, "accepting a connection failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        // Without TCP_NODELAY every small SSE frame waits for a delayed ACK.
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY not set");
-        }
-        let (acceptor, ready) = (acceptor.clone(), ready.clone());
-        tokio::spawn(async move {
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => {
-                    // The receiver is gone only when the server is shutting down.
-                    let _ = ready.send((stream, peer)).await;
-                }
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-            }
-        });
-    }
-}
-
-impl axum::serve::Listener for TlsListener {
-    type Io = tokio_rustls::server::TlsStream<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.ready.recv().await {
-            Some(conn) => conn,
-            // The accept task ended (it only does when aborted): accept nothing more.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        Ok(self.local)
-    }
-}

@@ -144,6 +144,19 @@ impl SqliteStore {
                 std::fs::create_dir_all(dir).map_err(|e| StoreError::Db(format!("creating {}: {e}", dir.display())))?;
             }
         }
+        // Conversations are user data: the file (and the WAL and shared-memory files SQLite
+        // creates beside it with the same mode) is readable by this user only.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+            let created = std::fs::OpenOptions::new().write(true).create(true).truncate(false).mode(0o600).open(path);
+            created.map_err(|e| StoreError::Db(format!("creating {}: {e}", path.display())))?;
+            let mode = std::fs::metadata(path).map_err(|e| StoreError::Db(format!("{}: {e}", path.display())))?.permissions().mode();
+            if mode & 0o077 != 0 {
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                    .map_err(|e| StoreError::Db(format!("making {} private: {e}", path.display())))?;
+            }
+        }
         let conn = Connection::open(path).map_err(db)?;
         Self::init(conn)
     }
@@ -157,6 +170,8 @@ impl SqliteStore {
         conn.pragma_update(None, "journal_mode", "WAL").map_err(db)?;
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(db)?;
         conn.pragma_update(None, "foreign_keys", "ON").map_err(db)?;
+        // Deleted conversations are overwritten with zeros, not left in free pages.
+        conn.pragma_update(None, "secure_delete", "ON").map_err(db)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(db)?;
         conn.execute_batch(SCHEMA).map_err(db)?;
         conn.set_prepared_statement_cache_capacity(64);

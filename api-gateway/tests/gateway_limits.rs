@@ -1,0 +1,130 @@
+//! The gateway under connection attacks (real engine, real sockets on loopback):
+//! - 2,000 connections from one address that never finish their headers do not stop a
+//!   request from another address being answered within 1 s;
+//! - a connection that sends no complete request within the header deadline is closed;
+//! - a body that never arrives gets a 408 at the deadline;
+//! - `max_tokens` above the operator's ceiling is a clear 400.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+/// A connection from `source` (a loopback address) that sends half a request's headers.
+async fn half_open(source: &str, target: std::net::SocketAddr) -> Option<TcpStream> {
+    let socket = TcpSocket::new_v4().ok()?;
+    socket.bind(format!("{source}:0").parse().unwrap()).ok()?;
+    let mut s = socket.connect(target).await.ok()?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n").await.ok()?;
+    Some(s)
+}
+
+fn addr(base: &str) -> std::net::SocketAddr {
+    base.trim_start_matches("http://").parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_half_open_connections_do_not_stop_a_real_request() {
+    let Some(server) = common::start(&["--max-connections-per-address", "64", "--header-timeout-seconds", "2"]).await else { return };
+    let target = addr(&server.base);
+    let mut idle = Vec::new();
+    for _ in 0..2000 {
+        if let Some(s) = half_open("127.0.0.2", target).await {
+            idle.push(s);
+        }
+    }
+    assert!(idle.len() >= 1900, "only {} attacking connections opened", idle.len());
+    let started = Instant::now();
+    let r = reqwest::Client::new().get(format!("{}/healthz", server.base)).timeout(Duration::from_secs(5)).send().await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(r.status(), 200);
+    assert!(took < Duration::from_secs(1), "a real request took {took:?} behind 2,000 half-open connections");
+    let metrics = reqwest::get(format!("{}/metrics", server.base)).await.unwrap().text().await.unwrap();
+    let refused = metrics
+        .lines()
+        .find(|l| l.starts_with("baton_gateway_connections_refused_total{reason=\"max_per_address\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(refused >= 1900.0, "refusals counted: {refused}\n{metrics}");
+    drop(idle);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_headers_and_bodies_meet_their_deadline() {
+    let Some(server) = common::start(&["--header-timeout-seconds", "1"]).await else { return };
+    let target = addr(&server.base);
+    // Headers never finished: the server closes the connection after about a second.
+    let mut s = half_open("127.0.0.1", target).await.unwrap();
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await.expect("the server closes an idle connection");
+    assert!(started.elapsed() < Duration::from_secs(4), "closed after {:?}", started.elapsed());
+    // A body announced but never sent: 408 at the deadline.
+    let mut s = TcpStream::connect(target).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{",
+        server.key
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut reply = vec![0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut reply)).await.expect("an answer").unwrap();
+    let reply = String::from_utf8_lossy(&reply[..n]);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tokens_above_the_ceiling_is_a_clear_400() {
+    let Some(server) = common::start(&["--max-tokens-ceiling", "600"]).await else { return };
+    let body = serde_json::json!({"model": "baton", "max_tokens": 601, "messages": [{"role": "user", "content": "hi"}]});
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", server.base))
+        .bearer_auth(&server.key)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("at most 600"), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_counts_only_in_the_authorization_header() {
+    let Some(server) = common::start(&[]).await else { return };
+    let http = reqwest::Client::new();
+    let in_url = http.get(format!("{}/v1/models?key={}", server.base, server.key)).send().await.unwrap();
+    assert_eq!(in_url.status(), 401, "a key in the URL must not authenticate");
+    let in_header = http.get(format!("{}/v1/models", server.base)).bearer_auth(&server.key).send().await.unwrap();
+    assert_eq!(in_header.status(), 200);
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn the_conversation_database_is_private_and_deletes_securely() {
+    use baton_api_gateway::store::{sqlite::SqliteStore, Conversation, ConversationStore};
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gw.db");
+    let store = SqliteStore::open(&path).unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o077, 0, "mode {mode:o}");
+    // A deleted conversation's text is gone from the file, not left in a free page.
+    let marker = "zebra-quartz-7781-secret-title";
+    let conv = Conversation { id: "c1".into(), owner: "alice".into(), title: marker.into(), system_prompt_version: 1, created_at: 1, updated_at: 1, summary: Some(marker.repeat(40)) };
+    store.create_conversation(&conv).await.unwrap();
+    assert!(store.delete_conversation("alice", "c1").await.unwrap());
+    drop(store);
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).unwrap();
+    drop(conn);
+    let mut bytes = std::fs::read(&path).unwrap();
+    if let Ok(wal) = std::fs::read(dir.path().join("gw.db-wal")) {
+        bytes.extend(wal);
+    }
+    let found = bytes.windows(marker.len()).any(|w| w == marker.as_bytes());
+    assert!(!found, "the deleted conversation's text is still in the database file");
+}

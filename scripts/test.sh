@@ -1,25 +1,41 @@
 #!/usr/bin/env bash
 # The test command of the README: install what the tests need (scripts/setup.sh test:
 # only what is missing), fetch the default model (cached, checked by sha256), run every
-# test of the workspace, and close with one summary line over all test binaries. A step
-# that fails without a failing test (a build error, a check script) counts as one failure.
+# test of the workspace, and close with one summary line over all test binaries, however
+# the run ends. A step that fails without a failing test (a build error, a check script,
+# a fetch) counts as one failure and is named above the summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test
-# Installed by setup.sh, so the browser test must run rather than skip.
-export BATON_REQUIRE_BROWSER=1
-echo "disk before the build: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free"
 
 log="$(mktemp)"
 step_log="$(mktemp)"
-trap 'rm -f "$log" "$step_log"' EXIT
 status=0
 failed_steps=()
+current="set-up"
+summary() {
+    local rc=$?
+    if [ "$status" -eq 0 ] && [ "$rc" -ne 0 ]; then
+        status=$rc
+        failed_steps+=("$current (exit $rc)")
+    fi
+    local passed failed
+    passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
+    failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')
+    failed=$((failed + ${#failed_steps[@]}))
+    echo
+    for s in "${failed_steps[@]}"; do echo "failed without a failing test: $s"; done
+    echo "tests: ${passed} passed, ${failed} failed"
+    rm -f "$log" "$step_log"
+    exit "$status"
+}
+trap summary EXIT
+
 # step NAME CMD...: run CMD unless an earlier step failed; its output goes to the log.
 step() {
     local name="$1"
     shift
     [ "$status" -eq 0 ] || return 0
+    current="$name"
     set +e
     "$@" 2>&1 | tee "$step_log"
     local rc=${PIPESTATUS[0]}
@@ -35,12 +51,20 @@ step() {
     fi
 }
 
+current="scripts/setup.sh test"
+bash scripts/setup.sh test
+# Installed by setup.sh, so the browser test must run rather than skip.
+export BATON_REQUIRE_BROWSER=1
+echo "disk before the build: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free"
+
 # Deployment checks first (manifests, compose, alert rules, shellcheck): seconds, not minutes.
 step "deploy/check.sh" bash deploy/check.sh
+current="scripts/fetch-model.sh"
 BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
 export BATON_MODEL
 # NVRTC (from PyPI): kernels/tests/cuda_ptx.rs compiles every CUDA kernel to PTX
 # with it, no GPU needed, so it must not skip here.
+current="scripts/fetch-nvrtc.sh"
 bash scripts/fetch-nvrtc.sh >/dev/null
 export BATON_REQUIRE_NVRTC=1
 step "cargo test --workspace" cargo test --workspace --release --locked "$@"
@@ -55,11 +79,3 @@ step "cargo test --features emu" cargo test -p baton-kernels --release --locked 
 if [ $# -eq 0 ]; then
     step "deploy/k8s/identity-test.sh" bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"
 fi
-
-passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
-failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s+=$1} END {print s+0}')
-failed=$((failed + ${#failed_steps[@]}))
-echo
-for s in "${failed_steps[@]}"; do echo "failed without a failing test: $s"; done
-echo "tests: ${passed} passed, ${failed} failed"
-exit "$status"

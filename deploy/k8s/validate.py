@@ -32,7 +32,8 @@ CRD_KINDS = {
     ("cert-manager.io/v1", "ClusterIssuer"): {"spec": []},
 }
 # Secrets the operator creates (docs/operations.md); everything else must be rendered.
-EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls"}
+# Created by cert-manager (deploy/k8s/cert-manager) or by hand (docs/operations.md).
+EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls", "baton-coordinator-plane-tls", "baton-gateway-plane-tls"}
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
 KV_PORTS = {7202, 7302}
 AUTOSCALER_METRICS = {"baton_prefill_queue_depth"}

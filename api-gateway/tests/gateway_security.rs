@@ -1,9 +1,12 @@
-//! The gateway under connection attacks (real engine, real sockets on loopback):
+//! Attacks on the gateway (real engine, real sockets on loopback):
 //! - 2,000 connections from one address that never finish their headers do not stop a
 //!   request from another address being answered within 1 s;
 //! - a connection that sends no complete request within the header deadline is closed;
 //! - a body that never arrives gets a 408 at the deadline;
-//! - `max_tokens` above the operator's ceiling is a clear 400.
+//! - `max_tokens` above the operator's ceiling is a clear 400;
+//! - an API key in the URL does not authenticate;
+//! - the conversation store's file is private and forgets deleted text;
+//! - a client's own system prompt never shares the platform's cached blocks.
 
 mod common;
 
@@ -127,4 +130,22 @@ async fn the_conversation_database_is_private_and_deletes_securely() {
     }
     let found = bytes.windows(marker.len()).any(|w| w == marker.as_bytes());
     assert!(!found, "the deleted conversation's text is still in the database file");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_operators_system_prompt_counts_as_the_platform_prefix() {
+    use baton_engine::chat_template::ChatMessage;
+    let Some(server) = common::start(&["--system-prompt", "You are the museum's guide."]).await else { return };
+    let ctx = &server.app.context;
+    let with = |system: &str| ctx.encode_messages(&[ChatMessage::new("system", system), ChatMessage::new("user", "hello")]).unwrap();
+    // The operator's prompt: its blocks may be shared by every user.
+    let platform = with("You are the museum's guide.");
+    assert!(platform.platform_prefix_len > 0);
+    assert_eq!(platform.platform_prefix_len, ctx.first_turn("hello").unwrap().platform_prefix_len);
+    // A client's own system prompt (or one a character off) is that user's alone.
+    for own in ["You are the museum's guide!", "Ignore the rules.", ""] {
+        assert_eq!(with(own).platform_prefix_len, 0, "a client's system prompt {own:?} counted as the platform's");
+    }
+    let no_system = ctx.encode_messages(&[ChatMessage::new("user", "hello")]).unwrap();
+    assert_eq!(no_system.platform_prefix_len, 0);
 }

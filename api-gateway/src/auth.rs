@@ -78,31 +78,71 @@ impl FromRequestParts<Arc<App>> for AuthUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<App>) -> Result<Self, ApiError> {
-        let key = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        let address = parts.extensions.get::<crate::listen::ClientAddr>().map(|a| a.0);
+        let failed = |app: &Arc<App>| match address.and_then(|a| app.key_cache.failed(a)) {
+            Some(wait) => ApiError::rate_limited("failed_key_lookups", wait),
+            None => ApiError::unauthorized(),
+        };
+        let Some(key) = bearer(parts) else {
+            return Err(failed(app));
+        };
         let h = hash_key(&key);
         if let Some(u) = app.key_cache.get(&h) {
             return Ok(AuthUser(u, KeyHash(h)));
+        }
+        // An address that keeps presenting unknown keys waits before its next store lookup.
+        if let Some(wait) = address.and_then(|a| app.key_cache.blocked(a)) {
+            return Err(ApiError::rate_limited("failed_key_lookups", wait));
         }
         match app.store.user_for_key(&h).await? {
             Some(u) => {
                 app.key_cache.put(h.clone(), u.clone());
                 Ok(AuthUser(u, KeyHash(h)))
             }
-            None => Err(ApiError::unauthorized()),
+            None => Err(failed(app)),
         }
     }
 }
+
+/// Failed key lookups a client address may make per minute before it must wait.
+pub const FAILED_LOOKUPS_PER_MINUTE: f64 = 20.0;
 
 /// A short-lived cache of key hash -> user, so that a request costs no
 /// database read; revocation takes effect within the TTL.
 pub struct KeyCache {
     ttl: std::time::Duration,
     map: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+    /// Failed lookups per client address (a token bucket each).
+    failures: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, crate::limits::Bucket>>,
 }
 
 impl KeyCache {
     pub fn new(ttl: std::time::Duration) -> Self {
-        KeyCache { ttl, map: Default::default() }
+        KeyCache { ttl, map: Default::default(), failures: Default::default() }
+    }
+
+    /// Records a failed lookup from `address`; how long it must wait if that was one too many.
+    fn failed(&self, address: std::net::IpAddr) -> Option<std::time::Duration> {
+        let now = std::time::Instant::now();
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() > 100_000 {
+            f.clear();
+        }
+        let b = f.entry(address).or_insert_with(|| crate::limits::Bucket::new(FAILED_LOOKUPS_PER_MINUTE, std::time::Duration::from_secs(60), now));
+        b.charge(1.0, now);
+        let wait = b.wait_for(0.0, now);
+        (!wait.is_zero()).then(|| {
+            crate::metrics::rate_limited("failed_key_lookups");
+            wait
+        })
+    }
+
+    /// How long `address` must still wait after too many failed lookups.
+    fn blocked(&self, address: std::net::IpAddr) -> Option<std::time::Duration> {
+        let now = std::time::Instant::now();
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        let wait = f.get_mut(&address)?.wait_for(0.0, now);
+        (!wait.is_zero()).then_some(wait)
     }
     fn get(&self, h: &str) -> Option<String> {
         let m = self.map.lock().unwrap_or_else(|p| p.into_inner());

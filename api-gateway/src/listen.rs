@@ -25,6 +25,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
+/// The client's address, in every request's extensions (per-address limits read it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientAddr(pub IpAddr);
+
 /// The gateway's connection limits (flags `--max-connections`, `--max-connections-per-address`,
 /// `--header-timeout-seconds`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,7 +127,8 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "TCP_NODELAY not set");
         }
-        let (router, tls, stop) = (router.clone(), tls.clone(), stop_rx.clone());
+        let router = router.clone().layer(axum::Extension(ClientAddr(peer.ip())));
+        let (tls, stop) = (tls.clone(), stop_rx.clone());
         conns.spawn(async move {
             let _slot = slot;
             match tls {

@@ -149,3 +149,23 @@ async fn only_the_operators_system_prompt_counts_as_the_platform_prefix() {
     let no_system = ctx.encode_messages(&[ChatMessage::new("user", "hello")]).unwrap();
     assert_eq!(no_system.platform_prefix_len, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_guessing_keys_is_slowed_down() {
+    let Some(server) = common::start(&[]).await else { return };
+    let http = reqwest::Client::new();
+    let models = |key: String| http.get(format!("{}/v1/models", server.base)).bearer_auth(key).send();
+    assert_eq!(models(server.key.clone()).await.unwrap().status(), 200);
+    let mut codes = Vec::new();
+    for i in 0..25 {
+        codes.push(models(format!("bk-guess-{i}")).await.unwrap().status().as_u16());
+    }
+    let allowed = baton_api_gateway::auth::FAILED_LOOKUPS_PER_MINUTE as usize;
+    assert!(codes[..allowed].iter().all(|&c| c == 401), "{codes:?}");
+    assert!(codes[allowed..].iter().all(|&c| c == 429), "{codes:?}");
+    let r = models("bk-guess-again".into()).await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().get("retry-after").is_some());
+    // A key already known keeps working from the same address.
+    assert_eq!(models(server.key.clone()).await.unwrap().status(), 200);
+}

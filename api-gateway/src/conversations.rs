@@ -1,10 +1,11 @@
 //! The conversations API: create, list, get, delete, add a turn (idempotent
 //! by turn ID), follow or resume a turn's events, stop a turn.
 //!
-//! Turn admission runs under one lock so that concurrent retries of a turn
-//! ID see one another: the first creates the stored row and the live turn,
-//! the rest attach to it (same body) or get 409 (different body). A new turn
-//! while another streams in the same conversation is a 409 as well.
+//! Turn admission runs under the conversation's lock ([`crate::admission`]) so
+//! that concurrent retries of a turn ID see one another: the first creates the
+//! stored row and the live turn, the rest attach to it (same body) or get 409
+//! (different body). A new turn while another streams in the same conversation
+//! is a 409 as well. Other conversations' turns never wait on this lock.
 
 use crate::auth::AuthUser;
 use crate::error::ApiError;
@@ -96,7 +97,7 @@ pub async fn get(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(
 pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_delete");
     owned(&app, &user, &id).await?;
-    let _admission = app.admission.lock().await;
+    let _admission = app.admission.lock(&id).await;
     // Stop a turn in progress and wait until it is stored, so that nothing
     // is written or cached for the conversation after the delete.
     if let Some(live) = app.live.get(&id) {
@@ -200,7 +201,7 @@ pub async fn add_turn(
     };
     sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
 
-    let admission = app.admission.lock().await;
+    let admission = app.admission.lock(&id).await;
     if let Some(live) = app.live.get(&id) {
         if live.turn_id != turn_id {
             return Err(ApiError::conflict("another turn of this conversation is in progress"));

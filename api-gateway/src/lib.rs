@@ -8,6 +8,7 @@
 //! same gateway runs in front of one in-process engine or the cluster:
 //! `run(config, generator, shutdown)`.
 
+pub mod admission;
 pub mod auth;
 pub mod checks;
 pub mod client;

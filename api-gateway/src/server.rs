@@ -36,8 +36,9 @@ pub struct App {
     pub check_window: usize,
     pub key_cache: KeyCache,
     pub live: Registry,
-    /// Serializes turn admission (idempotency decisions see each other).
-    pub admission: tokio::sync::Mutex<()>,
+    /// Per-conversation turn admission (idempotency decisions of one conversation see
+    /// each other; different conversations never wait on each other).
+    pub admission: crate::admission::Admission,
     pub model_id: String,
     /// Users' and keys' limit overrides with when they were read.
     pub overrides_cache: std::sync::Mutex<

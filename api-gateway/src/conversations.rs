@@ -210,8 +210,9 @@ pub async fn add_turn(
             return Err(ApiError::conflict("this turn ID was used with a different request body"));
         }
         drop(admission);
+        let slot = follower_slot(&app, &user)?;
         metrics::turn("attached");
-        return Ok(respond_live(app, live, from, stream).await);
+        return Ok(respond_live(app, live, from, stream, Some(slot)).await);
     }
     let turns = app.store.list_turns(&id).await?;
     if let Some(t) = turns.iter().find(|t| t.turn_id == turn_id) {
@@ -271,7 +272,15 @@ pub async fn add_turn(
     let live = turns::spawn(app.clone(), id, turn_id, hash, reply);
     drop(admission);
     metrics::turn("started");
-    Ok(respond_live(app, live, from, stream).await)
+    Ok(respond_live(app, live, from, stream, None).await)
+}
+
+/// An open-stream slot for a client that follows a turn already running.
+fn follower_slot(app: &App, user: &str) -> Result<crate::limits::Permit, ApiError> {
+    app.limiter.attach(user).map_err(|r| {
+        metrics::rate_limited(r.limit);
+        ApiError::rate_limited(r.limit, r.retry_after)
+    })
 }
 
 /// Asks the model for a summary of the history up to and including `last`
@@ -314,10 +323,15 @@ fn sse_event(pos: usize, ev: &TurnEvent) -> Event {
     }
 }
 
-async fn respond_live(app: Arc<App>, live: Arc<LiveTurn>, from: usize, stream: bool) -> Response {
+/// Answers with a live turn's events; `slot`, a follower's open-stream slot, is held
+/// until the response ends.
+async fn respond_live(app: Arc<App>, live: Arc<LiveTurn>, from: usize, stream: bool, slot: Option<crate::limits::Permit>) -> Response {
     let events = live.follow(app, from);
     if stream {
-        let s = events.map(|(pos, ev)| Ok::<Event, Infallible>(sse_event(pos, &ev)));
+        let s = events.map(move |(pos, ev)| {
+            let _held = &slot;
+            Ok::<Event, Infallible>(sse_event(pos, &ev))
+        });
         return Sse::new(s).keep_alive(KeepAlive::default()).into_response();
     }
     let mut events = Box::pin(events);
@@ -377,7 +391,8 @@ pub async fn events(
     check_id(&turn_id)?;
     let from = last_event_id(&headers)?.or(q.after).map(|n| n + 1).unwrap_or(0);
     if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
-        return Ok(respond_live(app, live, from, true).await);
+        let slot = follower_slot(&app, &user)?;
+        return Ok(respond_live(app, live, from, true, Some(slot)).await);
     }
     let t = app.store.get_turn(&id, &turn_id).await?.ok_or_else(|| ApiError::not_found("turn"))?;
     respond_stored(app, t, from, true).await

@@ -203,6 +203,45 @@ impl Limiter {
         u.open += 1;
         Ok(Permit { limiter: self.clone(), user: user.to_string() })
     }
+
+    /// A stream that follows a turn already running (a retry or a resume attaching to
+    /// it): it takes one of the user's open-stream slots, as the turn itself does, so a
+    /// user cannot hold more connections than the limit by attaching many followers.
+    pub fn attach(self: &Arc<Self>, user: &str) -> Result<Permit, Refused> {
+        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(u) = users.get_mut(user) else {
+            // No turn of this user was ever admitted here: nothing to attach to, no slot
+            // counted yet; the default applies.
+            if self.config.open_streams == 0 {
+                return Err(Refused { limit: "open_streams", retry_after: Duration::from_secs(1) });
+            }
+            drop(users);
+            return self.admit_slot_only(user);
+        };
+        if u.open >= u.config.open_streams {
+            return Err(Refused { limit: "open_streams", retry_after: Duration::from_secs(1) });
+        }
+        u.open += 1;
+        Ok(Permit { limiter: self.clone(), user: user.to_string() })
+    }
+
+    fn admit_slot_only(self: &Arc<Self>, user: &str) -> Result<Permit, Refused> {
+        let now = Instant::now();
+        let c = self.config.clone();
+        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
+        let u = users.entry(user.to_string()).or_insert_with(|| UserState {
+            turns: Bucket::new(c.turns_per_minute, Duration::from_secs(60), now),
+            prompt: Bucket::new(c.prompt_tokens_per_hour, Duration::from_secs(3600), now),
+            output: Bucket::new(c.output_tokens_per_hour, Duration::from_secs(3600), now),
+            config: c,
+            open: 0,
+        });
+        if u.open >= u.config.open_streams {
+            return Err(Refused { limit: "open_streams", retry_after: Duration::from_secs(1) });
+        }
+        u.open += 1;
+        Ok(Permit { limiter: self.clone(), user: user.to_string() })
+    }
 }
 
 #[cfg(test)]
@@ -211,6 +250,22 @@ mod tests {
 
     fn cfg() -> LimitConfig {
         LimitConfig { turns_per_minute: 2.0, open_streams: 1, prompt_tokens_per_hour: 100.0, output_tokens_per_hour: 50.0 }
+    }
+
+    #[test]
+    fn followers_take_open_stream_slots() {
+        let l = Limiter::new(LimitConfig { open_streams: 2, ..cfg() });
+        let turn = l.admit("a", 10).unwrap();
+        let follower = l.attach("a").unwrap();
+        assert_eq!(l.attach("a").unwrap_err().limit, "open_streams");
+        assert_eq!(l.admit("a", 10).unwrap_err().limit, "open_streams");
+        drop(follower);
+        let again = l.attach("a").unwrap();
+        drop((turn, again));
+        // A user with no turn here yet still gets at most the limit.
+        let (x, y) = (l.attach("b").unwrap(), l.attach("b").unwrap());
+        assert!(l.attach("b").is_err());
+        drop((x, y));
     }
 
     #[test]

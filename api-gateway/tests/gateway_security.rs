@@ -169,3 +169,40 @@ async fn an_address_guessing_keys_is_slowed_down() {
     // A key already known keeps working from the same address.
     assert_eq!(models(server.key.clone()).await.unwrap().status(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_of_a_running_turn_count_as_open_streams() {
+    let Some(server) = common::start(&["--open-streams", "2"]).await else { return };
+    let http = reqwest::Client::new();
+    let created = http
+        .post(format!("{}/v1/conversations", server.base))
+        .bearer_auth(&server.key)
+        .header("content-type", "application/json")
+        .body(r#"{"title":"t"}"#)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let conv = serde_json::from_str::<serde_json::Value>(&created).unwrap()["id"].as_str().unwrap().to_string();
+    // A long turn, streaming: it holds one of alice's two slots.
+    let body = serde_json::json!({"turn_id": "t1", "message": "Tell me a very long story about rivers.", "max_tokens": 2000, "stream": true});
+    let turn = http
+        .post(format!("{}/v1/conversations/{conv}/turns", server.base))
+        .bearer_auth(&server.key)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(turn.status(), 200);
+    let follow = || http.get(format!("{}/v1/conversations/{conv}/turns/t1/events", server.base)).bearer_auth(&server.key).send();
+    let first = follow().await.unwrap();
+    assert_eq!(first.status(), 200, "the second slot");
+    let second = follow().await.unwrap();
+    assert_eq!(second.status(), 429, "a third stream of the same user");
+    drop(first);
+    drop(turn);
+    let _ = http.post(format!("{}/v1/conversations/{conv}/turns/t1/stop", server.base)).bearer_auth(&server.key).send().await;
+}

@@ -8,8 +8,9 @@
 # A turn whose uncached tail goes to the prefill node must ship its KV blocks over QUIC
 # (mutual TLS; the dialler checks the peer's name) with no local fallback; every gRPC call
 # runs over the internal plane's mutual TLS (the coordinator and gateway read their Secret
-# as mounted). Then a decode node holding a certificate for the wrong pool must refuse to
-# start, naming the identity it holds.
+# as mounted). A pod drains itself with its pool certificate (its preStop hook), and a pod
+# of another pool may not drain it. Then a decode node holding a certificate for the wrong
+# pool must refuse to start, naming the identity it holds.
 #
 #   bash deploy/k8s/identity-test.sh target/release/baton ~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf
 set -euo pipefail
@@ -78,9 +79,11 @@ run_cluster() {
     "$bin" coordinator --listen "$coord" --http-listen "$coord_http" \
         --local-prefill-threshold 16 --certs-dir secret-coordinator >coordinator.log 2>&1 &
     pids+=($!)
-    start_node prefill baton-prefill-7d9f8-x2kqp.prefill.baton prefill
+    prefill_name=baton-prefill-7d9f8-x2kqp.prefill.baton
+    decode_name=baton-decode-0.decode.baton
+    start_node prefill "$prefill_name" prefill
     prefill_http="$http"
-    start_node decode baton-decode-0.decode.baton "$decode_pool" --local-prefill-threshold 16
+    start_node decode "$decode_name" "$decode_pool" --local-prefill-threshold 16
     decode_http="$http"
     rm -f gw.db
     key="$("$bin" keys --db gw.db create --user identity-test | tail -n 1)"
@@ -111,6 +114,16 @@ run_cluster() {
     echo "reply: $(head -c 200 reply.json)"
     echo "prefill shipped blocks: $shipped; decode fallbacks: $fallbacks"
     curl -fsS "http://$coord_http/metrics" | grep '^baton_coordinator_routing_decisions_total' | grep -v ' 0$' || true
+    # The preStop hook: a pod drains itself with its own pool certificate, from loopback;
+    # a pod of another pool may not drain it.
+    local prefill_grpc
+    prefill_grpc="$(sed -n 's/^prefill grpc=\([0-9.:]*\).*/\1/p' "$prefill_name.log" | head -n 1)"
+    if BATON_NODE_NAME="$decode_name" "$bin" drain --node "$prefill_grpc" --certs-dir "certs-$decode_name" --timeout 10s >drain-other.log 2>&1; then
+        echo "FAIL: a decode pod drained a prefill pod" >&2
+        exit 1
+    fi
+    grep -q "PermissionDenied\|may not call" drain-other.log || { cat drain-other.log >&2; echo "FAIL: the refusal is not a permission error" >&2; exit 1; }
+    BATON_NODE_NAME="$prefill_name" "$bin" drain --node "$prefill_grpc" --certs-dir "certs-$prefill_name" --timeout 10s
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     pids=()

@@ -24,6 +24,18 @@ async fn half_open(source: &str, target: std::net::SocketAddr) -> Option<TcpStre
     Some(s)
 }
 
+/// `POST base+path` with a JSON body, as `key`.
+async fn post_json(server: &common::Server, path: &str, body: &serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{}{path}", server.base))
+        .bearer_auth(&server.key)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap()
+}
+
 fn addr(base: &str) -> std::net::SocketAddr {
     base.trim_start_matches("http://").parse().unwrap()
 }
@@ -81,14 +93,7 @@ async fn unfinished_headers_and_bodies_meet_their_deadline() {
 async fn max_tokens_above_the_ceiling_is_a_clear_400() {
     let Some(server) = common::start(&["--max-tokens-ceiling", "600"]).await else { return };
     let body = serde_json::json!({"model": "baton", "max_tokens": 601, "messages": [{"role": "user", "content": "hi"}]});
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", server.base))
-        .bearer_auth(&server.key)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let r = post_json(&server, "/v1/chat/completions", &body).await;
     assert_eq!(r.status(), 400);
     let v: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
     assert_eq!(v["error"]["param"], "max_tokens", "{v}");
@@ -174,28 +179,11 @@ async fn an_address_guessing_keys_is_slowed_down() {
 async fn followers_of_a_running_turn_count_as_open_streams() {
     let Some(server) = common::start(&["--open-streams", "2"]).await else { return };
     let http = reqwest::Client::new();
-    let created = http
-        .post(format!("{}/v1/conversations", server.base))
-        .bearer_auth(&server.key)
-        .header("content-type", "application/json")
-        .body(r#"{"title":"t"}"#)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let created = post_json(&server, "/v1/conversations", &serde_json::json!({"title": "t"})).await.text().await.unwrap();
     let conv = serde_json::from_str::<serde_json::Value>(&created).unwrap()["id"].as_str().unwrap().to_string();
     // A long turn, streaming: it holds one of alice's two slots.
     let body = serde_json::json!({"turn_id": "t1", "message": "Tell me a very long story about rivers.", "max_tokens": 2000, "stream": true});
-    let turn = http
-        .post(format!("{}/v1/conversations/{conv}/turns", server.base))
-        .bearer_auth(&server.key)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let turn = post_json(&server, &format!("/v1/conversations/{conv}/turns"), &body).await;
     assert_eq!(turn.status(), 200);
     let follow = || http.get(format!("{}/v1/conversations/{conv}/turns/t1/events", server.base)).bearer_auth(&server.key).send();
     let first = follow().await.unwrap();

@@ -35,6 +35,8 @@ CRD_KINDS = {
 # Created by cert-manager (deploy/k8s/cert-manager) or by hand (docs/operations.md).
 EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls", "baton-coordinator-plane-tls", "baton-gateway-plane-tls"}
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
+# Served by the gateway pod, but not for the public: Prometheus and probes reach the pod.
+PRIVATE_PATHS = ["/metrics", "/healthz", "/debug/routing"]
 KV_PORTS = {7202, 7302}
 AUTOSCALER_METRICS = {"baton_prefill_queue_depth"}
 
@@ -198,6 +200,13 @@ def consistency_errors(docs, gpu):
     for ing in by_kind.get("Ingress", []):
         if not ing["spec"].get("tls"):
             errs.append(f"Ingress/{ing['metadata']['name']}: no TLS")
+        # The public edge routes the chat page and the API only, never /metrics or /debug.
+        for rule in ing["spec"].get("rules", []):
+            for p in rule.get("http", {}).get("paths", []):
+                path, kind = p.get("path", "/"), p.get("pathType", "Prefix")
+                covers = [private for private in PRIVATE_PATHS if (private == path if kind == "Exact" else private.startswith(path.rstrip("/") + "/") or private == path)]
+                if covers:
+                    errs.append(f"Ingress/{ing['metadata']['name']}: path {path} ({kind}) exposes {covers[0]} publicly")
 
     if gpu:
         for w in workloads:
@@ -238,6 +247,7 @@ def self_test(docs, gpu):
         "KV port open to all": lambda d: find(d, "NetworkPolicy", "baton-decode")["spec"]["ingress"][0].pop("from"),
         "HPA metric renamed": lambda d: find(d, "HorizontalPodAutoscaler", "baton-prefill")["spec"]["metrics"][0]["pods"]["metric"].__setitem__("name", "queue"),
         "ServiceMonitor port": lambda d: find(d, "ServiceMonitor", "baton-decode")["spec"]["endpoints"][0].__setitem__("port", "metrics"),
+        "metrics on the public edge": lambda d: find(d, "Ingress", "baton-gateway")["spec"]["rules"][0]["http"]["paths"][0].update({"path": "/", "pathType": "Prefix"}),
     }
     if gpu:
         breakages["no GPU request"] = lambda d: decode_container(find(d, "StatefulSet", "baton-decode"))["resources"]["limits"].pop("nvidia.com/gpu")

@@ -80,8 +80,8 @@ impl DecodeNode for DecodeService {
         }
         let mut path = pb::PrefillPath::Local;
         let mut import = None;
-        if let Route::Remote(addr) = self.router.route(&req, cached).await {
-            match remote_prefill(&self.kv, &self.plane, &req, cached, &addr, &self.grpc_addr, self.kv_deadline).await {
+        if let Route::Remote { addr, node } = self.router.route(&req, cached).await {
+            match remote_prefill(&self.kv, &self.plane, &req, cached, (&addr, node.as_deref()), &self.grpc_addr, self.kv_deadline).await {
                 Ok(i) => {
                     import = Some(i);
                     path = pb::PrefillPath::Remote;

@@ -57,8 +57,9 @@ impl HandoffError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Route {
     Local,
-    /// A prefill node's gRPC address.
-    Remote(String),
+    /// A prefill node: its gRPC address, and its node name when the coordinator chose it
+    /// (a static `--prefill-addr` has none).
+    Remote { addr: String, node: Option<String> },
 }
 
 /// How the node chooses between local and remote prefill.
@@ -92,7 +93,7 @@ impl Router {
             let mut c = c.clone();
             return match tokio::time::timeout(Duration::from_secs(2), c.route_prefill(ask)).await {
                 Ok(Ok(r)) => match r.into_inner().choice {
-                    Some(Choice::Remote(info)) => Route::Remote(info.grpc_addr),
+                    Some(Choice::Remote(info)) => Route::Remote { node: info.node_id.map(|n| n.id), addr: info.grpc_addr },
                     _ => Route::Local,
                 },
                 Ok(Err(e)) => {
@@ -103,7 +104,7 @@ impl Router {
             };
         }
         match &self.static_prefill {
-            Some(a) => Route::Remote(a.clone()),
+            Some(a) => Route::Remote { addr: a.clone(), node: None },
             None => Route::Local,
         }
     }
@@ -111,12 +112,19 @@ impl Router {
 
 /// Has the prefill node at `addr` compute `req`'s tail past `cached` tokens
 /// and ship it into staging blocks here; returns the engine import.
-pub async fn remote_prefill(kv: &KvNode, plane: &Plane, req: &Request, cached: usize, addr: &str, self_grpc: &str, deadline: Duration) -> Result<KvImport, HandoffError> {
+pub async fn remote_prefill(kv: &KvNode, plane: &Plane, req: &Request, cached: usize, (addr, node): (&str, Option<&str>), self_grpc: &str, deadline: Duration) -> Result<KvImport, HandoffError> {
     let bt = kv.layout.block_tokens as usize;
     let start_block = cached / bt;
     let end = req.prompt.len().div_ceil(bt);
     let started = Instant::now();
     let reservation: Reservation = kv.receiver.reserve(end - start_block, Some(deadline)).map_err(HandoffError::Reserve)?;
+    // Only the prefill node asked may fill it: the grant travels inside the request, and a
+    // KV link from any other certificate is refused.
+    let expect = match node {
+        Some(name) => Expect::Node { role: IdRole::Prefill, name: name.to_string() },
+        None => Expect::Role(IdRole::Prefill),
+    };
+    reservation.only_from(expect.clone());
     let ask = PrefillRequest {
         turn: Some(Turn {
             prompt: req.prompt.clone(),
@@ -133,7 +141,7 @@ pub async fn remote_prefill(kv: &KvNode, plane: &Plane, req: &Request, cached: u
     let call = async {
         let endpoint = plane.endpoint(addr).map_err(|e| HandoffError::Connect(e.to_string()))?.connect_timeout(Duration::from_secs(2));
         let channel = plane
-            .connect(&endpoint, Expect::Role(IdRole::Prefill))
+            .connect(&endpoint, expect)
             .await
             .map_err(|e| HandoffError::Connect(e.to_string()))?;
         PrefillNodeClient::new(channel).prefill(ask).await.map_err(HandoffError::Prefill)

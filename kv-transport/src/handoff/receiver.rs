@@ -102,6 +102,9 @@ pub(crate) struct Entry {
     state: Mutex<EntryState>,
     phase: watch::Sender<Phase>,
     timer: Mutex<Option<AbortHandle>>,
+    /// Who may fill it: a link whose peer certificate does not name this identity is
+    /// refused ([`Reservation::only_from`]); None: any peer the transport authenticated.
+    sender: Mutex<Option<baton_identity::Expect>>,
 }
 
 impl Entry {
@@ -286,6 +289,7 @@ impl KvReceiver {
             }),
             phase: phase_tx,
             timer: Mutex::new(None),
+            sender: Mutex::new(None),
         });
         inner.table().live.insert(id, entry.clone());
         inner.stats.add(&inner.stats.reservations_created, 1);
@@ -332,6 +336,7 @@ impl KvReceiver {
             mut tx,
             mut rx,
             transport,
+            peer: link_peer,
         } = link;
         let ls = inner.link_stats(transport);
         let first = match tokio::time::timeout(inner.config.open_timeout, rx.recv()).await {
@@ -349,7 +354,7 @@ impl KvReceiver {
         inner.stats.add_frame(first.wire_len());
         ls.add_frame(first.wire_len());
         let (reservation, epoch) = (first.header.reservation, first.header.epoch);
-        let entry = match inner.accept_open(&first) {
+        let entry = match inner.accept_open(&first, link_peer.as_ref()) {
             Ok(entry) => entry,
             Err(e) => {
                 for s in [&inner.stats, &ls] {
@@ -468,7 +473,7 @@ impl Inner {
         }
     }
 
-    fn accept_open(&self, f: &Frame) -> Result<Arc<Entry>> {
+    fn accept_open(&self, f: &Frame, peer: Option<&baton_identity::Identity>) -> Result<Arc<Entry>> {
         let h = f.header;
         if !f.verify() {
             return Err(Error::FrameChecksum {
@@ -484,6 +489,14 @@ impl Inner {
             });
         }
         let entry = self.lookup(h.reservation, h.epoch)?;
+        // A grant is for the node it was issued to: another certificate that learned it is
+        // refused without ending the reservation (the right sender may still come).
+        if let Some(expect) = entry.sender.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            if !peer.is_some_and(|id| expect.admits(id)) {
+                tracing::warn!(reservation = h.reservation.0, ?peer, %expect, "a link from another identity tried to fill a grant");
+                return Err(Error::InvalidArgument { what: "the grant was issued to another node" });
+            }
+        }
         let mismatch = match f.open_layout() {
             Ok(l) if l != self.layout => Some("layout"),
             Err(_) => Some("layout"),

@@ -58,11 +58,13 @@ fn link_pair() -> (Link, Link) {
             tx: Box::new(ChanTx(a_tx)),
             rx: Box::new(ChanRx(b_rx)),
             transport: NAME,
+            peer: None,
         },
         Link {
             tx: Box::new(ChanTx(b_tx)),
             rx: Box::new(ChanRx(a_rx)),
             transport: NAME,
+            peer: None,
         },
     )
 }

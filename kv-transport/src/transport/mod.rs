@@ -44,6 +44,10 @@ pub struct Link {
     pub rx: Box<dyn LinkRx>,
     /// Name of the transport that carries it (metric label).
     pub transport: &'static str,
+    /// The identity the remote end's certificate names, as the handshake authenticated it
+    /// (None in process, or for a certificate without a Baton identity). A receiver
+    /// compares it with the sender a reservation was issued for.
+    pub peer: Option<baton_identity::Identity>,
 }
 
 /// Where a receiver listens.

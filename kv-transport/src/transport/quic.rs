@@ -14,6 +14,7 @@
 //! bytes); stream and connection windows are sized for a whole turn, socket buffers are
 //! 4 MiB, and 1 MiB frames are written as three chunks without copying the payload.
 
+use baton_identity::Identity;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -219,11 +220,12 @@ impl LinkRx for QuicRx {
     }
 }
 
-fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits) -> Link {
+fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits, peer: Option<Identity>) -> Link {
     Link {
         tx: Box::new(QuicTx(send)),
         rx: Box::new(QuicRx { recv, limits }),
         transport: NAME,
+        peer,
     }
 }
 
@@ -245,9 +247,9 @@ impl QuicListener {
         receiver: KvReceiver,
     ) -> Result<Self> {
         let limits = receiver.frame_limits();
-        let handler: StreamHandler = Arc::new(move |send, recv| {
+        let handler: StreamHandler = Arc::new(move |send, recv, peer| {
             let receiver = receiver.clone();
-            Box::pin(async move { receiver.serve_link(link(send, recv, limits)).await })
+            Box::pin(async move { receiver.serve_link(link(send, recv, limits, peer)).await })
         });
         Self::bind_streams(addr, server_name, tls, tuning, handler)
     }
@@ -302,9 +304,16 @@ impl QuicListener {
     }
 }
 
-/// What a listener does with each accepted bidirectional stream.
+/// What a listener does with each accepted bidirectional stream, given the identity the
+/// connection's client certificate names.
 pub(crate) type StreamHandler =
-    Arc<dyn Fn(quinn::SendStream, quinn::RecvStream) -> BoxFuture<'static, ()> + Send + Sync>;
+    Arc<dyn Fn(quinn::SendStream, quinn::RecvStream, Option<Identity>) -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// The identity the connection's (already verified) client certificate names.
+fn peer_identity(conn: &quinn::Connection) -> Option<Identity> {
+    let certs = conn.peer_identity()?.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok()?;
+    Identity::from_cert_der(certs.first()?).ok()
+}
 
 async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler) {
     let conn = match incoming.await {
@@ -314,12 +323,13 @@ async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler) {
             return;
         }
     };
+    let peer = peer_identity(&conn);
     let mut streams = JoinSet::new();
     loop {
         tokio::select! {
             s = conn.accept_bi() => match s {
                 Ok((send, recv)) => {
-                    streams.spawn(handler(send, recv));
+                    streams.spawn(handler(send, recv, peer.clone()));
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "QUIC connection ended");
@@ -423,7 +433,7 @@ impl Connector for QuicConnector {
         Box::pin(async move {
             let (send, recv) = self.open_stream(peer).await?;
             // Replies are control frames: no payload larger than the default cap.
-            Ok(link(send, recv, FrameLimits { max_payload: 0 }))
+            Ok(link(send, recv, FrameLimits { max_payload: 0 }, None))
         })
     }
 }

@@ -109,3 +109,41 @@ async fn tuned_quic_presets_carry_a_transfer() {
     }
 }
 
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_is_filled_only_by_the_node_it_was_issued_to() {
+    use baton_identity::{Expect, Role};
+    let certs = generate_dev_certs("test", &["decode-0", "prefill-0", "prefill-1"]).unwrap();
+    let server = certs.node_tls("decode-0").unwrap();
+    let dst = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
+    let src = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
+    let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).unwrap();
+    let tuning = QuicTuning::default();
+    let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
+    let tcp = TlsTcpListener::bind(loopback(), "decode-0", &server, receiver.clone()).await.unwrap();
+    let listeners: [&dyn Listener; 2] = [&quic, &tcp];
+    for listener in listeners {
+        let connector = |name: &str| -> Arc<dyn Connector> {
+            let tls = certs.node_tls(name).unwrap();
+            if listener.transport() == "quic" {
+                Arc::new(QuicConnector::new(&tls, &tuning).unwrap())
+            } else {
+                Arc::new(TlsTcpConnector::new(&tls).unwrap())
+            }
+        };
+        let res = receiver.reserve(2, Some(Duration::from_secs(5))).unwrap();
+        res.only_from(Expect::Node { role: Role::Prefill, name: "prefill-0".into() });
+        let blocks = src.reserve(2).unwrap();
+        // Another prefill node of the same cluster holds the grant's bytes: refused, and
+        // the reservation stays open for the node it was issued to.
+        let writes = dst.layer_writes();
+        let stolen = KvSender::new(connector("prefill-1")).send(&listener.peer(), res.grant(), src.clone(), blocks.clone()).await;
+        assert!(stolen.is_err(), "{}: prefill-1 filled prefill-0's grant", listener.transport());
+        assert_eq!(dst.layer_writes(), writes, "the refused sender wrote nothing");
+        KvSender::new(connector("prefill-0")).send(&listener.peer(), res.grant(), src.clone(), blocks.clone()).await.unwrap();
+        let got = res.finished().await.unwrap();
+        dst.release(&got);
+        src.release(&blocks);
+    }
+    assert_eq!(dst.free_blocks(), 8);
+}

@@ -49,7 +49,7 @@ impl<R: AsyncRead + Unpin + Send> LinkRx for StreamRx<R> {
     }
 }
 
-fn link<S>(stream: S, limits: FrameLimits) -> Link
+fn link<S>(stream: S, limits: FrameLimits, peer: Option<baton_identity::Identity>) -> Link
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -58,6 +58,7 @@ where
         tx: Box::new(StreamTx(w)),
         rx: Box::new(StreamRx { r, limits }),
         transport: NAME,
+        peer,
     }
 }
 
@@ -94,7 +95,10 @@ impl TlsTcpListener {
                             let r = receiver.clone();
                             links.spawn(async move {
                                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                                    Ok(Ok(tls)) => r.serve_link(link(tls, limits)).await,
+                                    Ok(Ok(tls)) => {
+                                        let peer = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).and_then(|c| baton_identity::Identity::from_cert_der(c).ok());
+                                        r.serve_link(link(tls, limits, peer)).await
+                                    }
                                     Ok(Err(e)) => tracing::info!(error = %e, "TLS handshake failed"),
                                     Err(_) => tracing::info!("TLS handshake timed out"),
                                 }
@@ -179,7 +183,7 @@ impl Connector for TlsTcpConnector {
                 .connect(name, tcp)
                 .await
                 .map_err(|e| refused(e.to_string()))?;
-            Ok(link(tls, FrameLimits { max_payload: 0 }))
+            Ok(link(tls, FrameLimits { max_payload: 0 }, None))
         })
     }
 }

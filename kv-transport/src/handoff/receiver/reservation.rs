@@ -18,6 +18,12 @@ impl Reservation {
         self.grant.reservation
     }
 
+    /// Only a link whose peer certificate names `sender` may fill this reservation (the
+    /// node the grant goes to); set it before handing the grant out.
+    pub fn only_from(&self, sender: baton_identity::Expect) {
+        *self.entry.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender);
+    }
+
     /// The reserved blocks, in reservation order.
     pub fn blocks(&self) -> &[BlockId] {
         &self.grant.blocks

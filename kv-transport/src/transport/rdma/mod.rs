@@ -119,6 +119,7 @@ impl RdmaConnector {
             tx: Box::new(tx),
             rx: Box::new(rx),
             transport: NAME,
+            peer: None,
         })
     }
 }
@@ -186,9 +187,9 @@ impl RdmaListener {
             rings: RingPool::new(config.rings),
             receiver,
         });
-        let handler: StreamHandler = Arc::new(move |send, recv| {
+        let handler: StreamHandler = Arc::new(move |send, recv, peer| {
             let shared = shared.clone();
-            Box::pin(async move { serve_stream(shared, send, recv).await })
+            Box::pin(async move { serve_stream(shared, send, recv, peer).await })
         });
         Ok(RdmaListener {
             quic: QuicListener::bind_streams(addr, server_name, tls, tuning, handler)?,
@@ -202,7 +203,7 @@ impl RdmaListener {
 }
 
 /// Sets up one link on an accepted control stream, then serves it like any other link.
-async fn serve_stream(shared: Arc<Shared>, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+async fn serve_stream(shared: Arc<Shared>, mut send: quinn::SendStream, mut recv: quinn::RecvStream, peer: Option<baton_identity::Identity>) {
     let hello = match tokio::time::timeout(SETUP_TIMEOUT, read_msg(&mut recv)).await {
         Ok(Ok(Some(Msg::Hello { qp, .. }))) => qp,
         Ok(Ok(None)) => return,
@@ -255,6 +256,7 @@ async fn serve_stream(shared: Arc<Shared>, mut send: quinn::SendStream, mut recv
             tx: Box::new(tx),
             rx: Box::new(rx),
             transport: NAME,
+            peer,
         })
         .await;
 }

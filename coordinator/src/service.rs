@@ -340,7 +340,8 @@ impl CoordinatorService {
             return Ok(()); // plaintext mode: no identities to check
         }
         const EITHER: &[IdRole] = &[IdRole::Prefill, IdRole::Decode];
-        let member = self.state.members().await?.into_iter().find(|m| m.lease_id == lease_id);
+        // The membership's own list: no loads to merge, no gauges to refresh on a renewal.
+        let member = self.state.membership.members().await?.into_iter().find(|m| m.lease_id == lease_id);
         let mut claims: Vec<(String, &[IdRole])> = Vec::new();
         if let Some(m) = &member {
             let role: &[IdRole] = if m.info.role == Role::Prefill as i32 { &[IdRole::Prefill] } else { &[IdRole::Decode] };

@@ -104,11 +104,7 @@ pub fn transport_layout(info: &EngineInfo) -> Result<KvLayout> {
 
 /// Loads `ca.pem`, `<name>.pem` and `<name>.key` from `dir` (as `baton certs` writes them).
 pub fn load_tls(dir: &Path, name: &str) -> Result<NodeTls> {
-    let read = |f: String| std::fs::read_to_string(dir.join(&f)).with_context(|| format!("reading {}", dir.join(&f).display()));
-    let ca = read("ca.pem".into())?;
-    let cert = read(format!("{name}.pem"))?;
-    let key = read(format!("{name}.key"))?;
-    NodeTls::from_pem(&ca, &cert, &key).context("loading the node's TLS identity")
+    NodeTls::from_dir(dir, name).context("loading the node's TLS identity")
 }
 
 /// `name@host:port`, the form nodes advertise their KV endpoint in.

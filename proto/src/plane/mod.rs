@@ -121,32 +121,35 @@ impl Plane {
     /// and `dir/ca.pem`, which must name a `role` identity; or plaintext if the operator
     /// passed `--insecure-plaintext-internal`.
     pub fn from_flags(dir: &std::path::Path, name: &str, role: Role, insecure_plaintext: bool) -> Result<Plane, PlaneError> {
-        if insecure_plaintext {
-            tracing::warn!("the internal plane runs WITHOUT TLS or identities (--insecure-plaintext-internal): anyone who reaches this process's ports may call it");
-            return Ok(Plane::insecure_plaintext());
-        }
-        let plane = Plane::mtls(NodeTls::from_dir(dir, name)?)?;
-        let id = plane.identity().expect("an mTLS plane has an identity");
-        if id.role() != role {
-            return Err(PlaneError::WrongRole { file: dir.join(format!("{name}.pem")).display().to_string(), names: id.to_string(), role });
-        }
-        Ok(plane)
+        let file = || dir.join(format!("{name}.pem")).display().to_string();
+        Plane::checked(insecure_plaintext, || NodeTls::from_dir(dir, name), role, |id| id.role() == role, file)
     }
-}
 
-impl Plane {
     /// The plane of a node called `name` in `role`, from the TLS identity it also uses on
     /// the KV transport: its certificate must let it act as that node. Plaintext if the
     /// operator passed `--insecure-plaintext-internal`.
     pub fn for_node(tls: &NodeTls, name: &str, role: Role, insecure_plaintext: bool) -> Result<Plane, PlaneError> {
+        let fits = |id: &Identity| id.role() == role && id.may_act_as(name);
+        Plane::checked(insecure_plaintext, || Ok(tls.clone()), role, fits, || format!("the certificate of {name}"))
+    }
+
+    /// Plaintext (with a warning) when asked for; else mutual TLS with the certificate
+    /// `tls` gives, whose identity must pass `fits`.
+    fn checked(
+        insecure_plaintext: bool,
+        tls: impl FnOnce() -> baton_identity::Result<NodeTls>,
+        role: Role,
+        fits: impl Fn(&Identity) -> bool,
+        file: impl Fn() -> String,
+    ) -> Result<Plane, PlaneError> {
         if insecure_plaintext {
-            tracing::warn!("the internal plane runs WITHOUT TLS or identities (--insecure-plaintext-internal): anyone who reaches this node's gRPC port may call it");
+            tracing::warn!("the internal plane runs WITHOUT TLS or identities (--insecure-plaintext-internal): anyone who reaches this process's ports may call it");
             return Ok(Plane::insecure_plaintext());
         }
-        let plane = Plane::mtls(tls.clone())?;
+        let plane = Plane::mtls(tls()?)?;
         let id = plane.identity().expect("an mTLS plane has an identity");
-        if id.role() != role || !id.may_act_as(name) {
-            return Err(PlaneError::WrongRole { file: format!("the certificate of {name}"), names: id.to_string(), role });
+        if !fits(id) {
+            return Err(PlaneError::WrongRole { file: file(), names: id.to_string(), role });
         }
         Ok(plane)
     }

@@ -104,6 +104,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
                 local_prefill_threshold: threshold,
                 kv_transport: baton_kv_transport::transport::select::TransportChoice::Quic,
                 insecure_plaintext_internal: false,
+                admin_key: None,
             };
             let mut cluster = start_cluster(spec, engines.clone(), stop_rx).await.context("starting the cluster")?;
             let grpc = format!("http://{}", cluster.decode_grpc);

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
 use baton_engine::Engine;
+use baton_identity::AdminKey;
 use baton_kv_transport::transport::select::TransportChoice;
 use baton_proto::common::Role;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
@@ -69,6 +70,9 @@ pub struct UpArgs {
 
 /// Where the parts of a started cluster listen.
 struct Started {
+    gateway_admin: SocketAddr,
+    /// Where a generated admin key was written (`None`: the operator gave one).
+    admin_key_file: Option<std::path::PathBuf>,
     coordinator: SocketAddr,
     coordinator_http: SocketAddr,
     decode_http: SocketAddr,
@@ -121,6 +125,8 @@ pub(crate) struct ClusterSpec<'a> {
     pub kv_transport: TransportChoice,
     /// gRPC between the parts without TLS (`--insecure-plaintext-internal`; benchmarks).
     pub insecure_plaintext_internal: bool,
+    /// Opens the coordinator's /debug/routing (`None`: off).
+    pub admin_key: Option<AdminKey>,
 }
 
 /// The coordinator, the decode node and the prefill node, serving in this
@@ -154,6 +160,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         listen: spec.coordinator_listen,
         http_listen: spec.coordinator_http_listen,
         local_prefill_threshold: spec.local_prefill_threshold,
+        admin_key: spec.admin_key.clone(),
         ..baton_coordinator::Config::with_defaults(plane(COORDINATOR_NAME)?)
     };
     let coordinator = baton_coordinator::Coordinator::bind(coordinator_config).await.context("starting the coordinator")?;
@@ -235,13 +242,28 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
 async fn serve(
     a: &UpArgs,
     model: &Path,
-    gateway_config: baton_api_gateway::Config,
+    mut gateway_config: baton_api_gateway::Config,
     kv_transport: TransportChoice,
     engines: (Arc<Engine>, Arc<Engine>),
     stop: watch::Receiver<bool>,
 ) -> Result<()> {
     let started = Instant::now();
     let gateway_listener = TcpListener::bind(gateway_config.listen).await.with_context(|| format!("binding the gateway to {}", gateway_config.listen))?;
+    // Operators' endpoints: the gateway's metrics on a loopback port of their own (or
+    // --admin-listen), and one admin key (BATON_ADMIN_KEY, --admin-key-file, or a fresh
+    // one in a 0600 file) for the coordinator's /debug/routing and the gateway's /metrics.
+    let admin_addr = gateway_config.admin_listen.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let admin_listener = TcpListener::bind(admin_addr).await.with_context(|| format!("binding the gateway's admin listener to {admin_addr}"))?;
+    let admin_key_file = match &gateway_config.admin_key {
+        Some(_) => None,
+        None => {
+            let key = AdminKey::generate();
+            let file = admin_key_path(&gateway_config.db);
+            write_private(&file, key.reveal()).with_context(|| format!("writing the admin key to {}", file.display()))?;
+            gateway_config.admin_key = Some(key);
+            Some(file)
+        }
+    };
     let spec = ClusterSpec {
         engine: &a.engine,
         model,
@@ -252,6 +274,7 @@ async fn serve(
         local_prefill_threshold: a.local_prefill_threshold,
         kv_transport,
         insecure_plaintext_internal: false,
+        admin_key: gateway_config.admin_key.clone(),
     };
     let LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_http, prefill_http, gateway_plane, mut tasks, .. } =
         start_cluster(spec, engines, stop.clone()).await?;
@@ -267,16 +290,17 @@ async fn serve(
     let tls = gateway_config.tls.is_some();
     let app = baton_api_gateway::build_app(gateway_config, generator, store, tokenizer, template, model_id)?;
     let gateway_addr = gateway_listener.local_addr()?;
+    let gateway_admin = admin_listener.local_addr()?;
     tasks.spawn({
         let stop = stop.clone();
-        async move { baton_api_gateway::server::serve(gateway_listener, app, stopped(stop)).await.context("gateway") }
+        async move { baton_api_gateway::server::serve_with_admin(gateway_listener, Some(admin_listener), app, stopped(stop)).await.context("gateway") }
     });
     print_banner(
         gateway_addr,
         tls,
         &key,
         a.api_key.is_some(),
-        &Started { coordinator: coordinator_addr, coordinator_http, decode_http, prefill_http },
+        &Started { coordinator: coordinator_addr, coordinator_http, decode_http, prefill_http, gateway_admin, admin_key_file },
         started.elapsed(),
     );
 
@@ -328,21 +352,44 @@ async fn wait_for_members(plane: &Plane, coordinator_url: &str, tasks: &mut toki
 fn print_banner(gateway: SocketAddr, tls: bool, key: &str, key_given: bool, s: &Started, took: Duration) {
     let key_line = if key_given { "the key from BATON_API_KEY".to_string() } else { key.to_string() };
     let g = format!("{}://{gateway}", if tls { "https" } else { "http" });
+    let admin = match &s.admin_key_file {
+        Some(f) => format!("\"Authorization: Bearer $(cat {})\"", f.display()),
+        None => "\"Authorization: Bearer $BATON_ADMIN_KEY\"".to_string(),
+    };
     println!(
-        "\n  metrics      gateway {g}/metrics\n  coordinator  grpc {}  http http://{}/debug/routing?key=ID  http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n\
+        "\n  metrics      gateway http://{}/metrics\n  coordinator  grpc {}  http http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n  routing      curl -H {admin} 'http://{}/debug/routing?key=CONVERSATION'\n\
          \nTry:\n  curl -N {g}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
          -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\":\"baton\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n\
          \nCtrl-C stops the cluster.\n\
          \nBaton is up (the cluster started in {:.1} s).\n  web chat     {g}/\n  API          {g}/v1  (OpenAI-compatible)\n  API key      {key_line}",
+        s.gateway_admin,
         s.coordinator,
-        s.coordinator_http,
         s.coordinator_http,
         s.decode_http,
         s.prefill_http,
+        s.coordinator_http,
         if key_given { "$BATON_API_KEY" } else { key },
         took.as_secs_f64(),
     );
+}
+
+/// Where `baton up` keeps a generated admin key: beside a SQLite store, else here.
+fn admin_key_path(db: &Path) -> std::path::PathBuf {
+    let dir = match db.to_string_lossy().contains("://") {
+        true => Path::new("."),
+        false => db.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")),
+    };
+    dir.join("baton-admin.key")
+}
+
+/// Writes `text` to `path`, readable by this user only (replacing an older file).
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    writeln!(f, "{text}")
 }
 
 async fn stopped(mut rx: watch::Receiver<bool>) {

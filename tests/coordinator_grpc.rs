@@ -135,8 +135,13 @@ async fn route(c: &mut CoordinatorClient<Channel>, key: &str, exclude: &[&str]) 
 }
 
 async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    http_get_with(addr, path, "").await
+}
+
+/// GET with extra header lines (each ending in \r\n).
+async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n").as_bytes()).await.unwrap();
     let mut buf = String::new();
     s.read_to_string(&mut buf).await.unwrap();
     let status = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -146,7 +151,8 @@ async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routing_round_trip_with_explanations_metrics_and_health() {
-    let co = Running::start(config(2000)).await;
+    let admin = baton_identity::AdminKey::new("coordinator-test-admin-key").unwrap();
+    let co = Running::start(Config { admin_key: Some(admin), ..config(2000) }).await;
     let mut c = co.client().await;
     let nodes: Vec<MembershipHandle> = ["d0", "d1", "d2", "d3"].iter().map(|id| join(&co.url(), id, Role::Decode)).collect();
     let p = join(&co.url(), "p0", Role::Prefill);
@@ -201,14 +207,17 @@ async fn routing_round_trip_with_explanations_metrics_and_health() {
     assert_eq!(ex.records[4].candidates.len(), 4);
     assert!(ex.records.windows(2).all(|w| w[0].seq > w[1].seq));
 
-    // HTTP: the same records as JSON, metrics, health.
-    let (status, body) = http_get(co.http, "/debug/routing?key=conv-a&limit=2").await;
+    // HTTP: the same records as JSON (for the admin key only), metrics, health.
+    let bearer = "Authorization: Bearer coordinator-test-admin-key\r\n";
+    assert_eq!(http_get(co.http, "/debug/routing?key=conv-a").await.0, 401, "no key");
+    assert_eq!(http_get_with(co.http, "/debug/routing?key=conv-a", "Authorization: Bearer coordinator-test-admin-kez\r\n").await.0, 401);
+    let (status, body) = http_get_with(co.http, "/debug/routing?key=conv-a&limit=2", bearer).await;
     assert_eq!(status, 200);
     let json: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(json["records"].as_array().unwrap().len(), 2);
     assert_eq!(json["records"][0]["reason"], "remote_least_loaded");
     assert_eq!(json["records"][1]["chosen"], serde_json::Value::Null);
-    assert_eq!(http_get(co.http, "/debug/routing").await.0, 400);
+    assert_eq!(http_get_with(co.http, "/debug/routing", bearer).await.0, 400);
     let (status, metrics) = http_get(co.http, "/metrics").await;
     assert_eq!(status, 200);
     assert!(metrics.contains("baton_coordinator_routing_decisions_total{kind=\"decode\",reason=\"sticky\"} 1"), "{metrics}");

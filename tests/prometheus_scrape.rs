@@ -38,8 +38,9 @@ impl Drop for Killed {
     }
 }
 
-/// Where the four roles serve `/metrics`.
+/// Where the four roles serve `/metrics` (the gateway on its admin listener), and the API.
 struct Targets {
+    api: String,
     gateway: String,
     coordinator: String,
     decode: String,
@@ -54,13 +55,14 @@ impl Targets {
 
 fn start_up(dir: &Path) -> (Killed, Targets) {
     let t = Targets {
+        api: format!("127.0.0.1:{}", free_port()),
         gateway: format!("127.0.0.1:{}", free_port()),
         coordinator: format!("127.0.0.1:{}", free_port()),
         decode: format!("127.0.0.1:{}", free_port()),
         prefill: format!("127.0.0.1:{}", free_port()),
     };
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["up", "--listen", &t.gateway, "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", &t.coordinator])
+        .args(["up", "--listen", &t.api, "--admin-listen", &t.gateway, "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", &t.coordinator])
         .args(["--decode-http-listen", &t.decode, "--prefill-http-listen", &t.prefill])
         .args(["--local-prefill-threshold", "64", "--threads", "1", "--kv-memory-mib", "64", "--kv-tier2-mib", "0", "--max-context", "2048"])
         .arg("--db")
@@ -236,7 +238,7 @@ async fn a_real_prometheus_scrapes_baton_up_and_sees_traffic() {
     for q in MOVING {
         before.push(query(&http, &prom, q).await.unwrap_or(0.0));
     }
-    let chat = format!("http://{}/v1/chat/completions", targets.gateway);
+    let chat = format!("http://{}/v1/chat/completions", targets.api);
     for stream in [false, false, true] {
         let r = http.post(&chat).bearer_auth(KEY).json(&long_prompt(stream)).send().await.unwrap();
         assert!(r.status().is_success(), "{}", r.status());

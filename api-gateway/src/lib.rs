@@ -27,6 +27,7 @@ pub mod tls;
 pub mod turns;
 
 use anyhow::{Context as _, Result};
+use baton_identity::AdminKey;
 use baton_engine::chat_template::ChatTemplate;
 use baton_engine::gguf::GgufFile;
 use baton_engine::tokenizer::Tokenizer;
@@ -124,6 +125,15 @@ pub struct Args {
     /// this long is closed. Request bodies have the same deadline.
     #[arg(long, env = "BATON_HEADER_TIMEOUT_SECONDS", default_value_t = 15)]
     pub header_timeout_seconds: u64,
+    /// A second listener for operators, serving /metrics and /healthz without a key: bind
+    /// it to a private address (Prometheus scrapes it; the public edge never routes to it).
+    #[arg(long, env = "BATON_GATEWAY_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// File holding the admin key (or set BATON_ADMIN_KEY): with one, /metrics on the
+    /// public listener answers to `Authorization: Bearer <admin key>`; without one it is
+    /// served only on --admin-listen.
+    #[arg(long, env = "BATON_ADMIN_KEY_FILE")]
+    pub admin_key_file: Option<PathBuf>,
 }
 
 /// A validated configuration.
@@ -151,6 +161,10 @@ pub struct Config {
     pub max_tokens_ceiling: usize,
     /// Open connections, header and body deadlines.
     pub connections: listen::ConnLimits,
+    /// Operators' listener (/metrics, /healthz without a key).
+    pub admin_listen: Option<SocketAddr>,
+    /// Opens /metrics on the public listener.
+    pub admin_key: Option<AdminKey>,
 }
 
 impl TryFrom<Args> for Config {
@@ -178,7 +192,11 @@ impl TryFrom<Args> for Config {
             None => RuleCheck::default(),
         };
         let tls = tls::TlsConfig::from_flags(a.tls_cert.as_deref(), a.tls_key.as_deref())?;
+        anyhow::ensure!(a.admin_listen != Some(a.listen), "--admin-listen must differ from --listen");
+        let admin_key = AdminKey::from_env_or_file(a.admin_key_file.as_deref()).context("the admin key")?;
         Ok(Config {
+            admin_listen: a.admin_listen,
+            admin_key,
             tls,
             listen: a.listen,
             db: a.db,

@@ -12,7 +12,8 @@ use crate::store::ConversationStore;
 use crate::turns::Registry;
 use crate::{conversations, metrics, openai, Config};
 use axum::body::Body;
-use axum::http::{header, StatusCode};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -68,6 +69,23 @@ async fn metrics_text() -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], metrics::encode()).into_response()
 }
 
+/// `/metrics` on the public listener: only for the admin key. Series name no users, but
+/// they show the service's load and errors to whoever reads them.
+async fn public_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    let Some(admin) = &app.config.admin_key else {
+        return ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "/metrics is served on the admin listener (--admin-listen), or here with an admin key").into_response();
+    };
+    if !admin.admits(headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())) {
+        return ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "/metrics needs the admin key: Authorization: Bearer <key>").into_response();
+    }
+    metrics_text().await
+}
+
+/// The operators' listener: metrics and health, no key (bind it to a private address).
+pub fn admin_router() -> Router {
+    Router::new().route("/metrics", get(metrics_text)).route("/healthz", get(health)).fallback(fallback)
+}
+
 async fn health() -> &'static str {
     "ok"
 }
@@ -81,7 +99,7 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/", get(index))
         .route("/healthz", get(health))
-        .route("/metrics", get(metrics_text))
+        .route("/metrics", get(public_metrics))
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
@@ -118,17 +136,56 @@ async fn retention_job(app: Arc<App>) {
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` completes.
 /// Serves `app` on `listener` until `shutdown` completes, under the connection limits of
-/// its config ([`crate::listen`]).
+/// its config ([`crate::listen`]), and the admin listener if the config names one.
 pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    let admin = match app.config.admin_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await?),
+        None => None,
+    };
+    serve_with_admin(listener, admin, app, shutdown).await
+}
+
+/// [`serve`], with the admin listener bound by the caller (`None`: no admin listener).
+pub async fn serve_with_admin(
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    app: Arc<App>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let job = tokio::spawn(retention_job(app.clone()));
     let tls = app.config.tls.as_ref().map(|t| {
         tracing::info!(cert = %t.cert.display(), "gateway serves HTTPS");
         t.acceptor()
     });
     let limits = app.config.connections;
-    let r = crate::listen::serve(listener, router(app), tls, limits, shutdown).await;
+    // One shutdown for both listeners.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let admin = match admin {
+        Some(l) => {
+            tracing::info!(addr = %l.local_addr()?, "gateway admin listener (/metrics, /healthz)");
+            Some(tokio::spawn(crate::listen::serve(l, admin_router(), None, limits, stopped())))
+        }
+        None => None,
+    };
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let r = crate::listen::serve(listener, router(app), tls, limits, stopped()).await;
     job.abort();
+    if let Some(admin) = admin {
+        match admin.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "the admin listener failed"),
+            Err(e) => tracing::warn!(error = %e, "the admin listener panicked"),
+            Ok(Ok(())) => {}
+        }
+    }
     r
 }

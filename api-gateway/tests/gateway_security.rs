@@ -6,7 +6,11 @@
 //! - `max_tokens` above the operator's ceiling is a clear 400;
 //! - an API key in the URL does not authenticate;
 //! - the conversation store's file is private and forgets deleted text;
-//! - a client's own system prompt never shares the platform's cached blocks.
+//! - a client's own system prompt never shares the platform's cached blocks;
+//! - `/metrics` on the public port answers only to the admin key, and without one is
+//!   served only on the admin listener.
+//!
+//! The cross-user stall is in `gateway_isolation.rs` (a binary of its own: it times turns).
 
 mod common;
 
@@ -36,13 +40,70 @@ async fn post_json(server: &common::Server, path: &str, body: &serde_json::Value
         .unwrap()
 }
 
+const ADMIN_KEY: &str = "gateway-security-test-admin-key";
+
+/// A file holding [`ADMIN_KEY`], for `--admin-key-file` (removed on drop).
+struct AdminFile {
+    _dir: tempfile::TempDir,
+    path: String,
+}
+
+impl AdminFile {
+    fn new() -> AdminFile {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("admin-key");
+        std::fs::write(&path, format!("{ADMIN_KEY}\n")).unwrap();
+        AdminFile { path: path.display().to_string(), _dir: dir }
+    }
+
+    fn path(&self) -> &str {
+        &self.path
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_answer_only_the_admin_key_or_the_admin_listener() {
+    let admin = AdminFile::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let admin_listen = format!("127.0.0.1:{port}");
+    let Some(server) = common::start(&["--admin-key-file", admin.path(), "--admin-listen", &admin_listen]).await else { return };
+    let http = reqwest::Client::new();
+    let public = format!("{}/metrics", server.base);
+    // No key, a user's API key, a wrong admin key: refused, and no series in the body.
+    for auth in [None, Some(server.key.as_str()), Some("gateway-security-test-admin-kez")] {
+        let mut req = http.get(&public);
+        if let Some(k) = auth {
+            req = req.bearer_auth(k);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 401, "{auth:?}");
+        assert!(!r.text().await.unwrap().contains("baton_gateway_"), "{auth:?}");
+    }
+    let r = http.get(&public).bearer_auth(ADMIN_KEY).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("baton_gateway_"));
+    // The admin listener serves metrics without a key, and nothing of the API.
+    let r = http.get(format!("http://{admin_listen}/metrics")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("baton_gateway_"));
+    let r = http.get(format!("http://{admin_listen}/v1/models")).bearer_auth(&server.key).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+
+    // Without an admin key, the public port does not serve metrics at all.
+    let Some(plain) = common::start(&[]).await else { return };
+    let r = http.get(format!("{}/metrics", plain.base)).bearer_auth(&plain.key).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+}
+
 fn addr(base: &str) -> std::net::SocketAddr {
     base.trim_start_matches("http://").parse().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_half_open_connections_do_not_stop_a_real_request() {
-    let Some(server) = common::start(&["--max-connections-per-address", "64", "--header-timeout-seconds", "2"]).await else { return };
+    let admin = AdminFile::new();
+    let flags = ["--max-connections-per-address", "64", "--header-timeout-seconds", "2", "--admin-key-file", admin.path()];
+    let Some(server) = common::start(&flags).await else { return };
     let target = addr(&server.base);
     let mut idle = Vec::new();
     for _ in 0..2000 {
@@ -56,7 +117,15 @@ async fn two_thousand_half_open_connections_do_not_stop_a_real_request() {
     let took = started.elapsed();
     assert_eq!(r.status(), 200);
     assert!(took < Duration::from_secs(1), "a real request took {took:?} behind 2,000 half-open connections");
-    let metrics = reqwest::get(format!("{}/metrics", server.base)).await.unwrap().text().await.unwrap();
+    let metrics = reqwest::Client::new()
+        .get(format!("{}/metrics", server.base))
+        .bearer_auth(ADMIN_KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let refused = metrics
         .lines()
         .find(|l| l.starts_with("baton_gateway_connections_refused_total{reason=\"max_per_address\"}"))
@@ -194,3 +263,4 @@ async fn followers_of_a_running_turn_count_as_open_streams() {
     drop(turn);
     let _ = http.post(format!("{}/v1/conversations/{conv}/turns/t1/stop", server.base)).bearer_auth(&server.key).send().await;
 }
+

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_proto::coordinator::coordinator_server::CoordinatorServer;
+use baton_identity::AdminKey;
 use baton_proto::plane::{Plane, Role as IdRole};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -56,9 +57,14 @@ pub struct Args {
     /// gRPC listen address.
     #[arg(long, env = "BATON_COORDINATOR_LISTEN", default_value = "127.0.0.1:7100")]
     pub listen: SocketAddr,
-    /// HTTP listen address (/healthz, /metrics, /debug/routing).
+    /// HTTP listen address (/healthz, /metrics; /debug/routing with the admin key). Keep
+    /// it on a private network: /metrics needs no key.
     #[arg(long, env = "BATON_COORDINATOR_HTTP_LISTEN", default_value = "127.0.0.1:7101")]
     pub http_listen: SocketAddr,
+    /// File holding the admin key that opens /debug/routing (or set BATON_ADMIN_KEY);
+    /// without one, /debug/routing is off.
+    #[arg(long, env = "BATON_ADMIN_KEY_FILE")]
+    pub admin_key_file: Option<std::path::PathBuf>,
     /// Membership backend.
     #[arg(long, env = "BATON_MEMBERSHIP", value_enum, default_value = "memory")]
     pub membership: MembershipKind,
@@ -133,6 +139,8 @@ pub struct Config {
     pub evict_timeout: Duration,
     /// The internal plane: mutual TLS as this coordinator, or plaintext.
     pub plane: Plane,
+    /// Opens /debug/routing; `None`: it is off.
+    pub admin_key: Option<AdminKey>,
 }
 
 impl Config {
@@ -153,6 +161,7 @@ impl Config {
             explain_capacity: 4096,
             evict_timeout: Duration::from_secs(5),
             plane,
+            admin_key: None,
         }
     }
 }
@@ -207,6 +216,8 @@ impl TryFrom<Args> for Config {
             evict_timeout: a.evict_timeout,
             plane: Plane::from_flags(&a.certs_dir, &a.tls_name, IdRole::Coordinator, a.insecure_plaintext_internal)
                 .map_err(|e| Error::Config { field: "certs_dir", why: e.to_string() })?,
+            admin_key: AdminKey::from_env_or_file(a.admin_key_file.as_deref())
+                .map_err(|e| Error::Config { field: "admin_key_file", why: e.to_string() })?,
         })
     }
 }
@@ -218,6 +229,7 @@ pub struct Coordinator {
     http: TcpListener,
     state: Arc<service::State>,
     plane: Plane,
+    admin_key: Option<AdminKey>,
 }
 
 impl Coordinator {
@@ -255,7 +267,7 @@ impl Coordinator {
             }
         };
         let state = Arc::new(service::State::new(&config, membership, evictor)?);
-        Ok(Self { grpc, http, state, plane: config.plane })
+        Ok(Self { grpc, http, state, plane: config.plane, admin_key: config.admin_key })
     }
 
     /// The gRPC address (what nodes and gateways dial).
@@ -289,7 +301,7 @@ impl Coordinator {
             .layer(self.plane.authorize())
             .add_service(CoordinatorServer::new(svc))
             .serve_with_incoming_shutdown(self.plane.incoming(self.grpc), stopped(stop_rx.clone()));
-        let http = axum::serve(self.http, http::router(self.state.clone())).with_graceful_shutdown(stopped(stop_rx));
+        let http = axum::serve(self.http, http::router(http::HttpState { state: self.state.clone(), plane: self.plane.stats(), admin_key: self.admin_key.clone() })).with_graceful_shutdown(stopped(stop_rx));
         let (g, h) = tokio::join!(grpc, http);
         g.map_err(|e| Error::Serve(e.to_string()))?;
         h.map_err(|e| Error::Serve(e.to_string()))?;

@@ -296,7 +296,7 @@ pub async fn serve(config: Config, parts: Parts, on_bound: impl FnOnce(&Bound), 
         .add_service(CountedService::new(DecodeNodeServer::new(svc), in_flight))
         .add_service(NodeControlServer::new(control))
         .serve_with_incoming_shutdown(plane.incoming(grpc), stopped(stop_rx.clone()));
-    let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready })).with_graceful_shutdown(stopped(stop_rx));
+    let http_srv = axum::serve(http, metrics::router(metrics::HttpState { metrics, engine: engine.clone(), kv: Some(kv.clone()), ready, plane: plane.stats() })).with_graceful_shutdown(stopped(stop_rx));
     let (g, h) = tokio::join!(grpc_srv, http_srv);
     if let Some(m) = membership_slot.lock().await.take() {
         m.shutdown().await;

@@ -207,6 +207,9 @@ def consistency_errors(docs, gpu):
                 covers = [private for private in PRIVATE_PATHS if (private == path if kind == "Exact" else private.startswith(path.rstrip("/") + "/") or private == path)]
                 if covers:
                     errs.append(f"Ingress/{ing['metadata']['name']}: path {path} ({kind}) exposes {covers[0]} publicly")
+                port = p.get("backend", {}).get("service", {}).get("port", {})
+                if port.get("name") == "admin" or port.get("number") == 9080:
+                    errs.append(f"Ingress/{ing['metadata']['name']}: path {path} routes to the gateway's admin listener")
 
     if gpu:
         for w in workloads:
@@ -247,6 +250,7 @@ def self_test(docs, gpu):
         "KV port open to all": lambda d: find(d, "NetworkPolicy", "baton-decode")["spec"]["ingress"][0].pop("from"),
         "HPA metric renamed": lambda d: find(d, "HorizontalPodAutoscaler", "baton-prefill")["spec"]["metrics"][0]["pods"]["metric"].__setitem__("name", "queue"),
         "ServiceMonitor port": lambda d: find(d, "ServiceMonitor", "baton-decode")["spec"]["endpoints"][0].__setitem__("port", "metrics"),
+        "admin listener on the public edge": lambda d: find(d, "Ingress", "baton-gateway")["spec"]["rules"][0]["http"]["paths"][1]["backend"]["service"]["port"].update({"name": "admin"}),
         "metrics on the public edge": lambda d: find(d, "Ingress", "baton-gateway")["spec"]["rules"][0]["http"]["paths"][0].update({"path": "/", "pathType": "Prefix"}),
     }
     if gpu:

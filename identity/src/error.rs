@@ -26,6 +26,8 @@ pub enum Error {
     },
     #[error("invalid name {name:?}: {why}")]
     InvalidName { name: String, why: &'static str },
+    #[error("invalid admin key: {0}")]
+    InvalidAdminKey(String),
 }
 
 impl Error {
@@ -40,6 +42,7 @@ impl Error {
             Error::UnknownName(_) => "unknown_name",
             Error::Io { .. } => "io",
             Error::InvalidName { .. } => "invalid_name",
+            Error::InvalidAdminKey(_) => "invalid_admin_key",
         }
     }
 }

@@ -1,5 +1,6 @@
 //! A node's HTTP endpoints: `/healthz` (503 until the node is registered) and
-//! `/metrics` (the node's own series and the engine's, in the Prometheus text format).
+//! `/metrics` (the node's own series, the engine's and the internal plane's refusals, in the
+//! Prometheus text format).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use baton_engine::Engine;
+use baton_proto::plane::PlaneStats;
 
 use crate::kv::KvNode;
 
@@ -25,12 +27,20 @@ pub struct HttpState<M> {
     pub kv: Option<Arc<KvNode>>,
     /// False until the node is registered (or runs without a coordinator).
     pub ready: Arc<AtomicBool>,
+    /// What the node's gRPC server refused (appended to /metrics).
+    pub plane: Arc<PlaneStats>,
 }
 
 // By hand: a derive would ask `M: Clone`, and only the `Arc`s are cloned.
 impl<M> Clone for HttpState<M> {
     fn clone(&self) -> Self {
-        HttpState { metrics: self.metrics.clone(), engine: self.engine.clone(), kv: self.kv.clone(), ready: self.ready.clone() }
+        HttpState {
+            metrics: self.metrics.clone(),
+            engine: self.engine.clone(),
+            kv: self.kv.clone(),
+            ready: self.ready.clone(),
+            plane: self.plane.clone(),
+        }
     }
 }
 
@@ -47,6 +57,7 @@ async fn healthz<M: RenderMetrics>(State(s): State<HttpState<M>>) -> (StatusCode
 }
 
 async fn scrape<M: RenderMetrics>(State(s): State<HttpState<M>>) -> Response {
-    let text = s.metrics.render(&s.engine, s.kv.as_deref());
+    let mut text = s.metrics.render(&s.engine, s.kv.as_deref());
+    text.push_str(&s.plane.render());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

@@ -8,7 +8,9 @@
 //! - only the gateway may say whose turn it is (owner spoofing on Generate, CachedPrefix,
 //!   ExportPrefix from any other role);
 //! - a server with the wrong identity is not trusted by a client (impersonation);
-//! - connections that never finish their handshake do not keep a real caller out.
+//! - connections that never finish their handshake do not keep a real caller out;
+//! - refused connections and calls are counted in the serving role's `/metrics`;
+//! - the coordinator's `/debug/routing` answers only to the admin key (off without one).
 
 #[path = "../cluster_support/mod.rs"]
 mod cluster_support;
@@ -74,6 +76,59 @@ fn a_plaintext_client_and_a_foreign_ca_get_no_answer() {
         let kv_only = Plane::mtls(baton_kv_transport::NodeTls::from_dir(cluster.dir.path(), "kv-only").unwrap());
         assert!(kv_only.is_err(), "a role-less certificate is not a plane identity");
     });
+    // Both failed handshakes are in the coordinator's metrics.
+    let text = metrics(&cluster.coordinator.addr("http"));
+    let refused = sample(&text, "baton_plane_connections_refused_total{reason=\"handshake\"}");
+    assert!(refused >= 2.0, "refused handshakes counted: {refused}\n{text}");
+}
+
+/// The value of the sample `series` (name and labels, as printed) in a Prometheus text.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok()).unwrap_or(0.0)
+}
+
+/// `GET path` on `addr` with an optional bearer token: the status and body.
+fn http_get(addr: &str, path: &str, bearer: Option<&str>) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let auth = bearer.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+#[test]
+fn debug_routing_answers_only_the_admin_key() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    // The cluster's coordinator has no admin key: the endpoint is off for everyone.
+    let (status, body) = http_get(&cluster.coordinator.addr("http"), "/debug/routing?key=conv-a", None);
+    assert_eq!(status, 403, "{body}");
+    // A coordinator with one: no key, a wrong key, then the key.
+    const KEY: &str = "security-test-admin-key-0123";
+    let key_file = cluster.dir.path().join("admin-key");
+    std::fs::write(&key_file, KEY).unwrap();
+    let co = spawn(&[
+        "coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--certs-dir",
+        cluster.certs_dir(),
+        "--admin-key-file",
+        key_file.to_str().unwrap(),
+    ]);
+    let http = co.addr("http");
+    for bearer in [None, Some("security-test-admin-key-0124"), Some("")] {
+        let (status, body) = http_get(&http, "/debug/routing?key=conv-a", bearer);
+        assert_eq!(status, 401, "{bearer:?}: {body}");
+        assert!(!body.contains("records"), "{body}");
+    }
+    let (status, body) = http_get(&http, "/debug/routing?key=conv-a", Some(KEY));
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"records\""), "{body}");
 }
 
 #[test]
@@ -182,6 +237,14 @@ fn every_row_of_the_table() {
         let evict = pb::EvictRequest { conversation: "conv-a".into(), owner: "alice".into() };
         assert_eq!(ctl.evict(evict).await.unwrap_err().code(), Code::PermissionDenied);
     });
+    // The refusals are in each serving role's metrics, by method and caller role.
+    let refused = |http: &str, method: &str, role: &str| {
+        sample(&metrics(http), &format!("baton_plane_calls_refused_total{{method=\"{method}\",caller_role=\"{role}\"}}"))
+    };
+    assert!(refused(&decode.addr("http"), "/baton.node.DecodeNode/Generate", "prefill") >= 2.0);
+    assert!(refused(&decode.addr("http"), "/baton.node.NodeControl/Evict", "gateway") >= 2.0);
+    assert!(refused(&prefill.addr("http"), "/baton.node.PrefillNode/Prefill", "gateway") >= 1.0);
+    assert!(refused(&cluster.coordinator.addr("http"), "/baton.coordinator.Coordinator/Register", "gateway") >= 1.0);
 }
 
 #[test]

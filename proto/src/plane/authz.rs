@@ -16,6 +16,7 @@ use tonic::codegen::http;
 use tonic::Status;
 
 use super::server::PeerInfo;
+use super::stats::PlaneStats;
 
 /// One kind of caller a rule admits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,11 +134,12 @@ pub fn decide(method: &str, peer: Option<&PeerInfo>, me: Option<&Identity>) -> R
 pub struct AuthorizeLayer {
     me: Option<Identity>,
     insecure: bool,
+    stats: std::sync::Arc<PlaneStats>,
 }
 
 impl AuthorizeLayer {
-    pub(crate) fn new(me: Option<Identity>, insecure: bool) -> Self {
-        AuthorizeLayer { me, insecure }
+    pub(crate) fn new(me: Option<Identity>, insecure: bool, stats: std::sync::Arc<PlaneStats>) -> Self {
+        AuthorizeLayer { me, insecure, stats }
     }
 }
 
@@ -145,7 +147,7 @@ impl<S> tower_layer::Layer<S> for AuthorizeLayer {
     type Service = Authorize<S>;
 
     fn layer(&self, inner: S) -> Authorize<S> {
-        Authorize { inner, me: self.me.clone(), insecure: self.insecure }
+        Authorize { inner, me: self.me.clone(), insecure: self.insecure, stats: self.stats.clone() }
     }
 }
 
@@ -155,6 +157,7 @@ pub struct Authorize<S> {
     inner: S,
     me: Option<Identity>,
     insecure: bool,
+    stats: std::sync::Arc<PlaneStats>,
 }
 
 impl<S, B> tower_service::Service<http::Request<B>> for Authorize<S>
@@ -183,6 +186,7 @@ where
             }
             Err(status) => {
                 let peer = req.extensions().get::<PeerInfo>();
+                self.stats.refuse_call(&method, peer.and_then(|p| p.identity.as_ref()));
                 tracing::warn!(
                     method = %method,
                     caller = ?peer.and_then(|p| p.identity.as_ref()).map(Identity::dns_name),

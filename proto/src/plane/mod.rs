@@ -15,6 +15,7 @@
 pub mod authz;
 mod client;
 mod server;
+pub mod stats;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +25,7 @@ use baton_identity::{Identity, NodeTls};
 pub use authz::{AuthorizeLayer, Caller};
 pub use baton_identity::{Expect, Role};
 pub use server::{PeerInfo, PlaneConn};
+pub use stats::{ConnectionRefusal, PlaneStats};
 
 /// ALPN protocol of the internal plane (gRPC over HTTP/2).
 pub const ALPN: &[u8] = b"h2";
@@ -55,6 +57,8 @@ enum Security {
 #[derive(Clone)]
 pub struct Plane {
     security: Arc<Security>,
+    /// What this plane's servers refused (shared by clones: one process role, one count).
+    stats: Arc<PlaneStats>,
 }
 
 impl std::fmt::Debug for Plane {
@@ -71,14 +75,14 @@ impl Plane {
     pub fn mtls(tls: NodeTls) -> Result<Plane, PlaneError> {
         let identity = tls.identity()?;
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config(ALPN)?));
-        Ok(Plane { security: Arc::new(Security::Mtls { tls, identity, acceptor }) })
+        Ok(Plane { security: Arc::new(Security::Mtls { tls, identity, acceptor }), stats: Arc::default() })
     }
 
     /// No TLS, no identities, no authorization: anyone who reaches a port may call any
     /// method. Only for a network where every process is trusted; the flag that selects
     /// it says so (`--insecure-plaintext-internal`).
     pub fn insecure_plaintext() -> Plane {
-        Plane { security: Arc::new(Security::InsecurePlaintext) }
+        Plane { security: Arc::new(Security::InsecurePlaintext), stats: Arc::default() }
     }
 
     /// This process's identity (None in plaintext mode).
@@ -96,7 +100,12 @@ impl Plane {
 
     /// The authorization layer for a server of this plane.
     pub fn authorize(&self) -> AuthorizeLayer {
-        AuthorizeLayer::new(self.identity().cloned(), self.is_insecure())
+        AuthorizeLayer::new(self.identity().cloned(), self.is_insecure(), self.stats.clone())
+    }
+
+    /// What this plane's servers refused, for the role's `/metrics`.
+    pub fn stats(&self) -> Arc<PlaneStats> {
+        self.stats.clone()
     }
 }
 

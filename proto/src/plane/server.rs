@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 use tonic::transport::server::Connected;
 
+use super::stats::{ConnectionRefusal, PlaneStats};
 use super::{Plane, Security, HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES};
 
 /// Who is on the other end of a server connection; tonic puts it in every request's
@@ -117,8 +118,9 @@ impl AsyncWrite for PlaneConn {
 
 /// Why a connection never became a [`PlaneConn`]. Logged at debug: a flood of them must
 /// not flood the log.
-fn reject(reason: &'static str, remote: Option<SocketAddr>, detail: &dyn std::fmt::Display) {
-    tracing::debug!(?remote, reason, %detail, "internal plane: connection refused");
+fn reject(stats: &PlaneStats, why: ConnectionRefusal, remote: Option<SocketAddr>, detail: &dyn std::fmt::Display) {
+    stats.refuse_connection(why);
+    tracing::debug!(?remote, reason = why.as_str(), %detail, "internal plane: connection refused");
 }
 
 impl Plane {
@@ -127,6 +129,7 @@ impl Plane {
     pub fn incoming(&self, listener: TcpListener) -> tokio_stream::wrappers::ReceiverStream<io::Result<PlaneConn>> {
         let (tx, rx) = mpsc::channel(64);
         let security = self.security.clone();
+        let stats = self.stats.clone();
         tokio::spawn(async move {
             let pending = Arc::new(Semaphore::new(MAX_PENDING_HANDSHAKES));
             loop {
@@ -152,24 +155,24 @@ impl Plane {
                     continue;
                 };
                 let Ok(permit) = pending.clone().try_acquire_owned() else {
-                    reject("too_many_handshakes", Some(remote), &"handshake slots full");
+                    reject(&stats, ConnectionRefusal::TooManyHandshakes, Some(remote), &"handshake slots full");
                     continue;
                 };
-                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), stats.clone());
                 tokio::spawn(async move {
                     let _permit = permit;
                     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Err(_) => return reject("handshake_timeout", Some(remote), &"no handshake in time"),
-                        Ok(Err(e)) => return reject("handshake", Some(remote), &e),
+                        Err(_) => return reject(&stats, ConnectionRefusal::HandshakeTimeout, Some(remote), &"no handshake in time"),
+                        Ok(Err(e)) => return reject(&stats, ConnectionRefusal::Handshake, Some(remote), &e),
                         Ok(Ok(tls)) => tls,
                     };
                     // The chain was checked against the cluster CA in the handshake; the
                     // certificate must also name an identity.
                     let identity = match tls.get_ref().1.peer_certificates().and_then(|c| c.first()) {
-                        None => return reject("no_certificate", Some(remote), &"no client certificate"),
+                        None => return reject(&stats, ConnectionRefusal::NoCertificate, Some(remote), &"no client certificate"),
                         Some(cert) => match Identity::from_cert_der(cert) {
                             Ok(id) => id,
-                            Err(e) => return reject("no_identity", Some(remote), &e),
+                            Err(e) => return reject(&stats, ConnectionRefusal::NoIdentity, Some(remote), &e),
                         },
                     };
                     let conn = PlaneConn { io: MaybeTls::Tls(Box::new(tls)), peer: PeerInfo { remote: Some(remote), identity: Some(identity) } };

@@ -5,6 +5,7 @@
 
 use baton_api_gateway::client::Client;
 use baton_api_gateway::generator::local::LocalGenerator;
+use baton_api_gateway::generator::Generator;
 use baton_api_gateway::server::App;
 use baton_api_gateway::store::SqliteStore;
 use baton_api_gateway::{auth, build_app, Args, Config};
@@ -74,6 +75,14 @@ impl Drop for Server {
 
 /// Starts a gateway with extra command-line flags (e.g. `--turns-per-minute 2`).
 pub async fn start(flags: &[&str]) -> Option<Server> {
+    start_wrapped(flags, |g| g).await
+}
+
+/// [`start`], with the engine's generator wrapped by `wrap` (to hold or observe calls).
+pub async fn start_wrapped(
+    flags: &[&str],
+    wrap: impl FnOnce(Arc<dyn Generator>) -> Arc<dyn Generator>,
+) -> Option<Server> {
     let model = model_path()?;
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("gw.db");
@@ -98,7 +107,7 @@ pub async fn start(flags: &[&str]) -> Option<Server> {
     let key2 = auth::create_key(&store, "bob", "test").await.unwrap();
     let app = build_app(
         config,
-        Arc::new(LocalGenerator::new(engine.clone())),
+        wrap(Arc::new(LocalGenerator::new(engine.clone()))),
         Arc::new(store.clone()),
         engine.tokenizer.clone(),
         engine.template.clone(),

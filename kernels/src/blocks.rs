@@ -370,12 +370,145 @@ pub fn dequantize_iq4_xs(b: &[u8], out: &mut [f32]) {
     }
 }
 
+// Quantizers for tests and tools (benchmarks, requantized test models):
+// straightforward round-to-nearest on GGML's layouts, not llama.cpp's
+// error-minimizing searches, and not on the serving path.
+
+fn push_f16(out: &mut Vec<u8>, v: f32) {
+    out.extend_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+/// The value of largest magnitude, with its sign.
+fn signed_max(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
+/// Q5_0: `d = max / -16` (the signed extreme maps to quant 0).
+pub fn quantize_row_q5_0(x: &[f32], out: &mut Vec<u8>) {
+    for blk in x.chunks(32) {
+        let d = signed_max(blk) / -16.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let q: Vec<u8> = blk.iter().map(|&v| ((v * id + 16.5) as i32).clamp(0, 31) as u8).collect();
+        push_f16(out, d);
+        out.extend_from_slice(&q5_high_bits(&q).to_le_bytes());
+        out.extend((0..16).map(|j| (q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4)));
+    }
+}
+
+/// Q5_1: `d = (max - min) / 31`, `m = min`.
+pub fn quantize_row_q5_1(x: &[f32], out: &mut Vec<u8>) {
+    for blk in x.chunks(32) {
+        let (lo, hi) = blk.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+        let d = (hi - lo) / 31.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let q: Vec<u8> = blk.iter().map(|&v| (((v - lo) * id + 0.5) as i32).clamp(0, 31) as u8).collect();
+        push_f16(out, d);
+        push_f16(out, lo);
+        out.extend_from_slice(&q5_high_bits(&q).to_le_bytes());
+        out.extend((0..16).map(|j| (q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4)));
+    }
+}
+
+fn q5_high_bits(q: &[u8]) -> u32 {
+    q.iter().enumerate().fold(0u32, |h, (j, &v)| h | (((v >> 4) & 1) as u32) << j)
+}
+
+/// 6-bit codes of `v / step`, rounded, for the packed scales and mins.
+fn six_bits(v: f32, step: f32) -> u8 {
+    if step == 0.0 {
+        0
+    } else {
+        ((v / step).round() as i32).clamp(0, 63) as u8
+    }
+}
+
+/// Q4_K (`bits` = 4) or Q5_K (`bits` = 5): per sub-block of 32 a scale and
+/// a non-negative min (`min(0, min x)` negated) so that `x ~ d sc q - dmin m`,
+/// both 6-bit codes of the super-block's `d` and `dmin`.
+fn quantize_row_k4(x: &[f32], bits: u32, out: &mut Vec<u8>) {
+    let nmax = ((1 << bits) - 1) as f32;
+    for blk in x.chunks(QK_K) {
+        let mut scales = [0f32; 8];
+        let mut mins = [0f32; 8];
+        for (j, sub) in blk.chunks(32).enumerate() {
+            let (lo, hi) = sub.iter().fold((0f32, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+            scales[j] = (hi - lo) / nmax;
+            mins[j] = -lo;
+        }
+        let d = scales.iter().fold(0f32, |a, &v| a.max(v)) / 63.0;
+        let dmin = mins.iter().fold(0f32, |a, &v| a.max(v)) / 63.0;
+        let (d, dmin) = (f16::from_f32(d).to_f32(), f16::from_f32(dmin).to_f32());
+        let sc: Vec<u8> = scales.iter().map(|&v| six_bits(v, d)).collect();
+        let mn: Vec<u8> = mins.iter().map(|&v| six_bits(v, dmin)).collect();
+        let mut q = [0u8; QK_K];
+        for (e, &v) in blk.iter().enumerate() {
+            let step = d * sc[e / 32] as f32;
+            if step != 0.0 {
+                q[e] = (((v + dmin * mn[e / 32] as f32) / step).round() as i32).clamp(0, nmax as i32) as u8;
+            }
+        }
+        push_f16(out, d);
+        push_f16(out, dmin);
+        let mut packed = [0u8; 12];
+        for j in 0..4 {
+            packed[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+            packed[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+            packed[j + 8] = (sc[j + 4] & 0x0f) | ((mn[j + 4] & 0x0f) << 4);
+        }
+        out.extend_from_slice(&packed);
+        if bits == 5 {
+            out.extend((0..32).map(|l| (0..8).fold(0u8, |h, r| h | ((q[32 * r + l] >> 4) & 1) << r)));
+        }
+        for g in 0..4 {
+            out.extend((0..32).map(|l| (q[64 * g + l] & 0x0f) | ((q[64 * g + 32 + l] & 0x0f) << 4)));
+        }
+    }
+}
+
+pub fn quantize_row_q4_k(x: &[f32], out: &mut Vec<u8>) {
+    quantize_row_k4(x, 4, out)
+}
+
+pub fn quantize_row_q5_k(x: &[f32], out: &mut Vec<u8>) {
+    quantize_row_k4(x, 5, out)
+}
+
+/// Q6_K: per sub-block of 16 a signed 8-bit scale so that
+/// `x ~ d sc (q - 32)`, `q` in 0..64.
+pub fn quantize_row_q6_k(x: &[f32], out: &mut Vec<u8>) {
+    for blk in x.chunks(QK_K) {
+        let steps: Vec<f32> = blk.chunks(16).map(|s| signed_max(s) / -32.0).collect();
+        let d = f16::from_f32(steps.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0).to_f32();
+        let sc: Vec<i8> = steps.iter().map(|&s| if d == 0.0 { 0 } else { (s / d).round().clamp(-128.0, 127.0) as i8 }).collect();
+        let mut q = [32u8; QK_K];
+        for (e, &v) in blk.iter().enumerate() {
+            let step = d * sc[e / 16] as f32;
+            if step != 0.0 {
+                q[e] = ((v / step).round() as i32 + 32).clamp(0, 63) as u8;
+            }
+        }
+        let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+        for half in 0..2 {
+            for l in 0..32 {
+                let [q1, q2, q3, q4] = [0, 32, 64, 96].map(|o| q[128 * half + o + l]);
+                ql[64 * half + l] = (q1 & 0x0f) | ((q3 & 0x0f) << 4);
+                ql[64 * half + l + 32] = (q2 & 0x0f) | ((q4 & 0x0f) << 4);
+                qh[32 * half + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
+            }
+        }
+        out.extend_from_slice(&ql);
+        out.extend_from_slice(&qh);
+        out.extend(sc.iter().map(|&v| v as u8));
+        push_f16(out, d);
+    }
+}
+
 /// Known answers: one hand-built block per format, bytes set by hand from
 /// GGML's layout, values worked out by hand. Each puts distinct quants at
 /// positions that a swapped nibble, half or sub-block would move.
 #[cfg(test)]
 mod tests {
-
+    use super::*;
     use crate::quant::{dequantize_row, WeightFormat};
 
     const ONE: [u8; 2] = [0x00, 0x3c]; // f16 1.0
@@ -522,5 +655,46 @@ mod tests {
         b[8] = 0x9f; // element 0: level 15 (113), element 16: level 9 (13)
         b[8 + 112 + 2] = 0x80; // element 224 + 2: level 0, element 242: level 8 (1)
         check(WeightFormat::IQ4_XS, &b, &[(0, 1130.0), (16, 130.0), (32, 3683.0), (226, -2032.0), (242, 16.0), (64, 4064.0)]);
+    }
+
+    /// The quantizers write what the dequantizers read: each value comes
+    /// back within its format's step (the packing written from the
+    /// quantizing side, a second reading of each layout).
+    #[test]
+    fn quantizers_round_trip() {
+        let mut seed = 1u64;
+        let x: Vec<f32> = (0..4 * QK_K)
+            .map(|i| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let v = (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                if i % 97 == 0 { 4.0 * v } else { v }
+            })
+            .collect();
+        type Quantizer = fn(&[f32], &mut Vec<u8>);
+        let cases: [(WeightFormat, Quantizer, f32); 5] = [
+            (WeightFormat::Q5_0, quantize_row_q5_0, 1.0 / 16.0),
+            (WeightFormat::Q5_1, quantize_row_q5_1, 1.0 / 31.0),
+            (WeightFormat::Q4_K, quantize_row_q4_k, 1.0 / 15.0),
+            (WeightFormat::Q5_K, quantize_row_q5_k, 1.0 / 31.0),
+            (WeightFormat::Q6_K, quantize_row_q6_k, 1.0 / 32.0),
+        ];
+        for (format, quantize, rel_step) in cases {
+            let mut bytes = Vec::new();
+            quantize(&x, &mut bytes);
+            assert_eq!(bytes.len(), format.row_bytes(x.len()).unwrap(), "{format:?}");
+            let mut y = vec![0f32; x.len()];
+            dequantize_row(format, &bytes, &mut y);
+            let bl = format.block_len().min(32);
+            for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+                // Half a step of the block's range, plus the 6- and 8-bit
+                // rounding of the K formats' scales (a relative 1/63 of
+                // the super-block's range).
+                let blk = &x[i / bl * bl..(i / bl + 1) * bl];
+                let sup = &x[i / format.block_len() * format.block_len()..][..format.block_len()];
+                let range = |s: &[f32]| s.iter().fold(0f32, |m, v| m.max(v.abs())) * 2.0;
+                let tol = range(blk) * rel_step * 0.5 + if format.is_super_block() { range(sup) * 2.0 / 63.0 } else { 1e-3 };
+                assert!((a - b).abs() <= tol, "{format:?} element {i}: {a} vs {b} (tolerance {tol})");
+            }
+        }
     }
 }

@@ -5,10 +5,11 @@
 //!
 //! Invariant: every quantized dot product in this crate reduces to the same
 //! arithmetic, independent of batch size and of the instruction set: per
-//! 32-element block an exact integer sum split into 8 lanes of 4 products,
-//! scaled in f32 and accumulated lane-wise with fused multiply-add, then the
-//! lanes are summed in a fixed tree order. The scalar fallback emulates the
-//! lanes exactly, so every machine computes bit-identical results.
+//! block (32 elements, or a 256-element super-block whose integer
+//! sub-block scales and mins enter the integer sums) exact integer sums,
+//! then f32 fused multiply-adds in block order. Integer sums are exact in
+//! any order, so the portable, AVX2 and AVX-512 paths compute bit-identical
+//! results (`matmul` and `matmul::kquant` say how).
 
 use half::{bf16, f16};
 use crate::blocks::{self, QK_K};

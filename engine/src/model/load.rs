@@ -64,7 +64,7 @@ fn kernel_err(path: &Path, tensor: &str, e: KernelError) -> ModelError {
 }
 
 /// Loads a Llama-family GGUF file. Matrices may be in any type of
-/// [`SUPPORTED_TYPES`]: the legacy and K formats run as integer products on
+/// [`WeightFormat::ALL`]: the legacy and K formats run as integer products on
 /// the CPU; IQ4_XS and Q8_K are expanded to f32 at load (the CUDA backend
 /// expands every format to bf16). Any other type is an error naming the
 /// tensor and the type.
@@ -159,14 +159,13 @@ fn assemble<B: Backend>(backend: &B, config: ModelConfig, embed: B::Matrix, outp
     Model { config, embed, output, out_norm, layers, rope, weight_bytes }
 }
 
-/// The ggml tensor types a GGUF model may hold.
-pub const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS";
-
+/// An error naming the tensor, its type and the types Baton reads.
 fn unsupported_type(path: &Path, tensor: &str, t: GgmlType) -> ModelError {
+    let supported: Vec<&str> = WeightFormat::ALL.iter().map(|f| f.name()).collect();
     ModelError::Tensor {
         path: path.into(),
         tensor: tensor.into(),
-        reason: format!("tensor type {} (ggml type {}) is not supported; Baton reads {SUPPORTED_TYPES}", t.name(), t.id()),
+        reason: format!("tensor type {} (ggml type {}) is not supported; Baton reads {}", t.name(), t.id(), supported.join(", ")),
     }
 }
 

@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use baton_kernels::WeightFormat;
 use memmap2::Mmap;
 
 /// The four bytes every GGUF file starts with.
@@ -249,13 +250,24 @@ impl MetaValue {
 
 /// A ggml tensor element type. Only the types Baton's kernels handle have
 /// their own variant; any other id is kept as `Unsupported(id)`.
+#[allow(non_camel_case_types)] // ggml's names
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
     F32,
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_K,
+    IQ4_NL,
+    IQ4_XS,
     BF16,
     Unsupported(u32),
 }
@@ -268,7 +280,17 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
+            10 => GgmlType::Q2_K,
+            11 => GgmlType::Q3_K,
+            12 => GgmlType::Q4_K,
+            13 => GgmlType::Q5_K,
+            14 => GgmlType::Q6_K,
+            15 => GgmlType::Q8_K,
+            20 => GgmlType::IQ4_NL,
+            23 => GgmlType::IQ4_XS,
             30 => GgmlType::BF16,
             other => GgmlType::Unsupported(other),
         }
@@ -281,7 +303,17 @@ impl GgmlType {
             GgmlType::F16 => 1,
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q2_K => 10,
+            GgmlType::Q3_K => 11,
+            GgmlType::Q4_K => 12,
+            GgmlType::Q5_K => 13,
+            GgmlType::Q6_K => 14,
+            GgmlType::Q8_K => 15,
+            GgmlType::IQ4_NL => 20,
+            GgmlType::IQ4_XS => 23,
             GgmlType::BF16 => 30,
             GgmlType::Unsupported(id) => id,
         }
@@ -333,25 +365,37 @@ impl GgmlType {
         !matches!(self, GgmlType::Unsupported(_))
     }
 
+    /// The kernels' format for this type (`None` for unsupported types).
+    pub fn format(self) -> Option<WeightFormat> {
+        Some(match self {
+            GgmlType::F32 => WeightFormat::F32,
+            GgmlType::F16 => WeightFormat::F16,
+            GgmlType::BF16 => WeightFormat::BF16,
+            GgmlType::Q4_0 => WeightFormat::Q4_0,
+            GgmlType::Q4_1 => WeightFormat::Q4_1,
+            GgmlType::Q5_0 => WeightFormat::Q5_0,
+            GgmlType::Q5_1 => WeightFormat::Q5_1,
+            GgmlType::Q8_0 => WeightFormat::Q8_0,
+            GgmlType::Q2_K => WeightFormat::Q2_K,
+            GgmlType::Q3_K => WeightFormat::Q3_K,
+            GgmlType::Q4_K => WeightFormat::Q4_K,
+            GgmlType::Q5_K => WeightFormat::Q5_K,
+            GgmlType::Q6_K => WeightFormat::Q6_K,
+            GgmlType::Q8_K => WeightFormat::Q8_K,
+            GgmlType::IQ4_NL => WeightFormat::IQ4_NL,
+            GgmlType::IQ4_XS => WeightFormat::IQ4_XS,
+            GgmlType::Unsupported(_) => return None,
+        })
+    }
+
     /// Elements per block (`None` for unsupported types).
     pub fn block_len(self) -> Option<u64> {
-        match self {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Some(1),
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => Some(32),
-            GgmlType::Unsupported(_) => None,
-        }
+        self.format().map(|f| f.block_len() as u64)
     }
 
     /// Bytes per block (`None` for unsupported types).
     pub fn block_bytes(self) -> Option<u64> {
-        match self {
-            GgmlType::F32 => Some(4),
-            GgmlType::F16 | GgmlType::BF16 => Some(2),
-            GgmlType::Q4_0 => Some(18),
-            GgmlType::Q4_1 => Some(20),
-            GgmlType::Q8_0 => Some(34),
-            GgmlType::Unsupported(_) => None,
-        }
+        self.format().map(|f| f.block_bytes() as u64)
     }
 
     /// Bytes taken by `n_elements` elements, `None` if the type is
@@ -1241,13 +1285,13 @@ mod tests {
         let t = TensorSpec::new(
             "blk.0.ffn_up.weight",
             &[256, 2],
-            GgmlType::Unsupported(12),
-            vec![0; 288],
+            GgmlType::Unsupported(16),
+            vec![0; 132],
         );
         let b = to_bytes::<&str>(3, &[], &[t]).unwrap();
         let p = parse_bytes(&b).unwrap();
         assert_eq!(p.tensors[0].n_bytes, None);
-        assert_eq!(p.tensors[0].ggml_type.name(), "Q4_K");
+        assert_eq!(p.tensors[0].ggml_type.name(), "IQ2_XXS");
     }
 
     #[test]
@@ -1275,9 +1319,32 @@ mod tests {
         assert_eq!(GgmlType::BF16.bytes_for(3), Some(6));
         assert_eq!(GgmlType::F32.bytes_for(3), Some(12));
         assert_eq!(GgmlType::Q8_0.bytes_for(31), None);
-        for id in [0, 1, 2, 3, 8, 30] {
-            assert_eq!(GgmlType::from_id(id).id(), id);
-            assert!(GgmlType::from_id(id).is_supported());
+        // ggml-common.h's block sizes (static_asserts there).
+        for (t, bytes) in [
+            (GgmlType::Q5_0, 22),
+            (GgmlType::Q5_1, 24),
+            (GgmlType::IQ4_NL, 18),
+        ] {
+            assert_eq!(t.bytes_for(64), Some(2 * bytes), "{t:?}");
         }
+        for (t, bytes) in [
+            (GgmlType::Q2_K, 84),
+            (GgmlType::Q3_K, 110),
+            (GgmlType::Q4_K, 144),
+            (GgmlType::Q5_K, 176),
+            (GgmlType::Q6_K, 210),
+            (GgmlType::Q8_K, 292),
+            (GgmlType::IQ4_XS, 136),
+        ] {
+            assert_eq!(t.bytes_for(512), Some(2 * bytes), "{t:?}");
+            assert_eq!(t.bytes_for(576), None, "{t:?}");
+        }
+        for id in [0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 15, 20, 23, 30] {
+            let t = GgmlType::from_id(id);
+            assert_eq!(t.id(), id);
+            assert!(t.is_supported());
+            assert_eq!(t.format().unwrap().name(), t.name());
+        }
+        assert!(!GgmlType::from_id(16).is_supported(), "IQ2_XXS has no decoder");
     }
 }

@@ -69,7 +69,9 @@ fn all_tensor_types() -> Vec<TensorSpec> {
         TensorSpec::new("d.q4_1", &[32, 3], GgmlType::Q4_1, bytes(3 * 20, 3)),
         TensorSpec::new("e.q8_0", &[32, 1, 1, 2], GgmlType::Q8_0, bytes(2 * 34, 4)),
         TensorSpec::new("f.bf16", &[5], GgmlType::BF16, bytes(10, 5)),
-        TensorSpec::new("g.q4_k", &[256], GgmlType::Unsupported(12), bytes(144, 6)),
+        TensorSpec::new("g.iq2_xxs", &[256], GgmlType::Unsupported(16), bytes(66, 6)),
+        TensorSpec::new("h.q4_k", &[256, 2], GgmlType::Q4_K, bytes(2 * 144, 7)),
+        TensorSpec::new("i.q5_1", &[64], GgmlType::Q5_1, bytes(2 * 24, 8)),
     ]
 }
 
@@ -413,13 +415,13 @@ fn unsupported_type_missing_tensor_and_shape_are_reported_on_use() {
     write_gguf::<&str>(&p, &[], &all_tensor_types()).unwrap();
     let g = GgufFile::open(&p).unwrap();
 
-    let e = g.require_tensor("g.q4_k", &[]).err().unwrap();
+    let e = g.require_tensor("g.iq2_xxs", &[]).err().unwrap();
     assert!(
-        matches!(&e, GgufError::UnsupportedTensorType { tensor, type_name: "Q4_K", .. } if tensor == "g.q4_k"),
+        matches!(&e, GgufError::UnsupportedTensorType { tensor, type_name: "IQ2_XXS", .. } if tensor == "g.iq2_xxs"),
         "{e}"
     );
-    assert!(e.to_string().contains("Q4_K"));
-    let t = g.tensor("g.q4_k").unwrap();
+    assert!(e.to_string().contains("IQ2_XXS"));
+    let t = g.tensor("g.iq2_xxs").unwrap();
     assert_eq!(g.tensor_data(t), &[] as &[u8]);
     assert_eq!(
         g.tensor_data_checked(t).err().unwrap().kind(),

@@ -8,7 +8,7 @@
 
 use crate::attention::{attention, AttnRow};
 use crate::kv::{KvLayout, KvStorage};
-use crate::matmul::{matmul_many, MatrixError, QMatrix};
+use crate::matmul::{matmul_many, Acts, MatrixError, QMatrix};
 use crate::ops::{self, RopeTable};
 use crate::pool::Pool;
 use crate::quant::{QuantizedActs, WeightFormat};
@@ -199,8 +199,11 @@ impl Backend for CpuBackend {
         let mut xq = self.acts.lock().unwrap_or_else(|p| p.into_inner());
         let k = outs.first().map_or(0, |(w, _)| w.k);
         assert!(outs.iter().all(|(w, _)| w.k == k), "fused products must share one input width");
-        if outs.iter().any(|(w, _)| w.wants_quantized_acts()) {
+        if outs.iter().any(|(w, _)| w.acts() == Acts::Q8) {
             xq.quantize(&self.pool, x, rows, k);
+        }
+        if outs.iter().any(|(w, _)| w.acts() == Acts::Q8K) {
+            xq.q8k.quantize(&self.pool, x, rows, k);
         }
         let mut views: Vec<(&QMatrix, &mut [f32])> = outs
             .iter_mut()

@@ -8,6 +8,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod blocks;
 pub mod fp8;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -8,10 +8,13 @@
 //! the work is split across threads: this is what makes a sequence's tokens
 //! identical alone or batched, prefilled in one chunk or many.
 
+use crate::blocks;
 use crate::quant::{dequantize_row, QuantizedActs, WeightFormat, QK};
 use half::f16;
 use crate::pool::{Pool, SendPtr};
 use std::sync::OnceLock;
+
+mod kquant;
 
 /// A weight matrix of `n` rows (output features) by `k` columns (input
 /// features), prepared for the kernels of this crate.
@@ -34,11 +37,26 @@ enum Prepared {
     /// panel and block, one per row. Rows past `n` in the last panel are
     /// zeros.
     Q4 { qs: Vec<u8>, d: Vec<u16>, m: Vec<u16> },
-    /// Q8_0 in panels: per panel and block, eight groups of 64 bytes, byte
-    /// `4r + i` of group `q` being element `4q + i` of row `r` stored as
-    /// `w + 128` (the unsigned operand the integer dot instructions take).
-    /// Scales as for Q4.
-    Q8 { qs: Vec<u8>, d: Vec<u16> },
+    /// 8-bit weights in panels: per panel and block, eight groups of 64
+    /// bytes, byte `4r + i` of group `q` being element `4q + i` of row `r`
+    /// stored as `w + 128` (the unsigned operand the integer dot
+    /// instructions take). Scales as for Q4; offsets `m` likewise, or empty
+    /// when the format has none. Q8_0 as stored; Q5_0 (`q - 16`), Q5_1 (`q`,
+    /// with its offset) and IQ4_NL (its levels) widened losslessly.
+    Q8 { qs: Vec<u8>, d: Vec<u16>, m: Vec<u16> },
+    /// The K super-block formats (`kquant`).
+    K(kquant::KPanels),
+}
+
+/// How a matrix wants its activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acts {
+    /// As f32 (float weights).
+    F32,
+    /// Quantized to 8 bits per 32-element block ([`QuantizedActs`]).
+    Q8,
+    /// Quantized to Q8_K ([`crate::quant::Q8KActs`]).
+    Q8K,
 }
 
 /// Weight rows per panel. The quantized formats interleave 16 rows, four
@@ -90,8 +108,8 @@ fn block_at(v: &[u16], nb: usize, o: usize, b: usize) -> f32 {
 pub enum MatrixError {
     #[error("matrix of {n}x{k} in {format} needs {expected} bytes, got {got}")]
     Size { n: usize, k: usize, format: &'static str, expected: usize, got: usize },
-    #[error("row length {k} is not a multiple of {QK}")]
-    RowLength { k: usize },
+    #[error("row length {k} is not a multiple of {block}, the block length of {format}")]
+    RowLength { k: usize, block: usize, format: &'static str },
     #[error("row {row}, block {block}: Q4_0 scale {scale} is out of range (its offset -8 x scale overflows f16)")]
     ScaleRange { row: usize, block: usize, scale: String },
 }
@@ -99,19 +117,23 @@ pub enum MatrixError {
 impl QMatrix {
     /// Prepares a matrix from GGML-layout bytes (`n` rows of `k` elements).
     pub fn from_ggml(format: WeightFormat, n: usize, k: usize, bytes: &[u8]) -> Result<Self, MatrixError> {
+        let row_length = MatrixError::RowLength { k, block: format.block_len().max(QK), format: format.name() };
         if k % QK != 0 {
-            return Err(MatrixError::RowLength { k });
+            return Err(row_length);
         }
-        let row_bytes = format.row_bytes(k).ok_or(MatrixError::RowLength { k })?;
+        let row_bytes = format.row_bytes(k).ok_or(row_length)?;
         let expected = row_bytes * n;
         if bytes.len() != expected {
             return Err(MatrixError::Size { n, k, format: format.name(), expected, got: bytes.len() });
         }
         let nb = k / QK;
         let panel_blocks = n.div_ceil(PANEL) * nb;
-        let f16_at = |b: &[u8], i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let f16_at = blocks::f16_bits;
         let kind = match format {
-            WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => {
+            // No integer kernel: IQ4_XS's levels times its 6-bit scales
+            // overflow the 16-bit pair sums of the AVX2 path, and Q8_K is an
+            // activation format that files rarely hold.
+            WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 | WeightFormat::Q8_K | WeightFormat::IQ4_XS => {
                 let mut w = vec![0f32; n * k];
                 for (row, out) in bytes.chunks_exact(row_bytes).zip(w.chunks_exact_mut(k)) {
                     dequantize_row(format, row, out);
@@ -147,23 +169,35 @@ impl QMatrix {
                 }
                 Prepared::Q4 { qs, d, m }
             }
-            WeightFormat::Q8_0 => {
+            WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::IQ4_NL => {
+                let bb = format.block_bytes();
+                let offset = format == WeightFormat::Q5_1;
                 let mut qs = vec![0x80u8; panel_blocks * Q8_PANEL_BLOCK];
                 let mut d = vec![0u16; panel_blocks * PANEL];
+                let mut m = vec![0u16; if offset { panel_blocks * PANEL } else { 0 }];
                 for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
                     let (p, r) = (o / PANEL, o % PANEL);
-                    for (b, blk) in row.chunks_exact(34).enumerate() {
+                    for (b, blk) in row.chunks_exact(bb).enumerate() {
                         let pb = p * nb + b;
+                        let w: [i8; QK] = match format {
+                            WeightFormat::Q8_0 => std::array::from_fn(|e| blk[2 + e] as i8),
+                            WeightFormat::Q5_0 => blocks::q5_0_quants(blk),
+                            WeightFormat::Q5_1 => blocks::q5_1_quants(blk).map(|q| q as i8),
+                            _ => blocks::iq4_nl_levels(blk),
+                        };
                         d[pb * PANEL + r] = f16_at(blk, 0);
-                        for q in 0..QK / 4 {
-                            let at = pb * Q8_PANEL_BLOCK + q * 64 + r * 4;
-                            for i in 0..4 {
-                                qs[at + i] = blk[2 + 4 * q + i] ^ 0x80;
-                            }
+                        if offset {
+                            m[pb * PANEL + r] = f16_at(blk, 2);
+                        }
+                        for (e, &v) in w.iter().enumerate() {
+                            qs[pb * Q8_PANEL_BLOCK + (e / 4) * 64 + r * 4 + e % 4] = v as u8 ^ 0x80;
                         }
                     }
                 }
-                Prepared::Q8 { qs, d }
+                Prepared::Q8 { qs, d, m }
+            }
+            WeightFormat::Q2_K | WeightFormat::Q3_K | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K => {
+                Prepared::K(kquant::KPanels::new(format, n, k, bytes))
             }
         };
         Ok(QMatrix { n, k, format, kind })
@@ -172,7 +206,7 @@ impl QMatrix {
     /// Prepares a float matrix from row-major f32 values.
     pub fn from_f32(n: usize, k: usize, w: Vec<f32>) -> Result<Self, MatrixError> {
         if k % QK != 0 {
-            return Err(MatrixError::RowLength { k });
+            return Err(MatrixError::RowLength { k, block: QK, format: "F32" });
         }
         if w.len() != n * k {
             return Err(MatrixError::Size { n, k, format: "F32", expected: n * k * 4, got: w.len() * 4 });
@@ -182,7 +216,16 @@ impl QMatrix {
 
     /// Whether products with this matrix take 8-bit quantized activations.
     pub fn wants_quantized_acts(&self) -> bool {
-        !matches!(self.kind, Prepared::F32(_))
+        self.acts() != Acts::F32
+    }
+
+    /// The activations products with this matrix take.
+    pub fn acts(&self) -> Acts {
+        match self.kind {
+            Prepared::F32(_) => Acts::F32,
+            Prepared::Q4 { .. } | Prepared::Q8 { .. } => Acts::Q8,
+            Prepared::K(_) => Acts::Q8K,
+        }
     }
 
     /// Bytes held by the prepared matrix.
@@ -190,7 +233,8 @@ impl QMatrix {
         match &self.kind {
             Prepared::F32(w) => w.len() * 4,
             Prepared::Q4 { qs, d, m } => qs.len() + (d.len() + m.len()) * 2,
-            Prepared::Q8 { qs, d } => qs.len() + d.len() * 2,
+            Prepared::Q8 { qs, d, m } => qs.len() + (d.len() + m.len()) * 2,
+            Prepared::K(kp) => kp.size_bytes(),
         }
     }
 
@@ -208,14 +252,19 @@ impl QMatrix {
                     }
                 }
             }
-            Prepared::Q8 { qs, d } => {
+            Prepared::Q8 { qs, d, m } => {
                 for b in 0..nb {
                     let s = block_at(d, nb, r, b);
                     for e in 0..QK {
                         out[b * QK + e] = q8_at(qs, nb, r, b, e) as f32 * s;
                     }
+                    if !m.is_empty() {
+                        let off = block_at(m, nb, r, b);
+                        out[b * QK..(b + 1) * QK].iter_mut().for_each(|v| *v += off);
+                    }
                 }
             }
+            Prepared::K(kp) => kp.row_f32(self.format, r, out),
         }
     }
 }
@@ -268,12 +317,20 @@ pub fn matmul(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, w: &QMatr
 /// projections; gate and up), in one parallel dispatch. One task is one
 /// panel of [`PANEL`] weight rows against every activation row.
 pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs: &mut [(&QMatrix, &mut [f32])]) {
+    matmul_many_on(isa(), pool, x, xq, rows, outs)
+}
+
+/// [`matmul_many`] on a given instruction set (tests compare them); `isa`
+/// must be available on this machine.
+pub(crate) fn matmul_many_on(isa: Isa, pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs: &mut [(&QMatrix, &mut [f32])]) {
+    assert!(isa == Isa::Scalar || isa == self::isa() || self::isa() == Isa::Avx512Vnni, "{isa:?} is not available here");
     let mut jobs: Vec<(&QMatrix, SendPtr<f32>, usize)> = Vec::new();
     for (w, out) in outs.iter_mut() {
         assert!(out.len() >= rows * w.n, "matmul output too small");
-        assert!(x.len() >= rows * w.k || w.wants_quantized_acts());
-        if w.wants_quantized_acts() {
-            assert!(xq.rows >= rows && xq.k == w.k, "activations not quantized for this matrix");
+        match w.acts() {
+            Acts::F32 => assert!(x.len() >= rows * w.k),
+            Acts::Q8 => assert!(xq.rows >= rows && xq.k == w.k, "activations not quantized for this matrix"),
+            Acts::Q8K => assert!(xq.q8k.rows >= rows && xq.q8k.k == w.k, "activations not quantized to Q8_K for this matrix"),
         }
         let ptr = SendPtr(out.as_mut_ptr());
         for panel in 0..w.n.div_ceil(PANEL) {
@@ -285,15 +342,19 @@ pub fn matmul_many(pool: &Pool, x: &[f32], xq: &QuantizedActs, rows: usize, outs
         // SAFETY (every arm): the task writes only (t, o) for o in this
         // panel's rows below `n`, which no other task writes; `out` holds
         // rows * n elements (asserted above); the ISA is checked.
-        match (&w.kind, isa()) {
+        match (&w.kind, isa) {
             #[cfg(target_arch = "x86_64")]
             (Prepared::Q4 { qs, d, m }, Isa::Avx512Vnni) => unsafe { simd::q4_panel_512(qs, d, m, w.k, xq, rows, panel, p.0, w.n) },
             #[cfg(target_arch = "x86_64")]
             (Prepared::Q4 { qs, d, m }, Isa::Avx2) => unsafe { simd::q4_panel_avx2(qs, d, m, w.k, xq, rows, panel, p.0, w.n) },
             #[cfg(target_arch = "x86_64")]
-            (Prepared::Q8 { qs, d }, Isa::Avx512Vnni) => unsafe { simd::q8_panel_512(qs, d, w.k, xq, rows, panel, p.0, w.n) },
+            (Prepared::Q8 { qs, d, m }, Isa::Avx512Vnni) => unsafe { simd::q8_panel_512(qs, d, m, w.k, xq, rows, panel, p.0, w.n) },
             #[cfg(target_arch = "x86_64")]
-            (Prepared::Q8 { qs, d }, Isa::Avx2) => unsafe { simd::q8_panel_avx2(qs, d, w.k, xq, rows, panel, p.0, w.n) },
+            (Prepared::Q8 { qs, d, m }, Isa::Avx2) => unsafe { simd::q8_panel_avx2(qs, d, m, w.k, xq, rows, panel, p.0, w.n) },
+            #[cfg(target_arch = "x86_64")]
+            (Prepared::K(kp), Isa::Avx512Vnni) => unsafe { kquant::simd::panel_512(kp, &xq.q8k, rows, panel, p.0, w.n) },
+            #[cfg(target_arch = "x86_64")]
+            (Prepared::K(kp), Isa::Avx2) => unsafe { kquant::simd::panel_avx2(kp, &xq.q8k, rows, panel, p.0, w.n) },
             _ => {
                 for t in 0..rows {
                     for o in panel * PANEL..((panel + 1) * PANEL).min(w.n) {
@@ -324,7 +385,8 @@ fn dot(w: &QMatrix, o: usize, x: &[f32], xq: &QuantizedActs, t: usize) -> f32 {
         // On SIMD machines the quantized formats always run as panels
         // (`matmul_many`); this is the portable path, bit-identical to them.
         Prepared::Q4 { qs, d, m } => scalar::dot_q4(qs, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
-        Prepared::Q8 { qs, d } => scalar::dot_q8(qs, d, nb, o, xq.row_q(t), xq.row_d(t)),
+        Prepared::Q8 { qs, d, m } => scalar::dot_q8(qs, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
+        Prepared::K(kp) => kquant::dot(kp, o, &xq.q8k, t),
     }
 }
 
@@ -363,19 +425,24 @@ pub(crate) mod scalar {
         acc
     }
 
-    /// The Q8_0 arithmetic of row `o`: as `dot_q4`'s, without the offset.
-    pub fn dot_q8(qs: &[u8], d: &[u16], nb: usize, o: usize, xq: &[i8], xd: &[f32]) -> f32 {
+    /// The 8-bit arithmetic of row `o`: as `dot_q4`'s, the offset term
+    /// only when the format has offsets (`m` not empty).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dot_q8(qs: &[u8], d: &[u16], m: &[u16], nb: usize, o: usize, xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
         let mut acc = 0f32;
         for b in 0..nb {
             let isum: i32 = (0..QK).map(|e| q8_at(qs, nb, o, b, e) as i32 * xq[b * QK + e] as i32).sum();
             acc = (isum as f32).mul_add(block_at(d, nb, o, b) * xd[b], acc);
+            if !m.is_empty() {
+                acc = block_at(m, nb, o, b).mul_add(xs[b], acc);
+            }
         }
         acc
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-mod simd {
+pub(crate) mod simd {
     use super::{PANEL, PREFETCH_BLOCKS, Q4_PANEL_BLOCK, Q8_PANEL_BLOCK, QK};
     use crate::quant::QuantizedActs;
     use std::arch::x86_64::*;
@@ -439,7 +506,7 @@ mod simd {
 
     /// Rows of this panel below `n`.
     #[inline(always)]
-    fn live_rows(p: usize, n: usize) -> usize {
+    pub(super) fn live_rows(p: usize, n: usize) -> usize {
         (n - p * PANEL).min(PANEL)
     }
 
@@ -486,7 +553,7 @@ mod simd {
     /// Stores the 16 lanes of `v` (panel `p`'s rows) into output row `t`,
     /// leaving out rows past `n`.
     #[inline(always)]
-    unsafe fn store512(v: __m512, out: *mut f32, n: usize, p: usize, t: usize) {
+    pub(super) unsafe fn store512(v: __m512, out: *mut f32, n: usize, p: usize, t: usize) {
         let live = live_rows(p, n);
         let mask: __mmask16 = if live == PANEL { !0 } else { (1u16 << live) - 1 };
         _mm512_mask_storeu_ps(out.add(t * n + p * PANEL), mask, v);
@@ -530,13 +597,17 @@ mod simd {
     /// sums carry `128 * sum(x)`, taken off exactly before conversion.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn q8_tile512<const C: usize>(qs: &[u8], d: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+    unsafe fn q8_tile512<const C: usize, const OFFSET: bool>(qs: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
         let cols = Columns::<C>::new(xq, t);
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let pb = p * nb + b;
             let wp = qs.as_ptr().add(pb * Q8_PANEL_BLOCK);
-            prefetch_ahead(wp, Q8_PANEL_BLOCK, &[d.as_ptr().wrapping_add(pb * PANEL)]);
+            if OFFSET {
+                prefetch_ahead(wp, Q8_PANEL_BLOCK, &[d.as_ptr().wrapping_add(pb * PANEL), m.as_ptr().wrapping_add(pb * PANEL)]);
+            } else {
+                prefetch_ahead(wp, Q8_PANEL_BLOCK, &[d.as_ptr().wrapping_add(pb * PANEL)]);
+            }
             let mut w = [_mm512_setzero_si512(); 8];
             for (q, wq) in w.iter_mut().enumerate() {
                 *wq = _mm512_loadu_si512(wp.add(q * 64) as *const _);
@@ -547,6 +618,10 @@ mod simd {
                 let s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * *cols.sq[c].add(b)));
                 let scale = _mm512_mul_ps(dv, _mm512_set1_ps(*cols.d[c].add(b)));
                 acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[c]);
+                if OFFSET {
+                    let mv = _mm512_cvtph_ps(_mm256_loadu_si256(m.as_ptr().add(pb * PANEL) as *const __m256i));
+                    acc[c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(*cols.s[c].add(b)), acc[c]);
+                }
             }
         }
         for c in 0..C {
@@ -564,14 +639,30 @@ mod simd {
 
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn q8_panel_512(qs: &[u8], d: &[u16], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
-        column_groups!(rows, [1, 2, 3, 4, 5, 6, 7, 8], |t| q8_tile512(qs, d, k / QK, xq, p, out, n, t));
+    pub unsafe fn q8_panel_512(qs: &[u8], d: &[u16], m: &[u16], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
+        if m.is_empty() {
+            column_groups!(rows, [1, 2, 3, 4, 5, 6, 7, 8], |t| q8_tile512_plain(qs, d, m, k / QK, xq, p, out, n, t));
+        } else {
+            column_groups!(rows, [1, 2, 3, 4, 5, 6, 7, 8], |t| q8_tile512_offset(qs, d, m, k / QK, xq, p, out, n, t));
+        }
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile512_plain<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        q8_tile512::<C, false>(qs, d, m, nb, xq, p, out, n, t)
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile512_offset<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        q8_tile512::<C, true>(qs, d, m, nb, xq, p, out, n, t)
     }
 
     /// Stores the 8 lanes of `v` (rows `8h..8h+8` of panel `p`) into output
     /// row `t`, leaving out rows past `n`.
     #[inline(always)]
-    unsafe fn store256(v: __m256, out: *mut f32, n: usize, p: usize, h: usize, t: usize) {
+    pub(super) unsafe fn store256(v: __m256, out: *mut f32, n: usize, p: usize, h: usize, t: usize) {
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), v);
         let live = live_rows(p, n).saturating_sub(h * 8).min(8);
@@ -626,7 +717,7 @@ mod simd {
     /// 129, so each pair sum fits 16 bits.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn q8_tile_avx2<const C: usize>(qs: &[u8], d: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+    unsafe fn q8_tile_avx2<const C: usize, const OFFSET: bool>(qs: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
         let cols = Columns::<C>::new(xq, t);
         let bias = _mm256_set1_epi8(0x80u8 as i8);
         let ones = _mm256_set1_epi16(1);
@@ -651,6 +742,10 @@ mod simd {
                 for c in 0..C {
                     let scale = _mm256_mul_ps(dv, _mm256_set1_ps(*cols.d[c].add(b)));
                     acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), scale, acc[c]);
+                    if OFFSET {
+                        let mv = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().add(pb * PANEL + h * 8) as *const __m128i));
+                        acc[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(*cols.s[c].add(b)), acc[c]);
+                    }
                 }
             }
             for c in 0..C {
@@ -669,8 +764,24 @@ mod simd {
 
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q8_panel_avx2(qs: &[u8], d: &[u16], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
-        column_groups!(rows, [1, 2, 3, 4], |t| q8_tile_avx2(qs, d, k / QK, xq, p, out, n, t));
+    pub unsafe fn q8_panel_avx2(qs: &[u8], d: &[u16], m: &[u16], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
+        if m.is_empty() {
+            column_groups!(rows, [1, 2, 3, 4], |t| q8_tile_avx2_plain(qs, d, m, k / QK, xq, p, out, n, t));
+        } else {
+            column_groups!(rows, [1, 2, 3, 4], |t| q8_tile_avx2_offset(qs, d, m, k / QK, xq, p, out, n, t));
+        }
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile_avx2_plain<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        q8_tile_avx2::<C, false>(qs, d, m, nb, xq, p, out, n, t)
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q8_tile_avx2_offset<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+        q8_tile_avx2::<C, true>(qs, d, m, nb, xq, p, out, n, t)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -687,185 +798,4 @@ mod simd {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::quant::{quantize_row_q4_0, quantize_row_q4_1, quantize_row_q8_0};
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
-
-    fn matrix(format: WeightFormat, n: usize, k: usize, seed: &mut u64) -> (QMatrix, Vec<f32>) {
-        let w: Vec<f32> = (0..n * k).map(|_| lcg(seed)).collect();
-        let mut bytes = Vec::new();
-        for row in w.chunks(k) {
-            match format {
-                WeightFormat::Q4_1 => quantize_row_q4_1(row, &mut bytes),
-                WeightFormat::Q4_0 => quantize_row_q4_0(row, &mut bytes),
-                WeightFormat::Q8_0 => quantize_row_q8_0(row, &mut bytes),
-                WeightFormat::F32 => row.iter().for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
-                WeightFormat::F16 => row.iter().for_each(|v| bytes.extend_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes())),
-                WeightFormat::BF16 => row
-                    .iter()
-                    .for_each(|v| bytes.extend_from_slice(&half::bf16::from_f32(*v).to_bits().to_le_bytes())),
-            }
-        }
-        let m = QMatrix::from_ggml(format, n, k, &bytes).unwrap();
-        let mut deq = vec![0f32; n * k];
-        for r in 0..n {
-            m.row_f32(r, &mut deq[r * k..(r + 1) * k]);
-        }
-        (m, deq)
-    }
-
-    fn run(w: &QMatrix, x: &[f32], rows: usize) -> Vec<f32> {
-        let pool = Pool::new(2).unwrap();
-        let mut xq = QuantizedActs::default();
-        if w.wants_quantized_acts() {
-            xq.quantize(&pool, x, rows, w.k);
-        }
-        let mut out = vec![0f32; rows * w.n];
-        matmul(&pool, x, &xq, rows, w, &mut out);
-        out
-    }
-
-    #[test]
-    fn every_format_matches_dequantized_reference() {
-        let mut seed = 7;
-        for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::BF16, WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
-            let (n, k, rows) = (37, 96, 5);
-            let (w, deq) = matrix(format, n, k, &mut seed);
-            let x: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
-            let out = run(&w, &x, rows);
-            for t in 0..rows {
-                for o in 0..n {
-                    let r: f32 = (0..k).map(|i| deq[o * k + i] * x[t * k + i]).sum();
-                    let tol = if w.wants_quantized_acts() { 0.05 * (1.0 + r.abs()) } else { 1e-4 };
-                    assert!((out[t * n + o] - r).abs() < tol, "{format:?} t={t} o={o}: {} vs {r}", out[t * n + o]);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn rows_are_independent_of_batch_bit_for_bit() {
-        let mut seed = 11;
-        for format in [WeightFormat::F32, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4_0] {
-            let (n, k, rows) = (70, 128, 9);
-            let (w, _) = matrix(format, n, k, &mut seed);
-            let x: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed)).collect();
-            let all = run(&w, &x, rows);
-            for t in 0..rows {
-                let one = run(&w, &x[t * k..(t + 1) * k], 1);
-                assert_eq!(one, all[t * n..(t + 1) * n].to_vec(), "{format:?} row {t}");
-            }
-        }
-    }
-
-    /// Every column-group size of both SIMD paths (AVX2 and AVX-512), over
-    /// ragged panels (n not a multiple of 16) and row counts, equals the
-    /// scalar reference bit for bit.
-    #[test]
-    fn simd_tiles_equal_scalar_bit_for_bit() {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if isa() == Isa::Scalar {
-                eprintln!("SKIPPED: no AVX2 on this machine");
-                return;
-            }
-            let mut seed = 3;
-            for format in [WeightFormat::Q4_1, WeightFormat::Q4_0, WeightFormat::Q8_0] {
-                for (n, k) in [(5, 32), (37, 96), (9, 256), (70, 160)] {
-                    let nb = k / QK;
-                    let (w, _) = matrix(format, n, k, &mut seed);
-                    for rows in [1, 2, 3, 4, 5, 7, 9, 17] {
-                        let x: Vec<f32> = (0..rows * k).map(|_| lcg(&mut seed) * 3.0).collect();
-                        let mut xq = QuantizedActs::default();
-                        xq.quantize(&Pool::new(1).unwrap(), &x, rows, k);
-                        let mut want = vec![0f32; rows * n];
-                        for t in 0..rows {
-                            for o in 0..n {
-                                want[t * n + o] = match &w.kind {
-                                    Prepared::Q4 { qs, d, m } => scalar::dot_q4(qs, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
-                                    Prepared::Q8 { qs, d } => scalar::dot_q8(qs, d, nb, o, xq.row_q(t), xq.row_d(t)),
-                                    Prepared::F32(_) => unreachable!(),
-                                };
-                            }
-                        }
-                        let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
-                        for vnni in [false, true] {
-                            if vnni && isa() != Isa::Avx512Vnni {
-                                eprintln!("SKIPPED: the AVX-512 tiles (no AVX-512 VNNI here)");
-                                continue;
-                            }
-                            // A sentinel shows a store past the panel's live rows.
-                            let mut got = vec![f32::NAN; rows * n];
-                            for p in 0..n.div_ceil(PANEL) {
-                                // SAFETY: the ISA checks above; `got` holds rows * n.
-                                unsafe {
-                                    match (&w.kind, vnni) {
-                                        (Prepared::Q4 { qs, d, m }, true) => simd::q4_panel_512(qs, d, m, k, &xq, rows, p, got.as_mut_ptr(), n),
-                                        (Prepared::Q4 { qs, d, m }, false) => simd::q4_panel_avx2(qs, d, m, k, &xq, rows, p, got.as_mut_ptr(), n),
-                                        (Prepared::Q8 { qs, d }, true) => simd::q8_panel_512(qs, d, k, &xq, rows, p, got.as_mut_ptr(), n),
-                                        (Prepared::Q8 { qs, d }, false) => simd::q8_panel_avx2(qs, d, k, &xq, rows, p, got.as_mut_ptr(), n),
-                                        (Prepared::F32(_), _) => unreachable!(),
-                                    }
-                                }
-                            }
-                            let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                            assert_eq!(got, want, "{format:?} n={n} k={k} rows={rows} vnni={vnni}");
-                        }
-                    }
-                }
-            }
-            let x: Vec<f32> = (0..256).map(|_| lcg(&mut seed)).collect();
-            // SAFETY: AVX2 and FMA (the ISA check above).
-            assert_eq!(scalar::dot_f32(&x, &x).to_bits(), unsafe { simd::dot_f32(&x, &x) }.to_bits());
-        }
-    }
-
-    /// Q8_0 weights of -128 (outside GGML's own range, but a file may hold
-    /// them) and 127 against extreme activations: the offset and sign
-    /// tricks of the SIMD paths stay exact.
-    #[test]
-    fn q8_extremes_are_exact() {
-        let (n, k) = (16, 64);
-        let mut bytes = Vec::new();
-        for r in 0..n {
-            for b in 0..k / QK {
-                bytes.extend_from_slice(&f16::from_f32(0.5 + r as f32 + b as f32).to_bits().to_le_bytes());
-                bytes.extend((0..QK).map(|e| if (e + r) % 3 == 0 { 0x80u8 } else if e % 2 == 0 { 127 } else { 0 }));
-            }
-        }
-        let w = QMatrix::from_ggml(WeightFormat::Q8_0, n, k, &bytes).unwrap();
-        let x: Vec<f32> = (0..2 * k).map(|i| if i % 5 == 0 { -1.0 } else { 1.0 }).collect();
-        let got = run(&w, &x, 2);
-        let mut xq = QuantizedActs::default();
-        xq.quantize(&Pool::new(1).unwrap(), &x, 2, k);
-        for t in 0..2 {
-            for o in 0..n {
-                let want = match &w.kind {
-                    Prepared::Q8 { qs, d } => scalar::dot_q8(qs, d, k / QK, o, xq.row_q(t), xq.row_d(t)),
-                    _ => unreachable!(),
-                };
-                assert_eq!(got[t * n + o].to_bits(), want.to_bits(), "t={t} o={o}");
-                let mut row = vec![0f32; k];
-                w.row_f32(o, &mut row);
-                let exact: f32 = row.iter().zip(&x[t * k..(t + 1) * k]).map(|(a, b)| a * b).sum();
-                assert!((want - exact).abs() <= 1e-3 * exact.abs().max(1.0), "{want} vs {exact}");
-            }
-        }
-    }
-
-    #[test]
-    fn wrong_sizes_are_errors() {
-        assert!(matches!(QMatrix::from_ggml(WeightFormat::Q4_1, 2, 64, &[0u8; 10]), Err(MatrixError::Size { .. })));
-        assert_eq!(QMatrix::from_ggml(WeightFormat::Q4_1, 2, 40, &[0u8; 10]).err(), Some(MatrixError::RowLength { k: 40 }));
-        // A Q4_0 scale whose offset (-8 x scale) has no f16 value.
-        let mut block = vec![0u8; 18];
-        block[..2].copy_from_slice(&f16::from_f32(10000.0).to_bits().to_le_bytes());
-        let err = QMatrix::from_ggml(WeightFormat::Q4_0, 1, 32, &block).err().expect("must fail");
-        assert!(matches!(err, MatrixError::ScaleRange { row: 0, block: 0, .. }), "{err}");
-    }
-}
+mod tests;

@@ -63,7 +63,11 @@ fn kernel_err(path: &Path, tensor: &str, e: KernelError) -> ModelError {
     ModelError::Tensor { path: path.to_path_buf(), tensor: tensor.to_string(), reason: e.to_string() }
 }
 
-/// Loads a Llama-family GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors).
+/// Loads a Llama-family GGUF file. Matrices may be in any type of
+/// [`WeightFormat::ALL`]: the legacy and K formats run as integer products on
+/// the CPU; IQ4_XS and Q8_K are expanded to f32 at load (the CUDA backend
+/// expands every format to bf16). Any other type is an error naming the
+/// tensor and the type.
 pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>, ModelError> {
     let f = GgufFile::open(path)?;
     let arch = f.get_str("general.architecture")?.to_string();
@@ -98,11 +102,7 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
         if dims != [k as u64, n as u64] {
             return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {dims:?}, expected [{k}, {n}]") });
         }
-        let format = weight_format(t.ggml_type).ok_or_else(|| ModelError::Tensor {
-            path: path.into(),
-            tensor: name.into(),
-            reason: format!("tensor type {:?} is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)", t.ggml_type),
-        })?;
+        let format = t.ggml_type.format().ok_or_else(|| unsupported_type(path, name, t.ggml_type))?;
         backend.matrix(format, n, k, f.tensor_data(t)).map_err(|e| kernel_err(path, name, e))
     };
     let vector = |name: &str, n: usize| -> Result<B::Tensor, ModelError> {
@@ -110,7 +110,7 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
         if t.dims != [n as u64] {
             return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {:?}, expected [{n}]", t.dims) });
         }
-        let format = weight_format(t.ggml_type).filter(|f| f.block_len() == 1).ok_or_else(|| ModelError::Tensor {
+        let format = t.ggml_type.format().filter(|f| f.block_len() == 1).ok_or_else(|| ModelError::Tensor {
             path: path.into(),
             tensor: name.into(),
             reason: format!("norm weights must be F32, F16 or BF16, found {:?}", t.ggml_type),
@@ -159,16 +159,14 @@ fn assemble<B: Backend>(backend: &B, config: ModelConfig, embed: B::Matrix, outp
     Model { config, embed, output, out_norm, layers, rope, weight_bytes }
 }
 
-fn weight_format(t: GgmlType) -> Option<WeightFormat> {
-    Some(match t {
-        GgmlType::F32 => WeightFormat::F32,
-        GgmlType::F16 => WeightFormat::F16,
-        GgmlType::BF16 => WeightFormat::BF16,
-        GgmlType::Q4_0 => WeightFormat::Q4_0,
-        GgmlType::Q4_1 => WeightFormat::Q4_1,
-        GgmlType::Q8_0 => WeightFormat::Q8_0,
-        _ => return None,
-    })
+/// An error naming the tensor, its type and the types Baton reads.
+fn unsupported_type(path: &Path, tensor: &str, t: GgmlType) -> ModelError {
+    let supported: Vec<&str> = WeightFormat::ALL.iter().map(|f| f.name()).collect();
+    ModelError::Tensor {
+        path: path.into(),
+        tensor: tensor.into(),
+        reason: format!("tensor type {} (ggml type {}) is not supported; Baton reads {}", t.name(), t.id(), supported.join(", ")),
+    }
 }
 
 /// Reorders the rows of a query or key projection between the Hugging Face
@@ -361,7 +359,7 @@ pub fn export_hf(gguf_path: &Path, out: &Path) -> Result<(), ModelError> {
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for t in &f.tensors {
         let Some(hf_name) = names.get(&t.name) else { continue };
-        let format = weight_format(t.ggml_type).ok_or_else(|| ModelError::Tensor { path: gguf_path.into(), tensor: t.name.clone(), reason: format!("cannot export type {:?}", t.ggml_type) })?;
+        let format = t.ggml_type.format().ok_or_else(|| unsupported_type(gguf_path, &t.name, t.ggml_type))?;
         let k = t.dims[0] as usize;
         let n = t.dims.get(1).copied().unwrap_or(1) as usize;
         let data = f.tensor_data(t);

@@ -268,6 +268,16 @@ impl State {
             }
         });
         let acks: Vec<pb::EvictAck> = futures::future::join_all(calls).await;
+        // A member that did not evict may still serve the conversation's prefix: it
+        // leaves the ring now, and comes back only through a registration, which
+        // evicts every tombstone first.
+        for (m, a) in members.iter().zip(&acks) {
+            if !a.ok && self.membership.deregister(m.lease_id).await? {
+                lock(&self.loads).remove(m.id());
+                self.metrics.deregistered(m.id());
+                tracing::warn!(node = %m.id(), error = %a.error, "a node did not evict a deleted conversation; removed from the ring until it re-joins");
+            }
+        }
         let asked: Vec<&str> = members.iter().map(Member::id).collect();
         let (pending, tombstones) = {
             let mut ledger = lock(&self.ledger);

@@ -5,7 +5,8 @@
 //! was a member while the conversation existed. The coordinator asks every current
 //! member; the members that left the ring (lease expired or deregistered) within the
 //! departed window, and the nodes registering right now, were not asked and are
-//! reported as pending. A tombstone clears only on an answer with no failure and nothing
+//! reported as pending. A member that fails to evict is removed from the ring at once
+//! (its lease revoked). A tombstone clears only on an answer with no failure and nothing
 //! pending. A node that joins (or re-joins) is admitted only after it evicted every
 //! outstanding tombstone, so a node cut off while a conversation was deleted never serves
 //! that conversation's prefix when it comes back.

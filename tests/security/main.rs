@@ -8,10 +8,12 @@
 //! - only the gateway may say whose turn it is (owner spoofing on Generate, CachedPrefix,
 //!   ExportPrefix from any other role);
 //! - a server with the wrong identity is not trusted by a client (impersonation);
-//! - connections that never finish their handshake do not keep a real caller out.
+//! - connections that never finish their handshake do not keep a real caller out;
+//! - a node away while a conversation is deleted does not keep its KV ([`deletion`]).
 
 #[path = "../cluster_support/mod.rs"]
 mod cluster_support;
+mod deletion;
 
 use std::time::{Duration, Instant};
 

@@ -101,6 +101,9 @@ impl Metrics {
         for result in ["ok", "pending", "failed"] {
             let _ = m.eviction_counter(result);
         }
+        for result in ["ok", "failed"] {
+            let _ = m.join_eviction_counter(result);
+        }
         m.tombstones(0);
         m
     }
@@ -154,10 +157,13 @@ impl Metrics {
         gauge(&self.recorder, TOMBSTONES, "Tombstoned conversations not yet evicted on every node that may hold them", &[]).set(n as f64);
     }
 
+    fn join_eviction_counter(&self, result: &'static str) -> Counter {
+        counter(&self.recorder, JOIN_EVICTIONS_TOTAL, "Joining nodes that evicted tombstoned conversations first, by result", &[("result", result)])
+    }
+
     /// A joining node evicted (or failed to evict) the tombstoned conversations.
     pub fn join_eviction(&self, result: &'static str) {
-        counter(&self.recorder, JOIN_EVICTIONS_TOTAL, "Joining nodes that evicted tombstoned conversations first, by result", &[("result", result)])
-            .increment(1);
+        self.join_eviction_counter(result).increment(1);
     }
 
     pub fn conversations(&self, n: u64) {

@@ -45,8 +45,8 @@ impl Generator for FastTokens {
         Ok(Box::pin(futures::stream::iter(tokens.chain(end))))
     }
 
-    async fn evict_conversation(&self, _conversation: &str) -> Result<(), GenerateError> {
-        Ok(())
+    async fn evict_conversation(&self, _conversation: &str) -> Result<baton_api_gateway::generator::Eviction, GenerateError> {
+        Ok(Default::default())
     }
 }
 

@@ -94,7 +94,10 @@ pub async fn get(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(
     Ok(Json(v))
 }
 
-pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+/// Deletes the conversation's text at once, leaving a tombstone, and tries to evict its
+/// KV everywhere: 200 when every node acknowledged, 202 when some node still owes it
+/// (the gateway retries until it acknowledges; `kv_evicted` says which).
+pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Response, ApiError> {
     metrics::request("conversations_delete");
     owned(&app, &user, &id).await?;
     let _admission = app.admission.lock(&id).await;
@@ -109,10 +112,13 @@ pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Pa
             }
         }
     }
-    app.store.delete_conversation(&user, &id).await?;
-    app.generator.evict_conversation(&id).await?;
-    tracing::info!(conversation = %id, "conversation deleted");
-    Ok(Json(json!({"id": id, "object": "conversation.deleted", "deleted": true})))
+    if !app.store.delete_conversation(&user, &id, app.evictions.first_retry_ms()).await? {
+        return Err(ApiError::not_found("conversation")); // a concurrent delete won
+    }
+    let kv_evicted = app.evictions.attempt(&id, 0, &[], "delete").await;
+    tracing::info!(conversation = %id, kv_evicted, "conversation deleted");
+    let status = if kv_evicted { StatusCode::OK } else { StatusCode::ACCEPTED };
+    Ok((status, Json(json!({"id": id, "object": "conversation.deleted", "deleted": true, "kv_evicted": kv_evicted}))).into_response())
 }
 
 /// The body of `POST /v1/conversations/{id}/turns`.

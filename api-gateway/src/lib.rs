@@ -15,6 +15,7 @@ pub mod client;
 pub mod context;
 pub mod conversations;
 pub mod error;
+pub mod evictions;
 pub mod generator;
 pub mod limits;
 pub mod listen;
@@ -134,6 +135,17 @@ pub struct Args {
     /// served only on --admin-listen.
     #[arg(long, env = "BATON_ADMIN_KEY_FILE")]
     pub admin_key_file: Option<PathBuf>,
+    /// Wait before the first retry of a deleted conversation's eviction that some node
+    /// did not acknowledge; each further retry waits twice as long (with jitter).
+    #[arg(long, env = "BATON_EVICT_RETRY_MIN", default_value = "1s", value_parser = parse_duration)]
+    pub evict_retry_min: Duration,
+    /// The longest wait between eviction retries.
+    #[arg(long, env = "BATON_EVICT_RETRY_MAX", default_value = "5m", value_parser = parse_duration)]
+    pub evict_retry_max: Duration,
+}
+
+fn parse_duration(s: &str) -> std::result::Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(s)
 }
 
 /// A validated configuration.
@@ -165,6 +177,8 @@ pub struct Config {
     pub admin_listen: Option<SocketAddr>,
     /// Opens /metrics on the public listener.
     pub admin_key: Option<AdminKey>,
+    /// Waits between retries of evictions some node did not acknowledge.
+    pub evict_retry: evictions::Backoff,
 }
 
 impl TryFrom<Args> for Config {
@@ -187,6 +201,13 @@ impl TryFrom<Args> for Config {
         anyhow::ensure!(a.header_timeout_seconds >= 1, "--header-timeout-seconds must be at least 1");
         anyhow::ensure!(a.open_streams >= 1, "--open-streams must be at least 1");
         anyhow::ensure!(a.retention_days >= 1, "--retention-days must be at least 1");
+        anyhow::ensure!(a.evict_retry_min >= Duration::from_millis(10), "--evict-retry-min must be at least 10ms");
+        anyhow::ensure!(
+            a.evict_retry_max >= a.evict_retry_min,
+            "--evict-retry-max ({:?}) must be at least --evict-retry-min ({:?})",
+            a.evict_retry_max,
+            a.evict_retry_min
+        );
         let rules = match &a.check_rules {
             Some(p) => RuleCheck::load(p).map_err(anyhow::Error::msg)?,
             None => RuleCheck::default(),
@@ -225,6 +246,7 @@ impl TryFrom<Args> for Config {
                 max_per_address: a.max_connections_per_address,
                 header_timeout: Duration::from_secs(a.header_timeout_seconds),
             },
+            evict_retry: evictions::Backoff { min: a.evict_retry_min, max: a.evict_retry_max },
         })
     }
 }
@@ -261,7 +283,9 @@ pub fn build_app(
     let context = ContextBuilder::new(tokenizer, template, config.system_prompt.clone(), config.system_prompt_version)?;
     let check_window = checks::rule_window(&config.rules);
     let checks: Arc<dyn ContentCheck> = Arc::new(config.rules.clone());
+    let evictions = evictions::Evictions::new(store.clone(), generator.clone(), config.evict_retry);
     Ok(Arc::new(App {
+        evictions,
         limiter: Limiter::new(config.limits.clone()),
         links: Arc::new(LinkPolicy { allowed_hosts: config.link_allowlist.clone() }),
         checks,

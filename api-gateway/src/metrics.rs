@@ -49,6 +49,13 @@ pub const METERING_FAILURES_TOTAL: &str = "baton_gateway_metering_failures_total
 pub const OPEN_CONNECTIONS: &str = "baton_gateway_open_connections";
 /// Client connections closed on accept, by the limit they hit.
 pub const CONNECTIONS_REFUSED_TOTAL: &str = "baton_gateway_connections_refused_total";
+/// Gauge: deleted conversations whose KV some node may still hold (tombstones in the store).
+pub const EVICTION_TOMBSTONES: &str = "baton_gateway_eviction_tombstones";
+/// Counter: eviction attempts, by `when` (`delete`, `retry`) and `result` (`complete`,
+/// `owed`, `error`, `store_error`).
+pub const EVICTION_ATTEMPTS_TOTAL: &str = "baton_gateway_eviction_attempts_total";
+/// Counter: node acknowledgements of evictions.
+pub const EVICTION_ACKS_TOTAL: &str = "baton_gateway_eviction_acks_total";
 
 /// The window of [`ACTIVE_USERS`].
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(300);
@@ -99,6 +106,13 @@ fn build() -> Metrics {
     for route in ["chat_completions", "models"] {
         let _ = request_counter(&m.recorder, route);
     }
+    for when in ["delete", "retry"] {
+        for result in ["complete", "owed", "error"] {
+            let _ = eviction_counter(&m.recorder, when, result);
+        }
+    }
+    let _ = counter(&m.recorder, EVICTION_ACKS_TOTAL, "Node acknowledgements of evictions", &[]);
+    gauge(&m.recorder, EVICTION_TOMBSTONES, "Deleted conversations whose KV some node may still hold").set(0.0);
     m
 }
 
@@ -122,6 +136,25 @@ fn turn_counter(r: &PrometheusRecorder, outcome: &'static str) -> Counter {
 
 fn user_tokens(r: &PrometheusRecorder, kind: &'static str) -> Histogram {
     histogram(r, USER_TURN_TOKENS, "Tokens metered per user turn, by kind (no user label)", &[("kind", kind)])
+}
+
+fn eviction_counter(r: &PrometheusRecorder, when: &'static str, result: &'static str) -> Counter {
+    counter(r, EVICTION_ATTEMPTS_TOTAL, "Eviction attempts of deleted conversations, by when and result", &[("when", when), ("result", result)])
+}
+
+/// One eviction attempt ended (`when`: at the delete or a retry).
+pub fn eviction_attempt(when: &'static str, result: &'static str) {
+    eviction_counter(&get().recorder, when, result).increment(1);
+}
+
+/// Nodes acknowledged an eviction.
+pub fn eviction_acks(n: usize) {
+    counter(&get().recorder, EVICTION_ACKS_TOTAL, "Node acknowledgements of evictions", &[]).increment(n as u64);
+}
+
+/// Tombstones outstanding in the store.
+pub fn set_tombstones(n: u64) {
+    gauge(&get().recorder, EVICTION_TOMBSTONES, "Deleted conversations whose KV some node may still hold").set(n as f64);
 }
 
 pub fn request(route: &'static str) {

@@ -40,6 +40,8 @@ pub struct App {
     /// Per-conversation turn admission (idempotency decisions of one conversation see
     /// each other; different conversations never wait on each other).
     pub admission: crate::admission::Admission,
+    /// Deleted conversations' evictions, retried until every node acknowledged.
+    pub evictions: Arc<crate::evictions::Evictions>,
     pub model_id: String,
     /// Users' and keys' limit overrides with when they were read.
     pub overrides_cache: std::sync::Mutex<
@@ -114,7 +116,8 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// Deletes conversations past retention, and evicts their KV, every hour.
+/// Deletes conversations past retention every hour; each leaves a tombstone due now,
+/// so the eviction task evicts their KV.
 async fn retention_job(app: Arc<App>) {
     let mut tick = tokio::time::interval(Duration::from_secs(3600));
     loop {
@@ -122,11 +125,6 @@ async fn retention_job(app: Arc<App>) {
         let cutoff = crate::store::now_unix() - app.config.retention.as_secs() as i64;
         match app.store.delete_older_than(cutoff).await {
             Ok(ids) => {
-                for id in &ids {
-                    if let Err(e) = app.generator.evict_conversation(id).await {
-                        tracing::warn!(conversation = %id, error = %e, "evicting an expired conversation failed");
-                    }
-                }
                 if !ids.is_empty() {
                     tracing::info!(deleted = ids.len(), "retention: expired conversations deleted");
                 }
@@ -154,6 +152,7 @@ pub async fn serve_with_admin(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let job = tokio::spawn(retention_job(app.clone()));
+    let evictions = tokio::spawn(app.evictions.clone().run());
     let tls = app.config.tls.as_ref().map(|t| {
         tracing::info!(cert = %t.cert.display(), "gateway serves HTTPS");
         t.acceptor()
@@ -180,6 +179,7 @@ pub async fn serve_with_admin(
     });
     let r = crate::listen::serve(listener, router(app), tls, limits, stopped()).await;
     job.abort();
+    evictions.abort();
     if let Some(admin) = admin {
         match admin.await {
             Ok(Err(e)) => tracing::warn!(error = %e, "the admin listener failed"),

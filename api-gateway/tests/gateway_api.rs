@@ -313,6 +313,8 @@ async fn delete_leaves_no_row_and_no_kv_block() {
     assert_eq!(st, StatusCode::NOT_FOUND, "another user cannot delete it");
     let (st, v) = c.json(Method::DELETE, &format!("/v1/conversations/{conv}"), None).await.unwrap();
     assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["kv_evicted"], json!(true), "the one engine acknowledged at once: {v}");
+    assert_eq!(s.store.count_tombstones().await.unwrap(), 0, "no tombstone is left once evicted");
     assert!(s.store.get_conversation("alice", &conv).await.unwrap().is_none());
     assert!(s.store.list_turns(&conv).await.unwrap().is_empty());
     assert!(s.store.read_log(&conv, "d1", 0).await.unwrap().is_empty());

@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_api_gateway::generator::{GenerateError, GenerateRequest, Generator, GenerationStream};
+use baton_api_gateway::generator::{Eviction, GenerateError, GenerateRequest, Generator, GenerationStream};
 
 /// Holds every summary generation (recognized by its `max_tokens`) until released, and
 /// says when one is held.
@@ -30,7 +30,7 @@ impl Generator for HoldSummaries {
         self.inner.generate(req).await
     }
 
-    async fn evict_conversation(&self, conversation: &str) -> Result<(), GenerateError> {
+    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError> {
         self.inner.evict_conversation(conversation).await
     }
 }

@@ -193,7 +193,7 @@ async fn the_conversation_database_is_private_and_deletes_securely() {
     let marker = "zebra-quartz-7781-secret-title";
     let conv = Conversation { id: "c1".into(), owner: "alice".into(), title: marker.into(), system_prompt_version: 1, created_at: 1, updated_at: 1, summary: Some(marker.repeat(40)) };
     store.create_conversation(&conv).await.unwrap();
-    assert!(store.delete_conversation("alice", "c1").await.unwrap());
+    assert!(store.delete_conversation("alice", "c1", 0).await.unwrap());
     drop(store);
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).unwrap();

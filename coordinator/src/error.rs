@@ -14,8 +14,6 @@ pub enum Error {
     Etcd(#[from] etcd_client::Error),
     #[error("stored node record {key} cannot be decoded")]
     CorruptRecord { key: String },
-    #[error("eviction failed on {failed} of {total} nodes")]
-    EvictFailed { failed: usize, total: usize },
     #[error("cannot bind {addr}: {source}")]
     Bind {
         addr: std::net::SocketAddr,
@@ -36,7 +34,6 @@ impl Error {
             #[cfg(feature = "etcd")]
             Error::Etcd(_) => "membership_store",
             Error::CorruptRecord { .. } => "corrupt_record",
-            Error::EvictFailed { .. } => "evict_failed",
             Error::Bind { .. } => "bind",
             Error::Serve(_) => "serve",
         }
@@ -48,7 +45,6 @@ impl From<Error> for tonic::Status {
         match &e {
             Error::InvalidRequest { .. } | Error::Config { .. } => tonic::Status::invalid_argument(e.to_string()),
             Error::NoNodes { .. } => tonic::Status::unavailable(e.to_string()),
-            Error::EvictFailed { .. } => tonic::Status::aborted(e.to_string()),
             // Internal details (store addresses, keys) stay in the logs.
             Error::CorruptRecord { .. } | Error::Bind { .. } | Error::Serve(_) => {
                 tracing::warn!(error = %e, kind = e.kind(), "coordinator error");

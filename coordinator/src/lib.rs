@@ -6,6 +6,8 @@
 //!   routing key, prefill placement with prefix credit, conditional disaggregation, and
 //!   a "why this node" record for every decision.
 //! - [`evict`]: a conversation's KV dropped from every node, acknowledged.
+//! - [`tombstones`]: deleted conversations not yet evicted everywhere, the nodes that may
+//!   still hold them, and the rule that a (re)joining node evicts them before it serves.
 //!
 //! The service follows the crate shape every Baton service has: [`Args`] (clap, env
 //! `BATON_*`), [`Config`] (`TryFrom<Args>`), and [`run`]. [`Coordinator::bind`] /
@@ -19,6 +21,7 @@ pub mod membership;
 pub mod metrics;
 pub mod routing;
 mod service;
+pub mod tombstones;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -101,6 +104,11 @@ pub struct Args {
     /// How long a node may take to acknowledge an eviction.
     #[arg(long, env = "BATON_EVICT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub evict_timeout: Duration,
+    /// How long a node that left the ring (lease expired, deregistered) still counts as
+    /// possibly holding KV: evictions report it pending, so deleted conversations stay
+    /// tombstoned until it re-joins (and evicts them) or this window passes.
+    #[arg(long, env = "BATON_EVICT_DEPARTED_WINDOW", default_value = "1h", value_parser = parse_duration)]
+    pub evict_departed_window: Duration,
     /// Folder with ca.pem and this coordinator's certificate and key (`baton certs`), for
     /// the internal plane's mutual TLS.
     #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
@@ -137,6 +145,7 @@ pub struct Config {
     pub conversation_idle_ttl: Duration,
     pub explain_capacity: usize,
     pub evict_timeout: Duration,
+    pub evict_departed_window: Duration,
     /// The internal plane: mutual TLS as this coordinator, or plaintext.
     pub plane: Plane,
     /// Opens /debug/routing; `None`: it is off.
@@ -160,6 +169,7 @@ impl Config {
             conversation_idle_ttl: Duration::from_secs(1800),
             explain_capacity: 4096,
             evict_timeout: Duration::from_secs(5),
+            evict_departed_window: Duration::from_secs(3600),
             plane,
             admin_key: None,
         }
@@ -214,6 +224,7 @@ impl TryFrom<Args> for Config {
             conversation_idle_ttl: a.conversation_idle_ttl,
             explain_capacity: a.explain_capacity,
             evict_timeout: a.evict_timeout,
+            evict_departed_window: a.evict_departed_window,
             plane: Plane::from_flags(&a.certs_dir, &a.tls_name, IdRole::Coordinator, a.insecure_plaintext_internal)
                 .map_err(|e| Error::Config { field: "certs_dir", why: e.to_string() })?,
             admin_key: AdminKey::from_env_or_file(a.admin_key_file.as_deref())

@@ -24,8 +24,12 @@ pub const REGISTRATIONS_TOTAL: &str = "baton_coordinator_registrations_total";
 pub const MEMBERSHIP_CHANGES_TOTAL: &str = "baton_coordinator_membership_changes_total";
 /// Counter: lease renewals by result.
 pub const LEASE_RENEWALS_TOTAL: &str = "baton_coordinator_lease_renewals_total";
-/// Counter: fleet-wide conversation evictions by result.
+/// Counter: fleet-wide conversation evictions by result (`ok`, `pending`, `failed`).
 pub const EVICTIONS_TOTAL: &str = "baton_coordinator_evictions_total";
+/// Gauge: tombstoned conversations (deleted, not yet evicted on every node that may hold them).
+pub const TOMBSTONES: &str = "baton_coordinator_tombstones";
+/// Counter: joining nodes that had tombstoned conversations to evict, by result (`ok`, `failed`).
+pub const JOIN_EVICTIONS_TOTAL: &str = "baton_coordinator_join_evictions_total";
 /// Gauge: active conversations placed on decode nodes.
 pub const CONVERSATIONS: &str = "baton_coordinator_conversations";
 
@@ -94,9 +98,13 @@ impl Metrics {
         for result in ["ok", "unknown_lease"] {
             let _ = m.renewal_counter(result);
         }
-        for result in ["ok", "failed"] {
+        for result in ["ok", "pending", "failed"] {
             let _ = m.eviction_counter(result);
         }
+        for result in ["ok", "failed"] {
+            let _ = m.join_eviction_counter(result);
+        }
+        m.tombstones(0);
         m
     }
 
@@ -143,6 +151,19 @@ impl Metrics {
 
     pub fn eviction(&self, result: &'static str) {
         self.eviction_counter(result).increment(1);
+    }
+
+    pub fn tombstones(&self, n: usize) {
+        gauge(&self.recorder, TOMBSTONES, "Tombstoned conversations not yet evicted on every node that may hold them", &[]).set(n as f64);
+    }
+
+    fn join_eviction_counter(&self, result: &'static str) -> Counter {
+        counter(&self.recorder, JOIN_EVICTIONS_TOTAL, "Joining nodes that evicted tombstoned conversations first, by result", &[("result", result)])
+    }
+
+    /// A joining node evicted (or failed to evict) the tombstoned conversations.
+    pub fn join_eviction(&self, result: &'static str) {
+        self.join_eviction_counter(result).increment(1);
     }
 
     pub fn conversations(&self, n: u64) {

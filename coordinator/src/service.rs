@@ -23,6 +23,7 @@ use crate::routing::decode::DecodeRouter;
 use crate::routing::explain::{DecisionKind, ExplainLog, ExplainRecord, Reason};
 use crate::routing::prefill::{choose_prefill, PrefillCandidate, PrefillPolicy};
 use crate::routing::ring::key_of;
+use crate::tombstones::Ledger;
 use crate::Config;
 
 /// Which prefill node last prefilled a conversation, and how many prompt tokens it
@@ -75,6 +76,8 @@ pub struct State {
     evict_timeout: Duration,
     routing: Mutex<Routing>,
     loads: Mutex<HashMap<String, LoadReport>>,
+    /// Tombstoned conversations and the nodes that may still hold their KV.
+    ledger: Mutex<Ledger>,
 }
 
 impl std::fmt::Debug for State {
@@ -123,12 +126,14 @@ impl State {
                 explain: ExplainLog::new(config.explain_capacity),
             }),
             loads: Mutex::new(HashMap::new()),
+            ledger: Mutex::new(Ledger::new(config.evict_departed_window)),
         })
     }
 
     /// Members with their latest reported load.
     pub(crate) async fn members(&self) -> Result<Vec<Member>> {
         let mut ms = self.membership.members().await?;
+        lock(&self.ledger).observe(ms.iter().map(Member::id), Instant::now());
         let loads = lock(&self.loads);
         for m in &mut ms {
             if let Some(l) = loads.get(node_id_of(&m.info)) {
@@ -225,6 +230,9 @@ impl State {
         Ok(pb::RoutePrefillResponse { choice: Some(choice), explanation: Some(explanation) })
     }
 
+    /// Tombstones the conversation, asks every member to evict it, and reports each
+    /// member's ack plus the nodes that may hold it but were not asked. The tombstone
+    /// clears only when every member acknowledged and none is pending.
     pub(crate) async fn evict(&self, req: pb::EvictConversationRequest) -> Result<pb::EvictConversationResponse> {
         if req.routing_key.is_empty() {
             return Err(Error::InvalidRequest { what: "routing_key is empty" });
@@ -234,6 +242,13 @@ impl State {
             routing.decode.forget(&req.routing_key);
             routing.affinity.forget(key_of(&req.routing_key));
         }
+        // Before the member list is read: a node that registers from here on either
+        // evicts this tombstone while joining or is reported pending below.
+        self.metrics.tombstones({
+            let mut ledger = lock(&self.ledger);
+            ledger.tombstone(&req.routing_key, &req.owner);
+            ledger.tombstones()
+        });
         let members = self.members().await?;
         let timeout = self.evict_timeout;
         let calls = members.iter().map(|m| {
@@ -253,16 +268,53 @@ impl State {
             }
         });
         let acks: Vec<pb::EvictAck> = futures::future::join_all(calls).await;
-        let failed = acks.iter().filter(|a| !a.ok).count();
-        let result = if failed == 0 { "ok" } else { "failed" };
-        self.metrics.eviction(result);
-        if failed > 0 {
-            for a in acks.iter().filter(|a| !a.ok) {
-                tracing::warn!(node = ?a.node_id.as_ref().map(|n| &n.id), error = %a.error, "eviction not acknowledged");
+        // A member that did not evict may still serve the conversation's prefix: it
+        // leaves the ring now, and comes back only through a registration, which
+        // evicts every tombstone first.
+        for (m, a) in members.iter().zip(&acks) {
+            if !a.ok && self.membership.deregister(m.lease_id).await? {
+                lock(&self.loads).remove(m.id());
+                self.metrics.deregistered(m.id());
+                tracing::warn!(node = %m.id(), error = %a.error, "a node did not evict a deleted conversation; removed from the ring until it re-joins");
             }
-            return Err(Error::EvictFailed { failed, total: acks.len() });
         }
-        Ok(pb::EvictConversationResponse { acks })
+        let asked: Vec<&str> = members.iter().map(Member::id).collect();
+        let (pending, tombstones) = {
+            let mut ledger = lock(&self.ledger);
+            let pending = ledger.pending(&asked, Instant::now());
+            let failed = acks.iter().any(|a| !a.ok);
+            if !failed && pending.is_empty() {
+                ledger.clear(&req.routing_key);
+            }
+            (pending, ledger.tombstones())
+        };
+        self.metrics.tombstones(tombstones);
+        let failed = acks.iter().filter(|a| !a.ok).count();
+        let result = match (failed, pending.len()) {
+            (0, 0) => "ok",
+            (0, _) => "pending",
+            _ => "failed",
+        };
+        self.metrics.eviction(result);
+        for a in acks.iter().filter(|a| !a.ok) {
+            tracing::warn!(node = ?a.node_id.as_ref().map(|n| &n.id), error = %a.error, "eviction not acknowledged");
+        }
+        if !pending.is_empty() {
+            tracing::info!(nodes = ?pending, "eviction pending on nodes not in the ring");
+        }
+        let pending = pending.into_iter().map(|id| NodeId { id }).collect();
+        Ok(pb::EvictConversationResponse { acks, pending })
+    }
+
+    /// Evicts every tombstoned conversation on a node that is registering, before it is
+    /// a member; while this runs, evictions report the node pending (see [`JoinTicket`]).
+    async fn evict_before_join(&self, info: &NodeInfo, owed: &[(String, String)]) -> Result<u64, crate::evict::EvictError> {
+        if owed.is_empty() {
+            return Ok(0);
+        }
+        let r = self.evictor.evict_all(info, owed, self.evict_timeout).await;
+        self.metrics.join_eviction(if r.is_ok() { "ok" } else { "failed" });
+        r
     }
 
     pub(crate) fn explain(&self, routing_key: &str, limit: usize) -> Vec<ExplainRecord> {
@@ -310,6 +362,29 @@ pub(crate) fn to_pb(r: &ExplainRecord, routing_key: &str) -> pb::Explanation {
         prompt_tokens: r.prompt_tokens,
         uncached_tokens: r.uncached_tokens,
         threshold: r.threshold,
+    }
+}
+
+/// One registration in flight: while it lives, evictions report the node pending; it
+/// ends the registration in the ledger on every path (refusal, error, cancellation).
+struct JoinTicket {
+    state: Arc<State>,
+    node: String,
+    /// The tombstones outstanding when the registration began.
+    owed: Vec<(String, String)>,
+    admitted: bool,
+}
+
+impl JoinTicket {
+    fn new(state: Arc<State>, node: &str) -> Self {
+        let owed = lock(&state.ledger).begin_join(node);
+        Self { state, node: node.to_string(), owed, admitted: false }
+    }
+}
+
+impl Drop for JoinTicket {
+    fn drop(&mut self) {
+        lock(&self.state.ledger).end_join(&self.node, self.admitted);
     }
 }
 
@@ -368,15 +443,27 @@ impl CoordinatorRpc for CoordinatorService {
         let role = if info.role == Role::Prefill as i32 { IdRole::Prefill } else { IdRole::Decode };
         claim_node(&req, node_id_of(&info), role)?;
         let id = node_id_of(&info).to_string();
+        // A (re)joining node may hold KV of conversations deleted while it was away:
+        // it evicts every tombstoned one before it is a member, so nothing is routed to
+        // it (nor pulled from it) in between. If it cannot, it is not admitted yet.
+        let mut ticket = JoinTicket::new(self.state.clone(), &id);
+        let owed = ticket.owed.clone();
+        let freed = self.state.evict_before_join(&info, &owed).await.map_err(|e| {
+            tracing::warn!(node = %id, tombstones = owed.len(), error = %e, "a joining node could not evict tombstoned conversations; not admitted");
+            Status::unavailable(format!("evict {} tombstoned conversations before joining: {e}", owed.len()))
+        })?;
         if let Some(l) = info.load {
             lock(&self.state.loads).insert(id.clone(), l);
         }
         let lease = self.state.membership.register(info).await?;
+        ticket.admitted = true;
+        drop(ticket);
         self.state.metrics.registration();
-        tracing::info!(node = %id, lease_id = lease.id, "node registered");
+        tracing::info!(node = %id, lease_id = lease.id, tombstones_evicted = owed.len(), blocks_freed = freed, "node registered");
         Ok(Response::new(pb::RegisterResponse {
             lease_id: lease.id,
             ttl_ms: lease.ttl.as_millis().min(u32::MAX as u128) as u32,
+            tombstones_evicted: owed.len().min(u32::MAX as usize) as u32,
         }))
     }
 

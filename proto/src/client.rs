@@ -116,7 +116,12 @@ impl MembershipClient {
                                 s.lease_id = Some(r.lease_id);
                                 s.registrations += 1;
                             });
-                            tracing::info!(lease_id = r.lease_id, ttl_ms = r.ttl_ms, "registered with the coordinator");
+                            tracing::info!(
+                                lease_id = r.lease_id,
+                                ttl_ms = r.ttl_ms,
+                                tombstones_evicted = r.tombstones_evicted,
+                                "registered with the coordinator"
+                            );
                             Ok(ttl / 3)
                         }
                         Err(e) => Err(e),

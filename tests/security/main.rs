@@ -10,10 +10,12 @@
 //! - a server with the wrong identity is not trusted by a client (impersonation);
 //! - connections that never finish their handshake do not keep a real caller out;
 //! - refused connections and calls are counted in the serving role's `/metrics`;
-//! - the coordinator's `/debug/routing` answers only to the admin key (off without one).
+//! - the coordinator's `/debug/routing` answers only to the admin key (off without one);
+//! - a node away while a conversation is deleted does not keep its KV ([`deletion`]).
 
 #[path = "../cluster_support/mod.rs"]
 mod cluster_support;
+mod deletion;
 
 use std::time::{Duration, Instant};
 

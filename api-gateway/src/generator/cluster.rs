@@ -24,7 +24,7 @@ use baton_proto::plane::{Expect, Plane, Role};
 use tonic::transport::Channel;
 use tonic::Code;
 
-use super::{GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
+use super::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 
 /// How long a failed decode node stays excluded from routing.
 const EXCLUDE_FOR: Duration = Duration::from_secs(10);
@@ -249,17 +249,21 @@ impl Generator for ClusterGenerator {
         Ok(Box::pin(events))
     }
 
-    async fn evict_conversation(&self, conversation: &str) -> Result<(), GenerateError> {
+    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError> {
         let ask = EvictConversationRequest { routing_key: conversation.to_string(), owner: String::new() };
         let r = self.coordinator.clone().evict_conversation(ask).await.map_err(status_error)?.into_inner();
-        match r.acks.iter().find(|a| !a.ok) {
-            Some(a) => Err(GenerateError::Unavailable(format!(
-                "node {} did not evict: {}",
-                a.node_id.as_ref().map(|n| n.id.as_str()).unwrap_or("?"),
-                a.error
-            ))),
-            None => Ok(()),
+        let id = |n: Option<NodeId>| n.map(|n| n.id).unwrap_or_default();
+        let mut out = Eviction::default();
+        for a in r.acks {
+            if a.ok {
+                out.acked.push(id(a.node_id));
+            } else {
+                tracing::warn!(conversation, node = ?a.node_id.as_ref().map(|n| &n.id), error = %a.error, "a node did not evict");
+                out.owed.push(id(a.node_id));
+            }
         }
+        out.owed.extend(r.pending.into_iter().map(|n| n.id));
+        Ok(out)
     }
 }
 

@@ -3,7 +3,7 @@
 //! to a `futures::Stream`; dropping it drops the engine's stream, which
 //! cancels the sequence at the next step.
 
-use super::{GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
+use super::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 use baton_engine::kv::{ConversationId, UserId};
 use baton_engine::{Engine, EngineError, Event, Request};
 use std::sync::Arc;
@@ -67,10 +67,10 @@ impl Generator for LocalGenerator {
         Ok(Box::pin(events))
     }
 
-    async fn evict_conversation(&self, conversation: &str) -> Result<(), GenerateError> {
+    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError> {
         let engine = self.engine.clone();
         let id = ConversationId::new(conversation);
         tokio::task::spawn_blocking(move || engine.evict_conversation(id)).await.map_err(|e| GenerateError::Internal(e.to_string()))??;
-        Ok(())
+        Ok(Eviction { acked: vec!["local".into()], owed: vec![] })
     }
 }

@@ -5,8 +5,9 @@
 //!
 //! Invariants every implementation keeps: dropping a [`GenerationStream`]
 //! cancels the sequence within a step; a stream ends with exactly one
-//! `Finished` or `Failed` event; `evict_conversation` returns only after every
-//! KV block of the conversation is gone wherever it was cached.
+//! `Finished` or `Failed` event; `evict_conversation` says which nodes
+//! acknowledged and which may still hold the conversation's KV (an eviction
+//! with none owed left no block of it anywhere).
 
 pub mod cluster;
 pub mod local;
@@ -21,8 +22,25 @@ use std::time::Duration;
 pub trait Generator: Send + Sync + 'static {
     /// Starts one generation. Dropping the returned stream cancels it.
     async fn generate(&self, req: GenerateRequest) -> Result<GenerationStream, GenerateError>;
-    /// Removes every KV block of the conversation wherever it is cached; returns after acknowledgement.
-    async fn evict_conversation(&self, conversation: &str) -> Result<(), GenerateError>;
+    /// Removes every KV block of the conversation wherever it is cached; answers which
+    /// nodes acknowledged and which still owe it (unreachable, or away from the cluster).
+    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError>;
+}
+
+/// What one eviction attempt achieved.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Eviction {
+    /// Nodes that acknowledged (their KV of the conversation is gone).
+    pub acked: Vec<String>,
+    /// Nodes that may still hold it: failed to answer, or not asked (away).
+    pub owed: Vec<String>,
+}
+
+impl Eviction {
+    /// No node may hold the conversation's KV any more.
+    pub fn complete(&self) -> bool {
+        self.owed.is_empty()
+    }
 }
 
 /// One generation: the full prompt as token IDs (the gateway tokenizes) and

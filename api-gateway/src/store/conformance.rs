@@ -35,6 +35,7 @@ pub async fn run_all(s: &dyn ConversationStore) {
     turns_are_idempotent_and_exact(s).await;
     delete_leaves_no_row(s).await;
     retention(s).await;
+    tombstones(s).await;
     metering(s).await;
     limit_overrides(s).await;
 }
@@ -84,7 +85,7 @@ async fn conversations_are_owner_scoped(s: &dyn ConversationStore) {
     s.create_conversation(&conv("c-own", "alice", now_unix())).await.unwrap();
     assert!(s.get_conversation("alice", "c-own").await.unwrap().is_some());
     assert!(s.get_conversation("bob", "c-own").await.unwrap().is_none(), "other user's conversation must be invisible");
-    assert!(!s.delete_conversation("bob", "c-own").await.unwrap(), "other user must not delete");
+    assert!(!s.delete_conversation("bob", "c-own", 0).await.unwrap(), "other user must not delete");
     assert!(s.list_conversations("alice").await.unwrap().iter().any(|c| c.id == "c-own"));
     assert!(s.list_conversations("bob").await.unwrap().is_empty());
     s.set_summary("c-own", "they talked").await.unwrap();
@@ -145,7 +146,7 @@ async fn delete_leaves_no_row(s: &dyn ConversationStore) {
     s.create_conversation(&conv("c-del", "alice", now_unix())).await.unwrap();
     s.begin_turn(&turn("c-del", "t1", 0, "h")).await.unwrap();
     s.append_log("c-del", "t1", &[LogEntry { index: 0, text: "x".into() }]).await.unwrap();
-    assert!(s.delete_conversation("alice", "c-del").await.unwrap());
+    assert!(s.delete_conversation("alice", "c-del", 0).await.unwrap());
     assert!(s.get_conversation("alice", "c-del").await.unwrap().is_none());
     assert!(s.list_turns("c-del").await.unwrap().is_empty(), "turns must go with the conversation");
     assert!(s.read_log("c-del", "t1", 0).await.unwrap().is_empty(), "the token log must go with the conversation");
@@ -170,6 +171,50 @@ async fn retention(s: &dyn ConversationStore) {
     let gone = s.delete_older_than(now_unix() - 30 * 86_400).await.unwrap();
     assert_eq!(gone, vec!["c-old".to_string()]);
     assert!(s.get_conversation("carol", "c-new").await.unwrap().is_some());
+}
+
+/// Tombstones are left by every delete (and only by a delete that deleted something),
+/// come due in order, record attempts and owed nodes, and clear.
+async fn tombstones(s: &dyn ConversationStore) {
+    // Left by the earlier checks: c-del (delete) and c-old (retention); none for c-own.
+    let all = s.due_tombstones(i64::MAX, 100).await.unwrap();
+    let ids: Vec<&str> = all.iter().map(|t| t.conversation.as_str()).collect();
+    assert_eq!(ids.iter().filter(|i| **i == "c-del" || **i == "c-old").count(), 2, "{ids:?}");
+    assert!(!ids.contains(&"c-own"), "a refused delete leaves no tombstone");
+    for t in &all {
+        assert!(s.clear_tombstone(&t.conversation).await.unwrap());
+    }
+    assert_eq!(s.count_tombstones().await.unwrap(), 0);
+    assert!(!s.clear_tombstone("c-del").await.unwrap());
+
+    let now = now_unix_ms();
+    s.create_conversation(&conv("c-t1", "erin", now_unix())).await.unwrap();
+    s.create_conversation(&conv("c-t2", "erin", now_unix())).await.unwrap();
+    assert!(s.delete_conversation("erin", "c-t1", now + 1_000).await.unwrap());
+    assert!(s.delete_conversation("erin", "c-t2", now + 500).await.unwrap());
+    assert_eq!(s.count_tombstones().await.unwrap(), 2);
+    assert!(s.due_tombstones(now, 10).await.unwrap().is_empty(), "not due before its first retry");
+    let due = s.due_tombstones(now + 2_000, 10).await.unwrap();
+    assert_eq!(due.iter().map(|t| t.conversation.as_str()).collect::<Vec<_>>(), vec!["c-t2", "c-t1"], "oldest due first");
+    assert_eq!(due[0].attempts, 0);
+    assert!(due[0].owed.is_empty());
+    assert!(due[0].created_at >= now_unix() - 5);
+    assert_eq!(s.due_tombstones(now + 2_000, 1).await.unwrap().len(), 1, "limit");
+
+    let owed = vec!["decode-0".to_string(), "prefill-1".to_string()];
+    s.tombstone_attempted("c-t2", 3, now + 60_000, &owed).await.unwrap();
+    let due = s.due_tombstones(now + 2_000, 10).await.unwrap();
+    assert_eq!(due.iter().map(|t| t.conversation.as_str()).collect::<Vec<_>>(), vec!["c-t1"]);
+    let later = s.due_tombstones(now + 60_000, 10).await.unwrap();
+    let t2 = later.iter().find(|t| t.conversation == "c-t2").unwrap();
+    assert_eq!((t2.attempts, t2.next_attempt_ms, &t2.owed), (3, now + 60_000, &owed));
+    s.tombstone_attempted("nope", 1, now, &[]).await.unwrap();
+
+    assert!(s.clear_tombstone("c-t1").await.unwrap());
+    assert!(s.clear_tombstone("c-t2").await.unwrap());
+    assert_eq!(s.count_tombstones().await.unwrap(), 0);
+    // The tombstone holds the ID only: the conversation's rows are gone at once.
+    assert!(s.get_conversation("erin", "c-t1").await.unwrap().is_none());
 }
 
 async fn metering(s: &dyn ConversationStore) {

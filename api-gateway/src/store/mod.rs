@@ -7,7 +7,10 @@
 //!
 //! Invariants: a turn ID is unique within its conversation (the idempotency
 //! key); every row of a conversation (turns, token log, summary) goes with
-//! it on delete; metering rows hold counts, never text.
+//! it on delete, and the same transaction leaves a [`Tombstone`] (the ID
+//! only, no text or owner) until every node that may hold the
+//! conversation's KV acknowledged its eviction; metering rows hold counts,
+//! never text.
 
 pub mod conformance;
 pub mod postgres;
@@ -177,6 +180,21 @@ pub struct UsageCounts {
     pub completion_tokens: i64,
 }
 
+/// A deleted conversation whose KV some node may still hold: kept until every
+/// node acknowledged the eviction ([`crate::evictions`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tombstone {
+    pub conversation: String,
+    /// When the conversation was deleted (unix seconds).
+    pub created_at: i64,
+    /// Eviction attempts so far.
+    pub attempts: u32,
+    /// When the next attempt is due (unix milliseconds).
+    pub next_attempt_ms: i64,
+    /// The nodes that had not acknowledged at the last attempt (empty before the first).
+    pub owed: Vec<String>,
+}
+
 /// Durable state of the gateway. Implementations are shared behind an `Arc`.
 #[async_trait::async_trait]
 pub trait ConversationStore: Send + Sync + 'static {
@@ -194,9 +212,10 @@ pub trait ConversationStore: Send + Sync + 'static {
     async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>>;
     /// Stores the conversation's summary (replacing the previous one).
     async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()>;
-    /// Deletes the conversation and every row that belongs to it; false if
-    /// it did not exist for `owner`.
-    async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool>;
+    /// Deletes the conversation and every row that belongs to it, leaving a
+    /// tombstone due at `first_retry_ms` (unix ms) in the same transaction;
+    /// false (and no tombstone) if it did not exist for `owner`.
+    async fn delete_conversation(&self, owner: &str, id: &str, first_retry_ms: i64) -> StoreResult<bool>;
 
     /// Inserts `turn` in state streaming unless its turn ID exists; a failed
     /// turn with the same ID is reset to streaming (the retry generates again).
@@ -213,9 +232,20 @@ pub trait ConversationStore: Send + Sync + 'static {
     /// Marks turns left streaming by a crash as failed; returns how many.
     async fn fail_streaming_turns(&self) -> StoreResult<usize>;
 
-    /// Deletes conversations not updated since `cutoff` (unix seconds);
-    /// returns their IDs so their KV can be evicted too.
+    /// Deletes conversations not updated since `cutoff` (unix seconds), each
+    /// leaving a tombstone due now (their KV is evicted by the retry task);
+    /// returns their IDs.
     async fn delete_older_than(&self, cutoff: i64) -> StoreResult<Vec<String>>;
+
+    /// Tombstones due at `now_ms` (unix ms), oldest due first, at most `limit`.
+    async fn due_tombstones(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Tombstone>>;
+    /// Records a failed attempt: the new attempt count, when the next is due and
+    /// who still owes an ack. No-op if the tombstone is gone.
+    async fn tombstone_attempted(&self, conversation: &str, attempts: u32, next_attempt_ms: i64, owed: &[String]) -> StoreResult<()>;
+    /// Every node acknowledged: drops the tombstone; false if there was none.
+    async fn clear_tombstone(&self, conversation: &str) -> StoreResult<bool>;
+    /// Tombstones outstanding.
+    async fn count_tombstones(&self) -> StoreResult<u64>;
 
     /// Sets (or with `None` clears) a user's limit overrides.
     async fn set_user_limits(&self, user: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<()>;
@@ -244,4 +274,18 @@ pub async fn open(db: &std::path::Path) -> StoreResult<std::sync::Arc<dyn Conver
 /// Seconds since the UNIX epoch.
 pub fn now_unix() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+/// Milliseconds since the UNIX epoch.
+pub fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// The owed-node list as stored (a JSON array of node IDs).
+fn owed_to_json(owed: &[String]) -> String {
+    serde_json::to_string(owed).unwrap_or_else(|_| "[]".into())
+}
+
+fn owed_from_json(j: &str) -> StoreResult<Vec<String>> {
+    serde_json::from_str(j).map_err(|e| StoreError::Corrupt(format!("tombstone owed nodes: {e}")))
 }

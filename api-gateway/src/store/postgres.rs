@@ -101,6 +101,19 @@ CREATE TABLE key_limits (
 );
 "#,
     ),
+    (
+        3,
+        r#"
+CREATE TABLE eviction_tombstones (
+    conversation TEXT COLLATE "C" PRIMARY KEY,
+    created_at BIGINT NOT NULL,
+    attempts BIGINT NOT NULL DEFAULT 0,
+    next_attempt_ms BIGINT NOT NULL,
+    owed TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX eviction_tombstones_due ON eviction_tombstones (next_attempt_ms);
+"#,
+    ),
 ];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").
@@ -430,9 +443,19 @@ impl ConversationStore for PostgresStore {
         Ok(())
     }
 
-    async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool> {
-        // Turns and the token log go with it (ON DELETE CASCADE).
-        Ok(self.exec("DELETE FROM conversations WHERE id = $1 AND owner = $2", &[&id, &owner]).await? > 0)
+    async fn delete_conversation(&self, owner: &str, id: &str, first_retry_ms: i64) -> StoreResult<bool> {
+        // Turns and the token log go with it (ON DELETE CASCADE); one statement leaves
+        // the tombstone, so there is never a deleted conversation without one.
+        let rows = self
+            .query(
+                "WITH gone AS (DELETE FROM conversations WHERE id = $1 AND owner = $2 RETURNING id) \
+                 INSERT INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) \
+                 SELECT id, $3, 0, $4, '[]' FROM gone \
+                 ON CONFLICT (conversation) DO UPDATE SET next_attempt_ms = EXCLUDED.next_attempt_ms RETURNING conversation",
+                &[&id, &owner, &now_unix(), &first_retry_ms],
+            )
+            .await?;
+        Ok(!rows.is_empty())
     }
 
     async fn begin_turn(&self, t: &Turn) -> StoreResult<BeginTurn> {
@@ -573,12 +596,65 @@ impl ConversationStore for PostgresStore {
     }
 
     async fn delete_older_than(&self, cutoff: i64) -> StoreResult<Vec<String>> {
-        let rows = self.query("DELETE FROM conversations WHERE updated_at < $1 RETURNING id", &[&cutoff]).await?;
+        let rows = self
+            .query(
+                "WITH gone AS (DELETE FROM conversations WHERE updated_at < $1 RETURNING id) \
+                 INSERT INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) \
+                 SELECT id, $2, 0, $3, '[]' FROM gone ON CONFLICT (conversation) DO UPDATE SET next_attempt_ms = EXCLUDED.next_attempt_ms \
+                 RETURNING conversation",
+                &[&cutoff, &now_unix(), &now_unix_ms()],
+            )
+            .await?;
         let mut ids = rows.iter().map(|r| get::<String>(r, 0)).collect::<StoreResult<Vec<_>>>()?;
         ids.sort();
         // Heartbeat rows of instances long gone.
         self.exec("DELETE FROM gateway_instances WHERE seen_at < $1", &[&cutoff]).await?;
         Ok(ids)
+    }
+
+    async fn due_tombstones(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Tombstone>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self
+            .query(
+                "SELECT conversation, created_at, attempts, next_attempt_ms, owed FROM eviction_tombstones \
+                 WHERE next_attempt_ms <= $1 ORDER BY next_attempt_ms, conversation LIMIT $2",
+                &[&now_ms, &limit],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let attempts: i64 = get(r, 2)?;
+                Ok(Tombstone {
+                    conversation: get(r, 0)?,
+                    created_at: get(r, 1)?,
+                    attempts: u32::try_from(attempts).map_err(|_| StoreError::Corrupt(format!("tombstone attempts {attempts}")))?,
+                    next_attempt_ms: get(r, 3)?,
+                    owed: owed_from_json(get(r, 4)?)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn tombstone_attempted(&self, conversation: &str, attempts: u32, next_attempt_ms: i64, owed: &[String]) -> StoreResult<()> {
+        self.exec(
+            "UPDATE eviction_tombstones SET attempts = $2, next_attempt_ms = $3, owed = $4 WHERE conversation = $1",
+            &[&conversation, &i64::from(attempts), &next_attempt_ms, &owed_to_json(owed)],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn clear_tombstone(&self, conversation: &str) -> StoreResult<bool> {
+        Ok(self.exec("DELETE FROM eviction_tombstones WHERE conversation = $1", &[&conversation]).await? > 0)
+    }
+
+    async fn count_tombstones(&self) -> StoreResult<u64> {
+        let r = self.query_opt("SELECT count(*) FROM eviction_tombstones", &[]).await?;
+        let n: i64 = match r {
+            Some(r) => get(&r, 0)?,
+            None => 0,
+        };
+        Ok(n as u64)
     }
 
     async fn set_user_limits(&self, user: &str, limits: Option<&crate::limits::LimitOverrides>) -> StoreResult<()> {

@@ -62,6 +62,14 @@ CREATE TABLE IF NOT EXISTS key_limits (
     key_hash TEXT PRIMARY KEY REFERENCES api_keys(key_hash),
     limits TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS eviction_tombstones (
+    conversation TEXT PRIMARY KEY,
+    created_at INTEGER NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_attempt_ms INTEGER NOT NULL,
+    owed TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX IF NOT EXISTS eviction_tombstones_due ON eviction_tombstones(next_attempt_ms);
 CREATE TABLE IF NOT EXISTS usage (
     user_id TEXT PRIMARY KEY,
     requests INTEGER NOT NULL,
@@ -342,10 +350,20 @@ impl ConversationStore for SqliteStore {
         .await
     }
 
-    async fn delete_conversation(&self, owner: &str, id: &str) -> StoreResult<bool> {
+    async fn delete_conversation(&self, owner: &str, id: &str, first_retry_ms: i64) -> StoreResult<bool> {
         let (o, i) = (owner.to_string(), id.to_string());
         self.with(move |c| {
-            let n = c.run("DELETE FROM conversations WHERE id = ?1 AND owner = ?2", params![i, o]).map_err(db)?;
+            let tx = c.transaction().map_err(db)?;
+            let n = tx.run("DELETE FROM conversations WHERE id = ?1 AND owner = ?2", params![i, o]).map_err(db)?;
+            if n > 0 {
+                tx.run(
+                    "INSERT OR IGNORE INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) \
+                     VALUES (?1, ?2, 0, ?3, '[]')",
+                    params![i, now_unix(), first_retry_ms],
+                )
+                .map_err(db)?;
+            }
+            tx.commit().map_err(db)?;
             Ok(n > 0)
         })
         .await
@@ -490,9 +508,70 @@ impl ConversationStore for SqliteStore {
                 let rows = st.query_map(params![cutoff], |r| r.get::<_, String>(0)).map_err(db)?;
                 rows.collect::<Result<Vec<_>, _>>().map_err(db)?
             };
+            tx.run(
+                "INSERT OR IGNORE INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) \
+                 SELECT id, ?2, 0, ?3, '[]' FROM conversations WHERE updated_at < ?1",
+                params![cutoff, now_unix(), now_unix_ms()],
+            )
+            .map_err(db)?;
             tx.run("DELETE FROM conversations WHERE updated_at < ?1", params![cutoff]).map_err(db)?;
             tx.commit().map_err(db)?;
             Ok(ids)
+        })
+        .await
+    }
+
+    async fn due_tombstones(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Tombstone>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.with(move |c| {
+            let mut st = c
+                .prepare_cached(
+                    "SELECT conversation, created_at, attempts, next_attempt_ms, owed FROM eviction_tombstones \
+                     WHERE next_attempt_ms <= ?1 ORDER BY next_attempt_ms, conversation LIMIT ?2",
+                )
+                .map_err(db)?;
+            let rows = st
+                .query_map(params![now_ms, limit], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?, r.get::<_, String>(4)?))
+                })
+                .map_err(db)?;
+            rows.map(|row| {
+                let (conversation, created_at, attempts, next_attempt_ms, owed) = row.map_err(db)?;
+                Ok(Tombstone {
+                    conversation,
+                    created_at,
+                    attempts: u32::try_from(attempts).map_err(|_| StoreError::Corrupt(format!("tombstone attempts {attempts}")))?,
+                    next_attempt_ms,
+                    owed: owed_from_json(&owed)?,
+                })
+            })
+            .collect()
+        })
+        .await
+    }
+
+    async fn tombstone_attempted(&self, conversation: &str, attempts: u32, next_attempt_ms: i64, owed: &[String]) -> StoreResult<()> {
+        let (cv, owed) = (conversation.to_string(), owed_to_json(owed));
+        self.with(move |c| {
+            c.run(
+                "UPDATE eviction_tombstones SET attempts = ?2, next_attempt_ms = ?3, owed = ?4 WHERE conversation = ?1",
+                params![cv, attempts, next_attempt_ms, owed],
+            )
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn clear_tombstone(&self, conversation: &str) -> StoreResult<bool> {
+        let cv = conversation.to_string();
+        self.with(move |c| Ok(c.run("DELETE FROM eviction_tombstones WHERE conversation = ?1", params![cv]).map_err(db)? > 0)).await
+    }
+
+    async fn count_tombstones(&self) -> StoreResult<u64> {
+        self.with(|c| {
+            let n: i64 = c.row("SELECT count(*) FROM eviction_tombstones", [], |r| r.get(0)).map_err(db)?;
+            Ok(n as u64)
         })
         .await
     }

@@ -56,7 +56,7 @@ pub const RULES: &[Rule] = &[
     Rule { method: "/baton.node.DecodeNode/Stats", allow: &[R(Coordinator), R(Operator)], why: "fleet inspection" },
     Rule { method: "/baton.node.PrefillNode/Prefill", allow: &[R(Decode)], why: "a decode node hands a long tail to a prefill node" },
     Rule { method: "/baton.node.PrefillNode/Stats", allow: &[R(Coordinator), R(Operator)], why: "fleet inspection" },
-    Rule { method: "/baton.node.NodeControl/Evict", allow: &[R(Coordinator)], why: "the coordinator fans a conversation's deletion out to every node" },
+    Rule { method: "/baton.node.NodeControl/Evict", allow: &[R(Coordinator)], why: "the coordinator fans a conversation's deletion out to every node, and has a joining node evict the tombstoned ones" },
     Rule { method: "/baton.node.NodeControl/Drain", allow: &[R(Coordinator), R(Operator), ThisNode], why: "rolling upgrades: an operator, or the node's own preStop hook" },
 ];
 

@@ -1,9 +1,9 @@
 //! Block identity: the owner-scoped hash chain over full blocks of tokens.
 //!
 //! A block's hash covers its parent's hash, its owner scope and its token IDs, so a
-//! hash names a whole prefix, not just one block: two sequences share block `i` only
-//! if they agree on every token before it *and* on every scope. Because a user's
-//! blocks hash their [`UserId`], user B can never produce user A's hash even from the
+//! hash stands for a whole prefix, not just one block: two sequences get the same hash
+//! for block `i` when they agree on every token before it *and* on every scope. Because
+//! a user's blocks hash their [`UserId`], user B does not get user A's hashes from the
 //! same tokens, while blocks that lie entirely inside the platform prefix (the system
 //! prompt) hash [`OwnerScope::Platform`] and are shared by everyone.
 //!

@@ -13,7 +13,7 @@ mod scheduler;
 mod sequence;
 
 use crate::chat_template::ChatTemplate;
-use crate::kv::{ConversationId, KvError, KvStats, SeqId, UserId};
+use crate::kv::{BlockHasher, ConversationId, KvError, KvStats, SeqId, UserId, Xxh64BlockHasher};
 use crate::model::LoadedModel;
 use crate::sampling::{SamplingError, ValidSamplingParams};
 use crate::tokenizer::Tokenizer;
@@ -309,6 +309,19 @@ impl Drop for RequestStream {
 impl Engine {
     /// Sizes the KV pool, checks the configuration and starts the worker.
     pub fn start<B: Backend + 'static>(backend: B, loaded: LoadedModel<B>, config: EngineConfig) -> Result<Engine, EngineError> {
+        Self::start_with_block_hasher(backend, loaded, config, Arc::new(Xxh64BlockHasher))
+    }
+
+    /// [`Engine::start`] with another block hasher. For tests that forge hash
+    /// collisions ([`ConstantHasher`](crate::kv::ConstantHasher)): the prefix cache
+    /// must stay correct and owner-isolated with any hasher. Nodes use
+    /// [`Engine::start`]; engines that exchange KV must hash alike.
+    pub fn start_with_block_hasher<B: Backend + 'static>(
+        backend: B,
+        loaded: LoadedModel<B>,
+        config: EngineConfig,
+        hasher: Arc<dyn BlockHasher>,
+    ) -> Result<Engine, EngineError> {
         let LoadedModel { model, tokenizer, template, source } = loaded;
         let mc = &model.config;
         if config.block_tokens == 0 || config.step_token_budget == 0 || config.max_running == 0 {
@@ -361,7 +374,7 @@ impl Engine {
         let shared = Arc::new(Shared { stats: Mutex::new(EngineStats::default()), in_flight: AtomicUsize::new(0) });
         let (tx, rx) = mpsc::channel();
         let kv = backend.kv(layout, blocks).map_err(|e| EngineError::Config(e.to_string()))?;
-        let worker = scheduler::Worker::new(backend, model, kv, layout, blocks, tier2_blocks, max_context, config.clone(), tokenizer.clone(), shared.clone(), rx);
+        let worker = scheduler::Worker::new(backend, model, kv, layout, blocks, tier2_blocks, max_context, config.clone(), hasher, tokenizer.clone(), shared.clone(), rx);
         let thread = std::thread::Builder::new()
             .name("baton-engine".into())
             .spawn(move || worker.run())

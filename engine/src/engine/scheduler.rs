@@ -12,7 +12,7 @@
 use super::sequence::{Parked, Sequence};
 use super::handoff::{plan_import, ImportPlan};
 use super::{Command, EngineConfig, EngineError, Event, FinishReason, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
-use crate::kv::{BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, SeqId};
+use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId};
 use crate::model::{Model, Scratch, StepInput};
 use crate::sampling::{Sampled, Sampler, StopMatcher};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -66,6 +66,8 @@ pub(crate) struct Worker<B: Backend> {
     kv: B::Kv,
     layout: KvLayout,
     cache: KvCache,
+    /// Hashes every block chain (the canonical XXH64 outside collision tests).
+    hasher: Arc<dyn BlockHasher>,
     config: EngineConfig,
     max_context: usize,
     tokenizer: Arc<Tokenizer>,
@@ -96,6 +98,7 @@ impl<B: Backend> Worker<B> {
         tier2_blocks: usize,
         max_context: usize,
         config: EngineConfig,
+        hasher: Arc<dyn BlockHasher>,
         tokenizer: Arc<Tokenizer>,
         shared: Arc<Shared>,
         rx: mpsc::Receiver<Command>,
@@ -107,6 +110,7 @@ impl<B: Backend> Worker<B> {
             kv,
             layout,
             cache: KvCache::new(blocks as u32, tier2_blocks),
+            hasher,
             config,
             max_context,
             tokenizer,
@@ -197,9 +201,9 @@ impl<B: Backend> Worker<B> {
     fn peek_prefix(&self, q: &PrefixQuery) -> usize {
         let bt = self.layout.block_tokens;
         let matchable = q.tokens.len().saturating_sub(1) / bt;
-        let mut chain = HashChain::new(bt, q.platform_prefix_len, q.owner.clone());
+        let mut chain = HashChain::with_hasher(bt, q.platform_prefix_len, q.owner.clone(), self.hasher.clone());
         chain.update(&q.tokens[..matchable * bt]);
-        let peek = self.cache.peek_prefix(chain.hashes());
+        let peek = self.cache.peek_prefix(&chain.keys(&q.tokens, matchable));
         (peek.primary + peek.tier2) * bt
     }
 
@@ -207,11 +211,13 @@ impl<B: Backend> Worker<B> {
     fn export_prefix(&mut self, q: &PrefixQuery, start_block: usize) -> KvExport {
         let bt = self.layout.block_tokens;
         let full = q.tokens.len() / bt;
-        let mut chain = HashChain::new(bt, q.platform_prefix_len, q.owner.clone());
+        let mut chain = HashChain::with_hasher(bt, q.platform_prefix_len, q.owner.clone(), self.hasher.clone());
         chain.update(&q.tokens[..full * bt]);
         let bytes = self.layout.block_bytes();
         let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: bytes };
-        let m = self.cache.match_prefix(chain.hashes(), &mut store);
+        // Matched against the asker's own tokens and owner: a block is exported only
+        // if it holds exactly those tokens for that owner, whatever the hashes say.
+        let m = self.cache.match_prefix(&chain.keys(&q.tokens, full), &mut store);
         let ids: Vec<usize> = m.blocks.iter().skip(start_block).map(|b| b.index()).collect();
         let blocks = copy_blocks_out(&self.backend, &self.kv, &ids, bytes);
         if let Err(e) = self.cache.release(&m.blocks) {
@@ -263,7 +269,7 @@ impl<B: Backend> Worker<B> {
                 }
             };
         }
-        let chain = HashChain::new(self.layout.block_tokens, request.platform_prefix_len, request.owner.clone());
+        let chain = HashChain::with_hasher(self.layout.block_tokens, request.platform_prefix_len, request.owner.clone(), self.hasher.clone());
         let seq = Sequence {
             id,
             tokens: request.prompt.clone(),
@@ -272,6 +278,7 @@ impl<B: Backend> Worker<B> {
             blocks: Vec::new(),
             chain,
             registered: 0,
+            links: Vec::new(),
             cached_tokens: None,
             generated: 0,
             sampler: Sampler::new(&sampling),
@@ -327,6 +334,7 @@ impl<B: Backend> Worker<B> {
         }
         seq.computed = 0;
         seq.registered = 0;
+        seq.links.clear();
     }
 
     /// Tries to give `seq` blocks for its first `upto` tokens.
@@ -383,6 +391,9 @@ impl<B: Backend> Worker<B> {
                             seq.computed = seq.tokens.len() - 1;
                             seq.computed = seq.computed.min(blocks.len() * bt);
                             seq.registered = seq.computed / bt;
+                            // The swapped-in copies are private; the links still
+                            // name the published blocks they equal.
+                            seq.links.resize(seq.registered, None);
                             seq.blocks = blocks;
                             true
                         }
@@ -438,10 +449,9 @@ impl<B: Backend> Worker<B> {
         // At least one token must be computed to get logits.
         let matchable = (seq.tokens.len() - 1) / bt;
         seq.chain.update(&seq.tokens[..matchable * bt]);
-        let hashes: Vec<_> = seq.chain.hashes()[..matchable].to_vec();
         let need_total = (seq.tokens.len() + 1).div_ceil(bt);
         let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
-        let m = self.cache.match_prefix(&hashes, &mut store);
+        let m = self.cache.match_prefix(&seq.chain.keys(&seq.tokens, matchable), &mut store);
         let rest = need_total - m.blocks.len();
         match self.cache.allocate(rest, &mut store) {
             Ok(more) => {
@@ -450,6 +460,7 @@ impl<B: Backend> Worker<B> {
                 let cached_tier2 = m.tier2_hits * bt;
                 seq.blocks = m.blocks;
                 seq.blocks.extend(more);
+                seq.links = m.links.into_iter().map(Some).collect();
                 seq.computed = cached;
                 seq.registered = cached / bt;
                 if let Some(import) = seq.import.take() {
@@ -667,22 +678,49 @@ fn accept_token(seq: &mut Sequence, sampled: Sampled, tokenizer: &Tokenizer, max
     }
 }
 
-/// Publishes the full blocks of `seq` that hold computed tokens.
+/// Publishes the full blocks of `seq` that hold computed tokens, each keyed by
+/// this sequence's own tokens and chained to its own previous block: imported
+/// bytes are published only under the identity this engine computed and compared.
 fn register_full_blocks(cache: &mut KvCache, bt: usize, seq: &mut Sequence) {
     let full = seq.computed / bt;
     if full <= seq.registered {
         return;
     }
     seq.chain.update(&seq.tokens[..full * bt]);
+    seq.links.resize(seq.registered, None);
     for i in seq.registered..full {
+        // After a block without a link (a collision) nothing can be chained.
+        let parent = match i.checked_sub(1) {
+            None => None,
+            Some(p) => match seq.links[p] {
+                Some(link) => Some(link),
+                None => {
+                    seq.links.push(None);
+                    continue;
+                }
+            },
+        };
         let owner = if (i + 1) * bt <= seq.request.platform_prefix_len {
             BlockOwner::Platform
         } else {
             BlockOwner::User { user: seq.request.owner.clone(), conversation: seq.request.conversation.clone() }
         };
-        if let Err(e) = cache.register(seq.blocks[i], seq.chain.hashes()[i], &owner) {
-            tracing::error!(seq = seq.id.0, error = %e, "block register refused");
-        }
+        let Some(key) = seq.chain.key(&seq.tokens, i) else {
+            seq.links.push(None);
+            continue;
+        };
+        let link = match cache.register(seq.blocks[i], key, parent, &owner) {
+            Ok(r @ Registered::Collision { .. }) => {
+                tracing::warn!(seq = seq.id.0, block = i, "block hash collision: the block stays private");
+                r.link()
+            }
+            Ok(r) => r.link(),
+            Err(e) => {
+                tracing::error!(seq = seq.id.0, error = %e, "block register refused");
+                None
+            }
+        };
+        seq.links.push(link);
     }
     seq.registered = full;
 }

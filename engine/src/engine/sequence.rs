@@ -1,7 +1,7 @@
 //! One sequence in the engine: its tokens, its KV blocks and where it stands.
 
 use super::{Event, FinishReason, ImportedToken, KvExport, KvImport, Request, TokenOut, Usage};
-use crate::kv::{BlockId, HashChain, SeqId, SwapHandle};
+use crate::kv::{BlockId, ChainLink, HashChain, SeqId, SwapHandle};
 use crate::sampling::{Sampler, StopMatcher};
 use crate::tokenizer::IncrementalDecoder;
 use std::time::{Duration, Instant};
@@ -27,6 +27,10 @@ pub(crate) struct Sequence {
     pub chain: HashChain,
     /// Full blocks already offered to the prefix index.
     pub registered: usize,
+    /// The prefix-cache link of each of the first `registered` blocks (from the
+    /// match or the register); `None` where a block could not be published, which
+    /// leaves every later block unpublished too.
+    pub links: Vec<Option<ChainLink>>,
     /// Prompt tokens that came from the prefix cache at first admission.
     pub cached_tokens: Option<usize>,
     pub generated: usize,

@@ -2,22 +2,26 @@
 //!
 //! Invariants, on top of those of the pool and the tier (all checked after every step
 //! of the property tests):
-//! - `index[h] == b` iff block `b` is `Used` or `Cached` and recorded with hash `h`;
-//!   a `Cached` block is always indexed;
+//! - `index[h].block == b` iff block `b` is `Used` or `Cached` and recorded with hash
+//!   `h`; a `Cached` block is always indexed;
+//! - a lookup takes a block (either tier) only if its [`Entry`] equals the query's
+//!   scope, tokens and parent link (see [`super::key`]); the hash alone never decides;
 //! - a hash is in at most one of the primary index and the second tier's cache (a
 //!   promotion moves it, a spill happens only after it left the index);
 //! - every hash with a recorded publisher is in the index or the second tier, so
 //!   deleting a conversation finds every copy of its data;
 //! - a failing operation changes nothing.
 //!
-//! The scheduler drives it: `match_prefix` the prompt's block hashes, `allocate` the
-//! rest, `register` each block once its KV is written and it is full, `release` the
-//! sequence's blocks (in sequence order) when it ends.
+//! The scheduler drives it: `match_prefix` the prompt's block keys, `allocate` the
+//! rest, `register` each block once its KV is written and it is full (passing the
+//! previous block's [`ChainLink`]), `release` the sequence's blocks (in sequence
+//! order) when it ends.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::ids::{BlockHash, BlockId, BlockOwner, ConversationId, UserId};
+use super::key::{BlockKey, ChainLink, Entry};
 use super::owners::Owners;
 use super::pool::{BlockPool, BlockState, Released};
 use super::tier::Tier2;
@@ -31,8 +35,11 @@ static NEXT_SWAP_ID: AtomicU64 = AtomicU64::new(1);
 /// each pinned once for the caller.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
-    /// Blocks for the leading hashes, in order; release them like allocated blocks.
+    /// Blocks for the leading keys, in order; release them like allocated blocks.
     pub blocks: Vec<BlockId>,
+    /// The link of each matched block, in order: the parent to pass when
+    /// registering the block after it.
+    pub links: Vec<ChainLink>,
     /// How many came from the primary pool.
     pub primary_hits: usize,
     /// How many were promoted from the second tier (one copy each).
@@ -43,26 +50,52 @@ pub struct PrefixMatch {
 /// pinning, promoting or touching recency.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefixPeek {
-    /// Leading hashes found in the primary index.
+    /// Leading keys found in the primary index.
     pub primary: usize,
-    /// Leading hashes found in the second tier (a promotion each).
+    /// Leading keys found in the second tier (a promotion each).
     pub tier2: usize,
 }
 
 /// What [`KvCache::register`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Registered {
-    /// The block is now published under the hash.
-    Published,
-    /// The block was already published under this hash; nothing changed.
-    Unchanged,
-    /// Another block already holds this hash. This block stays private to its
-    /// sequence and is freed on its last release; the caller may switch to
-    /// `existing` to save memory.
+    /// The block is now published under the hash, as this link.
+    Published(ChainLink),
+    /// The block was already published as this key; nothing changed.
+    Unchanged(ChainLink),
+    /// Another block is already published as the same key (same hash, scope,
+    /// tokens and parent). This block stays private to its sequence and is freed on
+    /// its last release; the caller may switch to `existing` to save memory.
     Duplicate {
-        /// The block that holds the hash.
+        /// The block published as the key.
         existing: BlockId,
+        /// Its link (valid as the parent of this block's successor).
+        link: ChainLink,
     },
+    /// Another block with *different* contents holds this hash: a hash collision.
+    /// This block stays private and unlinked; nothing after it in its sequence can
+    /// be published either (its successors have no parent link).
+    Collision {
+        /// The block that holds the hash.
+        holder: BlockId,
+    },
+}
+
+impl Registered {
+    /// The link a successor block registers after, if the block has one.
+    pub fn link(&self) -> Option<ChainLink> {
+        match *self {
+            Self::Published(link) | Self::Unchanged(link) | Self::Duplicate { link, .. } => Some(link),
+            Self::Collision { .. } => None,
+        }
+    }
+}
+
+/// A block published in the primary index: where it is and what it holds.
+#[derive(Debug)]
+struct Indexed {
+    block: BlockId,
+    entry: Entry,
 }
 
 /// A swapped-out sequence's blocks, held in the second tier until [`KvCache::swap_in`]
@@ -95,7 +128,7 @@ impl SwapHandle {
 #[derive(Debug)]
 pub struct KvCache {
     pool: BlockPool,
-    index: HashMap<BlockHash, BlockId>,
+    index: HashMap<BlockHash, Indexed>,
     tier2: Tier2,
     owners: Owners,
     stats: KvStats,
@@ -157,14 +190,21 @@ impl KvCache {
         self.owners.group_count()
     }
 
-    /// How many leading `hashes` are cached, by tier, without changing anything.
-    /// Cheap enough for admission and routing decisions.
-    pub fn peek_prefix(&self, hashes: &[BlockHash]) -> PrefixPeek {
+    /// How many leading `keys` are cached, by tier, without changing anything.
+    /// Cheap enough for admission and routing decisions. Decided exactly like
+    /// [`KvCache::match_prefix`].
+    pub fn peek_prefix(&self, keys: &[BlockKey<'_>]) -> PrefixPeek {
         let mut peek = PrefixPeek::default();
-        for h in hashes {
-            if self.index.contains_key(h) {
+        let mut parent = None;
+        for key in keys {
+            if let Some(ix) = self.index.get(&key.hash) {
+                if !ix.entry.is(key, parent) {
+                    break;
+                }
+                parent = Some(ix.entry.link());
                 peek.primary += 1;
-            } else if self.tier2.contains(*h) {
+            } else if let Some(entry) = self.tier2.entry(key.hash).filter(|e| e.is(key, parent)) {
+                parent = Some(entry.link());
                 peek.tier2 += 1;
             } else {
                 break;
@@ -173,43 +213,68 @@ impl KvCache {
         peek
     }
 
-    /// Pins the blocks of the longest run of leading `hashes` that is cached.
+    /// Pins the blocks of the longest run of leading `keys` that is cached.
+    ///
+    /// A block is a hit only when the cached block's scope and tokens equal the
+    /// key's and it was published right after the block matched before it (see
+    /// [`super::key`]): an equal hash is where to look, never a reason to share KV,
+    /// so neither a collision nor a forged chain crosses owners or contents.
     ///
     /// Primary hits are pinned in place (`Cached -> Used`, or one more holder for a
     /// block in use). A second-tier hit is promoted into a freshly allocated primary
     /// block with `copy_in`; if no primary block can be had (everything pinned) the
-    /// match stops there. Hashes are owner-scoped, so a match never crosses users.
-    pub fn match_prefix(&mut self, hashes: &[BlockHash], store: &mut dyn BlockStore) -> PrefixMatch {
+    /// match stops there.
+    pub fn match_prefix(&mut self, keys: &[BlockKey<'_>], store: &mut dyn BlockStore) -> PrefixMatch {
         let mut out = PrefixMatch::default();
-        for &h in hashes {
-            if let Some(&b) = self.index.get(&h) {
+        let mut parent = None;
+        for key in keys {
+            let h = key.hash;
+            if let Some(ix) = self.index.get(&h) {
+                if !ix.entry.is(key, parent) {
+                    self.stats.hash_collisions += 1;
+                    break;
+                }
+                let (b, link) = (ix.block, ix.entry.link());
                 if !self.pool.acquire(b) {
                     break; // unreachable while the invariants hold
                 }
                 out.blocks.push(b);
+                out.links.push(link);
                 out.primary_hits += 1;
+                parent = Some(link);
                 continue;
             }
-            if !self.tier2.contains(h) || self.available_for_allocation() == 0 {
+            match self.tier2.entry(h) {
+                None => break,
+                Some(entry) if !entry.is(key, parent) => {
+                    self.stats.hash_collisions += 1;
+                    break;
+                }
+                Some(_) => {}
+            }
+            if self.available_for_allocation() == 0 {
                 break;
             }
             // Take the bytes out first: that frees the room the eviction below may
             // need to spill its victim.
-            let Some(data) = self.tier2.take(h) else { break };
+            let Some((entry, data)) = self.tier2.take(h) else { break };
             if data.len() != store.block_bytes() {
                 // Written by a store of another shape: useless, drop it.
                 self.owners.forget(h);
                 break;
             }
             let Some(b) = self.grab_block(store) else {
-                self.reinsert(h, data);
+                self.reinsert(h, entry, data);
                 break;
             };
             store.copy_in(b, &data);
+            let link = entry.link();
             self.pool.set_hash(b, h);
-            self.index.insert(h, b);
+            self.index.insert(h, Indexed { block: b, entry });
             out.blocks.push(b);
+            out.links.push(link);
             out.tier2_hits += 1;
+            parent = Some(link);
         }
         self.stats.primary_hits += out.primary_hits as u64;
         self.stats.tier2_hits += out.tier2_hits as u64;
@@ -217,8 +282,8 @@ impl KvCache {
     }
 
     /// Puts a taken tier-2 entry back (a promotion that could not complete).
-    fn reinsert(&mut self, hash: BlockHash, data: Box<[u8]>) {
-        if !self.tier2.insert(hash, data, &mut self.dropped) {
+    fn reinsert(&mut self, hash: BlockHash, entry: Entry, data: Box<[u8]>) {
+        if !self.tier2.insert(hash, entry, data, &mut self.dropped) {
             self.owners.forget(hash);
         }
         self.forget_dropped();
@@ -238,15 +303,15 @@ impl KvCache {
             return Some(b);
         }
         let (b, old) = self.pool.pop_lru()?;
-        self.index.remove(&old);
+        let evicted = self.index.remove(&old);
         self.stats.evicted += 1;
-        if self.tier2.swap_room() == 0 {
+        let Some(Indexed { entry, .. }) = evicted.filter(|_| self.tier2.swap_room() > 0) else {
             self.owners.forget(old);
             return Some(b);
-        }
+        };
         let mut data = vec![0u8; store.block_bytes()].into_boxed_slice();
         store.copy_out(b, &mut data);
-        if self.tier2.insert(old, data, &mut self.dropped) {
+        if self.tier2.insert(old, entry, data, &mut self.dropped) {
             self.stats.spilled += 1;
         } else {
             self.owners.forget(old);
@@ -277,32 +342,54 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Publishes a pinned, full block under `hash` so that later sequences can match
-    /// it. Call only once the block's KV is written. If another block already holds
-    /// `hash`, this one stays private (see [`Registered::Duplicate`]). `owner` is
-    /// recorded for deletion; pass [`BlockOwner::Platform`] for platform-scope blocks
-    /// so that deleting a conversation never drops the shared system prompt.
-    pub fn register(&mut self, block: BlockId, hash: BlockHash, owner: &BlockOwner) -> Result<Registered, KvError> {
+    /// Publishes a pinned, full block as `key` so that later sequences can match
+    /// it. Call only once the block's KV is written. `parent` is the link of the
+    /// sequence's previous block (`None` for its first block); a block whose
+    /// predecessor has no link must not be registered. If the key's hash is taken,
+    /// this block stays private: [`Registered::Duplicate`] when the holder is the
+    /// same block, [`Registered::Collision`] when it is not. `owner` is recorded for
+    /// deletion; pass [`BlockOwner::Platform`] for platform-scope blocks so that
+    /// deleting a conversation never drops the shared system prompt.
+    pub fn register(
+        &mut self,
+        block: BlockId,
+        key: BlockKey<'_>,
+        parent: Option<ChainLink>,
+        owner: &BlockOwner,
+    ) -> Result<Registered, KvError> {
+        let hash = key.hash;
         match self.pool.state(block) {
             None => return Err(self.unknown(block)),
             Some(BlockState::Used { .. }) => {}
             Some(_) => return Err(KvError::NotInUse { block }),
         }
         if let Some(published) = self.pool.hash(block) {
-            if published == hash {
-                return Ok(Registered::Unchanged);
+            return match self.index.get(&published) {
+                Some(ix) if published == hash && ix.entry.is(&key, parent) => Ok(Registered::Unchanged(ix.entry.link())),
+                _ => Err(KvError::HashConflict { block, published, requested: hash }),
+            };
+        }
+        if let Some(ix) = self.index.get(&hash) {
+            if ix.entry.is(&key, parent) {
+                return Ok(Registered::Duplicate { existing: ix.block, link: ix.entry.link() });
             }
-            return Err(KvError::HashConflict { block, published, requested: hash });
+            self.stats.hash_collisions += 1;
+            return Ok(Registered::Collision { holder: ix.block });
         }
-        if let Some(&existing) = self.index.get(&hash) {
-            return Ok(Registered::Duplicate { existing });
+        // A spilled copy under the same hash is now redundant (the same block) or
+        // another block (a collision): either way the primary copy wins. A
+        // different block's publishers must not be charged with this one.
+        if let Some((old, _)) = self.tier2.take(hash) {
+            if !old.is(&key, parent) {
+                self.owners.forget(hash);
+            }
         }
-        // A spilled copy of the same hash is now redundant: the primary copy wins.
-        self.tier2.remove(hash);
+        let entry = Entry::new(&key, parent);
+        let link = entry.link();
         self.pool.set_hash(block, hash);
-        self.index.insert(hash, block);
+        self.index.insert(hash, Indexed { block, entry });
         self.owners.record(hash, owner);
-        Ok(Registered::Published)
+        Ok(Registered::Published(link))
     }
 
     fn unknown(&self, block: BlockId) -> KvError {
@@ -368,8 +455,8 @@ impl KvCache {
         let mut n = 0;
         for &h in hashes {
             let mut found = false;
-            if let Some(b) = self.index.remove(&h) {
-                self.pool.unpublish(b);
+            if let Some(ix) = self.index.remove(&h) {
+                self.pool.unpublish(ix.block);
                 found = true;
             }
             found |= self.tier2.remove(h);
@@ -467,7 +554,8 @@ impl KvCache {
         self.owners.assert_consistent();
         let s = self.stats();
         assert_eq!(s.free + s.used + s.cached, s.total);
-        for (&h, &b) in &self.index {
+        for (&h, ix) in &self.index {
+            let b = ix.block;
             assert_eq!(self.pool.hash(b), Some(h), "index {h} -> {b} disagrees with the pool");
             assert_ne!(self.pool.state(b), Some(BlockState::Free));
             assert!(!self.tier2.contains(h), "{h} is in both tiers");

@@ -1,9 +1,9 @@
 //! Block identity: the owner-scoped hash chain over full blocks of tokens.
 //!
 //! A block's hash covers its parent's hash, its owner scope and its token IDs, so a
-//! hash names a whole prefix, not just one block: two sequences share block `i` only
-//! if they agree on every token before it *and* on every scope. Because a user's
-//! blocks hash their [`UserId`], user B can never produce user A's hash even from the
+//! hash stands for a whole prefix, not just one block: two sequences get the same hash
+//! for block `i` when they agree on every token before it *and* on every scope. Because
+//! a user's blocks hash their [`UserId`], user B does not get user A's hashes from the
 //! same tokens, while blocks that lie entirely inside the platform prefix (the system
 //! prompt) hash [`OwnerScope::Platform`] and are shared by everyone.
 //!
@@ -24,8 +24,17 @@
 //! Changing this encoding invalidates every cached block in a fleet at once; bump the
 //! version byte if it must ever change. A 64-bit hash makes an accidental collision
 //! among a node's live blocks about as likely as n^2 / 2^65 (n = 10^6 blocks: 3e-8).
+//!
+//! The hash only *finds* a block; it never decides a hit. XXH64 is not collision
+//! resistant, so the prefix cache stores each block's scope, tokens and parent link and
+//! compares them on every lookup (see [`super::BlockKey`]). The hasher is a trait so
+//! that tests can forge collisions at will ([`ConstantHasher`]).
+
+use std::fmt;
+use std::sync::Arc;
 
 use super::ids::{BlockHash, OwnerScope, UserId};
+use super::key::BlockKey;
 
 const VERSION: u8 = 1;
 
@@ -147,8 +156,40 @@ fn encode_block(buf: &mut Vec<u8>, parent: Option<BlockHash>, scope: &OwnerScope
 /// docs for the exact encoding).
 pub fn block_hash(parent: Option<BlockHash>, scope: &OwnerScope, tokens: &[u32]) -> BlockHash {
     let mut buf = Vec::with_capacity(32 + 4 * tokens.len());
-    encode_block(&mut buf, parent, scope, tokens);
-    BlockHash(xxh64(&buf, 0))
+    Xxh64BlockHasher.hash_block(&mut buf, parent, scope, tokens)
+}
+
+/// How a block's chain hash is computed from its parent's hash, scope and tokens.
+///
+/// Production uses [`Xxh64BlockHasher`] everywhere (nodes must agree on it). The
+/// prefix cache never trusts the hash alone, so any implementation is *safe*, a poor
+/// one only costs hits; that is what lets tests plug in [`ConstantHasher`].
+pub trait BlockHasher: fmt::Debug + Send + Sync {
+    /// The hash of one block. `scratch` is a reusable buffer for an encoding.
+    fn hash_block(&self, scratch: &mut Vec<u8>, parent: Option<BlockHash>, scope: &OwnerScope, tokens: &[u32]) -> BlockHash;
+}
+
+/// The canonical block hash: XXH64 over the encoding in the module docs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Xxh64BlockHasher;
+
+impl BlockHasher for Xxh64BlockHasher {
+    fn hash_block(&self, scratch: &mut Vec<u8>, parent: Option<BlockHash>, scope: &OwnerScope, tokens: &[u32]) -> BlockHash {
+        encode_block(scratch, parent, scope, tokens);
+        BlockHash(xxh64(scratch, 0))
+    }
+}
+
+/// A deliberately broken hasher: every block of every owner hashes to the same
+/// value. For tests only: it turns every lookup into a hash collision, which the
+/// prefix cache must refuse unless scope, tokens and parent all match.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ConstantHasher(pub u64);
+
+impl BlockHasher for ConstantHasher {
+    fn hash_block(&self, _: &mut Vec<u8>, _: Option<BlockHash>, _: &OwnerScope, _: &[u32]) -> BlockHash {
+        BlockHash(self.0)
+    }
 }
 
 /// The hashes of every full block of `tokens`, `block_tokens` tokens per block.
@@ -176,20 +217,40 @@ pub struct HashChain {
     block_tokens: usize,
     platform_len: usize,
     user: OwnerScope,
+    /// Kept here so that [`HashChain::keys`] can lend it out like `user`.
+    platform: OwnerScope,
+    hasher: Arc<dyn BlockHasher>,
     hashes: Vec<BlockHash>,
     buf: Vec<u8>,
 }
 
 impl HashChain {
     /// An empty chain for a sequence of `user` whose first `platform_len` tokens are
-    /// the platform-shared prefix.
+    /// the platform-shared prefix, hashed with the canonical [`Xxh64BlockHasher`].
     pub fn new(block_tokens: usize, platform_len: usize, user: UserId) -> Self {
+        Self::with_hasher(block_tokens, platform_len, user, Arc::new(Xxh64BlockHasher))
+    }
+
+    /// [`HashChain::new`] with another hasher (tests that forge collisions).
+    pub fn with_hasher(block_tokens: usize, platform_len: usize, user: UserId, hasher: Arc<dyn BlockHasher>) -> Self {
         Self {
             block_tokens,
             platform_len,
             user: OwnerScope::User(user),
+            platform: OwnerScope::Platform,
+            hasher,
             hashes: Vec::new(),
             buf: Vec::new(),
+        }
+    }
+
+    /// The scope of block `i`: platform when it lies entirely inside the platform
+    /// prefix, else the user's.
+    fn scope(&self, i: usize) -> &OwnerScope {
+        if (i + 1) * self.block_tokens <= self.platform_len {
+            &self.platform
+        } else {
+            &self.user
         }
     }
 
@@ -206,16 +267,31 @@ impl HashChain {
         for i in start..full {
             let begin = i * self.block_tokens;
             let end = begin + self.block_tokens;
-            let scope = if end <= self.platform_len {
-                &OwnerScope::Platform
-            } else {
-                &self.user
-            };
+            let scope = if end <= self.platform_len { &self.platform } else { &self.user };
             let parent = self.hashes.last().copied();
-            encode_block(&mut self.buf, parent, scope, &tokens[begin..end]);
-            self.hashes.push(BlockHash(xxh64(&self.buf, 0)));
+            let hash = self.hasher.hash_block(&mut self.buf, parent, scope, &tokens[begin..end]);
+            self.hashes.push(hash);
         }
         &self.hashes[start..]
+    }
+
+    /// The cache keys of the first `n` full blocks (at most the blocks hashed so far):
+    /// each block's hash with the scope and tokens it stands for. `tokens` must be the
+    /// sequence the chain was updated with (or extend it).
+    pub fn keys<'a>(&'a self, tokens: &'a [u32], n: usize) -> Vec<BlockKey<'a>> {
+        let bt = self.block_tokens;
+        let n = n.min(self.hashes.len()).min(tokens.len().checked_div(bt).unwrap_or(0));
+        (0..n)
+            .map(|i| BlockKey { hash: self.hashes[i], scope: self.scope(i), tokens: &tokens[i * bt..(i + 1) * bt] })
+            .collect()
+    }
+
+    /// The cache key of full block `i`, if it has been hashed (see [`HashChain::keys`]).
+    pub fn key<'a>(&'a self, tokens: &'a [u32], i: usize) -> Option<BlockKey<'a>> {
+        let bt = self.block_tokens;
+        let hash = *self.hashes.get(i)?;
+        let tokens = tokens.get(i * bt..(i + 1) * bt)?;
+        Some(BlockKey { hash, scope: self.scope(i), tokens })
     }
 
     /// Hashes of all full blocks so far, in sequence order.

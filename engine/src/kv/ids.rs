@@ -25,10 +25,10 @@ impl fmt::Display for BlockId {
     }
 }
 
-/// Identity of a full block's contents: the hash of its parent block's hash, its
-/// owner scope and its token IDs (see [`super::block_hash`]). Equal hashes mean
-/// equal KV bytes, so a block can be reused by any sequence that produces the same
-/// hash, on any node.
+/// The chain hash of a full block: the hash of its parent block's hash, its owner
+/// scope and its token IDs (see [`super::block_hash`]). Where the prefix cache looks
+/// for a block, on any node; a cached block is reused only if its scope, tokens and
+/// parent link also equal the asker's ([`super::BlockKey`]), since hashes can collide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BlockHash(pub u64);
 
@@ -76,8 +76,8 @@ pub struct SeqId(pub u64);
 
 /// Who may reuse a block: everyone (a platform-supplied prefix such as the system
 /// prompt) or only the user whose tokens produced it. The scope is hashed into the
-/// block identity, so scoping is enforced by the hash itself rather than by a check
-/// that could be forgotten.
+/// block's chain hash, so users' blocks normally land apart, and stored with every
+/// cached block and compared on every lookup, so a collision cannot cross owners.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum OwnerScope {
     /// Shared by every user: the block lies entirely inside the platform prefix.

@@ -7,9 +7,12 @@
 //! through [`BlockStore`], so everything here is plain synchronous code tested with a
 //! fake store.
 //!
-//! - [`block_hash`]: a full block's identity is the hash of its parent's hash,
-//!   its owner scope and its tokens; user blocks hash the user ID, so no user can ever
-//!   match another user's blocks, while platform blocks (system prompt) are shared.
+//! - [`block_hash`]: a full block's chain hash covers its parent's hash, its owner
+//!   scope and its tokens; user blocks hash the user ID, while platform blocks
+//!   (system prompt) are shared. The hash finds a block; it never decides a hit.
+//! - [`BlockKey`]: a hit needs the cached block's scope, tokens and parent link to
+//!   equal the query's, in both tiers, so no user can match another user's blocks
+//!   and no prompt another prompt's, even when hashes collide.
 //! - [`KvCache`]: every primary block is `Free`, `Used` (pinned by running sequences)
 //!   or `Cached` (published under its hash, unpinned, reusable until evicted least
 //!   recently used first). Evicted blocks spill to the second tier (host memory) and
@@ -22,6 +25,7 @@
 mod cache;
 mod hash;
 mod ids;
+mod key;
 mod lru;
 mod owners;
 mod pool;
@@ -31,7 +35,8 @@ mod tier;
 mod tests;
 
 pub use cache::{KvCache, PrefixMatch, PrefixPeek, Registered, SwapHandle};
-pub use hash::{block_hash, prefix_hashes, xxh64, HashChain};
+pub use hash::{block_hash, prefix_hashes, xxh64, BlockHasher, ConstantHasher, HashChain, Xxh64BlockHasher};
+pub use key::{BlockKey, ChainLink};
 pub use ids::{BlockHash, BlockId, BlockOwner, ConversationId, OwnerScope, SeqId, UserId};
 pub use pool::BlockState;
 
@@ -83,6 +88,9 @@ pub struct KvStats {
     pub spilled: u64,
     /// Cumulative: second-tier entries dropped to make room.
     pub tier2_dropped: u64,
+    /// Cumulative: lookups and registrations that found a block under the right
+    /// hash but with another scope, other tokens or another parent (refused).
+    pub hash_collisions: u64,
 }
 
 /// Errors of the KV layer. Every failing operation leaves the cache unchanged; an

@@ -9,19 +9,30 @@
 //! - `cached + swapped <= capacity` (all counted in blocks);
 //! - cached entries form an LRU keyed by [`BlockHash`]; inserting into a full tier
 //!   drops the least recently used entry;
+//! - each cached entry keeps the block's [`Entry`] (scope, tokens, parent link), so a
+//!   promotion is decided exactly like a primary hit, never by the hash alone;
 //! - swapped blocks belong to a swap handle and are never dropped by the LRU; only
 //!   `take_swap`/`drop_swap` remove them.
 
 use std::collections::HashMap;
 
 use super::ids::BlockHash;
+use super::key::Entry;
 use super::lru::LruList;
+
+/// A spilled block: where it is found, what it must equal, and its bytes.
+#[derive(Debug)]
+struct Spilled {
+    hash: BlockHash,
+    entry: Entry,
+    data: Box<[u8]>,
+}
 
 #[derive(Debug)]
 pub(crate) struct Tier2 {
     capacity: usize,
     index: HashMap<BlockHash, u32>,
-    slots: Vec<Option<(BlockHash, Box<[u8]>)>>,
+    slots: Vec<Option<Spilled>>,
     free_slots: Vec<u32>,
     lru: LruList,
     swaps: HashMap<u64, Vec<Box<[u8]>>>,
@@ -55,8 +66,15 @@ impl Tier2 {
         self.swapped
     }
 
+    #[cfg(test)]
     pub(crate) fn contains(&self, hash: BlockHash) -> bool {
         self.index.contains_key(&hash)
+    }
+
+    /// The entry cached under `hash`, to compare with a lookup before taking it.
+    pub(crate) fn entry(&self, hash: BlockHash) -> Option<&Entry> {
+        let &slot = self.index.get(&hash)?;
+        self.slots[slot as usize].as_ref().map(|s| &s.entry)
     }
 
     /// Drops least recently used cached entries until `needed` more blocks fit,
@@ -70,9 +88,9 @@ impl Tier2 {
             let Some(slot) = self.lru.pop_front() else {
                 return false;
             };
-            if let Some((hash, _)) = self.slots[slot as usize].take() {
-                self.index.remove(&hash);
-                dropped.push(hash);
+            if let Some(s) = self.slots[slot as usize].take() {
+                self.index.remove(&s.hash);
+                dropped.push(s.hash);
             }
             self.free_slots.push(slot);
         }
@@ -82,10 +100,11 @@ impl Tier2 {
     /// Stores a spilled block as the most recently used entry, dropping older entries
     /// to make room (their hashes are pushed to `dropped`). Returns false when the tier
     /// has no room at all (capacity 0, or all of it held by swaps).
-    pub(crate) fn insert(&mut self, hash: BlockHash, data: Box<[u8]>, dropped: &mut Vec<BlockHash>) -> bool {
+    pub(crate) fn insert(&mut self, hash: BlockHash, entry: Entry, data: Box<[u8]>, dropped: &mut Vec<BlockHash>) -> bool {
         if let Some(&slot) = self.index.get(&hash) {
-            // Same hash means same contents; refresh recency and keep the newer copy.
-            self.slots[slot as usize] = Some((hash, data));
+            // The newer block replaces the older one, entry and bytes together (the
+            // two need not be the same block: hashes collide).
+            self.slots[slot as usize] = Some(Spilled { hash, entry, data });
             self.lru.remove(slot);
             self.lru.push_back(slot);
             return true;
@@ -104,18 +123,18 @@ impl Tier2 {
                 s
             }
         };
-        self.slots[slot as usize] = Some((hash, data));
+        self.slots[slot as usize] = Some(Spilled { hash, entry, data });
         self.index.insert(hash, slot);
         self.lru.push_back(slot);
         true
     }
 
     /// Removes and returns a cached entry (for promotion to the primary pool).
-    pub(crate) fn take(&mut self, hash: BlockHash) -> Option<Box<[u8]>> {
+    pub(crate) fn take(&mut self, hash: BlockHash) -> Option<(Entry, Box<[u8]>)> {
         let slot = self.index.remove(&hash)?;
         self.lru.remove(slot);
         self.free_slots.push(slot);
-        self.slots[slot as usize].take().map(|(_, data)| data)
+        self.slots[slot as usize].take().map(|s| (s.entry, s.data))
     }
 
     /// Removes a cached entry; returns whether it existed.
@@ -177,7 +196,7 @@ impl Tier2 {
     pub(crate) fn cached_hashes(&self) -> Vec<BlockHash> {
         self.lru
             .iter()
-            .filter_map(|s| self.slots[s as usize].as_ref().map(|(h, _)| *h))
+            .filter_map(|s| self.slots[s as usize].as_ref().map(|s| s.hash))
             .collect()
     }
 
@@ -187,7 +206,7 @@ impl Tier2 {
         assert_eq!(self.lru.len(), self.index.len());
         for (hash, &slot) in &self.index {
             assert!(self.lru.contains(slot));
-            assert_eq!(self.slots[slot as usize].as_ref().map(|(h, _)| *h), Some(*hash));
+            assert_eq!(self.slots[slot as usize].as_ref().map(|s| s.hash), Some(*hash));
         }
         assert_eq!(self.swaps.values().map(Vec::len).sum::<usize>(), self.swapped);
     }
@@ -196,6 +215,15 @@ impl Tier2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::{BlockKey, OwnerScope};
+
+    fn key(t: &[u32; 1]) -> BlockKey<'_> {
+        BlockKey { hash: BlockHash(0), scope: &OwnerScope::Platform, tokens: t }
+    }
+
+    fn entry(t: u32) -> Entry {
+        Entry::new(&key(&[t]), None)
+    }
 
     fn data(b: u8) -> Box<[u8]> {
         vec![b; 4].into_boxed_slice()
@@ -206,11 +234,11 @@ mod tests {
         let mut t = Tier2::new(3);
         let mut dropped = Vec::new();
         for i in 0..3 {
-            assert!(t.insert(BlockHash(i), data(i as u8), &mut dropped));
+            assert!(t.insert(BlockHash(i), entry(i as u32), data(i as u8), &mut dropped));
         }
         // Touch 0 by re-inserting: 1 becomes the oldest.
-        assert!(t.insert(BlockHash(0), data(9), &mut dropped));
-        assert!(t.insert(BlockHash(3), data(3), &mut dropped));
+        assert!(t.insert(BlockHash(0), entry(0), data(9), &mut dropped));
+        assert!(t.insert(BlockHash(3), entry(3), data(3), &mut dropped));
         assert_eq!(dropped, vec![BlockHash(1)]);
         assert_eq!(t.cached_hashes(), vec![BlockHash(2), BlockHash(0), BlockHash(3)]);
         // A swap of 2 pushes out the two oldest cached entries.
@@ -222,14 +250,16 @@ mod tests {
         assert!(t.insert_swap(8, vec![data(1), data(2)], &mut dropped).is_err());
         assert_eq!(t.cached_len(), 1);
         // The cache can still cycle through the one free place.
-        assert!(t.insert(BlockHash(4), data(4), &mut dropped));
+        assert!(t.insert(BlockHash(4), entry(4), data(4), &mut dropped));
         assert!(!t.contains(BlockHash(3)));
-        assert_eq!(t.take(BlockHash(4)).as_deref(), Some(&[4u8; 4][..]));
+        let (e, d) = t.take(BlockHash(4)).expect("cached");
+        assert!(e.is(&key(&[4]), None), "the entry travels with its bytes");
+        assert_eq!(&*d, &[4u8; 4][..]);
         assert_eq!(t.swap_data(7).map(|d| d.len()), Some(2));
         assert!(t.drop_swap(7));
         assert!(!t.drop_swap(7));
         t.assert_consistent();
         let mut none = Tier2::new(0);
-        assert!(!none.insert(BlockHash(1), data(1), &mut dropped));
+        assert!(!none.insert(BlockHash(1), entry(1), data(1), &mut dropped));
     }
 }

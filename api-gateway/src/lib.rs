@@ -18,6 +18,7 @@ pub mod error;
 pub mod generator;
 pub mod limits;
 pub mod listen;
+pub mod markdown;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;

@@ -345,8 +345,8 @@ impl TextRun {
         }
         let mut url_edits: Vec<Range<usize>> = Vec::new();
         if !self.quiet {
-            for (t, url) in bare_urls(&self.text) {
-                if policy.allows(&url) {
+            for (t, urls) in bare_urls(&self.text) {
+                if urls.iter().all(|u| policy.allows(u)) {
                     continue;
                 }
                 let mut s = self.source_at(t.start, false);
@@ -392,19 +392,27 @@ impl TextRun {
 }
 
 /// URLs a linkifier (GitHub, markdown-it) would make clickable in plain
-/// text: `http://`, `https://`, `ftp://` and `www.` up to the next space,
-/// with the URL to judge (trailing punctuation trimmed, `www.` as http).
-fn bare_urls(text: &str) -> Vec<(Range<usize>, String)> {
+/// text: `http://`, `https://`, `ftp://` and `www.` up to the next space or
+/// `<`. Each token comes with every URL to judge in it: one per scheme or
+/// `www.` inside it (renderers differ on where a URL starts), trailing
+/// punctuation trimmed, `www.` read as http.
+fn bare_urls(text: &str) -> Vec<(Range<usize>, Vec<String>)> {
+    const STARTS: [&str; 4] = ["http://", "https://", "ftp://", "www."];
     let lower = text.to_ascii_lowercase();
+    let next_start = |from: usize, to: usize| STARTS.iter().filter_map(|p| lower[from..to].find(p).map(|i| from + i)).min();
     let mut found = Vec::new();
     let mut from = 0;
-    while from < lower.len() {
-        let next = ["http://", "https://", "ftp://", "www."].iter().filter_map(|p| lower[from..].find(p).map(|i| from + i)).min();
-        let Some(start) = next else { break };
-        let end = text[start..].find(|c: char| c.is_whitespace() || c == '<' || c == '>').map(|e| start + e).unwrap_or(text.len());
-        let token = text[start..end].trim_end_matches(['.', ',', ':', ';', '!', '?', ')', '\'', '"', '*', '_', '~']);
-        let url = if lower[start..].starts_with("www.") { format!("http://{token}") } else { token.to_string() };
-        found.push((start..end, url));
+    while let Some(start) = next_start(from, lower.len()) {
+        // GitHub's extended autolinks end at whitespace or `<`.
+        let end = text[start..].find(|c: char| c.is_whitespace() || c == '<').map(|e| start + e).unwrap_or(text.len());
+        let mut urls = Vec::new();
+        let mut at = start;
+        while let Some(s) = next_start(at, end) {
+            let token = text[s..end].trim_end_matches(['.', ',', ':', ';', '!', '?', ')', '\'', '"', '*', '_', '~']);
+            urls.push(if lower[s..].starts_with("www.") { format!("http://{token}") } else { token.to_string() });
+            at = s + 1;
+        }
+        found.push((start..end, urls));
         from = end.max(start + 1);
     }
     found
@@ -476,10 +484,16 @@ pub fn sanitize(text: &str, policy: &LinkPolicy) -> String {
     render(text, &p.edits, 0, text.len())
 }
 
-/// The largest top-level block start after which the window may be cut: the
-/// blocks before it are closed for good, since its first line is complete.
+/// The start of the line of the largest top-level block start where the
+/// window may be cut: the blocks before it are closed for good, since its
+/// first line is complete. The line start, not the block start: an indented
+/// code block starts after its indentation, which must stay in the window.
 fn cut_point(text: &str, blocks: &[usize], limit: usize) -> Option<usize> {
-    blocks.iter().rev().copied().find(|&b| b > 0 && b <= limit && text[b..].contains('\n'))
+    blocks
+        .iter()
+        .rev()
+        .map(|&b| text[..b].rfind('\n').map(|n| n + 1).unwrap_or(0))
+        .find(|&line| line > 0 && line <= limit && text[line..].contains('\n'))
 }
 
 /// The sanitizer of one streamed reply.

@@ -156,7 +156,8 @@ fn bare_url_violations(text: &str, policy: &LinkPolicy) -> Vec<String> {
     for start in (0..lower.len()).filter(|&i| lower.is_char_boundary(i)) {
         let rest = &lower[start..];
         if rest.starts_with("http://") || rest.starts_with("https://") || rest.starts_with("www.") || rest.starts_with("ftp://") {
-            let end = rest.find(char::is_whitespace).unwrap_or(rest.len());
+            // GitHub's extended autolinks end at whitespace or `<`.
+            let end = rest.find(|c: char| c.is_whitespace() || c == '<').unwrap_or(rest.len());
             let token = rest[..end].trim_end_matches(['.', ',', ')', ';', ':', '!', '?', '"', '\'']);
             let url = if token.starts_with("www.") { format!("http://{token}") } else { token.to_string() };
             if !policy.allows(&url) {
@@ -183,8 +184,8 @@ fn violations(out: &str) -> Vec<String> {
             }
         }
         let mut text = String::new();
-        // Renderers show code as text: nothing in it is a link.
-        let mut in_code = false;
+        // Renderers show code as text, and never linkify inside a link.
+        let (mut in_code, mut in_link) = (false, 0usize);
         for ev in parser {
             if !matches!(ev, Event::Text(_)) {
                 bad.extend(bare_url_violations(&text, &policy));
@@ -193,9 +194,14 @@ fn violations(out: &str) -> Vec<String> {
             match ev {
                 Event::Start(Tag::CodeBlock(_)) => in_code = true,
                 Event::End(TagEnd::CodeBlock) => in_code = false,
-                Event::Text(_) if in_code => {}
-                Event::Start(Tag::Image { dest_url, .. }) if !policy.allows(&dest_url) => bad.push(format!("image {dest_url}")),
-                Event::Start(Tag::Link { dest_url, .. }) if !policy.allows(&dest_url) => bad.push(format!("link {dest_url}")),
+                Event::Text(_) if in_code || in_link > 0 => {}
+                Event::Start(Tag::Image { dest_url, .. }) | Event::Start(Tag::Link { dest_url, .. }) => {
+                    in_link += 1;
+                    if !policy.allows(&dest_url) {
+                        bad.push(format!("link or image {dest_url}"));
+                    }
+                }
+                Event::End(TagEnd::Image) | Event::End(TagEnd::Link) => in_link = in_link.saturating_sub(1),
                 Event::Html(h) | Event::InlineHtml(h) => bad.push(format!("html {h}")),
                 Event::Text(t) => text.push_str(&t),
                 _ => {}
@@ -260,5 +266,40 @@ fn refused_links_keep_their_text_and_lose_their_url() {
     }
     for (how, chunks) in chunkings("see https://evil.com/?q=1 now") {
         assert_eq!(stream(&chunks), "see `https://evil.com/?q=1` now", "{how}");
+    }
+}
+
+mod generated {
+    //! Replies assembled from the pieces attacks are made of, cut into random
+    //! chunks: the same invariant as the corpus, on inputs nobody wrote by hand.
+    use super::*;
+    use proptest::prelude::*;
+
+    const PIECES: &[&str] = &[
+        "![", "[", "]", "(", ")", "https://evil.com/x", "https://docs.rs/y", "www.evil.com", "<img src=", "<", ">", "`", "```\n", "\n",
+        "\n\n", " ", "    ", "a", "r", "[r]: ", "]: ", "&#58;", "\\", "!", ":", "//evil.com", "<!--", "-->", "- ", "> ", "|", "\"",
+    ];
+
+    fn reply() -> impl Strategy<Value = String> {
+        prop::collection::vec(prop::sample::select(PIECES), 0..40).prop_map(|p| p.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+        #[test]
+        fn generated_replies_are_safe_in_any_chunking(text in reply(), sizes in prop::collection::vec(1usize..6, 1..64)) {
+            let chars: Vec<char> = text.chars().collect();
+            let mut chunks = Vec::new();
+            let (mut i, mut k) = (0, 0);
+            while i < chars.len() {
+                let n = sizes[k % sizes.len()];
+                chunks.push(chars[i..(i + n).min(chars.len())].iter().collect::<String>());
+                i += n;
+                k += 1;
+            }
+            let out = stream(&chunks);
+            let bad = violations(&out);
+            prop_assert!(bad.is_empty(), "{:?}\n  in:  {:?}\n  out: {:?}", bad, text, out);
+        }
     }
 }

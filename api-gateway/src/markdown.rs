@@ -43,15 +43,16 @@ use std::sync::Arc;
 /// the held text is sent with its brackets escaped, so it stays text.
 pub const MAX_HELD: usize = 2048;
 
-/// The dialect: CommonMark plus what GitHub-flavoured renderers add. Math is
-/// left off on purpose: a renderer without math would show `$...$` as
-/// markdown, so the links inside it are judged as links.
+/// The dialect: CommonMark plus what GitHub-flavoured renderers add, less
+/// what would make the gateway see fewer links than some renderer. Math is
+/// off: a renderer without math shows `$...$` as markdown, so the links in it
+/// are judged as links. Footnotes are off: a footnote definition is a
+/// container to GFM but paragraph text or a link reference definition to
+/// CommonMark, and code, lists or HTML inside it read differently in each;
+/// read as CommonMark, its `]:` is escaped as text, so GFM sees no footnote
+/// either (footnote definitions reach the client as text).
 fn options() -> Options {
-    Options::ENABLE_TABLES
-        | Options::ENABLE_FOOTNOTES
-        | Options::ENABLE_STRIKETHROUGH
-        | Options::ENABLE_TASKLISTS
-        | Options::ENABLE_GFM
+    Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH | Options::ENABLE_TASKLISTS | Options::ENABLE_GFM
 }
 
 /// A source range replaced in the output.
@@ -85,8 +86,9 @@ struct Plan {
 /// Parses `src` and plans its sanitized form. `known` resolves references to
 /// allowed definitions sent in earlier windows. `flush`: no more text will
 /// come, so nothing is held. `escape_all`: escape every bracket, `<` and
-/// backtick of plain text (a held construct released by force).
-fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: bool, escape_all: bool) -> Plan {
+/// backtick of plain text (a held construct released by force). `fence`:
+/// the shortest backtick fence of an inserted code span.
+fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: bool, escape_all: bool, fence: usize) -> Plan {
     let resolve = |l: BrokenLink<'_>| known.get(&l.reference.to_lowercase()).map(|d| (CowStr::from(d.clone()), CowStr::from("")));
     let iter = Parser::new_with_broken_link_callback(src, options(), Some(resolve)).into_offset_iter();
     let mut p = Plan { hold: src.len(), ..Plan::default() };
@@ -115,18 +117,19 @@ fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: 
     let mut quiet_until = 0usize;
     // Inside any link or image: brackets there are balanced already.
     let mut in_link_until = 0usize;
+    let mut code_blocks: Vec<Range<usize>> = Vec::new();
     let mut i = 0;
     while i < events.len() {
         let (ev, r) = (&events[i].0, events[i].1.clone());
         if !matches!(ev, Event::Text(_)) {
-            run.finish(src, policy, flush, escape_all, &mut p);
+            run.finish(src, policy, flush, escape_all, fence, &mut p);
         }
         match ev {
             Event::Start(tag) => {
                 if depth == 0 {
                     p.blocks.push(r.start);
                 }
-                if matches!(tag, Tag::Paragraph | Tag::Heading { .. } | Tag::TableCell | Tag::Item | Tag::FootnoteDefinition(_)) {
+                if matches!(tag, Tag::Paragraph | Tag::Heading { .. } | Tag::TableCell | Tag::Item) {
                     leaf_start = r.start;
                     open_leaf_text.clear();
                 }
@@ -161,7 +164,7 @@ fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: 
                     quiet_until = quiet_until.max(end);
                 } else if matches!(link_type, LinkType::Autolink | LinkType::Email) {
                     let text: String = events[i + 1..end].iter().filter_map(|(e, _)| if let Event::Text(t) = e { Some(&**t) } else { None }).collect();
-                    p.edits.push(Edit { at: r, with: code_span(&text), safety: true });
+                    p.edits.push(Edit { at: r, with: code_span(&text, fence), safety: true });
                     depth = depth.saturating_sub(1);
                     i = end + 1;
                     continue;
@@ -188,23 +191,9 @@ fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: 
                 continue;
             }
             Event::Html(_) | Event::InlineHtml(_) => p.edits.push(Edit::remove(r)),
-            Event::Start(Tag::FootnoteDefinition(_)) => {
-                // A renderer without footnotes reads `[^1]: x` as a link
-                // reference definition: judge it as one, and when it would be
-                // refused, escape its `]` so that neither reading has it.
-                if !flush && r.end >= src.len() && !src[r.start..].contains('\n') {
-                    p.hold = p.hold.min(r.start);
-                }
-                let block = &src[r.clone()];
-                let plain = Parser::new_ext(block, Options::empty());
-                if plain.reference_definitions().iter().any(|(_, d)| !policy.allows(&d.dest)) {
-                    if let Some(at) = block.find("]:") {
-                        p.edits.push(Edit { at: r.start + at..r.start + at + 1, with: "\\]".into(), safety: true });
-                    }
-                }
-            }
             Event::Start(Tag::CodeBlock(_)) => {
                 // Code is shown as text: nothing in it is a link.
+                code_blocks.push(r.clone());
                 i = matching_end(&events, i);
                 continue;
             }
@@ -218,7 +207,8 @@ fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: 
         }
         i += 1;
     }
-    run.finish(src, policy, flush, escape_all, &mut p);
+    run.finish(src, policy, flush, escape_all, fence, &mut p);
+    escape_footnote_definitions(src, &code_blocks, &mut p.edits);
     if !flush {
         hold_open_openers(src, &open_leaf_text, &mut p.hold);
     }
@@ -240,6 +230,26 @@ fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: 
         }
     }
     p
+}
+
+/// Escapes the `]` of every line that GFM would read as a footnote
+/// definition (`[^label]:`), outside code blocks: this parser reads such a
+/// line as CommonMark does (see [`options`]), possibly inside a code span or
+/// a paragraph, where GFM would start a new block there.
+fn escape_footnote_definitions(src: &str, code_blocks: &[Range<usize>], edits: &mut Vec<Edit>) {
+    let b = src.as_bytes();
+    let line_starts = std::iter::once(0).chain(src.match_indices('\n').map(|(n, _)| n + 1));
+    for line in line_starts {
+        let start = line + src[line..].bytes().take_while(|c| matches!(c, b' ' | b'>' | b'\t')).count();
+        if !src[start..].starts_with("[^") {
+            continue;
+        }
+        let Some(close) = src[start..].find(']').map(|c| start + c) else { continue };
+        let label_ok = !src[start + 2..close].contains(['\n', '[']);
+        if label_ok && b.get(close + 1) == Some(&b':') && b[close - 1] != b'\\' && !code_blocks.iter().any(|c| c.contains(&close)) {
+            edits.push(Edit { at: close..close + 1, with: "\\]".into(), safety: true });
+        }
+    }
 }
 
 /// Index of the `End` that closes the `Start` at `i`.
@@ -339,7 +349,7 @@ impl TextRun {
         self.pieces.last().map(|p| p.1.end).unwrap_or(0)
     }
 
-    fn finish(&mut self, src: &str, policy: &LinkPolicy, flush: bool, escape_all: bool, p: &mut Plan) {
+    fn finish(&mut self, src: &str, policy: &LinkPolicy, flush: bool, escape_all: bool, fence: usize, p: &mut Plan) {
         if self.pieces.is_empty() {
             return;
         }
@@ -355,7 +365,7 @@ impl TextRun {
                 while s > 0 && src.as_bytes()[s - 1] == b'\\' {
                     s -= 1;
                 }
-                p.edits.push(Edit { at: s..e, with: code_span(&self.text[t]), safety: true });
+                p.edits.push(Edit { at: s..e, with: code_span(&self.text[t], fence), safety: true });
                 url_edits.push(s..e);
             }
         }
@@ -427,42 +437,75 @@ fn could_become_url(word: &str) -> bool {
     w.contains(['&', '\\']) || ["http://", "https://", "ftp://", "www."].iter().any(|p| p.starts_with(&w) || w.contains(p))
 }
 
-/// `text` as a code span (shown verbatim, never a link).
-fn code_span(text: &str) -> String {
-    let longest = text.split(|c| c != '`').map(str::len).max().unwrap_or(0);
-    let fence = "`".repeat(longest + 1);
-    if longest > 0 {
-        format!("{fence} {text} {fence}")
-    } else {
-        format!("{fence}{text}{fence}")
-    }
+/// The longest run of backticks in `text`.
+fn longest_backtick_run(text: &str) -> usize {
+    text.split(|c| c != '`').map(str::len).max().unwrap_or(0)
+}
+
+/// A refused URL as a code span: shown, never a link. Its fence, at least
+/// `fence` backticks, is longer than any backtick run of the reply so far,
+/// and its text loses its own backticks, so no literal backtick elsewhere can
+/// pair with a fence or with the text and leave the URL outside, whatever
+/// block structure a renderer sees.
+fn code_span(text: &str, fence: usize) -> String {
+    let fence = "`".repeat(fence.max(1));
+    format!("{fence}{}{fence}", text.replace('`', ""))
 }
 
 /// The source `src[from..to]` with the edits inside it applied. An edit that
 /// began before `from` (its start was sent already) is cut off: the rest of
-/// it is dropped.
-fn render(src: &str, edits: &[Edit], from: usize, to: usize) -> String {
+/// it is dropped. An inserted code span never touches another backtick (the
+/// runs would merge and pair differently): a space goes between. `before`:
+/// what the output so far ends with.
+fn render(src: &str, edits: &[Edit], from: usize, to: usize, before: Tail) -> String {
     let mut out = String::with_capacity(to.saturating_sub(from));
+    let mut tail = before;
+    let mut push = |out: &mut String, text: &str, span: bool| {
+        if text.is_empty() {
+            return;
+        }
+        let touching = text.starts_with('`') && (tail == Tail::Span || (span && tail == Tail::Backtick));
+        if touching {
+            out.push(' ');
+        }
+        out.push_str(text);
+        tail = match (span, text.ends_with('`')) {
+            (true, _) => Tail::Span,
+            (false, true) => Tail::Backtick,
+            (false, false) => Tail::Other,
+        };
+    };
     let mut pos = from;
     for e in edits {
-        if e.at.end <= pos || e.at.start >= to {
-            if e.at.start >= to {
-                break;
-            }
+        if e.at.start >= to {
+            break;
+        }
+        // An insertion (empty range) at `pos` is still to do.
+        if e.at.end <= pos && !(e.at.is_empty() && e.at.start == pos) {
             continue;
         }
         if e.at.start < pos {
             pos = e.at.end.min(to);
             continue;
         }
-        out.push_str(&src[pos..e.at.start]);
-        out.push_str(&e.with);
+        push(&mut out, &src[pos..e.at.start], false);
+        push(&mut out, &e.with, e.with.starts_with('`'));
         pos = e.at.end.min(to);
     }
     if pos < to {
-        out.push_str(&src[pos..to]);
+        push(&mut out, &src[pos..to], false);
     }
     out
+}
+
+/// How the output so far ends, for [`render`].
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Tail {
+    Other,
+    /// A backtick of the reply's own text.
+    Backtick,
+    /// The closing fence of an inserted code span.
+    Span,
 }
 
 /// Backslash before every ASCII punctuation character: plain text in any
@@ -480,8 +523,8 @@ fn escape_punctuation(text: &str) -> String {
 
 /// Sanitizes a whole document at once (tests, and the check of sent text).
 pub fn sanitize(text: &str, policy: &LinkPolicy) -> String {
-    let p = plan(text, policy, &HashMap::new(), true, false);
-    render(text, &p.edits, 0, text.len())
+    let p = plan(text, policy, &HashMap::new(), true, false, longest_backtick_run(text) + 1);
+    render(text, &p.edits, 0, text.len(), Tail::Other)
 }
 
 /// The start of the line of the largest top-level block start where the
@@ -507,6 +550,10 @@ pub struct StreamSanitizer {
     /// Sent text since its own last block boundary, and its definitions.
     sent: String,
     sent_defs: HashMap<String, String>,
+    /// Longest backtick run of the reply so far (see [`code_span`]).
+    backticks: usize,
+    /// How the sent text ends (see [`render`]).
+    tail: Tail,
 }
 
 impl StreamSanitizer {
@@ -518,12 +565,18 @@ impl StreamSanitizer {
             defs: HashMap::new(),
             sent: String::new(),
             sent_defs: HashMap::new(),
+            backticks: 0,
+            tail: Tail::Other,
         }
     }
 
     /// Feeds generated text; returns what may be sent now (maybe nothing).
     pub fn push(&mut self, chunk: &str) -> String {
         self.src.push_str(chunk);
+        // A run may span chunks: measure it over the window's tail.
+        let tail = self.src.len().saturating_sub(chunk.len() + self.backticks + 1);
+        let tail = (tail..self.src.len()).find(|&i| self.src.is_char_boundary(i)).unwrap_or(self.src.len());
+        self.backticks = self.backticks.max(longest_backtick_run(&self.src[tail..]));
         self.step(false)
     }
 
@@ -538,13 +591,22 @@ impl StreamSanitizer {
     }
 
     fn step(&mut self, flush: bool) -> String {
-        let mut p = plan(&self.src, &self.policy, &self.defs, flush, false);
+        let fence = self.backticks + 1;
+        let mut p = plan(&self.src, &self.policy, &self.defs, flush, false, fence);
         let mut hold = p.hold.max(self.done);
         if !flush && self.src.len() - hold > MAX_HELD {
-            p = plan(&self.src, &self.policy, &self.defs, true, true);
+            p = plan(&self.src, &self.policy, &self.defs, true, true, fence);
             hold = self.src.len();
         }
-        let piece = render(&self.src, &p.edits, self.done, hold);
+        let piece = render(&self.src, &p.edits, self.done, hold, self.tail);
+        if !piece.is_empty() {
+            let span_end = p.edits.iter().any(|e| e.at.end == hold && e.with.starts_with('`') && e.at.start >= self.done);
+            self.tail = match (span_end, piece.ends_with('`')) {
+                (true, _) => Tail::Span,
+                (false, true) => Tail::Backtick,
+                (false, false) => Tail::Other,
+            };
+        }
         self.done = hold;
         if let Some(cut) = cut_point(&self.src, &p.blocks, self.done) {
             for (label, dest, start) in &p.defs {
@@ -567,7 +629,7 @@ impl StreamSanitizer {
         let mut checked = None;
         for attempt in 0..2 {
             let candidate = format!("{}{}", self.sent, out);
-            let p = plan(&candidate, &self.policy, &self.sent_defs, true, false);
+            let p = plan(&candidate, &self.policy, &self.sent_defs, true, false, self.backticks + 1);
             if p.edits.iter().all(|e| !e.safety) {
                 checked = Some((candidate, p));
                 break;

@@ -4,7 +4,10 @@
 //! chunks. Prints MB/s and microseconds per chunk side by side.
 //!
 //! `cargo bench -p baton-api-gateway --bench markdown_filter` (BENCH_REPLIES
-//! sets how many replies each filter streams).
+//! sets how many replies each filter streams). On the shared 2-core
+//! development machine (release build): pattern filter 0.035 us and 113 MB/s,
+//! sanitizer 5.9 us and 0.7 MB/s per 4-character chunk of a 2.7 kB reply;
+//! both a small fraction of a token's generation time.
 
 use baton_api_gateway::checks::LinkPolicy;
 use baton_api_gateway::markdown::StreamSanitizer;

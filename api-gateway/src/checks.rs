@@ -1,13 +1,14 @@
 //! Input and output checks. [`ContentCheck`] is the seam (a classifier
 //! service could implement it); [`RuleCheck`] is the default, read from a
-//! rule file. [`OutputFilter`] runs on streamed chunks: it strips markdown
-//! images, keeps links only to allowlisted hosts (the link text stays), and
-//! stops the reply when the check fires.
+//! rule file. [`OutputFilter`] runs on streamed chunks: the markdown
+//! sanitizer ([`crate::markdown`]) removes images and links the
+//! [`LinkPolicy`] refuses, then the output check stops the reply when it fires.
 //!
 //! Rule file: one rule per line, `input: <phrase>` or `output: <phrase>`
 //! (case-insensitive substring), `#` comments.
 
 use std::path::Path;
+use crate::markdown::StreamSanitizer;
 use std::sync::Arc;
 
 /// Screens text; `Err(reason)` blocks it. Reasons are short and safe to show.
@@ -75,33 +76,39 @@ impl ContentCheck for RuleCheck {
     }
 }
 
-/// Hosts whose links are kept.
+/// Hosts whose links and images replies may keep.
 #[derive(Clone, Debug, Default)]
 pub struct LinkPolicy {
     pub allowed_hosts: Vec<String>,
 }
 
 impl LinkPolicy {
-    fn allows(&self, url: &str) -> bool {
-        let url = url.trim();
-        let rest = match url.strip_prefix("https://").or_else(|| url.strip_prefix("http://")) {
-            Some(r) => r,
-            None => return false,
-        };
-        let host_port = rest.split(['/', '?', '#']).next().unwrap_or("");
-        if host_port.contains('@') {
+    /// Whether `url` (decoded, as a renderer would follow it) is an http(s)
+    /// URL on an allowed host or one of its subdomains. Anything unusual in
+    /// the authority (credentials, backslashes, percent-escapes, non-ASCII)
+    /// is refused rather than interpreted: browsers and this check could
+    /// disagree on the host.
+    pub fn allows(&self, url: &str) -> bool {
+        if url.chars().any(|c| c.is_control() || c.is_whitespace() || c == '\\') {
             return false;
         }
-        let host = host_port.split(':').next().unwrap_or("").to_lowercase();
+        let lower = url.to_ascii_lowercase();
+        let Some(rest) = lower.strip_prefix("https://").or_else(|| lower.strip_prefix("http://")) else { return false };
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+        let (host, port) = authority.split_once(':').unwrap_or((authority, ""));
+        let host = host.strip_suffix('.').unwrap_or(host);
+        let host_ok = !host.is_empty()
+            && !host.starts_with(['.', '-'])
+            && host.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
+        if !host_ok || !port.bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
         self.allowed_hosts.iter().any(|a| {
-            let a = a.to_lowercase();
-            host == a || host.ends_with(&format!(".{a}"))
+            let a = a.trim().trim_end_matches('.').to_ascii_lowercase();
+            !a.is_empty() && (host == a || host.ends_with(&format!(".{a}")))
         })
     }
 }
-
-/// Most bytes a markdown construct may span before it is let through as text.
-const MAX_HELD: usize = 2048;
 
 /// What the filter did with a chunk.
 #[derive(Debug, PartialEq)]
@@ -112,30 +119,29 @@ pub enum Filtered {
     Blocked(String),
 }
 
-/// Streaming output filter of one reply.
+/// Streaming output filter of one reply: the markdown sanitizer
+/// ([`crate::markdown`]), then the output check on what it lets through.
 pub struct OutputFilter {
     check: Arc<dyn ContentCheck>,
-    links: Arc<LinkPolicy>,
-    pending: String,
+    markdown: StreamSanitizer,
     recent: String,
     keep_recent: usize,
 }
 
 impl OutputFilter {
     pub fn new(check: Arc<dyn ContentCheck>, links: Arc<LinkPolicy>, longest_rule: usize) -> Self {
-        OutputFilter { check, links, pending: String::new(), recent: String::new(), keep_recent: longest_rule.max(64) }
+        OutputFilter { check, markdown: StreamSanitizer::new(links), recent: String::new(), keep_recent: longest_rule.max(64) }
     }
 
     /// Feeds generated text; returns what may be sent now.
     pub fn push(&mut self, chunk: &str) -> Filtered {
-        self.pending.push_str(chunk);
-        let out = self.sanitize(false);
+        let out = self.markdown.push(chunk);
         self.screen(out)
     }
 
     /// End of reply: flushes what was held back.
     pub fn finish(&mut self) -> Filtered {
-        let out = self.sanitize(true);
+        let out = self.markdown.finish();
         self.screen(out)
     }
 
@@ -155,84 +161,6 @@ impl OutputFilter {
             self.recent.drain(..cut);
         }
         Filtered::Text(out)
-    }
-
-    /// Moves complete text from `pending` to the output, rewriting markdown
-    /// images and links; keeps an incomplete construct pending.
-    fn sanitize(&mut self, flush: bool) -> String {
-        let mut out = String::new();
-        loop {
-            let Some(start) = self.pending.find(['!', '[']) else {
-                out.push_str(&self.pending);
-                self.pending.clear();
-                return out;
-            };
-            out.push_str(&self.pending[..start]);
-            self.pending.drain(..start);
-            match parse_construct(&self.pending) {
-                Construct::Incomplete if !flush && self.pending.len() < MAX_HELD => return out,
-                Construct::Incomplete | Construct::NotOne => {
-                    let c = self.pending.chars().next().map(char::len_utf8).unwrap_or(1);
-                    out.push_str(&self.pending[..c]);
-                    self.pending.drain(..c);
-                }
-                Construct::Image { len } => {
-                    self.pending.drain(..len);
-                }
-                Construct::Link { len, text_end, url } => {
-                    if self.links.allows(&self.pending[url.clone()]) {
-                        out.push_str(&self.pending[..len]);
-                    } else {
-                        out.push_str(&self.pending[1..text_end]);
-                    }
-                    self.pending.drain(..len);
-                }
-            }
-        }
-    }
-}
-
-enum Construct {
-    Incomplete,
-    NotOne,
-    Image { len: usize },
-    Link { len: usize, text_end: usize, url: std::ops::Range<usize> },
-}
-
-/// `s` starts with `!` or `[`.
-fn parse_construct(s: &str) -> Construct {
-    let image = s.starts_with('!');
-    let open = if image { 1 } else { 0 };
-    if image {
-        match s.as_bytes().get(1) {
-            None => return Construct::Incomplete,
-            Some(b'[') => {}
-            Some(_) => return Construct::NotOne,
-        }
-    }
-    let body = &s[open + 1..];
-    let Some(close) = body.find([']', '\n']) else { return Construct::Incomplete };
-    if body.as_bytes()[close] == b'\n' {
-        return Construct::NotOne;
-    }
-    let text_end = open + 1 + close;
-    match s.as_bytes().get(text_end + 1) {
-        None => return Construct::Incomplete,
-        Some(b'(') => {}
-        Some(_) => return Construct::NotOne,
-    }
-    let url_start = text_end + 2;
-    let Some(rel) = s[url_start..].find([')', '\n']) else { return Construct::Incomplete };
-    if s.as_bytes()[url_start + rel] == b'\n' {
-        return Construct::NotOne;
-    }
-    let len = url_start + rel + 1;
-    if image {
-        Construct::Image { len }
-    } else {
-        let url_text = &s[url_start..url_start + rel];
-        let url_len = url_text.find(' ').unwrap_or(url_text.len());
-        Construct::Link { len, text_end, url: url_start..url_start + url_len }
     }
 }
 

@@ -237,15 +237,22 @@ pub async fn add_turn(
     let prompt = match prev {
         Some(p) if threshold > 0 && p.prompt_ids.len() + p.output_ids.len() > threshold => {
             // A turn boundary past the threshold: summarize, store the summary,
-            // and rebuild the prompt once; later turns append to it.
-            let summary = summarize(&app, &user, &id, p).await?;
-            app.store.set_summary(&id, &summary).await?;
-            let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id).collect();
-            let keep = app.config.summary_keep_turns.min(in_context.len());
-            let recent: Vec<(&str, &[u32])> =
-                in_context[in_context.len() - keep..].iter().map(|t| (t.user_text.as_str(), t.output_ids.as_slice())).collect();
-            tracing::info!(conversation = %id, kept_turns = keep, "history summarized");
-            app.context.with_summary(&summary, &recent, &body.message)
+            // and rebuild the prompt once; later turns append to it. A summary
+            // the input check refuses is neither stored nor used: the turn
+            // appends to the full history as below the threshold, and the next
+            // turn tries again.
+            match summarize(&app, &user, &id, p).await? {
+                Some(summary) => {
+                    app.store.set_summary(&id, &summary).await?;
+                    let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id).collect();
+                    let keep = app.config.summary_keep_turns.min(in_context.len());
+                    let recent: Vec<(&str, &[u32])> =
+                        in_context[in_context.len() - keep..].iter().map(|t| (t.user_text.as_str(), t.output_ids.as_slice())).collect();
+                    tracing::info!(conversation = %id, kept_turns = keep, "history summarized");
+                    app.context.with_summary(&summary, &recent, &body.message)
+                }
+                None => app.context.next_turn(&p.prompt_ids, &p.output_ids, &body.message),
+            }
         }
         Some(p) => app.context.next_turn(&p.prompt_ids, &p.output_ids, &body.message),
         None => app.context.first_turn(&body.message),
@@ -291,7 +298,9 @@ fn follower_slot(app: &App, user: &str) -> Result<crate::limits::Permit, ApiErro
 
 /// Asks the model for a summary of the history up to and including `last`
 /// (greedy, appended to that turn's tokens so the prefix cache serves it).
-async fn summarize(app: &Arc<App>, user: &str, conversation: &str, last: &Turn) -> Result<String, ApiError> {
+/// The summary becomes prompt text of every later turn, so it passes the
+/// input check like a client's message; `None` when the check refuses it.
+async fn summarize(app: &Arc<App>, user: &str, conversation: &str, last: &Turn) -> Result<Option<String>, ApiError> {
     let prompt = app
         .context
         .next_turn(&last.prompt_ids, &last.output_ids, crate::context::SUMMARY_REQUEST)
@@ -318,7 +327,12 @@ async fn summarize(app: &Arc<App>, user: &str, conversation: &str, last: &Turn) 
             crate::generator::GenEvent::Failed(e) => return Err(e.into()),
         }
     }
-    Ok(text.trim().to_string())
+    let summary = text.trim().to_string();
+    if app.checks.check_input(&summary).is_err() {
+        tracing::warn!(conversation = %conversation, "summary refused by the input check; not stored, history kept");
+        return Ok(None);
+    }
+    Ok(Some(summary))
 }
 
 fn sse_event(pos: usize, ev: &TurnEvent) -> Event {

@@ -19,6 +19,7 @@ pub mod evictions;
 pub mod generator;
 pub mod limits;
 pub mod listen;
+pub mod markdown;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;

@@ -10,13 +10,14 @@
 //! user message, which every later turn of the same chat resends unchanged.
 
 use crate::auth::AuthUser;
+use crate::checks::ContentCheck;
 use crate::error::ApiError;
 use crate::pipeline::{End, Piece, Reply, TokenInfo};
 use crate::server::{read_body, App};
 use crate::{metrics, request_id};
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -170,6 +171,20 @@ pub fn parse_chat(body: &[u8], default_max_tokens: usize) -> Result<ValidChat, A
     Ok(ValidChat { messages, sampling, stream: req.stream, include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false) })
 }
 
+/// The input check on every message of a request: the client wrote all of
+/// them (system, developer, user and assistant turns alike; the parser
+/// refuses other roles and ignores `name`, which never reaches the prompt),
+/// and all of them become prompt text.
+pub fn check_messages(check: &dyn ContentCheck, messages: &[ChatMessage]) -> Result<(), ApiError> {
+    for (i, m) in messages.iter().enumerate() {
+        check.check_input(&m.content).map_err(|reason| ApiError {
+            param: Some("messages"),
+            ..ApiError::new(StatusCode::BAD_REQUEST, "content_policy_violation", format!("messages[{i}] ({}): {reason}", m.role))
+        })?;
+    }
+    Ok(())
+}
+
 /// The routing key of a plain OpenAI request.
 pub fn routing_key(owner: &str, messages: &[ChatMessage]) -> String {
     let mut h = Sha256::new();
@@ -204,11 +219,7 @@ pub async fn chat_completions(
     let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let chat = parse_chat(&body, app.config.default_max_tokens)?;
     check_max_tokens(chat.sampling.max_tokens, app.config.max_tokens_ceiling)?;
-    if let Some(last_user) = chat.messages.iter().rev().find(|m| m.role == "user") {
-        app.checks
-            .check_input(&last_user.content)
-            .map_err(|r| ApiError::new(axum::http::StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
-    }
+    check_messages(app.checks.as_ref(), &chat.messages)?;
     let prompt = app.context.encode_messages(&chat.messages).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let key = match headers.get(CONVERSATION_HEADER).and_then(|v| v.to_str().ok()) {
         Some(c) if !c.is_empty() && c.len() <= 128 => format!("{user}/{c}"),

@@ -7,7 +7,7 @@
 
 mod common;
 
-use baton_api_gateway::generator::{GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
+use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 use baton_api_gateway::server::App;
 use baton_api_gateway::store::{ConversationStore, SqliteStore};
 use baton_api_gateway::{auth, build_app, load_tokenizer, Args, Config};
@@ -56,8 +56,8 @@ impl Generator for Scripted {
         Ok(Box::pin(futures::stream::iter(tokens.chain(end))))
     }
 
-    async fn evict_conversation(&self, _conversation: &str) -> Result<(), GenerateError> {
-        Ok(())
+    async fn evict_conversation(&self, _conversation: &str) -> Result<Eviction, GenerateError> {
+        Ok(Eviction::default())
     }
 }
 

@@ -39,11 +39,12 @@ fn baton(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str) -> (Gateway, String) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr = format!("127.0.0.1:{port}");
+/// A gateway process: its API address and its admin listener (/metrics).
+fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str) -> (Gateway, String, String) {
+    let free = || format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let (addr, admin) = (free(), free());
     let child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["gateway", "--listen", &addr, "--coordinator", coordinator, "--certs-dir", certs_dir])
+        .args(["gateway", "--listen", &addr, "--admin-listen", &admin, "--coordinator", coordinator, "--certs-dir", certs_dir])
         .args(["--evict-retry-min", "200ms", "--evict-retry-max", "1s"])
         .arg("--db")
         .arg(db)
@@ -56,7 +57,7 @@ fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str) ->
         .unwrap();
     let g = Gateway(child);
     wait_healthy(&addr, Duration::from_secs(60));
-    (g, addr)
+    (g, addr, admin)
 }
 
 /// SIGSTOP or SIGCONT.
@@ -134,8 +135,8 @@ fn a_node_away_during_a_delete_evicts_the_conversation_before_it_serves_again() 
     let db_arg = db.to_str().unwrap();
     let alice = baton(&["keys", "--db", db_arg, "create", "--user", "alice"]);
     let bob = baton(&["keys", "--db", db_arg, "create", "--user", "bob"]);
-    let (_gateway, gw) = start_gateway(&db, &cluster.model, &cluster.url(), cluster.certs_dir());
-    let tombstones = || metric(&gw, "baton_gateway_eviction_tombstones", &[]);
+    let (_gateway, gw, gw_admin) = start_gateway(&db, &cluster.model, &cluster.url(), cluster.certs_dir());
+    let tombstones = || metric(&gw_admin, "baton_gateway_eviction_tombstones", &[]);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
 
@@ -178,7 +179,7 @@ fn a_node_away_during_a_delete_evicts_the_conversation_before_it_serves_again() 
     assert_eq!(tombstones(), 1.0);
     // Retries run and keep the tombstone while the node is away.
     wait_for("a retry", Duration::from_secs(10), || {
-        metric(&gw, "baton_gateway_eviction_attempts_total", &["result=\"owed\"", "when=\"retry\""]) >= 1.0
+        metric(&gw_admin, "baton_gateway_eviction_attempts_total", &["result=\"owed\"", "when=\"retry\""]) >= 1.0
     });
     assert_eq!(tombstones(), 1.0, "still owed by the absent node");
 
@@ -206,5 +207,5 @@ fn a_node_away_during_a_delete_evicts_the_conversation_before_it_serves_again() 
     let (prompt, cached) = rt.block_on(turn(&http, &gw, &alice, &again));
     assert!(prompt >= platform_cached + 48, "the message spans blocks of its own: prompt {prompt}, platform {platform_cached}");
     assert_eq!(cached, platform_cached, "alice's new conversation hit the deleted conversation's blocks on {home}");
-    assert!(metric(&gw, "baton_gateway_eviction_acks_total", &[]) >= 2.0, "the live node's ack, then both");
+    assert!(metric(&gw_admin, "baton_gateway_eviction_acks_total", &[]) >= 2.0, "the live node's ack, then both");
 }

@@ -521,6 +521,50 @@ fn escape_punctuation(text: &str) -> String {
     out
 }
 
+/// True when `text`, read as plain CommonMark (no tables) or as GitHub-flavoured markdown
+/// with footnotes, holds an image, raw HTML, a definition or a link the policy refuses,
+/// or a bare URL to another host. The block structure of those readings can differ from
+/// [`options`]'s (a table's rows are one paragraph to CommonMark, so a code span or an
+/// HTML tag may span rows; a footnote definition is a container to GFM): a renderer of
+/// either dialect must see nothing unsafe either, so the check of sent text asks all three.
+fn unsafe_in_other_dialects(text: &str, policy: &LinkPolicy, defs: &HashMap<String, String>) -> bool {
+    [Options::empty(), options() | Options::ENABLE_FOOTNOTES].into_iter().any(|o| unsafe_in(text, o, policy, defs))
+}
+
+fn unsafe_in(text: &str, dialect: Options, policy: &LinkPolicy, defs: &HashMap<String, String>) -> bool {
+    let resolve = |l: BrokenLink<'_>| defs.get(&l.reference.to_lowercase()).map(|d| (CowStr::from(d.clone()), CowStr::from("")));
+    let parser = Parser::new_with_broken_link_callback(text, dialect, Some(resolve));
+    if parser.reference_definitions().iter().any(|(_, d)| !policy.allows(&d.dest)) {
+        return true;
+    }
+    let (mut in_code, mut in_link) = (false, 0usize);
+    let mut run = String::new();
+    let bare = |run: &str| bare_urls(run).iter().flat_map(|(_, urls)| urls).any(|u| !policy.allows(u));
+    for ev in parser {
+        if !matches!(ev, Event::Text(_)) {
+            if bare(&run) {
+                return true;
+            }
+            run.clear();
+        }
+        match ev {
+            Event::Start(Tag::CodeBlock(_)) => in_code = true,
+            Event::End(pulldown_cmark::TagEnd::CodeBlock) => in_code = false,
+            Event::Start(Tag::Image { dest_url, .. }) | Event::Start(Tag::Link { dest_url, .. }) => {
+                if !policy.allows(&dest_url) {
+                    return true;
+                }
+                in_link += 1;
+            }
+            Event::End(pulldown_cmark::TagEnd::Image | pulldown_cmark::TagEnd::Link) => in_link = in_link.saturating_sub(1),
+            Event::Html(_) | Event::InlineHtml(_) => return true,
+            Event::Text(t) if !in_code && in_link == 0 => run.push_str(&t),
+            _ => {}
+        }
+    }
+    bare(&run)
+}
+
 /// Sanitizes a whole document at once (tests, and the check of sent text).
 pub fn sanitize(text: &str, policy: &LinkPolicy) -> String {
     let p = plan(text, policy, &HashMap::new(), true, false, longest_backtick_run(text) + 1);
@@ -630,7 +674,7 @@ impl StreamSanitizer {
         for attempt in 0..2 {
             let candidate = format!("{}{}", self.sent, out);
             let p = plan(&candidate, &self.policy, &self.sent_defs, true, false, self.backticks + 1);
-            if p.edits.iter().all(|e| !e.safety) {
+            if p.edits.iter().all(|e| !e.safety) && !unsafe_in_other_dialects(&candidate, &self.policy, &self.sent_defs) {
                 checked = Some((candidate, p));
                 break;
             }
@@ -644,7 +688,11 @@ impl StreamSanitizer {
             return String::new();
         };
         self.sent = candidate;
-        if let Some(cut) = cut_point(&self.sent, &p.blocks, self.sent.len()) {
+        // Cut the sent text only after a blank line: a block start of this reading that
+        // follows a blank line starts a block in the other dialects too, so no construct of
+        // theirs (a paragraph's code span or comment) spans the cut.
+        let after_blank: Vec<usize> = p.blocks.iter().copied().filter(|&b| self.sent[..b].trim_end_matches([' ', '\t']).ends_with("\n\n")).collect();
+        if let Some(cut) = cut_point(&self.sent, &after_blank, self.sent.len()) {
             for (label, dest, start) in &p.defs {
                 if *start < cut {
                     self.sent_defs.entry(label.clone()).or_insert_with(|| dest.clone());

@@ -24,7 +24,7 @@ const MESSAGE: &str = "Please describe, step by step and in plain words, how a r
      happens to the sediment once it finally reaches the sea.";
 
 /// The gateway process (it prints no address line); killed on drop.
-struct Gateway(std::process::Child);
+pub(crate) struct Gateway(std::process::Child);
 
 impl Drop for Gateway {
     fn drop(&mut self) {
@@ -33,19 +33,20 @@ impl Drop for Gateway {
     }
 }
 
-fn baton(args: &[&str]) -> String {
+pub(crate) fn baton(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_baton")).args(args).output().unwrap();
     assert!(out.status.success(), "baton {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-/// A gateway process: its API address and its admin listener (/metrics).
-fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str) -> (Gateway, String, String) {
+/// A gateway process with `extra` flags: its API address and its admin listener (/metrics).
+pub(crate) fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str, extra: &[&str]) -> (Gateway, String, String) {
     let free = || format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
     let (addr, admin) = (free(), free());
     let child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["gateway", "--listen", &addr, "--admin-listen", &admin, "--coordinator", coordinator, "--certs-dir", certs_dir])
         .args(["--evict-retry-min", "200ms", "--evict-retry-max", "1s"])
+        .args(extra)
         .arg("--db")
         .arg(db)
         .arg("--model")
@@ -135,7 +136,7 @@ fn a_node_away_during_a_delete_evicts_the_conversation_before_it_serves_again() 
     let db_arg = db.to_str().unwrap();
     let alice = baton(&["keys", "--db", db_arg, "create", "--user", "alice"]);
     let bob = baton(&["keys", "--db", db_arg, "create", "--user", "bob"]);
-    let (_gateway, gw, gw_admin) = start_gateway(&db, &cluster.model, &cluster.url(), cluster.certs_dir());
+    let (_gateway, gw, gw_admin) = start_gateway(&db, &cluster.model, &cluster.url(), cluster.certs_dir(), &[]);
     let tombstones = || metric(&gw_admin, "baton_gateway_eviction_tombstones", &[]);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();

@@ -10,8 +10,18 @@
 //! - a server with the wrong identity is not trusted by a client (impersonation);
 //! - connections that never finish their handshake do not keep a real caller out;
 //! - refused connections and calls are counted in the serving role's `/metrics`;
-//! - the coordinator's `/debug/routing` answers only to the admin key (off without one);
+//! - the coordinator's `/debug/routing` and the gateway's `/metrics` answer only to the
+//!   admin key (the gateway's admin listener is the private way in);
 //! - a node away while a conversation is deleted does not keep its KV ([`deletion`]).
+//!
+//! The trust issue's other attacks are tested where their code lives, also against real
+//! sockets: a KV grant filled from another node's certificate
+//! (`kv-transport`: `a_grant_is_filled_only_by_the_node_it_was_issued_to`), forged
+//! prefix-cache hash collisions (`engine/tests/prefix_collisions.rs`: a process always
+//! hashes with XXH64, so the forgery needs the engine's test hasher), the markdown
+//! exfiltration corpus (`api-gateway/tests/exfiltration_corpus.rs`), slowloris
+//! (`api-gateway/tests/gateway_security.rs`), and the cross-user stall
+//! (`api-gateway/tests/gateway_isolation.rs`, a binary of its own because it times turns).
 
 #[path = "../cluster_support/mod.rs"]
 mod cluster_support;
@@ -99,6 +109,27 @@ fn http_get(addr: &str, path: &str, bearer: Option<&str>) -> (u16, String) {
     s.read_to_string(&mut resp).unwrap();
     let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     (status, resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+#[test]
+fn gateway_metrics_answer_only_the_admin_key_or_the_admin_listener() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    const KEY: &str = "security-test-gateway-admin-key";
+    let key_file = cluster.dir.path().join("gateway-admin-key");
+    std::fs::write(&key_file, KEY).unwrap();
+    let db = cluster.dir.path().join("metrics.db");
+    let user_key = deletion::baton(&["keys", "--db", db.to_str().unwrap(), "create", "--user", "carol"]);
+    let flags = ["--admin-key-file", key_file.to_str().unwrap()];
+    let (_gateway, api, admin) = deletion::start_gateway(&db, &cluster.model, &cluster.url(), cluster.certs_dir(), &flags);
+    for bearer in [None, Some(user_key.as_str()), Some("security-test-gateway-admin-kez")] {
+        let (status, body) = http_get(&api, "/metrics", bearer);
+        assert_eq!(status, 401, "{bearer:?}: {body}");
+        assert!(!body.contains("baton_gateway_"), "{body}");
+    }
+    let (status, body) = http_get(&api, "/metrics", Some(KEY));
+    assert_eq!((status, body.contains("baton_gateway_")), (200, true), "{body}");
+    let (status, body) = http_get(&admin, "/metrics", None);
+    assert_eq!((status, body.contains("baton_gateway_")), (200, true), "{body}");
 }
 
 #[test]

@@ -315,14 +315,18 @@ impl<B: Backend> Worker<B> {
         if let Some(Parked::Swapped(h)) = seq.parked.take() {
             self.cache.drop_swap(h);
         }
+        // Counted before the final event goes out, so whoever sees the event also sees
+        // the count (a test or a scrape reading stats right after a reply ended).
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        {
+            let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+            st.finished += 1;
+            if reason == FinishReason::Cancelled {
+                st.cancelled += 1;
+            }
+        }
         let event = seq.finish_event(reason);
         let _ = seq.events.send(event);
-        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
-        let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-        st.finished += 1;
-        if reason == FinishReason::Cancelled {
-            st.cancelled += 1;
-        }
     }
 
     fn release_blocks(&mut self, seq: &mut Sequence) {

@@ -197,3 +197,6 @@ fn admit(q: &mut impl Queues, limits: Limits, budget: &mut usize, plan: &mut Ste
     }
 }
 
+
+#[cfg(test)]
+mod tests;

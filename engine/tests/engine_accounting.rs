@@ -100,6 +100,29 @@ fn preemption_by_swap_keeps_tokens_and_blocks() {
     preemption_run(PreemptionMode::Swap);
 }
 
+/// A swapped-out sequence whose blocks come back but whose next block cannot
+/// be had is parked again, not left waiting with its blocks in hand (which
+/// leaked them and then failed it as "cannot get KV blocks").
+#[test]
+fn swap_in_without_room_for_the_next_block_parks_again() {
+    let config = EngineConfig { step_token_budget: 256, preemption: PreemptionMode::Swap, ..small_pool_with_tier2() };
+    let Some(e) = engine(config) else { return };
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| chat_prompt(&e, "You are a poet.", &format!("Write a long poem number {i} about the sea and ships."))).collect();
+    // A long reply already decoding: the four below join it together at one
+    // step and all decode into the full pool at once.
+    let first: Vec<u32> = prompts.iter().flatten().copied().take(120).collect();
+    let mut running = e.submit(request(first, "first", 40)).unwrap();
+    assert!(matches!(running.blocking_next(), Some(Event::Token(_))));
+    let streams: Vec<_> = prompts.into_iter().enumerate().map(|(i, p)| e.submit(request(p, &format!("user{i}"), 100)).unwrap()).collect();
+    for s in streams {
+        assert_eq!(collect(s).tokens.len(), 100);
+    }
+    collect(running);
+    assert!(e.stats().preemptions > 0, "the test must force preemption: {:?}", e.stats());
+    assert_no_leaks(&e);
+    e.shutdown();
+}
+
 #[test]
 fn kv_budget_too_small_for_max_context_is_refused_with_numbers() {
     let Some((backend, loaded)) = load(1) else { return };

@@ -68,8 +68,9 @@ pub(crate) trait Queues {
     fn preempt(&mut self, running: usize);
     /// Offers the head of the waiting queue a start (see [`Admission`]).
     fn admit_head(&mut self) -> Admission;
-    /// Puts the last admitted running sequence back at the head of the queue
-    /// (it was admitted but its first chunk's blocks could not be had).
+    /// Parks the last admitted running sequence at the head of the queue, as
+    /// [`Queues::preempt`] does (it was admitted but its first chunk's blocks
+    /// could not be had).
     fn requeue_last(&mut self);
 }
 
@@ -187,7 +188,7 @@ fn admit(q: &mut impl Queues, limits: Limits, budget: &mut usize, plan: &mut Ste
         let len = s.pending().min(*budget);
         if !q.grow(idx, s.computed + len) {
             // Blocks for the whole prompt come with admission; only a
-            // swapped-in sequence can get here. It waits at the head again.
+            // swapped-in sequence can get here. It is parked again.
             q.requeue_last();
             break;
         }

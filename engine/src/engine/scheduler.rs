@@ -593,8 +593,10 @@ impl<B: Backend> Queues for Worker<B> {
         self.start_head()
     }
     fn requeue_last(&mut self) {
-        if let Some(seq) = self.running.pop() {
-            self.waiting.push_front(seq);
+        // Parked, not just moved: a sequence waiting with blocks in hand would
+        // have them overwritten by its next start, and they would never return.
+        if let Some(last) = self.running.len().checked_sub(1) {
+            self.park(last);
         }
     }
 }

@@ -383,7 +383,8 @@ impl<B: Backend> Worker<B> {
                 let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
                 match self.cache.swap_in(h, &mut store) {
                     Ok(blocks) => {
-                        seq.computed = seq.tokens.len() - 1;
+                        // Swap-out kept `computed`: a sequence parked mid-prefill
+                        // has blocks reserved past it that hold nothing yet.
                         seq.computed = seq.computed.min(blocks.len() * bt);
                         seq.registered = seq.computed / bt;
                         // The swapped-in copies are private; the links still

@@ -1,7 +1,8 @@
 //! The planning rules driven through a simulated block pool: no model, no
 //! backend. The simulation does what the worker does with the real cache,
-//! minus the prefix cache and the second tier: admission reserves blocks for
-//! the whole sequence plus one token, preemption gives every block back.
+//! minus the prefix cache: admission reserves blocks for the whole sequence
+//! plus one token; preemption gives every block back and recomputes, or (in
+//! swap mode) keeps a copy of them outside the pool and takes as many back.
 
 use super::*;
 use proptest::prelude::*;
@@ -16,10 +17,13 @@ struct SimSeq {
     blocks: usize,
     generated: usize,
     preemptions: usize,
+    /// Blocks copied out of the pool at preemption (swap mode).
+    swapped: Option<usize>,
 }
 
 /// Queues over a pool that only counts blocks, and checks every return.
 struct Sim {
+    swap: bool,
     block_tokens: usize,
     total_blocks: usize,
     free: usize,
@@ -33,6 +37,7 @@ struct Sim {
 impl Sim {
     fn new(total_blocks: usize, block_tokens: usize) -> Self {
         Sim {
+            swap: false,
             block_tokens,
             total_blocks,
             free: total_blocks,
@@ -46,7 +51,7 @@ impl Sim {
 
     fn submit(&mut self, id: u64, prompt: usize, max_new: usize) {
         assert!(prompt > 0 && max_new > 0);
-        let seq = SimSeq { id: SeqId(id), max_new, tokens: prompt, computed: 0, blocks: 0, generated: 0, preemptions: 0 };
+        let seq = SimSeq { id: SeqId(id), max_new, tokens: prompt, computed: 0, blocks: 0, generated: 0, preemptions: 0, swapped: None };
         self.waiting.push_back(seq);
     }
 
@@ -157,13 +162,29 @@ impl Queues for Sim {
     fn preempt(&mut self, running: usize) {
         let mut seq = self.running.remove(running);
         self.give_back(seq.blocks);
+        if self.swap && seq.blocks > 0 {
+            // As the worker: the copy keeps `computed`.
+            seq.swapped = Some(seq.blocks);
+        } else {
+            seq.computed = 0;
+        }
         seq.blocks = 0;
-        seq.computed = 0;
         seq.preemptions += 1;
         self.waiting.push_front(seq);
     }
     fn admit_head(&mut self) -> Admission {
         let Some(mut seq) = self.waiting.pop_front() else { return Admission::NoRoom };
+        if let Some(n) = seq.swapped {
+            if !self.take(n) {
+                self.waiting.push_front(seq);
+                return Admission::NoRoom;
+            }
+            seq.swapped = None;
+            seq.blocks = n;
+            seq.computed = seq.computed.min(n * self.block_tokens);
+            self.running.push(seq);
+            return Admission::Running;
+        }
         // As the worker's `start_fresh`: the whole sequence plus one token.
         let need = (seq.tokens + 1).div_ceil(self.block_tokens);
         if !self.take(need) {
@@ -176,11 +197,8 @@ impl Queues for Sim {
         Admission::Running
     }
     fn requeue_last(&mut self) {
-        let mut seq = self.running.pop().expect("requeue with nothing running");
-        self.give_back(seq.blocks);
-        seq.blocks = 0;
-        seq.computed = 0;
-        self.waiting.push_front(seq);
+        let last = self.running.len().checked_sub(1).expect("requeue with nothing running");
+        self.preempt(last);
     }
 }
 
@@ -217,7 +235,7 @@ fn decode_rows_stop_at_the_budget() {
     let lim = limits(3, 8, 4);
     let mut sim = Sim::new(8, 4);
     for id in 1..=5 {
-        sim.running.push(SimSeq { id: SeqId(id), max_new: 5, tokens: 4, computed: 3, blocks: 1, generated: 1, preemptions: 0 });
+        sim.running.push(SimSeq { id: SeqId(id), max_new: 5, tokens: 4, computed: 3, blocks: 1, generated: 1, preemptions: 0, swapped: None });
         sim.free -= 1;
     }
     let plan = sim.step(lim);
@@ -317,6 +335,30 @@ fn when_blocks_run_out_the_most_recently_admitted_are_preempted_first() {
 }
 
 #[test]
+fn a_swapped_in_sequence_without_room_for_its_next_block_is_parked_again() {
+    // As the preemption test, swapping: 2 and 3 go out with one block each.
+    // 2 comes back into the one free block, but its next token needs a second.
+    let lim = limits(16, 8, 4);
+    let mut sim = Sim::new(3, 4);
+    sim.swap = true;
+    for id in 1..=3 {
+        sim.submit(id, 3, 4);
+    }
+    sim.step(lim);
+    sim.step(lim);
+    let third = sim.step(lim);
+    assert_eq!(third.preempted, ids(&[3, 2]));
+    assert!(third.admitted.is_empty(), "2 got its blocks back but not the next one: {third:?}");
+    assert_eq!(sim.waiting_ids(), ids(&[2, 3]));
+    assert_eq!(sim.waiting[0].swapped, Some(1), "2 is parked again, its block with it");
+    assert_eq!(sim.waiting[0].preemptions, 2);
+    assert_eq!(sim.free, 1);
+    sim.run_to_end(lim, 100);
+    assert_eq!(sim.finished.len(), 3);
+    assert_eq!(sim.free, 3);
+}
+
+#[test]
 fn a_sequence_that_cannot_fit_even_alone_is_rejected_not_retried() {
     let lim = limits(64, 8, 4);
     let mut sim = Sim::new(4, 4);
@@ -372,17 +414,19 @@ fn workload() -> impl Strategy<Value = (usize, usize, usize, usize, Vec<(usize, 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
-    /// Any workload whose every sequence fits the pool alone: budgets and
+    /// Any workload whose every sequence fits the pool alone, preempted by
+    /// recompute or by swap: budgets and
     /// caps hold every step, no block leaks or is freed twice, nothing is
     /// rejected, and every sequence (preempted or not) finishes with all its
     /// tokens within a bound of steps.
     #[test]
-    fn every_sequence_finishes_and_every_block_comes_back((bt, spare, budget, max_running, seqs) in workload()) {
+    fn every_sequence_finishes_and_every_block_comes_back((bt, spare, budget, max_running, seqs) in workload(), swap in any::<bool>()) {
         // The largest sequence, at its last sampled token, must fit alone.
         let largest = seqs.iter().map(|&(p, n, _)| (p + n).div_ceil(bt)).max().unwrap_or(1);
         let total_blocks = largest + spare;
         let lim = limits(budget, max_running, bt);
         let mut sim = Sim::new(total_blocks, bt);
+        sim.swap = swap;
         let last_arrival = seqs.iter().map(|s| s.2).max().unwrap_or(0);
         let work: usize = seqs.iter().map(|&(p, n, _)| p + n).sum();
         // Loose on purpose (recompute after preemption repeats work); a
@@ -415,9 +459,10 @@ proptest! {
     /// Pools too small for some sequences: those are rejected (each once),
     /// the rest finish, and the pool still comes back whole.
     #[test]
-    fn sequences_too_big_for_the_pool_are_rejected_and_the_rest_finish((bt, _spare, budget, max_running, seqs) in workload(), total_blocks in 1usize..=12) {
+    fn sequences_too_big_for_the_pool_are_rejected_and_the_rest_finish((bt, _spare, budget, max_running, seqs) in workload(), total_blocks in 1usize..=12, swap in any::<bool>()) {
         let lim = limits(budget, max_running, bt);
         let mut sim = Sim::new(total_blocks, bt);
+        sim.swap = swap;
         for (id, &(prompt, max_new, _)) in seqs.iter().enumerate() {
             sim.submit(id as u64, prompt, max_new);
         }

@@ -406,8 +406,11 @@ fn a_partly_grown_step_is_replanned_from_a_fresh_budget() {
     assert_eq!(sim.finished.len(), 3);
 }
 
-/// A workload: per sequence (prompt, reply, arrival step).
-fn workload() -> impl Strategy<Value = (usize, usize, usize, usize, Vec<(usize, usize, usize)>)> {
+/// Block tokens, spare blocks, step budget, max running, and per sequence
+/// (prompt, reply, arrival step).
+type Workload = (usize, usize, usize, usize, Vec<(usize, usize, usize)>);
+
+fn workload() -> impl Strategy<Value = Workload> {
     (1usize..=8, 0usize..=12, 1usize..=64, 1usize..=8, prop::collection::vec((1usize..=60, 1usize..=20, 0usize..=20), 1..=12))
 }
 

@@ -144,7 +144,7 @@ fn plan_decodes(q: &mut impl Queues, limits: Limits, plan: &mut StepPlan) -> usi
                 i += 1;
                 continue;
             }
-            // Rows already planned keep their blocks; they are the ones kept.
+            // Never a row already planned: it holds the block it was just given.
             let in_step: Vec<SeqId> = plan.slices.iter().map(|sl| q.progress(sl.seq).id).collect();
             let victim = (0..q.running_len()).rev().find(|&j| j != i && !in_step.contains(&q.progress(j).id)).unwrap_or(i);
             plan.preempted.push(q.progress(victim).id);

@@ -100,6 +100,55 @@ fn preemption_by_swap_keeps_tokens_and_blocks() {
     preemption_run(PreemptionMode::Swap);
 }
 
+/// A swapped-out sequence whose blocks come back but whose next block cannot
+/// be had is parked again, not left waiting with its blocks in hand (which
+/// leaked them and then failed it as "cannot get KV blocks").
+#[test]
+fn swap_in_without_room_for_the_next_block_parks_again() {
+    let config = EngineConfig { step_token_budget: 256, preemption: PreemptionMode::Swap, ..small_pool_with_tier2() };
+    let Some(e) = engine(config) else { return };
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| chat_prompt(&e, "You are a poet.", &format!("Write a long poem number {i} about the sea and ships."))).collect();
+    // A long reply already decoding: the four below join it together at one
+    // step and all decode into the full pool at once.
+    let first: Vec<u32> = prompts.iter().flatten().copied().take(120).collect();
+    let mut running = e.submit(request(first, "first", 40)).unwrap();
+    assert!(matches!(running.blocking_next(), Some(Event::Token(_))));
+    let streams: Vec<_> = prompts.into_iter().enumerate().map(|(i, p)| e.submit(request(p, &format!("user{i}"), 100)).unwrap()).collect();
+    for s in streams {
+        assert_eq!(collect(s).tokens.len(), 100);
+    }
+    collect(running);
+    assert!(e.stats().preemptions > 0, "the test must force preemption: {:?}", e.stats());
+    assert_no_leaks(&e);
+    e.shutdown();
+}
+
+/// A sequence swapped out halfway through its prefill resumes from the tokens
+/// it had computed, not from the end of its reserved blocks.
+#[test]
+fn swap_preemption_mid_prefill_keeps_the_tokens() {
+    // Two replies decode while a 230-token prompt is prefilled 6 tokens a
+    // step into 15 reserved blocks; their growth then takes the pool and
+    // preempts the prompt (the most recently admitted) before it is done.
+    let config = EngineConfig { step_token_budget: 8, preemption: PreemptionMode::Swap, ..small_pool_with_tier2() };
+    let Some(e) = engine(config) else { return };
+    let reference = engine(EngineConfig { kv_dtype: KvDtype::F32, ..EngineConfig::default() }).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| chat_prompt(&e, "You are a poet.", &format!("Write a long poem number {i} about the sea and ships."))).collect();
+    let long: Vec<u32> = prompts.iter().cycle().flatten().copied().take(230).collect();
+    let mut a = e.submit(request(prompts[0].clone(), "a", 120)).unwrap();
+    let b = e.submit(request(prompts[1].clone(), "b", 120)).unwrap();
+    assert!(matches!(a.blocking_next(), Some(Event::Token(_))));
+    let c = collect(e.submit(request(long.clone(), "c", 20)).unwrap());
+    collect(a);
+    collect(b);
+    assert!(e.stats().preemptions > 0, "the test must force preemption: {:?}", e.stats());
+    let alone = collect(reference.submit(request(long, "solo", 20)).unwrap());
+    assert_eq!(c.tokens, alone.tokens, "the prompt preempted mid-prefill must give the same tokens");
+    assert_no_leaks(&e);
+    e.shutdown();
+    reference.shutdown();
+}
+
 #[test]
 fn kv_budget_too_small_for_max_context_is_refused_with_numbers() {
     let Some((backend, loaded)) = load(1) else { return };

@@ -9,6 +9,7 @@
 //! returns its blocks exactly once.
 
 mod handoff;
+mod plan;
 mod scheduler;
 mod sequence;
 

@@ -8,9 +8,14 @@
 //! full blocks in the prefix index; finish what is finished. When a decode
 //! row needs a block and none can be had, the most recently admitted
 //! sequence is preempted (recompute, or swap to the second tier).
+//!
+//! Those planning rules live in `plan.rs`, tested without a model; this file
+//! gives them the real sequences and block cache (the [`Queues`] impl) and
+//! runs the step they plan.
 
 use super::sequence::{Parked, Sequence};
 use super::handoff::{plan_import, ImportPlan};
+use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
 use super::{Command, EngineConfig, EngineError, Event, FinishReason, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
 use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId};
 use crate::model::{Model, Scratch, StepInput};
@@ -77,14 +82,6 @@ pub(crate) struct Worker<B: Backend> {
     running: Vec<Sequence>,
     waiting: VecDeque<Sequence>,
     scratch: Scratch<B>,
-}
-
-/// One sequence's share of a step.
-struct Slice {
-    seq: usize,
-    start: usize,
-    len: usize,
-    wants_logits: bool,
 }
 
 impl<B: Backend> Worker<B> {
@@ -342,7 +339,7 @@ impl<B: Backend> Worker<B> {
     }
 
     /// Tries to give `seq` blocks for its first `upto` tokens.
-    fn grow(&mut self, seq_idx: usize, upto: usize) -> bool {
+    fn grow_blocks(&mut self, seq_idx: usize, upto: usize) -> bool {
         let bt = self.layout.block_tokens;
         let need = upto.div_ceil(bt).saturating_sub(self.running[seq_idx].blocks.len());
         if need == 0 {
@@ -358,10 +355,9 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Parks the most recently admitted running sequence, other than those
-    /// in `keep`, back at the front of the queue. False if none can be.
-    fn preempt_one(&mut self, keep: &[SeqId]) -> bool {
-        let Some(i) = self.running.iter().rposition(|s| !keep.contains(&s.id)) else { return false };
+    /// Parks running sequence `i` back at the front of the queue, its full
+    /// blocks published first so a recompute finds them in the prefix cache.
+    fn park(&mut self, i: usize) {
         let mut seq = self.running.remove(i);
         register_full_blocks(&mut self.cache, self.layout.block_tokens, &mut seq);
         let mut parked = Parked::Recompute;
@@ -379,71 +375,58 @@ impl<B: Backend> Worker<B> {
         self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).preemptions += 1;
         tracing::debug!(seq = seq.id.0, "preempted");
         self.waiting.push_front(seq);
-        true
     }
 
-    /// Moves waiting sequences into the batch while blocks and budget allow.
-    fn admit(&mut self, budget: &mut usize, slices: &mut Vec<Slice>) {
+    /// Takes the head of the queue and tries to start it: swap its blocks
+    /// back in, or match the prefix cache and reserve blocks for the rest.
+    fn start_head(&mut self) -> Admission {
         let bt = self.layout.block_tokens;
-        while *budget > 0 && self.running.len() < self.config.max_running {
-            let Some(mut seq) = self.waiting.pop_front() else { break };
-            let ok = match seq.parked.take() {
-                Some(Parked::Swapped(h)) => {
-                    let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
-                    match self.cache.swap_in(h, &mut store) {
-                        Ok(blocks) => {
-                            seq.computed = seq.tokens.len() - 1;
-                            seq.computed = seq.computed.min(blocks.len() * bt);
-                            seq.registered = seq.computed / bt;
-                            // The swapped-in copies are private; the links still
-                            // name the published blocks they equal.
-                            seq.links.resize(seq.registered, None);
-                            seq.blocks = blocks;
-                            true
-                        }
-                        Err(KvError::SwapIn { handle, source }) => {
-                            tracing::debug!(error = %source, "swap-in deferred");
-                            seq.parked = Some(Parked::Swapped(handle));
-                            false
-                        }
-                        Err(e) => {
-                            // The handle is gone (not ours): recompute instead.
-                            tracing::error!(error = %e, "swap-in failed");
-                            seq.parked = Some(Parked::Recompute);
-                            false
-                        }
+        let Some(mut seq) = self.waiting.pop_front() else { return Admission::NoRoom };
+        let ok = match seq.parked.take() {
+            Some(Parked::Swapped(h)) => {
+                let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
+                match self.cache.swap_in(h, &mut store) {
+                    Ok(blocks) => {
+                        // Swap-out kept `computed`: a sequence parked mid-prefill
+                        // has blocks reserved past it that hold nothing yet.
+                        seq.computed = seq.computed.min(blocks.len() * bt);
+                        seq.registered = seq.computed / bt;
+                        // The swapped-in copies are private; the links still
+                        // name the published blocks they equal.
+                        seq.links.resize(seq.registered, None);
+                        seq.blocks = blocks;
+                        true
+                    }
+                    Err(KvError::SwapIn { handle, source }) => {
+                        tracing::debug!(error = %source, "swap-in deferred");
+                        seq.parked = Some(Parked::Swapped(handle));
+                        false
+                    }
+                    Err(e) => {
+                        // The handle is gone (not ours): recompute instead.
+                        tracing::error!(error = %e, "swap-in failed");
+                        seq.parked = Some(Parked::Recompute);
+                        false
                     }
                 }
-                _ => self.start_fresh(&mut seq),
-            };
-            if !ok {
-                self.waiting.push_front(seq);
-                break;
             }
-            if let Some(first) = seq.imported_first.take() {
-                // The peer drew this token from the sampler's first draw.
-                seq.sampler.skip_draw();
-                let sampled = Sampled { token: first.id, logprob: first.logprob, top_logprobs: first.top_logprobs };
-                if let Some(reason) = accept_token(&mut seq, sampled, &self.tokenizer, self.max_context, &self.shared) {
-                    self.finish(seq, reason);
-                    continue;
-                }
-            }
-            self.running.push(seq);
-            let idx = self.running.len() - 1;
-            let s = &self.running[idx];
-            let len = s.pending().min(*budget);
-            if !self.grow(idx, s.computed + len) {
-                // Blocks for the whole prompt were taken at admission; only
-                // a swapped-in sequence can get here. Preempt it again.
-                let seq = self.running.pop().expect("just pushed");
-                self.waiting.push_front(seq);
-                break;
-            }
-            let s = &self.running[idx];
-            slices.push(Slice { seq: idx, start: s.computed, len, wants_logits: s.computed + len == s.tokens.len() });
-            *budget -= len;
+            _ => self.start_fresh(&mut seq),
+        };
+        if !ok {
+            self.waiting.push_front(seq);
+            return Admission::NoRoom;
         }
+        if let Some(first) = seq.imported_first.take() {
+            // The peer drew this token from the sampler's first draw.
+            seq.sampler.skip_draw();
+            let sampled = Sampled { token: first.id, logprob: first.logprob, top_logprobs: first.top_logprobs };
+            if let Some(reason) = accept_token(&mut seq, sampled, &self.tokenizer, self.max_context, &self.shared) {
+                self.finish(seq, reason);
+                return Admission::Finished;
+            }
+        }
+        self.running.push(seq);
+        Admission::Running
     }
 
     /// Matches the prefix cache and reserves blocks for the rest of the
@@ -500,53 +483,13 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn plan(&mut self) -> Vec<Slice> {
-        let mut budget = self.config.step_token_budget;
-        let mut slices = Vec::new();
-        // Decode rows first: every running sequence with one pending token.
-        let mut i = 0;
-        while i < self.running.len() {
-            if self.running[i].pending() != 1 || budget == 0 {
-                i += 1;
-                continue;
-            }
-            let upto = self.running[i].computed + 1;
-            if self.grow(i, upto) {
-                slices.push(Slice { seq: i, start: self.running[i].computed, len: 1, wants_logits: true });
-                budget -= 1;
-                i += 1;
-                continue;
-            }
-            let keep: Vec<SeqId> = slices.iter().map(|s| self.running[s.seq].id).chain([self.running[i].id]).collect();
-            if !self.preempt_one(&keep) {
-                // Nothing else to preempt: park this one.
-                let _ = self.preempt_one(&keep[..keep.len() - 1]);
-            }
-            // Indices after a removal shifted; replan from scratch.
-            return self.plan();
-        }
-        // Prefill chunks of running sequences.
-        for (i, s) in self.running.iter().enumerate() {
-            if budget == 0 {
-                break;
-            }
-            if s.pending() > 1 {
-                let len = s.pending().min(budget);
-                // Blocks for the whole prompt were reserved at admission.
-                if (s.computed + len).div_ceil(self.layout.block_tokens) <= s.blocks.len() {
-                    slices.push(Slice { seq: i, start: s.computed, len, wants_logits: s.computed + len == s.tokens.len() });
-                    budget -= len;
-                }
-            }
-        }
-        self.admit(&mut budget, &mut slices);
-        slices
-    }
-
     fn step(&mut self) {
-        let slices = self.plan();
+        let limits = Limits { step_token_budget: self.config.step_token_budget, max_running: self.config.max_running, block_tokens: self.layout.block_tokens };
+        let plan = plan_step(self, limits);
+        let rows = plan.tokens();
+        let slices = plan.slices;
         if slices.is_empty() {
-            if !self.waiting.is_empty() && self.running.is_empty() {
+            if plan.reject_head {
                 // The head of the queue can never fit: fail it rather than spin.
                 if let Some(mut seq) = self.waiting.pop_front() {
                     let err = EngineError::Config(format!(
@@ -562,7 +505,6 @@ impl<B: Backend> Worker<B> {
             return;
         }
         let bt = self.layout.block_tokens;
-        let rows: usize = slices.iter().map(|s| s.len).sum();
         let tables: Vec<Vec<u32>> = slices.iter().map(|sl| self.running[sl.seq].blocks.iter().map(|b| b.0).collect()).collect();
         let mut tokens = Vec::with_capacity(rows);
         let mut positions = Vec::with_capacity(rows);
@@ -631,6 +573,36 @@ impl<B: Backend> Worker<B> {
         st.waiting = self.waiting.len();
         st.swapped = self.waiting.iter().filter(|s| matches!(s.parked, Some(Parked::Swapped(_)))).count();
         st.busy_seconds += busy;
+    }
+}
+
+/// The worker's queues and block cache, as the planner drives them.
+impl<B: Backend> Queues for Worker<B> {
+    fn running_len(&self) -> usize {
+        self.running.len()
+    }
+    fn progress(&self, running: usize) -> SeqProgress {
+        let s = &self.running[running];
+        SeqProgress { id: s.id, tokens: s.tokens.len(), computed: s.computed, blocks: s.blocks.len() }
+    }
+    fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+    fn grow(&mut self, running: usize, upto: usize) -> bool {
+        self.grow_blocks(running, upto)
+    }
+    fn preempt(&mut self, running: usize) {
+        self.park(running);
+    }
+    fn admit_head(&mut self) -> Admission {
+        self.start_head()
+    }
+    fn requeue_last(&mut self) {
+        // Parked, not just moved: a sequence waiting with blocks in hand would
+        // have them overwritten by its next start, and they would never return.
+        if let Some(last) = self.running.len().checked_sub(1) {
+            self.park(last);
+        }
     }
 }
 

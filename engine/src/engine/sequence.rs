@@ -50,11 +50,6 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    /// Tokens still to feed through the model before the next sample.
-    pub fn pending(&self) -> usize {
-        self.tokens.len() - self.computed
-    }
-
     pub fn usage(&self) -> Usage {
         Usage { prompt_tokens: self.prompt_len, cached_tokens: self.cached_tokens.unwrap_or(0), completion_tokens: self.generated }
     }

@@ -330,6 +330,7 @@ async fn summarize(app: &Arc<App>, user: &str, conversation: &str, last: &Turn) 
     let summary = text.trim().to_string();
     if app.checks.check_input(&summary).is_err() {
         tracing::warn!(conversation = %conversation, "summary refused by the input check; not stored, history kept");
+        metrics::summary_refused();
         return Ok(None);
     }
     Ok(Some(summary))

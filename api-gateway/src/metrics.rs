@@ -57,6 +57,9 @@ pub const EVICTION_ATTEMPTS_TOTAL: &str = "baton_gateway_eviction_attempts_total
 /// Counter: node acknowledgements of evictions.
 pub const EVICTION_ACKS_TOTAL: &str = "baton_gateway_eviction_acks_total";
 
+/// Counter: conversation summaries the input check refused (not stored, not used).
+pub const SUMMARIES_REFUSED_TOTAL: &str = "baton_gateway_summaries_refused_total";
+
 /// The window of [`ACTIVE_USERS`].
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(300);
 
@@ -155,6 +158,11 @@ pub fn eviction_acks(n: usize) {
 /// Tombstones outstanding in the store.
 pub fn set_tombstones(n: u64) {
     gauge(&get().recorder, EVICTION_TOMBSTONES, "Deleted conversations whose KV some node may still hold").set(n as f64);
+}
+
+/// A summary failed the input check.
+pub fn summary_refused() {
+    counter(&get().recorder, SUMMARIES_REFUSED_TOTAL, "Conversation summaries the input check refused", &[]).increment(1);
 }
 
 pub fn request(route: &'static str) {

@@ -192,6 +192,11 @@ async fn a_summary_that_fails_the_input_check_is_neither_stored_nor_used() {
     *g.generator.summary.lock().unwrap() = format!("The user wants the {BLOCKED} next time.");
     let (summary, prompt, history, second) = summarized_conversation(&g).await;
     assert_eq!(summary, None, "a refused summary is not stored");
+    let refused = baton_api_gateway::metrics::encode()
+        .lines()
+        .find_map(|l| l.strip_prefix("baton_gateway_summaries_refused_total ")?.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(refused >= 1.0, "the refusal is counted in /metrics");
     assert!(!prompt.contains(BLOCKED) && !prompt.contains(baton_api_gateway::context::SUMMARY_PREFIX), "{prompt}");
     assert!(second.starts_with(&history), "the turn appends to the full history instead");
 }

@@ -77,6 +77,8 @@ pub struct EngineSeries {
     /// Counter: tokens computed by phase (`prefill`, `decode`).
     pub engine_tokens: &'static str,
     pub preemptions: &'static str,
+    /// Counter: prefix-cache hash collisions refused (tokens or scope differed).
+    pub hash_collisions: &'static str,
     pub queue_depth: &'static str,
     pub running: &'static str,
     pub swapped: &'static str,
@@ -107,6 +109,8 @@ impl EngineSeries {
         counter(r, self.engine_tokens, help, &[("phase", "prefill")]).absolute(st.prefill_tokens);
         counter(r, self.engine_tokens, help, &[("phase", "decode")]).absolute(st.decode_tokens);
         counter(r, self.preemptions, "Sequences preempted to make room", &[]).absolute(st.preemptions);
+        let help = "Prefix-cache lookups that met another block under the same hash (refused: tokens or scope differed)";
+        counter(r, self.hash_collisions, help, &[]).absolute(st.kv.hash_collisions);
         gauge(r, self.queue_depth, "Sequences waiting for admission", &[]).set(st.waiting as f64);
         gauge(r, self.running, "Sequences running", &[]).set(st.running as f64);
         gauge(r, self.swapped, "Sequences swapped out to the second tier", &[]).set(st.swapped as f64);

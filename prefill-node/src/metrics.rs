@@ -42,6 +42,9 @@ pub const BUSY_SECONDS_TOTAL: &str = "baton_prefill_busy_seconds_total";
 pub const ENGINE_TOKENS_TOTAL: &str = "baton_prefill_engine_tokens_total";
 /// Counter: sequences preempted to make room.
 pub const PREEMPTIONS_TOTAL: &str = "baton_prefill_preemptions_total";
+/// Counter: prefix-cache lookups that found another block under the same hash (refused: the
+/// tokens or scope differed). Expected 0; anything else is a forgery or a weak hash.
+pub const PREFIX_HASH_COLLISIONS_TOTAL: &str = "baton_prefill_prefix_hash_collisions_total";
 /// Gauge: sequences waiting for admission. The autoscaler relies on this name.
 pub const QUEUE_DEPTH: &str = "baton_prefill_queue_depth";
 /// Gauge: sequences running.
@@ -69,6 +72,7 @@ const ENGINE_SERIES: EngineSeries = EngineSeries {
     busy_seconds: BUSY_SECONDS_TOTAL,
     engine_tokens: ENGINE_TOKENS_TOTAL,
     preemptions: PREEMPTIONS_TOTAL,
+    hash_collisions: PREFIX_HASH_COLLISIONS_TOTAL,
     queue_depth: QUEUE_DEPTH,
     running: RUNNING,
     swapped: SWAPPED,

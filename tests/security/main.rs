@@ -278,6 +278,9 @@ fn every_row_of_the_table() {
     assert!(refused(&decode.addr("http"), "/baton.node.NodeControl/Evict", "gateway") >= 2.0);
     assert!(refused(&prefill.addr("http"), "/baton.node.PrefillNode/Prefill", "gateway") >= 1.0);
     assert!(refused(&cluster.coordinator.addr("http"), "/baton.coordinator.Coordinator/Register", "gateway") >= 1.0);
+    // No prefix-cache lookup met a forged block (the counter exists, at 0).
+    let text = metrics(&decode.addr("http"));
+    assert!(text.lines().any(|l| l == "baton_decode_prefix_hash_collisions_total 0"), "{text}");
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! Each offered-load level opens N conversations at once; every conversation makes its
 //! turns one after another, resending the whole history plus a new message and thinking
 //! for an exponential time between turns (a closed loop, like real users). The run prints
-//! a table per level, and can write JSON and an SVG chart that also carries earlier runs
+//! a table per level with goodput (share and rate of turns inside the TTFT and per-turn
+//! p95 ITL targets), and can write JSON and an SVG chart that also carries earlier runs
 //! (`--compare`), so two servers measured with the same seed sit side by side.
 
 mod chart;
@@ -66,10 +67,11 @@ pub struct LoadArgs {
     pub max_tokens: usize,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
-    /// Time-to-first-token target for goodput.
+    /// Goodput's time-to-first-token target: a turn is inside the SLO when its first
+    /// token came within this and its own p95 inter-token gap is within --itl-target.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub ttft_target: Duration,
-    /// Mean inter-token latency target for goodput.
+    /// Goodput's inter-token latency target, against each turn's own p95 gap.
     #[arg(long, default_value = "50ms", value_parser = parse_duration)]
     pub itl_target: Duration,
     /// Seed of the traffic: the same seed offers the same messages and think times.

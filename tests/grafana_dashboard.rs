@@ -86,6 +86,7 @@ fn the_dashboard_uses_only_documented_series() {
         "baton_prefill_busy_seconds_total",
         "baton_decode_busy_seconds_total",
         "baton_gateway_time_to_first_token_seconds",
+        "baton_gateway_turns_slo_total",
         "baton_decode_inter_token_latency_seconds",
         "baton_decode_kv_blocks",
         "baton_prefill_queue_depth",

@@ -137,6 +137,7 @@ const EXPECTED: &[&str] = &[
     "baton_gateway_user_turn_tokens_bucket",
     "baton_gateway_active_users",
     "baton_gateway_open_streams",
+    "baton_gateway_turns_slo_total",
     "baton_coordinator_routing_decisions_total",
     "baton_coordinator_nodes",
     "baton_coordinator_membership_changes_total",

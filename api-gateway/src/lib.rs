@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod openai;
 pub mod pipeline;
 pub mod server;
+pub mod slo;
 pub mod store;
 pub mod tls;
 pub mod turns;
@@ -143,6 +144,13 @@ pub struct Args {
     /// The longest wait between eviction retries.
     #[arg(long, env = "BATON_EVICT_RETRY_MAX", default_value = "5m", value_parser = parse_duration)]
     pub evict_retry_max: Duration,
+    /// SLO target for time to first token (request received to first token): delivered
+    /// replies are counted in baton_gateway_turns_slo_total as met or missed.
+    #[arg(long, env = "BATON_SLO_TTFT", default_value = "1s", value_parser = parse_duration)]
+    pub slo_ttft: Duration,
+    /// SLO target for a turn's own p95 gap between consecutive tokens (e.g. 50ms).
+    #[arg(long, env = "BATON_SLO_ITL", default_value = "50ms", value_parser = parse_duration)]
+    pub slo_itl: Duration,
 }
 
 fn parse_duration(s: &str) -> std::result::Result<Duration, humantime::DurationError> {
@@ -180,6 +188,8 @@ pub struct Config {
     pub admin_key: Option<AdminKey>,
     /// Waits between retries of evictions some node did not acknowledge.
     pub evict_retry: evictions::Backoff,
+    /// Targets each delivered reply is judged against (`baton_gateway_turns_slo_total`).
+    pub slo: slo::SloTargets,
 }
 
 impl TryFrom<Args> for Config {
@@ -209,6 +219,7 @@ impl TryFrom<Args> for Config {
             a.evict_retry_max,
             a.evict_retry_min
         );
+        anyhow::ensure!(!a.slo_ttft.is_zero() && !a.slo_itl.is_zero(), "--slo-ttft and --slo-itl must be positive");
         let rules = match &a.check_rules {
             Some(p) => RuleCheck::load(p).map_err(anyhow::Error::msg)?,
             None => RuleCheck::default(),
@@ -248,6 +259,7 @@ impl TryFrom<Args> for Config {
                 header_timeout: Duration::from_secs(a.header_timeout_seconds),
             },
             evict_retry: evictions::Backoff { min: a.evict_retry_min, max: a.evict_retry_max },
+            slo: slo::SloTargets { ttft: a.slo_ttft, itl: a.slo_itl },
         })
     }
 }

@@ -19,6 +19,8 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder
 
 use baton_engine::Usage;
 
+use crate::slo::{SloOutcome, TurnClock};
+
 /// Counter: HTTP requests by route.
 pub const REQUESTS_TOTAL: &str = "baton_gateway_requests_total";
 /// Counter: error responses by type.
@@ -56,6 +58,10 @@ pub const EVICTION_TOMBSTONES: &str = "baton_gateway_eviction_tombstones";
 pub const EVICTION_ATTEMPTS_TOTAL: &str = "baton_gateway_eviction_attempts_total";
 /// Counter: node acknowledgements of evictions.
 pub const EVICTION_ACKS_TOTAL: &str = "baton_gateway_eviction_acks_total";
+
+/// Counter: delivered replies judged against the SLO targets, by outcome (`met`,
+/// `missed_ttft`, `missed_itl`; a turn that misses both is `missed_ttft`).
+pub const TURNS_SLO_TOTAL: &str = "baton_gateway_turns_slo_total";
 
 /// Counter: conversation summaries the input check refused (not stored, not used).
 pub const SUMMARIES_REFUSED_TOTAL: &str = "baton_gateway_summaries_refused_total";
@@ -106,6 +112,9 @@ fn build() -> Metrics {
     for outcome in ["completed", "failed", "started"] {
         let _ = turn_counter(&m.recorder, outcome);
     }
+    for outcome in SloOutcome::ALL {
+        let _ = slo_counter(&m.recorder, outcome);
+    }
     for route in ["chat_completions", "models"] {
         let _ = request_counter(&m.recorder, route);
     }
@@ -135,6 +144,15 @@ fn token_counter(r: &PrometheusRecorder, kind: &'static str) -> Counter {
 
 fn turn_counter(r: &PrometheusRecorder, outcome: &'static str) -> Counter {
     counter(r, TURNS_TOTAL, "Turns and completions by outcome", &[("outcome", outcome)])
+}
+
+fn slo_counter(r: &PrometheusRecorder, outcome: SloOutcome) -> Counter {
+    counter(r, TURNS_SLO_TOTAL, "Delivered replies judged against the TTFT and per-turn p95 ITL targets, by outcome", &[("outcome", outcome.label())])
+}
+
+/// A delivered reply was judged against the SLO.
+pub fn turn_slo(outcome: SloOutcome) {
+    slo_counter(&get().recorder, outcome).increment(1);
 }
 
 fn user_tokens(r: &PrometheusRecorder, kind: &'static str) -> Histogram {
@@ -209,13 +227,11 @@ pub fn stream_closed(finish_reason: &'static str, started: Instant) {
 }
 
 /// A token reached the gateway: the first one is the TTFT, the others an ITL.
-pub fn token(started: Instant, last: &mut Option<Instant>) {
-    let now = Instant::now();
-    match last {
-        None => get().ttft.record(now.duration_since(started).as_secs_f64()),
-        Some(prev) => get().itl.record(now.duration_since(*prev).as_secs_f64()),
+pub fn token(clock: &mut TurnClock) {
+    match clock.token() {
+        Ok(ttft) => get().ttft.record(ttft.as_secs_f64()),
+        Err(gap) => get().itl.record(gap.as_secs_f64()),
     }
-    *last = Some(now);
 }
 
 /// One user's turn was metered.
@@ -277,10 +293,10 @@ mod tests {
 
     #[test]
     fn renders_histograms_and_counts_users_without_labels() {
-        let started = Instant::now();
-        let mut last = None;
-        token(started, &mut last);
-        token(started, &mut last);
+        let mut clock = TurnClock::start(Instant::now());
+        token(&mut clock);
+        token(&mut clock);
+        turn_slo(clock.outcome(crate::slo::SloTargets { ttft: Duration::from_secs(60), itl: Duration::from_secs(60) }));
         let usage = Usage { prompt_tokens: 100, cached_tokens: 64, completion_tokens: 8 };
         metered("alice", &usage);
         metered("alice", &usage);
@@ -288,6 +304,8 @@ mod tests {
         let text = encode();
         assert!(text.contains("baton_gateway_inter_token_latency_seconds_bucket{le=\"0.05\"}"), "{text}");
         assert!(text.contains("baton_gateway_time_to_first_token_seconds_count"), "{text}");
+        assert!(text.contains("baton_gateway_turns_slo_total{outcome=\"met\"} 1"), "{text}");
+        assert!(text.contains("baton_gateway_turns_slo_total{outcome=\"missed_itl\"} 0"), "{text}");
         assert!(!text.contains("alice") && !text.contains("bob"), "{text}");
         let users = text.lines().find(|l| l.starts_with("baton_gateway_active_users ")).expect("active users");
         let n: f64 = users.split(' ').nth(1).and_then(|v| v.parse().ok()).expect("a number");

@@ -13,6 +13,7 @@ use crate::auth::KeyHash;
 use crate::limits::{LimitOverrides, Permit};
 use crate::metrics;
 use crate::server::App;
+use crate::slo::TurnClock;
 use crate::store::UsageCounts;
 use baton_engine::sampling::SamplingParams;
 use baton_engine::{FinishReason, Usage};
@@ -56,9 +57,8 @@ pub struct Reply {
     filter: OutputFilter,
     permit: Option<Permit>,
     prompt_len: usize,
-    started: Instant,
-    /// When the previous token arrived (inter-token latency).
-    last_token: Option<Instant>,
+    /// When the request started and when its tokens arrived (TTFT, ITL, the SLO).
+    clock: TurnClock,
     queued_end: Option<End>,
     /// Every token ID received, in order (what the next prompt appends).
     pub output_ids: Vec<u32>,
@@ -103,8 +103,7 @@ impl App {
             filter: OutputFilter::new(self.checks.clone(), self.links.clone(), self.check_window),
             permit: Some(permit),
             prompt_len,
-            started,
-            last_token: None,
+            clock: TurnClock::start(started),
             queued_end: None,
             output_ids: Vec::new(),
             text: String::new(),
@@ -171,7 +170,7 @@ impl Reply {
         };
         Some(match ev {
             Some(GenEvent::Token(t)) => {
-                metrics::token(self.started, &mut self.last_token);
+                metrics::token(&mut self.clock);
                 self.output_ids.push(t.id);
                 let token = Some(TokenInfo { id: t.id, logprob: t.logprob, top_logprobs: t.top_logprobs });
                 match self.filter.push(&t.text) {
@@ -244,7 +243,10 @@ impl Reply {
         if let Some(p) = self.permit.take() {
             p.charge_output(u.completion_tokens);
         }
-        metrics::stream_closed(end.finish_reason, self.started);
+        metrics::stream_closed(end.finish_reason, self.clock.started());
+        if matches!(end.finish_reason, "stop" | "length") {
+            metrics::turn_slo(self.clock.outcome(self.app.config.slo));
+        }
         metrics::tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens);
         metrics::metered(&self.user, &u);
         let store = self.app.store.clone();

@@ -24,6 +24,7 @@ use baton_proto::node::decode_node_client::DecodeNodeClient;
 use clap::Args;
 use tokio::sync::watch;
 
+use crate::core_split::CoreSplit;
 use crate::engine_args::EngineArgs;
 use crate::up::{start_cluster, start_engines, ClusterSpec};
 
@@ -82,7 +83,8 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
     let need = a.cold_tokens + a.warm_tokens + 2 * a.max_tokens + 16;
     engine_args.max_context = Some(engine_args.max_context.unwrap_or(0).max(need));
     crate::process::runtime()?.block_on(async move {
-        let engines = start_engines(&engine_args).await?;
+        // One turn at a time: the engines do not compute at once, so each may use every thread.
+        let engines = start_engines(&engine_args, CoreSplit::shared(engine_args.threads)).await?;
         let text = prompt_text(&engines.0, a.cold_tokens + a.warm_tokens)?;
         let (cold, extra) = text.split_at(a.cold_tokens);
         let extra = &extra[..a.warm_tokens];
@@ -96,6 +98,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
             let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
             let spec = ClusterSpec {
                 engine: &engine_args,
+                split: CoreSplit::shared(engine_args.threads),
                 model: &model,
                 coordinator_listen: loopback,
                 coordinator_http_listen: loopback,

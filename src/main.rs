@@ -4,6 +4,7 @@ mod bench_cluster;
 mod bench_engine;
 mod certs;
 mod coordinator_cmd;
+mod core_split;
 mod engine_args;
 mod gateway_cmd;
 mod generate;

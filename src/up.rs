@@ -24,6 +24,7 @@ use clap::Args;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::core_split::CoreSplit;
 use crate::engine_args::EngineArgs;
 
 const DECODE_NAME: &str = "decode-0";
@@ -66,6 +67,14 @@ pub struct UpArgs {
     /// The local user the key belongs to.
     #[arg(long, env = "BATON_USER", default_value = "local")]
     pub user: String,
+    /// Compute threads of the decode engine (CPU backend). Default: what --threads
+    /// (the cores to divide) leaves after the prefill engine's share.
+    #[arg(long, env = "BATON_DECODE_THREADS")]
+    pub decode_threads: Option<usize>,
+    /// Compute threads of the prefill engine (CPU backend). Default: a quarter of
+    /// --threads, at least 1 (README, "Configuration").
+    #[arg(long, env = "BATON_PREFILL_THREADS")]
+    pub prefill_threads: Option<usize>,
 }
 
 /// Where the parts of a started cluster listen.
@@ -77,6 +86,8 @@ struct Started {
     coordinator_http: SocketAddr,
     decode_http: SocketAddr,
     prefill_http: SocketAddr,
+    /// Each engine's backend as it describes itself (for the CPU: its threads).
+    engines: String,
 }
 
 pub fn run(a: UpArgs) -> Result<()> {
@@ -86,6 +97,10 @@ pub fn run(a: UpArgs) -> Result<()> {
     }
     let gateway_config = baton_api_gateway::Config::try_from(a.gateway.clone())?;
     let kv_transport = TransportChoice::try_from(a.kv_transport.clone())?;
+    let split = CoreSplit::divide(a.engine.threads, a.decode_threads, a.prefill_threads)?;
+    if split.oversubscribes(a.engine.threads) {
+        tracing::warn!(threads = a.engine.threads, decode = split.decode, prefill = split.prefill, "the engines' threads exceed --threads: they will contend for cores");
+    }
     crate::process::runtime()?.block_on(async move {
         let (stop_tx, stop_rx) = watch::channel(false);
         tokio::spawn(async move {
@@ -93,8 +108,8 @@ pub fn run(a: UpArgs) -> Result<()> {
             eprintln!("baton up: shutting down");
             let _ = stop_tx.send(true);
         });
-        let engines = start_engines(&a.engine).await?;
-        let result = serve(&a, &model, gateway_config, kv_transport, engines.clone(), stop_rx).await;
+        let engines = start_engines(&a.engine, split).await?;
+        let result = serve(&a, &model, gateway_config, kv_transport, engines.clone(), split, stop_rx).await;
         for e in [&engines.0, &engines.1] {
             e.shutdown();
         }
@@ -102,9 +117,12 @@ pub fn run(a: UpArgs) -> Result<()> {
     })
 }
 
-/// The decode node's and the prefill node's engines, loaded side by side.
-pub(crate) async fn start_engines(args: &EngineArgs) -> Result<(Arc<Engine>, Arc<Engine>)> {
-    let (d, p) = (args.clone(), args.clone());
+/// The decode node's and the prefill node's engines, loaded side by side, each with
+/// its share of the compute threads.
+pub(crate) async fn start_engines(args: &EngineArgs, split: CoreSplit) -> Result<(Arc<Engine>, Arc<Engine>)> {
+    let (mut d, mut p) = (args.clone(), args.clone());
+    d.threads = split.decode;
+    p.threads = split.prefill;
     let decode = tokio::task::spawn_blocking(move || d.start());
     let prefill = tokio::task::spawn_blocking(move || p.start());
     let decode = Arc::new(decode.await.context("decode engine")?.context("starting the decode node's engine")?);
@@ -115,6 +133,8 @@ pub(crate) async fn start_engines(args: &EngineArgs) -> Result<(Arc<Engine>, Arc
 /// Where the cluster's parts (without the gateway) listen, and what to bind.
 pub(crate) struct ClusterSpec<'a> {
     pub engine: &'a EngineArgs,
+    /// The engines' compute threads (as `start_engines` was given them).
+    pub split: CoreSplit,
     pub model: &'a Path,
     pub coordinator_listen: SocketAddr,
     pub coordinator_http_listen: SocketAddr,
@@ -173,7 +193,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         async move { coordinator.serve(stopped(stop)).await.context("coordinator") }
     });
     let (model, a) = (spec.model, spec.engine);
-    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: a.threads, config: a.engine_config() };
+    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: spec.split.decode, config: a.engine_config() };
     let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
 
     let decode_config = baton_decode_node::Config {
@@ -220,7 +240,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         insecure_plaintext_internal: spec.insecure_plaintext_internal,
         kv_layer_delay: None,
         kv_transport: spec.kv_transport.clone(),
-        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: a.threads, config: a.engine_config() },
+        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: spec.split.prefill, config: a.engine_config() },
     };
     let prefill_parts = baton_prefill_node::Parts {
         engine: prefill_engine.clone(),
@@ -245,9 +265,11 @@ async fn serve(
     mut gateway_config: baton_api_gateway::Config,
     kv_transport: TransportChoice,
     engines: (Arc<Engine>, Arc<Engine>),
+    split: CoreSplit,
     stop: watch::Receiver<bool>,
 ) -> Result<()> {
     let started = Instant::now();
+    let engine_lines = format!("decode-0: {}; prefill-0: {}", engines.0.info.backend, engines.1.info.backend);
     let gateway_listener = TcpListener::bind(gateway_config.listen).await.with_context(|| format!("binding the gateway to {}", gateway_config.listen))?;
     // Operators' endpoints: the gateway's metrics on a loopback port of their own (or
     // --admin-listen), and one admin key (BATON_ADMIN_KEY, --admin-key-file, or a fresh
@@ -266,6 +288,7 @@ async fn serve(
     };
     let spec = ClusterSpec {
         engine: &a.engine,
+        split,
         model,
         coordinator_listen: a.coordinator_listen,
         coordinator_http_listen: a.coordinator_http_listen,
@@ -300,7 +323,7 @@ async fn serve(
         tls,
         &key,
         a.api_key.is_some(),
-        &Started { coordinator: coordinator_addr, coordinator_http, decode_http, prefill_http, gateway_admin, admin_key_file },
+        &Started { coordinator: coordinator_addr, coordinator_http, decode_http, prefill_http, gateway_admin, admin_key_file, engines: engine_lines },
         started.elapsed(),
     );
 
@@ -357,12 +380,13 @@ fn print_banner(gateway: SocketAddr, tls: bool, key: &str, key_given: bool, s: &
         None => "\"Authorization: Bearer $BATON_ADMIN_KEY\"".to_string(),
     };
     println!(
-        "\n  metrics      gateway http://{}/metrics\n  coordinator  grpc {}  http http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n  routing      curl -H {admin} 'http://{}/debug/routing?key=CONVERSATION'\n\
+        "\n  engines      {}\n  metrics      gateway http://{}/metrics\n  coordinator  grpc {}  http http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n  routing      curl -H {admin} 'http://{}/debug/routing?key=CONVERSATION'\n\
          \nTry:\n  curl -N {g}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
          -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\":\"baton\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n\
          \nCtrl-C stops the cluster.\n\
          \nBaton is up (the cluster started in {:.1} s).\n  web chat     {g}/\n  API          {g}/v1  (OpenAI-compatible)\n  API key      {key_line}",
+        s.engines,
         s.gateway_admin,
         s.coordinator,
         s.coordinator_http,

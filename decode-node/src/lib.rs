@@ -24,7 +24,7 @@ pub mod warm;
 use std::sync::Arc;
 
 use anyhow::Result;
-use baton_node_common::engine_metrics::{MetricsSpec, TTFT_BUCKETS};
+use baton_node_common::engine_metrics::MetricsSpec;
 use baton_node_common::shell::{Node, NodeRole, RoleParts};
 use baton_proto::node::decode_node_server::DecodeNodeServer;
 use baton_proto::plane::Role as IdRole;
@@ -32,12 +32,8 @@ use baton_proto::plane::Role as IdRole;
 pub use baton_node_common::shell::{run, serve, Bound, Parts};
 pub use handoff::Router;
 
-/// The decode node's series: their prefix, what `imported` prompt tokens are, histogram buckets.
-const METRICS: MetricsSpec = MetricsSpec::new(
-    "baton_decode",
-    "Prompt tokens by source: prefix cache (tier), imported from a prefill node, computed here",
-    &[("time_to_first_token_seconds", TTFT_BUCKETS), ("inter_token_latency_seconds", metrics::ITL_BUCKETS)],
-);
+/// The decode node's series: their prefix, where its `imported` prompt tokens come from, its own histograms.
+const METRICS: MetricsSpec = MetricsSpec::new("baton_decode", "imported from a prefill node", metrics::BUCKETS);
 
 baton_node_common::node_role!(Decode, "decode", "DECODE", "72");
 

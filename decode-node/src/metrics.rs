@@ -15,12 +15,14 @@ use baton_node_common::engine_metrics::NodeRecorder;
 
 /// Latency buckets (seconds) around the 50 ms ITL target.
 pub const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+/// Buckets of this role's histograms besides TTFT (the shell's), by name under the prefix.
+pub const BUCKETS: &[(&str, &[f64])] = &[("inter_token_latency_seconds", ITL_BUCKETS)];
 
 /// Handles to the decode node's own series.
 pub struct Metrics {
     node: Arc<NodeRecorder>,
     /// `turns_total`: turns received.
-    pub turns: Count,
+    pub turns: Counter,
     /// `remote_prefills_total`: turns whose tail a prefill node computed.
     pub remote_prefills: Count,
     /// `local_prefills_total`: turns prefilled on this node.
@@ -28,7 +30,7 @@ pub struct Metrics {
     /// `prefill_fallbacks_total`: remote prefills that failed and were recomputed here.
     pub fallbacks: Count,
     /// `generated_tokens_total`: tokens streamed to callers.
-    pub generated: Count,
+    pub generated: Counter,
     /// `time_to_first_token_seconds`: engine time from submission to the first token.
     pub ttft: Histogram,
     /// `inter_token_latency_seconds`: engine time between consecutive tokens of one reply.
@@ -46,11 +48,11 @@ impl Metrics {
     pub fn new(node: Arc<NodeRecorder>) -> Self {
         let n = &node;
         let m = Metrics {
-            turns: n.count("turns_total", "Turns received"),
+            turns: n.counter("turns_total", "Turns received", &[]),
             remote_prefills: n.count("remote_prefills_total", "Turns whose tail a prefill node computed"),
             local_prefills: n.count("local_prefills_total", "Turns prefilled on this node"),
             fallbacks: n.count("prefill_fallbacks_total", "Remote prefills that failed and were recomputed here"),
-            generated: n.count("generated_tokens_total", "Tokens streamed"),
+            generated: n.counter("generated_tokens_total", "Tokens streamed", &[]),
             ttft: n.histogram("time_to_first_token_seconds", "Engine time from submission to the first token"),
             itl: n.histogram("inter_token_latency_seconds", "Engine time between consecutive tokens of one reply"),
             drain_blocks: n.counter("drain_migrated_blocks_total", "KV blocks migrated to other decode nodes by a drain", &[]),

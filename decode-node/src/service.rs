@@ -80,7 +80,7 @@ impl DecodeNode for DecodeService {
             p.seed = Some(random_seed());
             req.sampling = p.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
         }
-        self.metrics.turns.inc();
+        self.metrics.turns.increment(1);
         let engine = self.engine.clone();
         let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
         let mut cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
@@ -226,7 +226,7 @@ async fn forward(
         };
         let out = match ev {
             Some(Event::Token(t)) => {
-                metrics.generated.inc();
+                metrics.generated.increment(1);
                 timer.token(t.elapsed);
                 if let Some((w, _)) = warm.as_mut() {
                     w.tokens.push(t.id);

@@ -22,8 +22,8 @@ fn key(name: &str, labels: &[(&'static str, &'static str)]) -> Key {
     Key::from_parts(KeyName::from(name.to_string()), labels.iter().map(|(k, v)| Label::new(*k, *v)).collect::<Vec<_>>())
 }
 
-fn counter(r: &PrometheusRecorder, name: &str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Counter {
-    r.describe_counter(KeyName::from(name.to_string()), None, help.into());
+fn counter(r: &PrometheusRecorder, name: &str, help: &str, labels: &[(&'static str, &'static str)]) -> Counter {
+    r.describe_counter(KeyName::from(name.to_string()), None, help.to_string().into());
     r.register_counter(&key(name, labels), &META)
 }
 
@@ -67,15 +67,16 @@ pub const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0,
 pub struct MetricsSpec {
     /// `baton_decode`, `baton_prefill`.
     pub prefix: &'static str,
-    /// The help text of `{prefix}_prompt_tokens_total`: what `imported` means for this role.
-    pub prompt_tokens_help: &'static str,
-    /// Bucket bounds (seconds) of the role's histograms, by name under the prefix.
+    /// Where this role's `imported` prompt tokens come from (`imported from a prefill node`).
+    pub imported: &'static str,
+    /// Bucket bounds (seconds) of the role's histograms besides `time_to_first_token_seconds`
+    /// (always [`TTFT_BUCKETS`]), by name under the prefix.
     pub buckets: &'static [(&'static str, &'static [f64])],
 }
 
 impl MetricsSpec {
-    pub const fn new(prefix: &'static str, prompt_tokens_help: &'static str, buckets: &'static [(&'static str, &'static [f64])]) -> Self {
-        MetricsSpec { prefix, prompt_tokens_help, buckets }
+    pub const fn new(prefix: &'static str, imported: &'static str, buckets: &'static [(&'static str, &'static [f64])]) -> Self {
+        MetricsSpec { prefix, imported, buckets }
     }
 }
 
@@ -92,7 +93,7 @@ pub struct NodeRecorder {
 impl NodeRecorder {
     pub fn new(spec: &MetricsSpec) -> Self {
         let mut builder = PrometheusBuilder::new();
-        for (name, buckets) in spec.buckets {
+        for (name, buckets) in [("time_to_first_token_seconds", TTFT_BUCKETS)].iter().chain(spec.buckets) {
             let name = format!("{}_{name}", spec.prefix);
             builder = builder.set_buckets_for_metric(Matcher::Full(name), buckets).expect("bucket lists are not empty");
         }
@@ -141,7 +142,7 @@ impl NodeRecorder {
 struct EngineSeries {
     /// Counter: prompt tokens by source (`cached_tier1`, `cached_tier2`, `imported`, `computed`).
     prompt_tokens: String,
-    prompt_tokens_help: &'static str,
+    prompt_tokens_help: String,
     /// Counter: prefix-cache hit tokens by tier (`1`, `2`).
     prefix_hit_tokens: String,
     /// Counter: seconds the engine spent computing steps.
@@ -166,7 +167,7 @@ impl EngineSeries {
         let name = |suffix: &str| format!("{}_{suffix}", spec.prefix);
         EngineSeries {
             prompt_tokens: name("prompt_tokens_total"),
-            prompt_tokens_help: spec.prompt_tokens_help,
+            prompt_tokens_help: format!("Prompt tokens by source: prefix cache (tier), {}, computed here", spec.imported),
             prefix_hit_tokens: name("prefix_cache_hit_tokens_total"),
             busy_seconds: name("busy_seconds_total"),
             engine_tokens: name("engine_tokens_total"),
@@ -192,7 +193,7 @@ impl EngineSeries {
         let imported = imported.min(st.prompt_tokens - cached.min(st.prompt_tokens));
         let computed = st.prompt_tokens.saturating_sub(cached + imported);
         for (source, n) in [("cached_tier1", cached - tier2), ("cached_tier2", tier2), ("imported", imported), ("computed", computed)] {
-            counter(r, &self.prompt_tokens, self.prompt_tokens_help, &[("source", source)]).absolute(n);
+            counter(r, &self.prompt_tokens, &self.prompt_tokens_help, &[("source", source)]).absolute(n);
         }
         let help = "Prompt tokens matched in the prefix cache, by tier";
         counter(r, &self.prefix_hit_tokens, help, &[("tier", "1")]).absolute(st.kv.primary_hits * bt);

@@ -17,19 +17,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
-use baton_node_common::engine_metrics::{MetricsSpec, TTFT_BUCKETS};
+use baton_node_common::engine_metrics::MetricsSpec;
 use baton_node_common::shell::{parse_duration, ControlHooks, Node, NodeRole, RoleParts};
 use baton_proto::node::prefill_node_server::PrefillNodeServer;
 use baton_proto::plane::Role as IdRole;
 
 pub use baton_node_common::shell::{run, serve, Bound, Parts};
 
-/// The prefill node's series: their prefix, what `imported` prompt tokens are, histogram buckets.
-const METRICS: MetricsSpec = MetricsSpec::new(
-    "baton_prefill",
-    "Prompt tokens by source: prefix cache (tier), pulled from a decode node, computed here",
-    &[("time_to_first_token_seconds", TTFT_BUCKETS), ("ship_seconds", metrics::SHIP_BUCKETS)],
-);
+/// The prefill node's series: their prefix, where its `imported` prompt tokens come from, its own histograms.
+const METRICS: MetricsSpec = MetricsSpec::new("baton_prefill", "pulled from a decode node", metrics::BUCKETS);
 
 baton_node_common::node_role!(Prefill, "prefill", "PREFILL", "73");
 

@@ -7,26 +7,27 @@
 
 use std::sync::Arc;
 
-use ::metrics::Histogram;
-pub use baton_node_common::engine_metrics::Count;
+use ::metrics::{Counter, Histogram};
 use baton_node_common::engine_metrics::NodeRecorder;
 
 /// Buckets (seconds) of KV shipping.
 pub const SHIP_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+/// Buckets of this role's histograms besides TTFT (the shell's), by name under the prefix.
+pub const BUCKETS: &[(&str, &[f64])] = &[("ship_seconds", SHIP_BUCKETS)];
 
 /// Handles to the prefill node's own series.
 pub struct Metrics {
     node: Arc<NodeRecorder>,
     /// `turns_total`: prefills received.
-    pub turns: Count,
+    pub turns: Counter,
     /// `pulled_prefixes_total`: prefixes pulled from a decode node.
-    pub pulled: Count,
+    pub pulled: Counter,
     /// `failures_total`: prefills that failed.
-    pub failures: Count,
+    pub failures: Counter,
     /// `shipped_blocks_total`: KV blocks shipped to decode nodes.
-    pub shipped: Count,
+    pub shipped: Counter,
     /// `generated_tokens_total`: first tokens sampled.
-    pub generated: Count,
+    pub generated: Counter,
     /// `time_to_first_token_seconds`: from receiving a prefill to its first token
     /// (compute, including any pull).
     pub ttft: Histogram,
@@ -39,11 +40,11 @@ impl Metrics {
     pub fn new(node: Arc<NodeRecorder>) -> Self {
         let n = &node;
         Metrics {
-            turns: n.count("turns_total", "Prefills received"),
-            pulled: n.count("pulled_prefixes_total", "Prefixes pulled from a decode node"),
-            failures: n.count("failures_total", "Prefills that failed"),
-            shipped: n.count("shipped_blocks_total", "KV blocks shipped to decode nodes"),
-            generated: n.count("generated_tokens_total", "First tokens sampled"),
+            turns: n.counter("turns_total", "Prefills received", &[]),
+            pulled: n.counter("pulled_prefixes_total", "Prefixes pulled from a decode node", &[]),
+            failures: n.counter("failures_total", "Prefills that failed", &[]),
+            shipped: n.counter("shipped_blocks_total", "KV blocks shipped to decode nodes", &[]),
+            generated: n.counter("generated_tokens_total", "First tokens sampled", &[]),
             ttft: n.histogram("time_to_first_token_seconds", "Time from receiving a prefill to its first token"),
             ship: n.histogram("ship_seconds", "Time to ship a computed tail to the decode node"),
             node: node.clone(),

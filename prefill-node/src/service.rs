@@ -57,10 +57,10 @@ impl PrefillNode for PrefillService {
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
-        self.metrics.turns.inc();
+        self.metrics.turns.increment(1);
         let r = self.prefill_inner(request.into_inner()).await;
         if r.is_err() {
-            self.metrics.failures.inc();
+            self.metrics.failures.increment(1);
         }
         r.map(Response::new)
     }
@@ -98,7 +98,7 @@ impl PrefillService {
         if have < k && !r.prefix_source.is_empty() {
             match self.pull_prefix(&req.prompt[..k], &req.owner, req.platform_prefix_len, have / bt, &r.prefix_source).await {
                 Ok(i) => {
-                    self.metrics.pulled.inc();
+                    self.metrics.pulled.increment(1);
                     pulled = Some(i);
                 }
                 Err(e) => {
@@ -128,7 +128,7 @@ impl PrefillService {
             }
         }
         let first = first.ok_or_else(|| Status::internal("no first token"))?;
-        self.metrics.generated.inc();
+        self.metrics.generated.increment(1);
         let export = sub.export.ok_or_else(|| Status::internal("no export"))?.await.map_err(|_| Status::internal("the export was not produced"))?;
         if export.blocks.len() != grant.blocks.len() {
             return Err(Status::internal("exported blocks do not match the grant"));
@@ -148,7 +148,7 @@ impl PrefillService {
             }
         }
         t.finish().await.map_err(unavailable)?;
-        self.metrics.shipped.inc_by(n_blocks as u64);
+        self.metrics.shipped.increment(n_blocks as u64);
         self.metrics.ship.record(shipping.elapsed().as_secs_f64());
         Ok(pb::PrefillResponse {
             first_token: Some(first),

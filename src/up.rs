@@ -16,6 +16,7 @@ use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
 use baton_engine::Engine;
 use baton_identity::AdminKey;
 use baton_kv_transport::transport::select::TransportChoice;
+use baton_node_common::shell::NodeConfig;
 use baton_proto::common::Role;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::ListNodesRequest;
@@ -193,27 +194,16 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         async move { coordinator.serve(stopped(stop)).await.context("coordinator") }
     });
     let (model, a) = (spec.model, spec.engine);
-    let node_engine = || baton_decode_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: spec.split.decode, config: a.engine_config() };
+    let node_engine = |threads: usize| baton_node_common::engine_args::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads, config: a.engine_config() };
     let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
 
-    let decode_config = baton_decode_node::Config {
-        name: DECODE_NAME.into(),
-        listen: loopback(0),
-        http_listen: loopback(0),
-        kv_listen: loopback(0),
-        advertise_host: None,
-        coordinator: Some(coordinator_url.clone()),
-        prefill_addr: None,
-        local_prefill_threshold: spec.local_prefill_threshold as usize,
-        kv_deadline: Duration::from_secs(30),
-        kv_staging_bytes: 256 << 20,
-        drain_timeout: Duration::from_secs(60),
-        warm_conversations: 8192,
-        certs_dir: Default::default(),
+    // Each engine's share of the cores (`CoreSplit`).
+    let node_config = |name: &str, threads: usize| NodeConfig {
         insecure_plaintext_internal: spec.insecure_plaintext_internal,
-        kv_transport: spec.kv_transport.clone(),
-        engine: node_engine(),
+        ..NodeConfig::in_process(name, Some(coordinator_url.clone()), spec.kv_transport.clone(), node_engine(threads))
     };
+    // The coordinator alone decides where a tail is prefilled (`local_prefill_threshold` above).
+    let decode_config = baton_decode_node::Config { node: node_config(DECODE_NAME, spec.split.decode), role: baton_decode_node::Decode { prefill_addr: None, warm_conversations: 8192 } };
     let decode_parts = baton_decode_node::Parts {
         engine: decode_engine.clone(),
         tls: certs.node_tls(DECODE_NAME)?,
@@ -227,21 +217,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         async move { baton_decode_node::serve(decode_config, decode_parts, |_| {}, stopped(stop)).await.context("decode node") }
     });
 
-    let prefill_config = baton_prefill_node::Config {
-        name: PREFILL_NAME.into(),
-        listen: loopback(0),
-        http_listen: loopback(0),
-        kv_listen: loopback(0),
-        advertise_host: None,
-        coordinator: Some(coordinator_url.clone()),
-        kv_deadline: Duration::from_secs(30),
-        kv_staging_bytes: 256 << 20,
-        certs_dir: Default::default(),
-        insecure_plaintext_internal: spec.insecure_plaintext_internal,
-        kv_layer_delay: None,
-        kv_transport: spec.kv_transport.clone(),
-        engine: baton_prefill_node::EngineSetup { model: model.to_path_buf(), backend: a.backend, gpu: a.gpu, threads: spec.split.prefill, config: a.engine_config() },
-    };
+    let prefill_config = baton_prefill_node::Config { node: node_config(PREFILL_NAME, spec.split.prefill), role: baton_prefill_node::Prefill { kv_layer_delay: None } };
     let prefill_parts = baton_prefill_node::Parts {
         engine: prefill_engine.clone(),
         tls: certs.node_tls(PREFILL_NAME)?,

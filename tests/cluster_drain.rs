@@ -56,8 +56,8 @@ fn healthz_status(http: &str) -> String {
 #[test]
 fn drain_hands_a_warm_conversation_to_its_new_owner_token_exact() {
     let Some(cluster) = Cluster::start("decode-0,decode-1", THRESHOLD) else { return };
-    let d0 = cluster.node("decode", "decode-0", THRESHOLD, &[]);
-    let d1 = cluster.node("decode", "decode-1", THRESHOLD, &[]);
+    let d0 = cluster.node("decode", "decode-0", &[]);
+    let d1 = cluster.node("decode", "decode-1", &[]);
     let reference = reference_engine(&cluster.model);
     let rt = runtime();
     let coordinator = cluster.url();
@@ -130,7 +130,7 @@ fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over() {
             r.route(k, &[], Instant::now()).unwrap().node == "decode-1"
         })
         .unwrap();
-    let d0 = cluster.node("decode", "decode-0", THRESHOLD, &[]);
+    let d0 = cluster.node("decode", "decode-0", &[]);
     let reference = reference_engine(&cluster.model);
     let rt = runtime();
     let coordinator = cluster.url();
@@ -145,7 +145,7 @@ fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over() {
 
     // decode-1 joins and becomes the conversation's home; the first routing
     // after the move names decode-0 as where the warm prefix is.
-    let d1 = cluster.node("decode", "decode-1", THRESHOLD, &[]);
+    let d1 = cluster.node("decode", "decode-1", &[]);
     let moved = rt.block_on(route_full(&cluster.plane("gateway"), &coordinator, &conv));
     assert_eq!(moved.node.as_ref().unwrap().node_id.as_ref().unwrap().id, "decode-1");
     let previous = moved.previous.expect("the first turn after the move names the previous owner");

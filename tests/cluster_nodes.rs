@@ -47,8 +47,8 @@ fn wait_until_prefill_sampled(prefill: &Proc) {
 #[test]
 fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
     let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
-    let prefill = cluster.node("prefill", "prefill-0", THRESHOLD, &[]);
-    let decode = cluster.node("decode", "decode-0", THRESHOLD, &[]);
+    let prefill = cluster.node("prefill", "prefill-0", &[]);
+    let decode = cluster.node("decode", "decode-0", &[]);
     let reference = reference_engine(&cluster.model);
     let grpc = decode.addr("grpc");
     let pgrpc = prefill.addr("grpc");
@@ -109,8 +109,8 @@ fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
 fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
     let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
     // 30 layers at 150 ms each: the transfer takes several seconds.
-    let mut prefill = cluster.node("prefill", "prefill-0", THRESHOLD, &["--kv-layer-delay", "150ms"]);
-    let mut decode = cluster.node("decode", "decode-0", THRESHOLD, &["--kv-deadline", "20s"]);
+    let mut prefill = cluster.node("prefill", "prefill-0", &["--kv-layer-delay", "150ms"]);
+    let mut decode = cluster.node("decode", "decode-0", &["--kv-deadline", "20s"]);
     let reference = reference_engine(&cluster.model);
     let grpc = decode.addr("grpc");
     let rt = runtime();
@@ -161,8 +161,8 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
 fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
     let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
     // 30 layers at 100 ms each: shipping outlasts the engine's work by seconds.
-    let mut prefill = cluster.node("prefill", "prefill-0", THRESHOLD, &["--kv-layer-delay", "100ms"]);
-    let decode = cluster.node("decode", "decode-0", THRESHOLD, &["--kv-deadline", "20s"]);
+    let mut prefill = cluster.node("prefill", "prefill-0", &["--kv-layer-delay", "100ms"]);
+    let decode = cluster.node("decode", "decode-0", &["--kv-deadline", "20s"]);
     let reference = reference_engine(&cluster.model);
     let grpc = decode.addr("grpc");
     let rt = runtime();
@@ -189,9 +189,10 @@ fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
 
 #[test]
 fn cluster_isolation_users_share_only_the_platform_blocks() {
-    let Some(cluster) = Cluster::start("decode-0", THRESHOLD) else { return };
-    // Every tail local: isolation is the decode node's prefix cache's business.
-    let decode = cluster.node("decode", "decode-0", 100_000, &[]);
+    // Every tail local (no prefill node, and a threshold no tail reaches): isolation is
+    // the decode node's prefix cache's business.
+    let Some(cluster) = Cluster::start("decode-0", 100_000) else { return };
+    let decode = cluster.node("decode", "decode-0", &[]);
     let reference = reference_engine(&cluster.model);
     let grpc = decode.addr("grpc");
     let rt = runtime();

@@ -102,9 +102,9 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
     ]);
     let cluster = Cluster { dir, model: model.clone(), coordinator };
     let url = cluster.url();
-    let _p0 = cluster.node("prefill", "prefill-0", THRESHOLD, &[]);
-    let _p1 = cluster.node("prefill", "prefill-1", THRESHOLD, &[]);
-    let mut decodes = vec![cluster.node("decode", "decode-0", THRESHOLD, &[]), cluster.node("decode", "decode-1", THRESHOLD, &[])];
+    let _p0 = cluster.node("prefill", "prefill-0", &[]);
+    let _p1 = cluster.node("prefill", "prefill-1", &[]);
+    let mut decodes = vec![cluster.node("decode", "decode-0", &[]), cluster.node("decode", "decode-1", &[])];
 
     let db = cluster.dir.path().join("gateway.db");
     let key = baton(&["keys", "--db", db.to_str().unwrap(), "create", "--user", "alice"]).trim().to_string();
@@ -143,7 +143,7 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
 
         // The restarted node is the conversation's ring home again: the conversation
         // moves back, and its first turn there pulls the warm prefix from the interim owner.
-        decodes.push(cluster.node("decode", &home, THRESHOLD, &[]));
+        decodes.push(cluster.node("decode", &home, &[]));
         let (_, cached5, _) = turn(&http, &gateway, &key, &conv, "Where does the Rhine reach the sea?").await;
         assert_eq!(owner_of(&cluster.plane("gateway"), &url, &conv).await, home);
         assert!(cached5 + 32 >= prompt4, "turn 5 starts warm back on {home}: cached {cached5}, turn 4's prompt was {prompt4}");

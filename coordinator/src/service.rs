@@ -180,14 +180,13 @@ impl State {
     }
 
     pub(crate) async fn route_prefill(&self, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {
-        if req.routing_key.is_empty() {
-            return Err(Error::InvalidRequest { what: "routing_key is empty" });
-        }
+        // Every turn's tail is decided here, a turn without a conversation too (it has
+        // no routing key, hence no prefix affinity).
         let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Prefill).collect();
         let started = Instant::now();
-        let key = key_of(&req.routing_key);
+        let key = (!req.routing_key.is_empty()).then(|| key_of(&req.routing_key));
         let mut routing = lock(&self.routing);
-        let held = routing.affinity.get(key).cloned();
+        let held = key.and_then(|k| routing.affinity.get(k).cloned());
         let candidates = members
             .iter()
             .map(|m| {
@@ -206,7 +205,7 @@ impl State {
             })
             .collect();
         let d = choose_prefill(&self.policy, req.prompt_tokens, req.uncached_tokens, candidates);
-        if let Some(node) = &d.remote {
+        if let (Some(node), Some(key)) = (&d.remote, key) {
             routing.affinity.insert(key, node.clone(), req.prompt_tokens);
         }
         let rec = ExplainRecord::prefill(

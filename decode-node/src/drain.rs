@@ -7,21 +7,21 @@
 //!
 //! Order matters: leaving the ring first means no new turn is routed here;
 //! waiting for running sequences means their replies' blocks are published
-//! before they are moved. Every step is bounded by the drain's deadline; a
-//! conversation that could not move just starts cold, nothing is lost.
+//! before they are moved. The node shell does both (`NodeControl.Drain`) and
+//! then calls [`Drainer::hand_over`]. Every step is bounded by the drain's
+//! deadline; a conversation that could not move just starts cold, nothing is lost.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use baton_engine::kv::ConversationId;
 use baton_engine::Engine;
-use baton_proto::client::MembershipHandle;
+use baton_node_common::shell::{ControlHooks, Node};
 use baton_proto::common::NodeId;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::RouteDecodeRequest;
 use baton_proto::node as pb;
 use futures::StreamExt;
-use tokio::sync::Mutex;
 use tonic::transport::Channel;
 use tonic::Status;
 
@@ -31,45 +31,49 @@ use crate::warm::{WarmConversation, WarmTable};
 /// Conversations moved at once.
 const PARALLEL_MOVES: usize = 4;
 
-pub use baton_node_common::in_flight::InFlight;
-use baton_node_common::in_flight::stop_taking_work;
-
-/// Everything a drain touches.
+/// What a drain hands over, and how; also forgets evicted conversations.
 pub struct Drainer {
-    pub engine: Arc<Engine>,
-    pub warm: Arc<WarmTable>,
-    pub in_flight: InFlight,
-    pub draining: Arc<AtomicBool>,
-    /// `/healthz` answers 503 once false.
-    pub ready: Arc<AtomicBool>,
-    pub coordinator: Option<CoordinatorClient<Channel>>,
+    engine: Arc<Engine>,
+    warm: Arc<WarmTable>,
+    coordinator: Option<CoordinatorClient<Channel>>,
     /// How the drain reaches the conversations' new owners.
-    pub plane: baton_proto::plane::Plane,
-    /// Taken (and deregistered) by the first drain.
-    pub membership: Arc<Mutex<Option<MembershipHandle>>>,
-    pub node_id: String,
+    plane: baton_proto::plane::Plane,
+    node_id: String,
     /// This node's gRPC address as the new owners reach it (they pull from here).
-    pub grpc_addr: String,
-    pub metrics: Arc<Metrics>,
-    /// Used when the request names none.
-    pub default_deadline: Duration,
-    /// One drain at a time.
-    pub running: Mutex<()>,
+    grpc_addr: String,
+    metrics: Arc<Metrics>,
 }
 
 impl Drainer {
-    pub async fn drain(&self, deadline: Option<Duration>) -> pb::DrainResponse {
-        let _one = self.running.lock().await;
-        let deadline = deadline.unwrap_or(self.default_deadline);
-        let started = Instant::now();
-        let left = || deadline.saturating_sub(started.elapsed());
-        let deregistered = stop_taking_work(&self.draining, &self.ready, &self.membership).await;
-        let mut out = pb::DrainResponse { deregistered, ..Default::default() };
-        // Half the deadline for the running turns, the rest for moving.
-        out.running = self.in_flight.wait_idle(left() / 2).await as u32;
+    pub fn new(node: &Node, warm: Arc<WarmTable>, metrics: Arc<Metrics>) -> Self {
+        Drainer {
+            engine: node.engine.clone(),
+            warm,
+            coordinator: node.coordinator.clone(),
+            plane: node.plane.clone(),
+            node_id: node.config.name.clone(),
+            grpc_addr: node.grpc_addr.clone(),
+            metrics,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl ControlHooks for Drainer {
+    fn evicting(&self, conversation: &ConversationId) {
+        self.warm.remove(conversation);
+    }
+
+    /// Running turns get half the drain's deadline, moving the rest.
+    fn hands_over(&self) -> bool {
+        true
+    }
+
+    async fn hand_over(&self, out: &mut pb::DrainResponse, until: Instant) {
+        let left = || until.saturating_duration_since(Instant::now());
         let Some(coordinator) = self.coordinator.clone() else {
             tracing::info!(warm = self.warm.len(), "drained without a coordinator: no new owners to hand conversations to");
-            return out;
+            return;
         };
         let warm = self.warm.most_recent_first();
         tracing::info!(conversations = warm.len(), "handing warm conversations to their new owners");
@@ -77,7 +81,11 @@ impl Drainer {
             .map(|w| {
                 let coordinator = coordinator.clone();
                 let remaining = left();
-                async move { tokio::time::timeout(remaining, self.move_one(coordinator, w)).await.unwrap_or_else(|_| Err(Status::deadline_exceeded("drain deadline"))) }
+                async move {
+                    tokio::time::timeout(remaining, self.move_one(coordinator, w))
+                        .await
+                        .unwrap_or_else(|_| Err(Status::deadline_exceeded("drain deadline")))
+                }
             })
             .buffer_unordered(PARALLEL_MOVES);
         futures::pin_mut!(moves);
@@ -97,17 +105,17 @@ impl Drainer {
             }
         }
         tracing::info!(moved = out.conversations_moved, failed = out.conversations_failed, blocks = out.blocks_moved, "drain done");
-        out
     }
+}
 
+impl Drainer {
     /// Moves one conversation; `None` when nothing of it is cached any more.
     async fn move_one(&self, mut coordinator: CoordinatorClient<Channel>, w: WarmConversation) -> Result<Option<u64>, Status> {
         let engine = self.engine.clone();
         let (tokens, owner, platform) = (w.tokens.clone(), w.owner.clone(), w.platform_prefix_len.min(w.tokens.len()));
-        let cached = tokio::task::spawn_blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform))
-            .await
-            .map_err(|_| Status::internal("engine call panicked"))?
-            .map_err(crate::convert::status)?;
+        let cached = baton_node_common::shell::blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform))
+            .await?
+            .map_err(baton_node_common::convert::status)?;
         if cached == 0 {
             return Ok(None);
         }

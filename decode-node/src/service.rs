@@ -1,27 +1,25 @@
-//! The decode node's gRPC services: `DecodeNode` (Generate, ExportPrefix,
-//! AdoptPrefix, Stats) and `NodeControl` (Evict, Drain).
+//! The decode node's gRPC service: `DecodeNode` (Generate, ExportPrefix,
+//! AdoptPrefix, CachedPrefix, Stats). `NodeControl` is the node shell's.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_engine::kv::{ConversationId, UserId};
 use baton_engine::{Engine, Event, RequestStream, SubmitOptions};
 use baton_kv_transport::Grant;
+use baton_node_common::shell::{blocking, node_stats, Node};
 use baton_proto::node as pb;
 use baton_proto::node::decode_node_server::DecodeNode;
-use baton_proto::node::node_control_server::NodeControl;
 use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use crate::convert;
-use crate::drain::Drainer;
 use crate::handoff::{adopt, remote_prefill, Route, Router};
-use crate::kv::{parse_endpoint, ExportSource, KvNode};
 use crate::metrics::Metrics;
 use crate::warm::{WarmConversation, WarmTable};
+use baton_node_common::convert;
+use baton_node_common::kv::{parse_endpoint, ExportSource, KvNode};
 
 /// State shared by the node's services.
 pub struct DecodeService {
@@ -38,9 +36,20 @@ pub struct DecodeService {
     pub warm: Arc<WarmTable>,
 }
 
-/// Runs a blocking engine call off the async workers.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|_| Status::internal("engine call panicked"))
+impl DecodeService {
+    pub fn new(node: &Node, router: Router, metrics: Arc<Metrics>, warm: Arc<WarmTable>) -> Self {
+        DecodeService {
+            engine: node.engine.clone(),
+            kv: node.kv.clone(),
+            plane: node.plane.clone(),
+            router,
+            metrics,
+            grpc_addr: node.grpc_addr.clone(),
+            kv_deadline: node.config.kv_deadline,
+            draining: node.draining.clone(),
+            warm,
+        }
+    }
 }
 
 fn random_seed() -> u64 {
@@ -71,7 +80,7 @@ impl DecodeNode for DecodeService {
             p.seed = Some(random_seed());
             req.sampling = p.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
         }
-        self.metrics.turns.inc();
+        self.metrics.turns.increment(1);
         let engine = self.engine.clone();
         let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
         let mut cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
@@ -98,10 +107,7 @@ impl DecodeNode for DecodeService {
         if path != pb::PrefillPath::Remote {
             self.metrics.local_prefills.inc();
         }
-        let warm = req.conversation.clone().map(|conversation| {
-            let w = WarmConversation { conversation, owner: req.owner.clone(), platform_prefix_len: req.platform_prefix_len, tokens: req.prompt.clone() };
-            (w, self.warm.clone())
-        });
+        let warm = WarmConversation::of(&req).map(|w| (w, self.warm.clone()));
         let sub = match self.engine.submit_with(req.clone(), SubmitOptions { import, export_from_block: None }) {
             Ok(s) => s,
             Err(baton_engine::EngineError::BadImport { what }) => {
@@ -121,11 +127,8 @@ impl DecodeNode for DecodeService {
         let r = request.into_inner();
         let grant = Grant::from_bytes(&r.grant).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let peer = parse_endpoint(&r.kv_endpoint).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if r.owner.is_empty() {
-            return Err(Status::invalid_argument("owner is empty"));
-        }
         let engine = self.engine.clone();
-        let (tokens, owner, platform, start) = (r.tokens, UserId::new(r.owner), r.platform_prefix_len as usize, r.start_block as usize);
+        let (tokens, owner, platform, start) = (r.tokens, convert::owner(r.owner)?, r.platform_prefix_len as usize, r.start_block as usize);
         let export = blocking(move || engine.export_prefix(&tokens, &owner, platform, start)).await?.map_err(convert::status)?;
         let n = grant.blocks.len();
         if export.blocks.len() < n {
@@ -147,33 +150,37 @@ impl DecodeNode for DecodeService {
         if r.source.is_empty() {
             return Err(Status::invalid_argument("source is empty"));
         }
-        let turn = r.turn.ok_or_else(|| Status::invalid_argument("turn is missing"))?;
-        let (conversation, owner, platform, tokens) = (turn.conversation.clone(), turn.owner.clone(), turn.platform_prefix_len as usize, turn.prompt.clone());
-        let a = adopt::adopt(&self.engine, &self.kv, &self.plane, turn, &r.source, self.kv_deadline).await?;
+        let req = adopt::request(r.turn)?;
+        let warm = WarmConversation::of(&req).ok_or_else(|| Status::invalid_argument("an adopted prefix needs its conversation"))?;
+        let a = adopt::adopt(&self.engine, &self.kv, &self.plane, req, &r.source, self.kv_deadline).await?;
         if a.pulled_tokens > 0 {
             self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
         }
         // Known warm here from now on, should this node drain in turn.
-        self.warm.record(WarmConversation { conversation: ConversationId::new(conversation), owner: UserId::new(owner), platform_prefix_len: platform, tokens });
+        self.warm.record(warm);
         Ok(Response::new(pb::AdoptPrefixResponse { had_tokens: a.had_tokens as u32, pulled_tokens: a.pulled_tokens as u32 }))
     }
 
     async fn cached_prefix(&self, request: Request<pb::CachedPrefixRequest>) -> Result<Response<pb::CachedPrefixResponse>, Status> {
         let r = request.into_inner();
-        if r.owner.is_empty() {
-            return Err(Status::invalid_argument("owner is empty"));
-        }
         if r.platform_prefix_len as usize > r.tokens.len() {
             return Err(Status::invalid_argument("platform_prefix_len is past the tokens"));
         }
         let engine = self.engine.clone();
-        let (tokens, owner, platform) = (r.tokens, UserId::new(r.owner), r.platform_prefix_len as usize);
+        let (tokens, owner, platform) = (r.tokens, convert::owner(r.owner)?, r.platform_prefix_len as usize);
         let cached = blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform)).await?.map_err(convert::status)?;
         Ok(Response::new(pb::CachedPrefixResponse { cached_tokens: cached as u32 }))
     }
 
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::NodeStats>, Status> {
-        Ok(Response::new(node_stats(&self.engine, &self.kv, &self.metrics)))
+        let m = &self.metrics;
+        let own = pb::NodeStats {
+            remote_prefills: m.remote_prefills.get(),
+            local_prefills: m.local_prefills.get(),
+            fallbacks: m.fallbacks.get(),
+            ..node_stats(&self.engine, &self.kv)
+        };
+        Ok(Response::new(own))
     }
 }
 
@@ -182,13 +189,7 @@ impl DecodeService {
     /// pulls the warm prefix from its previous owner. Returns the prompt tokens
     /// cached here now; on any failure the turn just computes more itself.
     async fn adopt_moved(&self, req: &baton_engine::Request, source: &str, cached: usize) -> usize {
-        let turn = pb::Turn {
-            prompt: req.prompt.clone(),
-            owner: req.owner.as_str().to_string(),
-            platform_prefix_len: req.platform_prefix_len as u32,
-            conversation: req.conversation.as_ref().map(|c| c.as_str().to_string()).unwrap_or_default(),
-        };
-        match adopt::adopt(&self.engine, &self.kv, &self.plane, turn, source, self.kv_deadline).await {
+        match adopt::adopt(&self.engine, &self.kv, &self.plane, req.clone(), source, self.kv_deadline).await {
             Ok(a) if a.pulled_tokens > 0 => {
                 self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
                 cached.max(a.had_tokens + a.pulled_tokens)
@@ -199,23 +200,6 @@ impl DecodeService {
                 cached
             }
         }
-    }
-}
-
-pub fn node_stats(engine: &Engine, kv: &KvNode, m: &Metrics) -> pb::NodeStats {
-    let st = engine.stats();
-    pb::NodeStats {
-        kv_blocks_total: st.kv.total as u64,
-        kv_blocks_free: st.kv.free as u64,
-        kv_blocks_used: st.kv.used as u64,
-        kv_blocks_cached: st.kv.cached as u64,
-        running: st.running as u32,
-        waiting: st.waiting as u32,
-        live_reservations: kv.receiver.live_reservations() as u32,
-        staging_blocks_used: kv.staging_used() as u64,
-        remote_prefills: m.remote_prefills.get(),
-        local_prefills: m.local_prefills.get(),
-        fallbacks: m.fallbacks.get(),
     }
 }
 
@@ -242,7 +226,7 @@ async fn forward(
         };
         let out = match ev {
             Some(Event::Token(t)) => {
-                metrics.generated.inc();
+                metrics.generated.increment(1);
                 timer.token(t.elapsed);
                 if let Some((w, _)) = warm.as_mut() {
                     w.tokens.push(t.id);
@@ -281,33 +265,5 @@ async fn forward(
         if tx.send(out).await.is_err() {
             return;
         }
-    }
-}
-
-/// `NodeControl` of a decode node.
-pub struct Control {
-    pub engine: Arc<Engine>,
-    pub warm: Arc<WarmTable>,
-    pub drainer: Arc<Drainer>,
-}
-
-#[tonic::async_trait]
-impl NodeControl for Control {
-    async fn evict(&self, request: Request<pb::EvictRequest>) -> Result<Response<pb::EvictResponse>, Status> {
-        let r = request.into_inner();
-        if r.conversation.is_empty() {
-            return Err(Status::invalid_argument("conversation is empty"));
-        }
-        let conversation = ConversationId::new(r.conversation);
-        self.warm.remove(&conversation);
-        let engine = self.engine.clone();
-        let freed = blocking(move || engine.evict_conversation(conversation)).await?.map_err(convert::status)?;
-        Ok(Response::new(pb::EvictResponse { blocks_freed: freed as u64 }))
-    }
-
-    async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
-        let ms = request.into_inner().deadline_ms;
-        let deadline = (ms > 0).then(|| Duration::from_millis(ms as u64));
-        Ok(Response::new(self.drainer.drain(deadline).await))
     }
 }

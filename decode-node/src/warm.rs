@@ -26,6 +26,14 @@ pub struct WarmConversation {
     pub tokens: Vec<u32>,
 }
 
+impl WarmConversation {
+    /// A turn's prompt as its conversation's warm tokens; `None` without a conversation.
+    pub fn of(req: &baton_engine::Request) -> Option<Self> {
+        let conversation = req.conversation.clone()?;
+        Some(WarmConversation { conversation, owner: req.owner.clone(), platform_prefix_len: req.platform_prefix_len, tokens: req.prompt.clone() })
+    }
+}
+
 struct Entry {
     warm: WarmConversation,
     stamp: u64,
@@ -67,7 +75,9 @@ impl WarmTable {
         // O(n) over a bounded map, once per eviction; the newest entry stays
         // even when it alone is over the token bound.
         while g.entries.len() > 1 && (g.entries.len() > self.capacity || g.tokens > self.max_tokens) {
-            let Some(oldest) = g.entries.iter().min_by_key(|(_, e)| e.stamp).map(|(k, _)| k.clone()) else { break };
+            let Some(oldest) = g.entries.iter().min_by_key(|(_, e)| e.stamp).map(|(k, _)| k.clone()) else {
+                break;
+            };
             if let Some(e) = g.entries.remove(&oldest) {
                 g.tokens -= e.warm.tokens.len();
             }
@@ -105,7 +115,12 @@ mod tests {
     use super::*;
 
     fn warm(c: &str, tokens: &[u32]) -> WarmConversation {
-        WarmConversation { conversation: ConversationId::new(c.to_string()), owner: UserId::new("u".to_string()), platform_prefix_len: 0, tokens: tokens.to_vec() }
+        WarmConversation {
+            conversation: ConversationId::new(c.to_string()),
+            owner: UserId::new("u".to_string()),
+            platform_prefix_len: 0,
+            tokens: tokens.to_vec(),
+        }
     }
 
     #[test]

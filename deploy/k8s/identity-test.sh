@@ -83,7 +83,7 @@ run_cluster() {
     decode_name=baton-decode-0.decode.baton
     start_node prefill "$prefill_name" prefill
     prefill_http="$http"
-    start_node decode "$decode_name" "$decode_pool" --local-prefill-threshold 16
+    start_node decode "$decode_name" "$decode_pool"
     decode_http="$http"
     rm -f gw.db
     key="$("$bin" keys --db gw.db create --user identity-test | tail -n 1)"

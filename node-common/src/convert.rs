@@ -12,17 +12,30 @@ pub fn request(turn: Option<pb::Turn>, sampling: Option<pb::SamplingParams>) -> 
     let turn = turn.ok_or_else(|| Status::invalid_argument("turn is missing"))?;
     let s = sampling.unwrap_or_default();
     let (sampling, ignore_eos) = sampling_params(&s)?;
-    if turn.owner.is_empty() {
-        return Err(Status::invalid_argument("owner is empty"));
-    }
     Ok(Request {
         prompt: turn.prompt,
-        owner: UserId::new(turn.owner),
+        owner: owner(turn.owner)?,
         platform_prefix_len: turn.platform_prefix_len as usize,
         conversation: (!turn.conversation.is_empty()).then(|| ConversationId::new(turn.conversation)),
         sampling,
         ignore_eos,
     })
+}
+
+/// The owner scope named on the wire; an empty one is refused.
+pub fn owner(owner: String) -> Result<UserId, Status> {
+    if owner.is_empty() {
+        return Err(Status::invalid_argument("owner is empty"));
+    }
+    Ok(UserId::new(owner))
+}
+
+/// A conversation named on the wire; an empty one is refused.
+pub fn conversation(conversation: String) -> Result<ConversationId, Status> {
+    if conversation.is_empty() {
+        return Err(Status::invalid_argument("conversation is empty"));
+    }
+    Ok(ConversationId::new(conversation))
 }
 
 pub fn sampling_params(s: &pb::SamplingParams) -> Result<(ValidSamplingParams, bool), Status> {

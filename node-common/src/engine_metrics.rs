@@ -1,35 +1,35 @@
-//! Registering series in a node's own Prometheus recorder, and the series
-//! both node roles derive from their engine and KV transport at scrape time
-//! (prompt tokens by source, prefix hits by tier, engine work, queue, KV blocks
-//! by state and tier, transfers). Each role names them under its own prefix.
+//! A node's own Prometheus recorder ([`NodeRecorder`]; never the process-wide
+//! global one: `baton up` and the tests run several nodes in one process), the
+//! handles registered in it, and the series both node roles derive from their
+//! engine and KV transport at scrape time (prompt tokens by source, prefix hits
+//! by tier, engine work, queue, KV blocks by state and tier, transfers). Each
+//! role names them under its own prefix (`baton_decode_queue_depth`,
+//! `baton_prefill_queue_depth`; docs/metrics.md lists them).
+//! Invariants: labels are small fixed sets (source, state, tier, outcome,
+//! transport, side), never user, conversation or turn IDs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ::metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
+use ::metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Level, Metadata, Recorder};
 use baton_engine::Engine;
-use metrics_exporter_prometheus::PrometheusRecorder;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
 use crate::kv::KvNode;
 
 const META: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
-fn key(name: &'static str, labels: &[(&'static str, &'static str)]) -> Key {
-    Key::from_parts(name, labels.iter().map(|(k, v)| Label::new(*k, *v)).collect::<Vec<_>>())
+fn key(name: &str, labels: &[(&'static str, &'static str)]) -> Key {
+    Key::from_parts(KeyName::from(name.to_string()), labels.iter().map(|(k, v)| Label::new(*k, *v)).collect::<Vec<_>>())
 }
 
-pub fn counter(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Counter {
-    r.describe_counter(name.into(), None, help.into());
+fn counter(r: &PrometheusRecorder, name: &str, help: &str, labels: &[(&'static str, &'static str)]) -> Counter {
+    r.describe_counter(KeyName::from(name.to_string()), None, help.to_string().into());
     r.register_counter(&key(name, labels), &META)
 }
 
-pub fn gauge(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Gauge {
-    r.describe_gauge(name.into(), None, help.into());
+fn gauge(r: &PrometheusRecorder, name: &str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Gauge {
+    r.describe_gauge(KeyName::from(name.to_string()), None, help.into());
     r.register_gauge(&key(name, labels), &META)
-}
-
-pub fn histogram(r: &PrometheusRecorder, name: &'static str, help: &'static str) -> Histogram {
-    r.describe_histogram(name.into(), None, help.into());
-    r.register_histogram(&key(name, &[]), &META)
 }
 
 /// Appends a counter with a fractional value (the `metrics` counters are integers).
@@ -46,10 +46,6 @@ pub struct Count {
 }
 
 impl Count {
-    pub fn new(r: &PrometheusRecorder, name: &'static str, help: &'static str) -> Self {
-        Count { handle: counter(r, name, help, &[]), value: AtomicU64::new(0) }
-    }
-
     pub fn inc(&self) {
         self.inc_by(1);
     }
@@ -64,35 +60,132 @@ impl Count {
     }
 }
 
+/// Latency buckets (seconds) around the 1 s TTFT target.
+pub const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0];
+
+/// How a role's series are named: `{prefix}_queue_depth` and so on.
+pub struct MetricsSpec {
+    /// `baton_decode`, `baton_prefill`.
+    pub prefix: &'static str,
+    /// Where this role's `imported` prompt tokens come from (`imported from a prefill node`).
+    pub imported: &'static str,
+    /// Bucket bounds (seconds) of the role's histograms besides `time_to_first_token_seconds`
+    /// (always [`TTFT_BUCKETS`]), by name under the prefix.
+    pub buckets: &'static [(&'static str, &'static [f64])],
+}
+
+impl MetricsSpec {
+    pub const fn new(prefix: &'static str, imported: &'static str, buckets: &'static [(&'static str, &'static [f64])]) -> Self {
+        MetricsSpec { prefix, imported, buckets }
+    }
+}
+
+/// One node's recorder: the role registers its series in it, and a scrape
+/// refreshes the engine- and transport-derived ones before rendering.
+pub struct NodeRecorder {
+    recorder: PrometheusRecorder,
+    prefix: &'static str,
+    series: EngineSeries,
+    /// Prompt tokens this node received from another node instead of computing.
+    imported_tokens: AtomicU64,
+}
+
+impl NodeRecorder {
+    pub fn new(spec: &MetricsSpec) -> Self {
+        let mut builder = PrometheusBuilder::new();
+        for (name, buckets) in [("time_to_first_token_seconds", TTFT_BUCKETS)].iter().chain(spec.buckets) {
+            let name = format!("{}_{name}", spec.prefix);
+            builder = builder.set_buckets_for_metric(Matcher::Full(name), buckets).expect("bucket lists are not empty");
+        }
+        NodeRecorder { recorder: builder.build_recorder(), prefix: spec.prefix, series: EngineSeries::new(spec), imported_tokens: AtomicU64::new(0) }
+    }
+
+    fn name(&self, name: &str) -> String {
+        format!("{}_{name}", self.prefix)
+    }
+
+    /// The counter `{prefix}_{name}`, which the node can also read.
+    pub fn count(&self, name: &str, help: &'static str) -> Count {
+        Count { handle: self.counter(name, help, &[]), value: AtomicU64::new(0) }
+    }
+
+    /// The counter `{prefix}_{name}` with `labels`.
+    pub fn counter(&self, name: &str, help: &'static str, labels: &[(&'static str, &'static str)]) -> Counter {
+        counter(&self.recorder, &self.name(name), help, labels)
+    }
+
+    /// The histogram `{prefix}_{name}` (its buckets are the spec's).
+    pub fn histogram(&self, name: &str, help: &'static str) -> Histogram {
+        let name = self.name(name);
+        self.recorder.describe_histogram(KeyName::from(name.clone()), None, help.into());
+        self.recorder.register_histogram(&key(&name, &[]), &META)
+    }
+
+    /// `tokens` prompt tokens arrived from another node (a remote prefill's tail, a pulled prefix).
+    pub fn imported(&self, tokens: u64) {
+        self.imported_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// Renders the series registered so far, without refreshing the engine's (tests).
+    pub fn render_own(&self) -> String {
+        self.recorder.handle().render()
+    }
+
+    /// Refreshes the series derived from the engine and KV transport, then renders
+    /// everything in the Prometheus text format.
+    pub fn render(&self, engine: &Engine, kv: Option<&KvNode>) -> String {
+        self.series.render(&self.recorder, engine, kv, self.imported_tokens.load(Ordering::Relaxed))
+    }
+}
+
 /// One role's names of the engine-derived series.
-pub struct EngineSeries {
+struct EngineSeries {
     /// Counter: prompt tokens by source (`cached_tier1`, `cached_tier2`, `imported`, `computed`).
-    pub prompt_tokens: &'static str,
-    /// Its help text: what `imported` means for this role.
-    pub prompt_tokens_help: &'static str,
+    prompt_tokens: String,
+    prompt_tokens_help: String,
     /// Counter: prefix-cache hit tokens by tier (`1`, `2`).
-    pub prefix_hit_tokens: &'static str,
+    prefix_hit_tokens: String,
     /// Counter: seconds the engine spent computing steps.
-    pub busy_seconds: &'static str,
+    busy_seconds: String,
     /// Counter: tokens computed by phase (`prefill`, `decode`).
-    pub engine_tokens: &'static str,
-    pub preemptions: &'static str,
+    engine_tokens: String,
+    preemptions: String,
     /// Counter: prefix-cache hash collisions refused (tokens or scope differed).
-    pub hash_collisions: &'static str,
-    pub queue_depth: &'static str,
-    pub running: &'static str,
-    pub swapped: &'static str,
+    hash_collisions: String,
+    /// Gauge: sequences waiting for admission. The autoscaler relies on this name.
+    queue_depth: String,
+    running: String,
+    swapped: String,
     /// Gauge: KV blocks by state (`free`, `used`, `cached`) and tier (`1`, `2`).
-    pub kv_blocks: &'static str,
-    pub kv_block_bytes: &'static str,
-    pub staging_blocks_used: &'static str,
+    kv_blocks: String,
+    kv_block_bytes: String,
+    staging_blocks_used: String,
 }
 
 impl EngineSeries {
+    fn new(spec: &MetricsSpec) -> Self {
+        let name = |suffix: &str| format!("{}_{suffix}", spec.prefix);
+        EngineSeries {
+            prompt_tokens: name("prompt_tokens_total"),
+            prompt_tokens_help: format!("Prompt tokens by source: prefix cache (tier), {}, computed here", spec.imported),
+            prefix_hit_tokens: name("prefix_cache_hit_tokens_total"),
+            busy_seconds: name("busy_seconds_total"),
+            engine_tokens: name("engine_tokens_total"),
+            preemptions: name("preemptions_total"),
+            hash_collisions: name("prefix_hash_collisions_total"),
+            queue_depth: name("queue_depth"),
+            running: name("running_sequences"),
+            swapped: name("swapped_sequences"),
+            kv_blocks: name("kv_blocks"),
+            kv_block_bytes: name("kv_block_bytes"),
+            staging_blocks_used: name("kv_staging_blocks_used"),
+        }
+    }
+
     /// Refreshes the engine- and transport-derived series in `r`, then renders
     /// everything `r` holds in the Prometheus text format. `imported` counts the
     /// prompt tokens this node received from another node instead of computing.
-    pub fn render(&self, r: &PrometheusRecorder, engine: &Engine, kv: Option<&KvNode>, imported: u64) -> String {
+    fn render(&self, r: &PrometheusRecorder, engine: &Engine, kv: Option<&KvNode>, imported: u64) -> String {
         let st = engine.stats();
         let bt = engine.info.kv_layout.block_tokens.max(1) as u64;
         let cached = st.cached_prompt_tokens;
@@ -100,20 +193,20 @@ impl EngineSeries {
         let imported = imported.min(st.prompt_tokens - cached.min(st.prompt_tokens));
         let computed = st.prompt_tokens.saturating_sub(cached + imported);
         for (source, n) in [("cached_tier1", cached - tier2), ("cached_tier2", tier2), ("imported", imported), ("computed", computed)] {
-            counter(r, self.prompt_tokens, self.prompt_tokens_help, &[("source", source)]).absolute(n);
+            counter(r, &self.prompt_tokens, &self.prompt_tokens_help, &[("source", source)]).absolute(n);
         }
         let help = "Prompt tokens matched in the prefix cache, by tier";
-        counter(r, self.prefix_hit_tokens, help, &[("tier", "1")]).absolute(st.kv.primary_hits * bt);
-        counter(r, self.prefix_hit_tokens, help, &[("tier", "2")]).absolute(st.kv.tier2_hits * bt);
+        counter(r, &self.prefix_hit_tokens, help, &[("tier", "1")]).absolute(st.kv.primary_hits * bt);
+        counter(r, &self.prefix_hit_tokens, help, &[("tier", "2")]).absolute(st.kv.tier2_hits * bt);
         let help = "Tokens the engine computed, by phase";
-        counter(r, self.engine_tokens, help, &[("phase", "prefill")]).absolute(st.prefill_tokens);
-        counter(r, self.engine_tokens, help, &[("phase", "decode")]).absolute(st.decode_tokens);
-        counter(r, self.preemptions, "Sequences preempted to make room", &[]).absolute(st.preemptions);
+        counter(r, &self.engine_tokens, help, &[("phase", "prefill")]).absolute(st.prefill_tokens);
+        counter(r, &self.engine_tokens, help, &[("phase", "decode")]).absolute(st.decode_tokens);
+        counter(r, &self.preemptions, "Sequences preempted to make room", &[]).absolute(st.preemptions);
         let help = "Prefix-cache lookups that met another block under the same hash (refused: tokens or scope differed)";
-        counter(r, self.hash_collisions, help, &[]).absolute(st.kv.hash_collisions);
-        gauge(r, self.queue_depth, "Sequences waiting for admission", &[]).set(st.waiting as f64);
-        gauge(r, self.running, "Sequences running", &[]).set(st.running as f64);
-        gauge(r, self.swapped, "Sequences swapped out to the second tier", &[]).set(st.swapped as f64);
+        counter(r, &self.hash_collisions, help, &[]).absolute(st.kv.hash_collisions);
+        gauge(r, &self.queue_depth, "Sequences waiting for admission", &[]).set(st.waiting as f64);
+        gauge(r, &self.running, "Sequences running", &[]).set(st.running as f64);
+        gauge(r, &self.swapped, "Sequences swapped out to the second tier", &[]).set(st.swapped as f64);
         let k = &st.kv;
         let tier2_free = k.tier2_capacity.saturating_sub(k.tier2_blocks + k.swapped);
         for (state, tier, n) in [
@@ -124,14 +217,14 @@ impl EngineSeries {
             ("used", "2", k.swapped),
             ("cached", "2", k.tier2_blocks),
         ] {
-            gauge(r, self.kv_blocks, "KV blocks by state and tier", &[("state", state), ("tier", tier)]).set(n as f64);
+            gauge(r, &self.kv_blocks, "KV blocks by state and tier", &[("state", state), ("tier", tier)]).set(n as f64);
         }
-        gauge(r, self.kv_block_bytes, "Bytes of one KV block (all layers, K and V)", &[]).set(engine.info.kv_layout.block_bytes() as f64);
+        gauge(r, &self.kv_block_bytes, "Bytes of one KV block (all layers, K and V)", &[]).set(engine.info.kv_layout.block_bytes() as f64);
         if let Some(kv) = kv {
-            gauge(r, self.staging_blocks_used, "Staging blocks held by in-flight KV imports", &[]).set(kv.staging_used() as f64);
+            gauge(r, &self.staging_blocks_used, "Staging blocks held by in-flight KV imports", &[]).set(kv.staging_used() as f64);
         }
         let mut out = r.handle().render();
-        float_counter(&mut out, self.busy_seconds, "Seconds the engine spent computing steps", st.busy_seconds);
+        float_counter(&mut out, &self.busy_seconds, "Seconds the engine spent computing steps", st.busy_seconds);
         if let Some(kv) = kv {
             let mut stats = kv.receiver.transport_stats();
             stats.push(kv.sender.stats().clone());

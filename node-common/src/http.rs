@@ -13,16 +13,13 @@ use axum::Router;
 use baton_engine::Engine;
 use baton_proto::plane::PlaneStats;
 
+use crate::engine_metrics::NodeRecorder;
 use crate::kv::KvNode;
 
-/// A node's metrics, rendered for a scrape.
-pub trait RenderMetrics: Send + Sync + 'static {
-    fn render(&self, engine: &Engine, kv: Option<&KvNode>) -> String;
-}
-
 /// What the HTTP endpoints read.
-pub struct HttpState<M> {
-    pub metrics: Arc<M>,
+#[derive(Clone)]
+pub struct HttpState {
+    pub metrics: Arc<NodeRecorder>,
     pub engine: Arc<Engine>,
     pub kv: Option<Arc<KvNode>>,
     /// False until the node is registered (or runs without a coordinator).
@@ -31,24 +28,11 @@ pub struct HttpState<M> {
     pub plane: Arc<PlaneStats>,
 }
 
-// By hand: a derive would ask `M: Clone`, and only the `Arc`s are cloned.
-impl<M> Clone for HttpState<M> {
-    fn clone(&self) -> Self {
-        HttpState {
-            metrics: self.metrics.clone(),
-            engine: self.engine.clone(),
-            kv: self.kv.clone(),
-            ready: self.ready.clone(),
-            plane: self.plane.clone(),
-        }
-    }
+pub fn router(state: HttpState) -> Router {
+    Router::new().route("/healthz", get(healthz)).route("/metrics", get(scrape)).with_state(state)
 }
 
-pub fn router<M: RenderMetrics>(state: HttpState<M>) -> Router {
-    Router::new().route("/healthz", get(healthz::<M>)).route("/metrics", get(scrape::<M>)).with_state(state)
-}
-
-async fn healthz<M: RenderMetrics>(State(s): State<HttpState<M>>) -> (StatusCode, &'static str) {
+async fn healthz(State(s): State<HttpState>) -> (StatusCode, &'static str) {
     if s.ready.load(Ordering::SeqCst) {
         (StatusCode::OK, "ok\n")
     } else {
@@ -56,7 +40,7 @@ async fn healthz<M: RenderMetrics>(State(s): State<HttpState<M>>) -> (StatusCode
     }
 }
 
-async fn scrape<M: RenderMetrics>(State(s): State<HttpState<M>>) -> Response {
+async fn scrape(State(s): State<HttpState>) -> Response {
     let mut text = s.metrics.render(&s.engine, s.kv.as_deref());
     text.push_str(&s.plane.render());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()

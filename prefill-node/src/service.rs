@@ -1,5 +1,5 @@
-//! The prefill node's gRPC services: `PrefillNode` (Prefill, Stats) and
-//! `NodeControl` (Evict, Drain).
+//! The prefill node's gRPC service: `PrefillNode` (Prefill, Stats).
+//! `NodeControl` is the node shell's.
 //!
 //! One prefill: match this node's own owner-scoped prefix cache; pull the
 //! part of the decode node's cached prefix it lacks (ExportPrefix into a
@@ -10,19 +10,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::kv::UserId;
 use baton_engine::{Engine, EngineError, Event, KvImport, SubmitOptions};
 use baton_kv_transport::Grant;
+use baton_node_common::shell::{blocking, node_stats, Node};
 use baton_proto::node as pb;
-use baton_proto::node::node_control_server::NodeControl;
 use baton_proto::node::prefill_node_server::PrefillNode;
 use tonic::{Request, Response, Status};
 
-use crate::convert;
-use crate::kv::{parse_endpoint, ExportSource, KvNode};
-use baton_node_common::in_flight::{stop_taking_work, InFlight};
-use baton_node_common::prefix_pull::{connect_decode_node, pull_prefix};
 use crate::metrics::Metrics;
+use baton_node_common::convert;
+use baton_node_common::kv::{parse_endpoint, ExportSource, KvNode};
+use baton_node_common::prefix_pull::{connect_decode_node, pull_prefix};
 
 pub struct PrefillService {
     /// How this node pulls prefixes from decode nodes.
@@ -37,8 +36,18 @@ pub struct PrefillService {
     pub draining: Arc<AtomicBool>,
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|_| Status::internal("engine call panicked"))
+impl PrefillService {
+    pub fn new(node: &Node, metrics: Arc<Metrics>, layer_delay: Option<Duration>) -> Self {
+        PrefillService {
+            plane: node.plane.clone(),
+            engine: node.engine.clone(),
+            kv: node.kv.clone(),
+            metrics,
+            pull_deadline: node.config.kv_deadline,
+            layer_delay,
+            draining: node.draining.clone(),
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -48,27 +57,16 @@ impl PrefillNode for PrefillService {
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
-        self.metrics.turns.inc();
+        self.metrics.turns.increment(1);
         let r = self.prefill_inner(request.into_inner()).await;
         if r.is_err() {
-            self.metrics.failures.inc();
+            self.metrics.failures.increment(1);
         }
         r.map(Response::new)
     }
 
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::NodeStats>, Status> {
-        let st = self.engine.stats();
-        Ok(Response::new(pb::NodeStats {
-            kv_blocks_total: st.kv.total as u64,
-            kv_blocks_free: st.kv.free as u64,
-            kv_blocks_used: st.kv.used as u64,
-            kv_blocks_cached: st.kv.cached as u64,
-            running: st.running as u32,
-            waiting: st.waiting as u32,
-            live_reservations: self.kv.receiver.live_reservations() as u32,
-            staging_blocks_used: self.kv.staging_used() as u64,
-            ..Default::default()
-        }))
+        Ok(Response::new(node_stats(&self.engine, &self.kv)))
     }
 }
 
@@ -100,10 +98,12 @@ impl PrefillService {
         if have < k && !r.prefix_source.is_empty() {
             match self.pull_prefix(&req.prompt[..k], &req.owner, req.platform_prefix_len, have / bt, &r.prefix_source).await {
                 Ok(i) => {
-                    self.metrics.pulled.inc();
+                    self.metrics.pulled.increment(1);
                     pulled = Some(i);
                 }
-                Err(e) => tracing::warn!(code = ?e.code(), message = e.message(), "prefix pull failed; computing the prefix here"),
+                Err(e) => {
+                    tracing::warn!(code = ?e.code(), message = e.message(), "prefix pull failed; computing the prefix here")
+                }
             }
         }
         let pulled_tokens = pulled.as_ref().map(|i| i.blocks.len() * bt).unwrap_or(0);
@@ -128,7 +128,7 @@ impl PrefillService {
             }
         }
         let first = first.ok_or_else(|| Status::internal("no first token"))?;
-        self.metrics.generated.inc();
+        self.metrics.generated.increment(1);
         let export = sub.export.ok_or_else(|| Status::internal("no export"))?.await.map_err(|_| Status::internal("the export was not produced"))?;
         if export.blocks.len() != grant.blocks.len() {
             return Err(Status::internal("exported blocks do not match the grant"));
@@ -148,7 +148,7 @@ impl PrefillService {
             }
         }
         t.finish().await.map_err(unavailable)?;
-        self.metrics.shipped.inc_by(n_blocks as u64);
+        self.metrics.shipped.increment(n_blocks as u64);
         self.metrics.ship.record(shipping.elapsed().as_secs_f64());
         Ok(pb::PrefillResponse {
             first_token: Some(first),
@@ -162,47 +162,10 @@ impl PrefillService {
     /// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node at `source`.
     async fn pull_prefix(&self, prefix: &[u32], owner: &UserId, platform: usize, start_block: usize, source: &str) -> Result<KvImport, Status> {
         let started = Instant::now();
-        let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(&self.plane, source)).await.map_err(|_| Status::deadline_exceeded("prefix pull"))??;
+        let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(&self.plane, source))
+            .await
+            .map_err(|_| Status::deadline_exceeded("prefix pull"))??;
         let left = self.pull_deadline.saturating_sub(started.elapsed());
         pull_prefix(&self.kv, &mut client, prefix, owner, platform, start_block, left).await
-    }
-}
-
-/// `NodeControl` of a prefill node.
-pub struct Control {
-    pub engine: Arc<Engine>,
-    pub draining: Arc<AtomicBool>,
-    /// `/healthz` answers 503 once false.
-    pub ready: Arc<AtomicBool>,
-    /// Taken (and deregistered) by the first drain.
-    pub membership: Arc<tokio::sync::Mutex<Option<baton_proto::client::MembershipHandle>>>,
-    /// Used when the request names no deadline.
-    pub default_drain_deadline: Duration,
-    pub in_flight: InFlight,
-}
-
-#[tonic::async_trait]
-impl NodeControl for Control {
-    async fn evict(&self, request: Request<pb::EvictRequest>) -> Result<Response<pb::EvictResponse>, Status> {
-        let r = request.into_inner();
-        if r.conversation.is_empty() {
-            return Err(Status::invalid_argument("conversation is empty"));
-        }
-        let engine = self.engine.clone();
-        let freed = blocking(move || engine.evict_conversation(ConversationId::new(r.conversation))).await?.map_err(convert::status)?;
-        Ok(Response::new(pb::EvictResponse { blocks_freed: freed as u64 }))
-    }
-
-    /// A prefill node holds no conversation: draining is refusing new
-    /// prefills, leaving the ring and letting the running ones finish.
-    async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
-        let ms = request.into_inner().deadline_ms;
-        let deadline = if ms > 0 { Duration::from_millis(ms as u64) } else { self.default_drain_deadline };
-        let until = tokio::time::Instant::now() + deadline;
-        let deregistered = stop_taking_work(&self.draining, &self.ready, &self.membership).await;
-        let mut out = pb::DrainResponse { deregistered, ..Default::default() };
-        // Each prefill counts until its KV is shipped, not only while the engine computes it.
-        out.running = self.in_flight.wait_idle(until.saturating_duration_since(tokio::time::Instant::now())).await as u32;
-        Ok(Response::new(out))
     }
 }

@@ -169,7 +169,7 @@ impl Cluster {
         plane(self.dir.path(), name)
     }
 
-    fn node_args(&self, role: &str, name: &str, threshold: usize, extra: &[&str]) -> Vec<String> {
+    fn node_args(&self, role: &str, name: &str, extra: &[&str]) -> Vec<String> {
         let mut a: Vec<String> = [
             role,
             "--name",
@@ -202,17 +202,14 @@ impl Cluster {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        if role == "decode" {
-            a.push("--local-prefill-threshold".into());
-            a.push(threshold.to_string());
-        }
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     }
 
     /// Starts a node and waits until it is registered.
-    pub fn node(&self, role: &str, name: &str, threshold: usize, extra: &[&str]) -> Proc {
-        let args = self.node_args(role, name, threshold, extra);
+    /// Where its tails are prefilled is the coordinator's decision (`Cluster::start`'s threshold).
+    pub fn node(&self, role: &str, name: &str, extra: &[&str]) -> Proc {
+        let args = self.node_args(role, name, extra);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let p = spawn(&refs);
         wait_healthy(&p.addr("http"), Duration::from_secs(60));

@@ -130,8 +130,8 @@ async fn turn(http: &reqwest::Client, gateway: &str, key: &str, conversation: &s
 #[test]
 fn a_node_away_during_a_delete_evicts_the_conversation_before_it_serves_again() {
     let Some(cluster) = Cluster::start("decode-0,decode-1", 512) else { return };
-    let d0 = cluster.node("decode", "decode-0", 512, &[]);
-    let d1 = cluster.node("decode", "decode-1", 512, &[]);
+    let d0 = cluster.node("decode", "decode-0", &[]);
+    let d1 = cluster.node("decode", "decode-1", &[]);
     let db = cluster.dir.path().join("gateway.db");
     let db_arg = db.to_str().unwrap();
     let alice = baton(&["keys", "--db", db_arg, "create", "--user", "alice"]);

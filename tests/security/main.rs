@@ -222,8 +222,8 @@ async fn call_as(cluster: &Cluster, who: &str, addr: &str, method: &str) -> Code
 #[test]
 fn every_row_of_the_table() {
     let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
-    let prefill = cluster.node("prefill", "prefill-0", 512, &[]);
-    let decode = cluster.node("decode", "decode-0", 512, &[]);
+    let prefill = cluster.node("prefill", "prefill-0", &[]);
+    let decode = cluster.node("decode", "decode-0", &[]);
     let rt = runtime();
     let who_is = [("gateway", IdRole::Gateway), ("coordinator", IdRole::Coordinator), ("prefill-0", IdRole::Prefill), ("decode-1", IdRole::Decode), ("operator", IdRole::Operator)];
     rt.block_on(async {

@@ -21,11 +21,11 @@ use baton_engine::{Engine, EngineError, Event, KvImport, Request, SubmitOptions}
 use baton_proto::node as pb;
 use tonic::Status;
 
-use crate::convert;
-use crate::kv::KvNode;
+use baton_node_common::convert;
+use baton_node_common::kv::KvNode;
 pub(crate) use baton_node_common::prefix_pull::connect_decode_node as connect;
-use baton_proto::plane::Plane;
 use baton_node_common::prefix_pull::pull_prefix;
+use baton_proto::plane::Plane;
 
 /// What an adoption did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -36,12 +36,29 @@ pub struct Adopted {
     pub pulled_tokens: usize,
 }
 
-/// Makes `turn.prompt`'s whole blocks (all but its last token) warm here, as
+/// An adopted turn from the wire, as the engine takes it.
+pub fn request(turn: Option<pb::Turn>) -> Result<Request, Status> {
+    let (sampling, ignore_eos) = one_token()?;
+    Ok(Request { sampling, ignore_eos, ..convert::request(turn, None)? })
+}
+
+/// Greedy, one token: what publishing an adopted prefix computes.
+fn one_token() -> Result<(baton_engine::sampling::ValidSamplingParams, bool), Status> {
+    convert::sampling_params(&pb::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() })
+}
+
+/// Makes `req.prompt`'s whole blocks (all but its last token) warm here, as
 /// far as the decode node at `source` holds them, pulling what is missing.
-pub async fn adopt(engine: &std::sync::Arc<Engine>, kv: &KvNode, plane: &Plane, turn: pb::Turn, source: &str, deadline: Duration) -> Result<Adopted, Status> {
+pub async fn adopt(
+    engine: &std::sync::Arc<Engine>,
+    kv: &KvNode,
+    plane: &Plane,
+    mut req: Request,
+    source: &str,
+    deadline: Duration,
+) -> Result<Adopted, Status> {
     let started = Instant::now();
-    let sampling = pb::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() };
-    let req = convert::request(Some(turn), Some(sampling))?;
+    (req.sampling, req.ignore_eos) = one_token()?;
     if req.prompt.is_empty() {
         return Err(Status::invalid_argument("the adopted prefix is empty"));
     }
@@ -54,17 +71,22 @@ pub async fn adopt(engine: &std::sync::Arc<Engine>, kv: &KvNode, plane: &Plane, 
     }
     let e = engine.clone();
     let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
-    let had = tokio::task::spawn_blocking(move || e.cached_prefix_tokens(&prompt, &owner, platform))
-        .await
-        .map_err(|_| Status::internal("engine call panicked"))?
-        .map_err(convert::status)?;
+    let had = baton_node_common::shell::blocking(move || e.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
     let had_blocks = had / bt;
     if had_blocks >= (req.prompt.len() - 1) / bt {
         return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
     }
-    let mut client = tokio::time::timeout(deadline, connect(plane, source)).await.map_err(|_| Status::deadline_exceeded("connecting to the prefix source"))??;
-    let peek = pb::CachedPrefixRequest { tokens: req.prompt.clone(), owner: req.owner.as_str().to_string(), platform_prefix_len: req.platform_prefix_len as u32 };
-    let theirs = tokio::time::timeout(deadline, client.cached_prefix(peek)).await.map_err(|_| Status::deadline_exceeded("asking the prefix source"))??.into_inner();
+    let mut client =
+        tokio::time::timeout(deadline, connect(plane, source)).await.map_err(|_| Status::deadline_exceeded("connecting to the prefix source"))??;
+    let peek = pb::CachedPrefixRequest {
+        tokens: req.prompt.clone(),
+        owner: req.owner.as_str().to_string(),
+        platform_prefix_len: req.platform_prefix_len as u32,
+    };
+    let theirs = tokio::time::timeout(deadline, client.cached_prefix(peek))
+        .await
+        .map_err(|_| Status::deadline_exceeded("asking the prefix source"))??
+        .into_inner();
     let whole = theirs.cached_tokens as usize / bt;
     if whole <= had_blocks {
         return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
@@ -72,7 +94,6 @@ pub async fn adopt(engine: &std::sync::Arc<Engine>, kv: &KvNode, plane: &Plane, 
     let left = deadline.saturating_sub(started.elapsed());
     let import = pull_prefix(kv, &mut client, &req.prompt[..whole * bt], &req.owner, req.platform_prefix_len, had_blocks, left).await?;
     let pulled_tokens = import.blocks.len() * bt;
-    let mut req = req;
     // One token past the adopted blocks, so the engine computes exactly it.
     req.prompt.truncate(whole * bt + 1);
     req.platform_prefix_len = req.platform_prefix_len.min(req.prompt.len());

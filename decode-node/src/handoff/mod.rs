@@ -1,4 +1,5 @@
-//! Remote prefill, the decode node's side: decide local or remote, reserve
+//! Remote prefill, the decode node's side: ask the coordinator whether the
+//! tail is prefilled here or remotely (it alone decides, short tails included), reserve
 //! staging blocks for the uncached tail, ask a prefill node to compute and
 //! ship it, and turn the received blocks plus the first token into an engine
 //! import. Any failure (prefill node dead, deadline, bad data) ends in a
@@ -19,8 +20,8 @@ use baton_proto::node::prefill_node_client::PrefillNodeClient;
 use baton_proto::node::{PrefillRequest, Turn};
 use tonic::transport::Channel;
 
-use crate::convert;
-use crate::kv::KvNode;
+use baton_node_common::convert;
+use baton_node_common::kv::KvNode;
 
 /// Why a remote prefill did not deliver; the turn is then prefilled locally.
 #[derive(Debug, thiserror::Error)]
@@ -59,17 +60,19 @@ pub enum Route {
     Local,
     /// A prefill node: its gRPC address, and its node name when the coordinator chose it
     /// (a static `--prefill-addr` has none).
-    Remote { addr: String, node: Option<String> },
+    Remote {
+        addr: String,
+        node: Option<String>,
+    },
 }
 
-/// How the node chooses between local and remote prefill.
+/// Where the node learns whether to prefill locally or remotely.
 #[derive(Clone, Debug)]
 pub struct Router {
-    /// Tails shorter than this are always prefilled here.
-    pub threshold: usize,
-    /// The coordinator, asked `RoutePrefill` for longer tails.
+    /// The coordinator, asked `RoutePrefill` for every tail: the one place the
+    /// local-prefill policy (the short-tail threshold, a saturated pool) is decided.
     pub coordinator: Option<CoordinatorClient<Channel>>,
-    /// Without a coordinator: this prefill node takes every long tail.
+    /// Without a coordinator: this prefill node takes every tail.
     pub static_prefill: Option<String>,
     /// This node's ID, for the coordinator.
     pub node_id: String,
@@ -78,7 +81,8 @@ pub struct Router {
 impl Router {
     pub async fn route(&self, req: &Request, cached: usize) -> Route {
         let tail = req.prompt.len() - cached;
-        if tail < self.threshold {
+        if tail == 0 {
+            // Nothing to compute elsewhere (the engine recomputes the last token itself).
             return Route::Local;
         }
         if let Some(c) = &self.coordinator {
@@ -112,7 +116,15 @@ impl Router {
 
 /// Has the prefill node at `addr` compute `req`'s tail past `cached` tokens
 /// and ship it into staging blocks here; returns the engine import.
-pub async fn remote_prefill(kv: &KvNode, plane: &Plane, req: &Request, cached: usize, (addr, node): (&str, Option<&str>), self_grpc: &str, deadline: Duration) -> Result<KvImport, HandoffError> {
+pub async fn remote_prefill(
+    kv: &KvNode,
+    plane: &Plane,
+    req: &Request,
+    cached: usize,
+    (addr, node): (&str, Option<&str>),
+    self_grpc: &str,
+    deadline: Duration,
+) -> Result<KvImport, HandoffError> {
     let bt = kv.layout.block_tokens as usize;
     let start_block = cached / bt;
     let end = req.prompt.len().div_ceil(bt);
@@ -140,19 +152,14 @@ pub async fn remote_prefill(kv: &KvNode, plane: &Plane, req: &Request, cached: u
     };
     let call = async {
         let endpoint = plane.endpoint(addr).map_err(|e| HandoffError::Connect(e.to_string()))?.connect_timeout(Duration::from_secs(2));
-        let channel = plane
-            .connect(&endpoint, expect)
-            .await
-            .map_err(|e| HandoffError::Connect(e.to_string()))?;
+        let channel = plane.connect(&endpoint, expect).await.map_err(|e| HandoffError::Connect(e.to_string()))?;
         PrefillNodeClient::new(channel).prefill(ask).await.map_err(HandoffError::Prefill)
     };
     let resp = tokio::time::timeout(deadline, call).await.map_err(|_| HandoffError::Deadline(deadline))??.into_inner();
     let first = resp.first_token.ok_or(HandoffError::NoFirstToken)?;
     let left = deadline.saturating_sub(started.elapsed());
-    let blocks = tokio::time::timeout(left, reservation.finished())
-        .await
-        .map_err(|_| HandoffError::Deadline(deadline))?
-        .map_err(HandoffError::Transfer)?;
+    let blocks =
+        tokio::time::timeout(left, reservation.finished()).await.map_err(|_| HandoffError::Deadline(deadline))?.map_err(HandoffError::Transfer)?;
     let bytes = kv.take_blocks(&blocks).map_err(HandoffError::Transfer)?;
     Ok(KvImport {
         start_block,
@@ -164,4 +171,3 @@ pub async fn remote_prefill(kv: &KvNode, plane: &Plane, req: &Request, cached: u
         }),
     })
 }
-

@@ -1,0 +1,52 @@
+//! A node's membership: registration with the coordinator, the lease kept
+//! alive with its load, and `/healthz`'s readiness following it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use baton_engine::Engine;
+use baton_proto::client::{MembershipClient, MembershipHandle};
+use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
+use baton_proto::plane::Role as IdRole;
+
+use super::Node;
+
+/// Registers the node when it has a coordinator; it is ready while registered
+/// and not draining.
+pub(super) fn register(node: &Node, role: IdRole, kv_endpoint: &str, ready: &Arc<AtomicBool>) -> Option<MembershipHandle> {
+    let url = node.config.coordinator.as_ref()?;
+    let role = match role {
+        IdRole::Decode => Role::Decode,
+        IdRole::Prefill => Role::Prefill,
+        other => unreachable!("a node is a decode or a prefill node, not {other}"),
+    };
+    let info = NodeInfo {
+        node_id: Some(NodeId { id: node.config.name.clone() }),
+        role: role as i32,
+        grpc_addr: node.grpc_addr.clone(),
+        kv_endpoint: kv_endpoint.to_string(),
+        block_tokens: node.kv.layout.block_tokens,
+        kv_blocks_total: node.engine.info.kv_blocks as u64,
+        load: None,
+    };
+    let e = node.engine.clone();
+    let handle = MembershipClient::new(url.clone(), info, node.plane.clone()).with_load(move || load_report(&e)).spawn();
+    let mut watch = handle.watch();
+    let (ready, draining) = (ready.clone(), node.draining.clone());
+    tokio::spawn(async move {
+        loop {
+            let registered = watch.borrow_and_update().lease_id.is_some();
+            ready.store(registered && !draining.load(Ordering::SeqCst), Ordering::SeqCst);
+            if watch.changed().await.is_err() {
+                break;
+            }
+        }
+    });
+    Some(handle)
+}
+
+/// The load a node reports with each keep-alive.
+fn load_report(engine: &Engine) -> LoadReport {
+    let st = engine.stats();
+    LoadReport { kv_blocks_free: (st.kv.free + st.kv.cached) as u64, running: st.running as u32, waiting: st.waiting as u32 }
+}

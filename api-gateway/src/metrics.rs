@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use ::metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
-use baton_engine::Usage;
+use baton_text::Usage;
 
 /// Counter: HTTP requests by route.
 pub const REQUESTS_TOTAL: &str = "baton_gateway_requests_total";

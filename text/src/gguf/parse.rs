@@ -128,25 +128,7 @@ impl<'a> Cursor<'a> {
             T_BOOL => MetaValue::Bool(self.arr::<1>(w)?[0] != 0),
             T_STRING => MetaValue::String(self.string(w)?),
             T_ARRAY => {
-                if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::ArrayTooDeep {
-                        path: self.path.to_path_buf(),
-                        key: key.to_string(),
-                    });
-                }
-                let elem = self.u32(w)?;
-                let count = self.u64(w)?;
-                let min = min_value_size(elem).ok_or_else(|| GgufError::BadValueType {
-                    path: self.path.to_path_buf(),
-                    key: key.to_string(),
-                    type_id: elem,
-                })?;
-                // Cap the count by what the rest of the file could hold before
-                // allocating for it.
-                let needed = count.saturating_mul(min);
-                if needed > self.left() {
-                    return Err(self.truncated(w, needed));
-                }
+                let (elem, count) = self.array_header(key, depth)?;
                 if self.arrays == Arrays::LengthOnly {
                     self.skip_elements(elem, count, key, depth + 1)?;
                     return Ok(MetaValue::ArrayLen {
@@ -170,6 +152,31 @@ impl<'a> Cursor<'a> {
         })
     }
 
+    /// Reads an array's element type and count, checking the nesting depth, the type
+    /// and that the rest of the file could hold that many elements (before anything
+    /// is allocated or skipped for them).
+    fn array_header(&mut self, key: &str, depth: usize) -> Result<(u32, u64), GgufError> {
+        let w = What::Value(key);
+        if depth >= MAX_ARRAY_DEPTH {
+            return Err(GgufError::ArrayTooDeep {
+                path: self.path.to_path_buf(),
+                key: key.to_string(),
+            });
+        }
+        let elem = self.u32(w)?;
+        let count = self.u64(w)?;
+        let min = min_value_size(elem).ok_or_else(|| GgufError::BadValueType {
+            path: self.path.to_path_buf(),
+            key: key.to_string(),
+            type_id: elem,
+        })?;
+        let needed = count.saturating_mul(min);
+        if needed > self.left() {
+            return Err(self.truncated(w, needed));
+        }
+        Ok((elem, count))
+    }
+
     /// Steps over `count` array elements of type `elem` at nesting `depth` without
     /// decoding them, with the same checks on lengths, types and depth as decoding.
     fn skip_elements(
@@ -189,23 +196,7 @@ impl<'a> Cursor<'a> {
             }
             T_ARRAY => {
                 for _ in 0..count {
-                    if depth >= MAX_ARRAY_DEPTH {
-                        return Err(GgufError::ArrayTooDeep {
-                            path: self.path.to_path_buf(),
-                            key: key.to_string(),
-                        });
-                    }
-                    let inner = self.u32(w)?;
-                    let n = self.u64(w)?;
-                    let min = min_value_size(inner).ok_or_else(|| GgufError::BadValueType {
-                        path: self.path.to_path_buf(),
-                        key: key.to_string(),
-                        type_id: inner,
-                    })?;
-                    let needed = n.saturating_mul(min);
-                    if needed > self.left() {
-                        return Err(self.truncated(w, needed));
-                    }
+                    let (inner, n) = self.array_header(key, depth)?;
                     self.skip_elements(inner, n, key, depth + 1)?;
                 }
             }

@@ -71,7 +71,7 @@ if [ "$mode" = test ]; then
     has shellcheck || want shellcheck "deploy/check.sh lints every shell script"
     has openssl || want openssl "deploy/k8s/identity-test.sh makes certificates"
     has curl || want curl "deploy/k8s/identity-test.sh sends requests"
-    has chromium || want chromium "api-gateway/tests/gateway_browser.rs drives the chat page"
+    has chromium || want chromium "tests/gateway/gateway_browser.rs drives the chat page"
     has chromedriver || want chromium-driver "selenium drives chromium through chromedriver"
     # kv-transport's `rdma` feature: ibverbs-sys runs cmake on its vendored rdma-core, then
     # bindgen over the verbs headers. bindgen loads libclang itself (libclang.so or

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use baton_engine::kv::{ConversationId, UserId};
-use baton_engine::sampling::SamplingParams;
+use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, Event, Request};
 use baton_proto::node as pb;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
@@ -184,7 +184,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn greedy(max_tokens: usize) -> Result<baton_engine::sampling::ValidSamplingParams> {
+fn greedy(max_tokens: usize) -> Result<baton_text::sampling::ValidSamplingParams> {
     SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() }.validate().map_err(|e| anyhow::anyhow!("{e}"))
 }
 

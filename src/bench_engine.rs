@@ -5,7 +5,7 @@
 use crate::engine_args::EngineArgs;
 use anyhow::{bail, Result};
 use baton_engine::kv::UserId;
-use baton_engine::sampling::SamplingParams;
+use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, Event, Request};
 use clap::Args;
 use std::path::PathBuf;

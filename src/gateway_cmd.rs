@@ -7,7 +7,7 @@ use crate::process::{runtime, shutdown_signal};
 use anyhow::{bail, Context, Result};
 use baton_api_gateway::client::{Client, Method};
 use baton_api_gateway::generator::cluster::{ClusterConfig, ClusterGenerator};
-use baton_api_gateway::generator::local::LocalGenerator;
+use baton::local_generator::LocalGenerator;
 use baton_api_gateway::{auth, Config};
 use baton_proto::plane::{Plane, Role};
 use clap::{Args, Subcommand};

@@ -2,9 +2,9 @@
 
 use crate::engine_args::EngineArgs;
 use anyhow::{bail, Context, Result};
-use baton_engine::chat_template::ChatMessage;
+use baton_text::chat_template::ChatMessage;
 use baton_engine::kv::UserId;
-use baton_engine::sampling::SamplingParams;
+use baton_text::sampling::SamplingParams;
 use baton_engine::{Event, Request};
 use clap::Args;
 use std::io::Write;

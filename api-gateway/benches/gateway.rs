@@ -14,7 +14,7 @@ use baton_api_gateway::client::{Client, Method};
 use baton_api_gateway::generator::{GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 use baton_api_gateway::store::SqliteStore;
 use baton_api_gateway::{auth, build_app, load_tokenizer, Args, Config};
-use baton_engine::{FinishReason, TokenOut, Usage};
+use baton_text::{FinishReason, TokenOut, Usage};
 use clap::Parser;
 use std::sync::Arc;
 use std::time::Instant;

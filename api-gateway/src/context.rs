@@ -9,8 +9,8 @@
 //! so the prefix cache always hits. The system-prompt span is the only
 //! platform-shared one.
 
-use baton_engine::chat_template::{ChatMessage, ChatTemplate};
-use baton_engine::tokenizer::Tokenizer;
+use baton_text::chat_template::{ChatMessage, ChatTemplate};
+use baton_text::tokenizer::Tokenizer;
 use std::sync::Arc;
 
 /// Why a prompt could not be built (a client error unless `Template`).

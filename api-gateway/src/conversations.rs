@@ -19,7 +19,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use baton_engine::sampling::SamplingParams;
+use baton_text::sampling::SamplingParams;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};

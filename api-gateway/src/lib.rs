@@ -31,9 +31,9 @@ pub mod turns;
 
 use anyhow::{Context as _, Result};
 use baton_identity::AdminKey;
-use baton_engine::chat_template::ChatTemplate;
-use baton_engine::gguf::GgufFile;
-use baton_engine::tokenizer::Tokenizer;
+use baton_text::chat_template::ChatTemplate;
+use baton_text::gguf::GgufFile;
+use baton_text::tokenizer::Tokenizer;
 use checks::{ContentCheck, LinkPolicy, RuleCheck};
 use context::ContextBuilder;
 use generator::Generator;

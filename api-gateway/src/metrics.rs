@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use ::metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
-use baton_engine::Usage;
+use baton_text::Usage;
 
 use crate::slo::{SloOutcome, TurnClock};
 

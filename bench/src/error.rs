@@ -12,16 +12,9 @@ pub enum BenchError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path} is not a GGUF file (magic {magic:?})")]
-    GgufMagic { path: PathBuf, magic: [u8; 4] },
-    #[error("{path}: GGUF version {version} is not supported (2 or 3 are)")]
-    GgufVersion { path: PathBuf, version: u32 },
-    #[error("{path}: malformed GGUF metadata at key {key:?}: {what}")]
-    GgufMalformed {
-        path: PathBuf,
-        key: String,
-        what: &'static str,
-    },
+    /// The GGUF reader's error; it names the file and what was wrong.
+    #[error(transparent)]
+    Gguf(#[from] baton_text::gguf::GgufError),
     #[error("{source_name}: required model field {field} is missing")]
     MissingField {
         source_name: String,
@@ -42,9 +35,7 @@ impl BenchError {
     pub fn kind(&self) -> &'static str {
         match self {
             BenchError::Io { .. } => "io",
-            BenchError::GgufMagic { .. } => "gguf_magic",
-            BenchError::GgufVersion { .. } => "gguf_version",
-            BenchError::GgufMalformed { .. } => "gguf_malformed",
+            BenchError::Gguf(_) => "gguf",
             BenchError::MissingField { .. } => "missing_field",
             BenchError::Json { .. } => "json",
             BenchError::InvalidInput { .. } => "invalid_input",

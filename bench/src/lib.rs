@@ -16,7 +16,6 @@
 
 pub mod capacity;
 pub mod error;
-pub mod gguf;
 pub mod hardware;
 pub mod load;
 pub mod lru;

@@ -75,8 +75,8 @@ impl Metrics {
     }
 
     /// A reply finished: its outcome and, when a token was produced, its TTFT.
-    pub fn finished(&self, reason: baton_engine::FinishReason, ttft: Option<Duration>) {
-        use baton_engine::FinishReason as F;
+    pub fn finished(&self, reason: baton_text::FinishReason, ttft: Option<Duration>) {
+        use baton_text::FinishReason as F;
         let outcome = match reason {
             F::Stop => "stop",
             F::Length => "length",
@@ -145,7 +145,7 @@ mod tests {
         for ms in [100, 120, 150] {
             t.token(Duration::from_millis(ms));
         }
-        m.finished(baton_engine::FinishReason::Stop, Some(Duration::from_millis(100)));
+        m.finished(baton_text::FinishReason::Stop, Some(Duration::from_millis(100)));
         m.migration("moved", 7);
         m.migration("failed", 0);
         m.adopted(3);

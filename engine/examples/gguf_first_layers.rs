@@ -7,8 +7,8 @@
 
 use std::path::Path;
 
-use baton_engine::gguf::writer::{write_gguf, TensorSpec};
-use baton_engine::gguf::{GgufFile, MetaValue};
+use baton_text::gguf::writer::{write_gguf, TensorSpec};
+use baton_text::gguf::{GgufFile, MetaValue};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();

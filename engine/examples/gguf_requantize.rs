@@ -13,8 +13,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use baton_engine::gguf::writer::{write_gguf, TensorSpec};
-use baton_engine::gguf::{GgmlType, GgufFile, MetaValue};
+use baton_text::gguf::writer::{write_gguf, TensorSpec};
+use baton_text::gguf::{GgmlType, GgufFile, MetaValue};
 use baton_kernels::quant::{dequantize_row, quantize_row_q8_0};
 use baton_kernels::blocks::{self, QK_K};
 
@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tensors.push(TensorSpec::new(t.name.clone(), &t.dims, t.ggml_type, data.to_vec()));
             continue;
         };
-        let from = t.ggml_type.format().ok_or_else(|| format!("{}: type {} has no decoder", t.name, t.ggml_type.name()))?;
+        let from = baton_engine::model::weight_format(t.ggml_type).ok_or_else(|| format!("{}: type {} has no decoder", t.name, t.ggml_type.name()))?;
         let k = t.dims[0] as usize;
         let to = q4_k_m_type(what, i, layers, k);
         let quantize: fn(&[f32], &mut Vec<u8>) = match to {

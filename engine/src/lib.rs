@@ -1,16 +1,13 @@
-//! The Baton model engine: weights loading, tokenizer and chat template, the
-//! paged KV block pool and owner-scoped prefix cache, the batch scheduler and
-//! sampling. Kernels live in `baton-kernels`; this crate decides what to run.
+//! The Baton model engine: weights loading, the paged KV block pool and owner-scoped
+//! prefix cache, and the batch scheduler. Kernels live in `baton-kernels`; the GGUF
+//! reader, tokenizer, chat template and sampling live in `baton-text`; this crate
+//! decides what to run.
 
-pub mod chat_template;
 pub mod engine;
-pub mod gguf;
 pub mod kv;
 pub mod model;
-pub mod sampling;
-pub mod tokenizer;
 
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
-    RequestStream, SubmitOptions, Submission, TokenOut, Usage,
+    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
+    RequestStream, SubmitOptions, Submission,
 };

@@ -20,9 +20,9 @@ use std::io::Write;
 
 use baton_engine::kv::UserId;
 use baton_engine::model::load_gguf;
-use baton_engine::sampling::SamplingParams;
 use baton_engine::{Engine, EngineConfig, Request};
 use baton_kernels::{CpuBackend, CudaBackend, KvDtype};
+use baton_text::sampling::SamplingParams;
 use common::*;
 
 fn gpu() -> Option<CudaBackend> {

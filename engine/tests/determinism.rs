@@ -5,8 +5,8 @@
 mod common;
 
 use baton_engine::kv::UserId;
-use baton_engine::sampling::SamplingParams;
 use baton_engine::{EngineConfig, Request};
+use baton_text::sampling::SamplingParams;
 use common::*;
 
 const SYSTEM: &str = "You are a careful assistant for a science museum. Answer in two or three sentences, with concrete facts and no filler. \

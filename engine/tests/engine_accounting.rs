@@ -5,8 +5,9 @@
 mod common;
 
 use baton_engine::kv::{ConversationId, UserId};
-use baton_engine::sampling::SamplingParams;
-use baton_engine::{EngineConfig, EngineError, Event, FinishReason, PreemptionMode, Request};
+use baton_text::sampling::SamplingParams;
+use baton_engine::{EngineConfig, EngineError, Event, PreemptionMode, Request};
+use baton_text::FinishReason;
 use baton_kernels::KvDtype;
 use common::*;
 
@@ -177,7 +178,7 @@ fn bad_requests_are_refused_and_queue_overflow_is_an_error() {
 fn users_share_platform_blocks_only_and_deletion_evicts() {
     let Some(e) = engine(EngineConfig { kv_memory_bytes: 64 << 20, max_context: Some(2048), ..EngineConfig::default() }) else { return };
     let system = "You are Baton's helpful assistant. Follow the house rules: be accurate, be kind, cite sources when you can, and keep answers short unless asked for detail.";
-    let sys_prompt = e.template.render(&[baton_engine::chat_template::ChatMessage::new("system", system)], false).unwrap();
+    let sys_prompt = e.template.render(&[baton_text::chat_template::ChatMessage::new("system", system)], false).unwrap();
     let platform = e.tokenizer.encode(&sys_prompt, true).unwrap().len();
     let alice = chat_prompt(&e, system, "What is the capital of France?");
     let req = |p: &Vec<u32>, user: &str, conv: &str| Request {

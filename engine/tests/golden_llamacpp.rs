@@ -10,8 +10,8 @@
 mod common;
 use common::pearson;
 
-use baton_engine::chat_template::ChatMessage;
 use baton_kernels::KvDtype;
+use baton_text::chat_template::ChatMessage;
 use serde::Deserialize;
 
 #[derive(Deserialize)]

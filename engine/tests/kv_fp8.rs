@@ -8,8 +8,9 @@
 
 mod common;
 
-use baton_engine::{EngineConfig, FinishReason};
+use baton_engine::EngineConfig;
 use baton_kernels::KvDtype;
+use baton_text::FinishReason;
 use common::pearson;
 
 fn argmax(v: &[f32]) -> usize {

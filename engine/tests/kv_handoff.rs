@@ -6,7 +6,7 @@
 
 mod common;
 
-use baton_engine::sampling::SamplingParams;
+use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, EngineConfig, Event, ImportedToken, KvExport, KvImport, Request, SubmitOptions};
 use common::*;
 

@@ -4,7 +4,7 @@
 
 mod common;
 
-use baton_engine::gguf::GgmlType;
+use baton_text::gguf::GgmlType;
 use baton_engine::model::{export_hf, load_gguf, load_hf_dir, ModelError};
 use baton_kernels::{Backend, CpuBackend, KvDtype};
 
@@ -21,8 +21,8 @@ fn hugging_face_export_loads_to_the_same_model() {
     let g = load_gguf(&backend, &path).unwrap();
     let h = load_hf_dir(&backend, dir.path()).unwrap();
     assert_eq!(g.model.config, h.model.config);
-    let text = g.template.render(&[baton_engine::chat_template::ChatMessage::new("user", "Héllo wörld 👋, how are you? 12345")], true).unwrap();
-    assert_eq!(h.template.render(&[baton_engine::chat_template::ChatMessage::new("user", "Héllo wörld 👋, how are you? 12345")], true).unwrap(), text);
+    let text = g.template.render(&[baton_text::chat_template::ChatMessage::new("user", "Héllo wörld 👋, how are you? 12345")], true).unwrap();
+    assert_eq!(h.template.render(&[baton_text::chat_template::ChatMessage::new("user", "Héllo wörld 👋, how are you? 12345")], true).unwrap(), text);
     let ids = g.tokenizer.encode(&text, true).unwrap();
     assert_eq!(h.tokenizer.encode(&text, true).unwrap(), ids, "tokenizer.json gives the same IDs");
     let a = last_logits(&backend, &g.model, &ids);
@@ -98,8 +98,8 @@ fn k_mix_format(name: &str) -> Option<GgmlType> {
 /// that names the tensor and the type.
 #[test]
 fn k_quant_mix_loads_and_follows_the_source_model() {
-    use baton_engine::gguf::writer::{write_gguf, TensorSpec};
-    use baton_engine::gguf::GgufFile;
+    use baton_text::gguf::writer::{write_gguf, TensorSpec};
+    use baton_text::gguf::GgufFile;
     use baton_kernels::{blocks, quant};
     let Some(path) = common::model_path() else { return };
     let src = GgufFile::open(&path).unwrap();
@@ -111,7 +111,7 @@ fn k_quant_mix_loads_and_follows_the_source_model() {
             tensors.push(TensorSpec::new(t.name.clone(), &t.dims, t.ggml_type, data));
             continue;
         };
-        let from = t.ggml_type.format().unwrap();
+        let from = baton_engine::model::weight_format(t.ggml_type).unwrap();
         let k = t.dims[0] as usize;
         let quantize: fn(&[f32], &mut Vec<u8>) = match target {
             GgmlType::Q4_K => blocks::quantize_row_q4_k,
@@ -130,7 +130,7 @@ fn k_quant_mix_loads_and_follows_the_source_model() {
         tensors.push(TensorSpec::new(t.name.clone(), &t.dims, target, out));
     }
     assert!(["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"].iter().all(|f| mix.contains_key(f)), "{mix:?}");
-    let meta: Vec<(String, baton_engine::gguf::MetaValue)> = src.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let meta: Vec<(String, baton_text::gguf::MetaValue)> = src.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     let dir = tempfile::tempdir().unwrap();
     let kpath = dir.path().join("k-mix.gguf");
     write_gguf(&kpath, &meta, &tensors).unwrap();
@@ -144,7 +144,7 @@ fn k_quant_mix_loads_and_follows_the_source_model() {
     let hf = dir.path().join("k-mix-hf");
     export_hf(&kpath, &hf).unwrap();
     let c = load_hf_dir(&backend, &hf).unwrap();
-    let text = a.template.render(&[baton_engine::chat_template::ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let text = a.template.render(&[baton_text::chat_template::ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
     let mut ids = a.tokenizer.encode(&text, true).unwrap();
     let (la, lb, lc) = (last_logits(&backend, &a.model, &ids), last_logits(&backend, &b.model, &ids), last_logits(&backend, &c.model, &ids));
     let argmax = |v: &[f32]| v.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0;

@@ -10,10 +10,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use baton_engine::chat_template::{ChatMessage, ChatTemplate};
-use baton_engine::gguf::writer::write_gguf;
-use baton_engine::gguf::{GgufFile, MetaValue};
-use baton_engine::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
+use baton_text::chat_template::{ChatMessage, ChatTemplate};
+use baton_text::gguf::writer::write_gguf;
+use baton_text::gguf::{GgufFile, MetaValue};
+use baton_text::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
 use proptest::prelude::*;
 
 mod common;

@@ -1,8 +1,9 @@
 //! Between the wire messages of `node.proto` and the engine's types.
 
 use baton_engine::kv::{ConversationId, UserId};
-use baton_engine::sampling::{SamplingParams, ValidSamplingParams};
-use baton_engine::{FinishReason, Request, TokenOut};
+use baton_text::sampling::{SamplingParams, ValidSamplingParams};
+use baton_engine::Request;
+use baton_text::{FinishReason, TokenOut};
 use baton_proto::node as pb;
 use tonic::Status;
 

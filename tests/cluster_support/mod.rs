@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use baton_engine::kv::UserId;
 use baton_engine::model::load_gguf;
-use baton_engine::sampling::SamplingParams;
+use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, EngineConfig, Event, Request};
 use baton_kernels::CpuBackend;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
@@ -242,7 +242,7 @@ pub fn reference_tokens(engine: &Engine, prompt: &[u32], owner: &str, max_tokens
 }
 
 pub fn chat(engine: &Engine, system: &str, user: &str) -> Vec<u32> {
-    use baton_engine::chat_template::ChatMessage;
+    use baton_text::chat_template::ChatMessage;
     let text = engine.template.render(&[ChatMessage::new("system", system), ChatMessage::new("user", user)], true).unwrap();
     engine.tokenizer.encode(&text, true).unwrap()
 }

@@ -2,7 +2,7 @@
 
 Usage: BATON_URL=http://127.0.0.1:PORT BATON_API_KEY=bk-... python3 test_openai_client.py
 Exits 0 when every check passes; prints what failed otherwise. Run by
-api-gateway/tests/gateway_python.rs, which starts the gateway.
+tests/gateway/gateway_python.rs, which starts the gateway.
 """
 import os
 import sys

@@ -2,7 +2,7 @@
 
 Usage: BATON_URL=http://127.0.0.1:PORT BATON_API_KEY=bk-... python3 test_web_page.py
 Optional: BATON_CHROMIUM (default /usr/bin/chromium), BATON_CHROMEDRIVER
-(default /usr/bin/chromedriver). Run by api-gateway/tests/gateway_browser.rs,
+(default /usr/bin/chromedriver). Run by tests/gateway/gateway_browser.rs,
 which starts the gateway.
 
 Checks, as a user would do them: a wrong key is refused and the right one

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use baton_engine::{FinishReason, TokenOut, Usage};
+use baton_text::{FinishReason, TokenOut, Usage};
 use baton_proto::common::NodeId;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::{EvictConversationRequest, RouteDecodeRequest};

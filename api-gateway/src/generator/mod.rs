@@ -1,5 +1,5 @@
 //! The seam between the gateway and whatever produces tokens: one in-process
-//! engine ([`local::LocalGenerator`]) or the cluster (coordinator plus decode
+//! engine (`baton::local_generator::LocalGenerator`, in the root crate) or the cluster (coordinator plus decode
 //! nodes, added beside this module). The gateway only ever holds an
 //! `Arc<dyn Generator>`, so it runs the same in front of either.
 //!
@@ -10,10 +10,9 @@
 //! with none owed left no block of it anywhere).
 
 pub mod cluster;
-pub mod local;
 
-use baton_engine::sampling::SamplingParams;
-use baton_engine::{FinishReason, TokenOut, Usage};
+use baton_text::sampling::SamplingParams;
+use baton_text::{FinishReason, TokenOut, Usage};
 use std::pin::Pin;
 use std::time::Duration;
 

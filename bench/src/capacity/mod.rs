@@ -7,6 +7,8 @@
 //!
 //! Precedence for each model field: explicit flag, then the file, then the seed default.
 
+#[cfg(test)]
+pub(crate) mod fixture;
 pub mod model;
 pub mod plan;
 
@@ -350,8 +352,7 @@ part 1: arithmetic
     #[test]
     fn model_files_and_flag_overrides() {
         let dir = tempfile::tempdir().unwrap();
-        let g =
-            crate::gguf::fixture::write(dir.path(), "t.gguf", &crate::gguf::fixture::tiny_llama());
+        let g = fixture::write(dir.path(), "t.gguf", &fixture::tiny_llama());
         let i = Inputs::try_from(&args(&["--gguf", g.to_str().unwrap()])).unwrap();
         assert_eq!(i.model.layers, 2);
         let pl = plan(&i).unwrap();

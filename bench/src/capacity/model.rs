@@ -7,10 +7,10 @@
 
 use std::path::Path;
 
+use baton_text::gguf::GgufFile;
 use serde::{Deserialize, Serialize};
 
 use crate::error::BenchError;
-use crate::gguf::GgufHeader;
 
 /// What the arithmetic needs to know about a model.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -94,33 +94,33 @@ impl ModelShape {
     /// `.embedding_length`, `.attention.head_count`, `.feed_forward_length`,
     /// `.vocab_size` or the tokenizer's token array).
     pub fn from_gguf(path: &Path) -> Result<Self, BenchError> {
-        let h = GgufHeader::read(path)?;
+        // Header, scalars and shapes only: arrays (the vocabulary) are skipped, tensor
+        // data is never read.
+        let h = GgufFile::open_header(path)?;
+        let arch = h.opt_str("general.architecture").unwrap_or("llama");
+        let arch_u64 = |suffix: &str| h.opt_u64(&format!("{arch}.{suffix}"));
         let name = path.display().to_string();
         let missing = |field| BenchError::MissingField {
             source_name: name.clone(),
             field,
         };
-        let layers = h
-            .arch_u64("block_count")
-            .ok_or_else(|| missing("block_count"))?;
-        let heads = h.arch_u64("attention.head_count");
-        let kv_heads = h
-            .arch_u64("attention.head_count_kv")
+        let layers = arch_u64("block_count").ok_or_else(|| missing("block_count"))?;
+        let heads = arch_u64("attention.head_count");
+        let kv_heads = arch_u64("attention.head_count_kv")
             .or(heads)
             .ok_or_else(|| missing("attention.head_count_kv"))?;
-        let hidden = h.arch_u64("embedding_length");
-        let head_dim = match (h.arch_u64("attention.key_length"), hidden, heads) {
+        let hidden = arch_u64("embedding_length");
+        let head_dim = match (arch_u64("attention.key_length"), hidden, heads) {
             (Some(d), _, _) => d,
             (None, Some(e), Some(n)) if n > 0 => e / n,
             _ => return Err(missing("embedding_length and attention.head_count")),
         };
-        let vocab =
-            h.arch_u64("vocab_size")
-                .or_else(|| match h.metadata.get("tokenizer.ggml.tokens") {
-                    Some(crate::gguf::MetaValue::Array { len, .. }) => Some(*len),
-                    _ => None,
-                });
-        let tensor_params = h.parameter_count();
+        let vocab = arch_u64("vocab_size").or_else(|| h.opt_array_len("tokenizer.ggml.tokens"));
+        // Shapes were checked not to overflow when the file was opened.
+        let tensor_params = h
+            .tensors
+            .iter()
+            .fold(0u64, |acc, t| acc.saturating_add(t.n_elements()));
         let (params, params_source) = if tensor_params > 0 {
             (tensor_params as f64, "gguf tensors".to_string())
         } else {
@@ -130,9 +130,9 @@ impl ModelShape {
                 heads,
                 kv_heads,
                 head_dim,
-                ffn: h.arch_u64("feed_forward_length"),
+                ffn: arch_u64("feed_forward_length"),
                 vocab,
-                tied: !h.tensors.iter().any(|(n, _)| n == "output.weight"),
+                tied: h.tensor("output.weight").is_none(),
             };
             match shapes.params() {
                 Some(p) => (p as f64, "computed from shapes".to_string()),
@@ -140,9 +140,7 @@ impl ModelShape {
             }
         };
         let model_name = h
-            .metadata
-            .get("general.name")
-            .and_then(|v| v.as_str())
+            .opt_str("general.name")
             .map(|s| format!(" ({s})"))
             .unwrap_or_default();
         Ok(Self {
@@ -202,7 +200,7 @@ impl Shapes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gguf::fixture;
+    use crate::capacity::fixture;
 
     const LLAMA_70B_CONFIG: &str = r#"{
         "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
@@ -269,19 +267,21 @@ mod tests {
 
     #[test]
     fn gguf_without_tensors_falls_back_to_shapes() {
-        use fixture::V;
+        use baton_text::gguf::MetaValue::U32;
         let dir = tempfile::tempdir().unwrap();
-        let bytes = fixture::gguf_bytes(
+        let bytes = baton_text::gguf::writer::to_bytes(
+            3,
             &[
-                ("llama.block_count", V::U32(2)),
-                ("llama.embedding_length", V::U32(64)),
-                ("llama.feed_forward_length", V::U32(128)),
-                ("llama.attention.head_count", V::U32(4)),
-                ("llama.attention.head_count_kv", V::U32(2)),
-                ("llama.vocab_size", V::U32(3)),
+                ("llama.block_count", U32(2)),
+                ("llama.embedding_length", U32(64)),
+                ("llama.feed_forward_length", U32(128)),
+                ("llama.attention.head_count", U32(4)),
+                ("llama.attention.head_count_kv", U32(2)),
+                ("llama.vocab_size", U32(3)),
             ],
             &[],
-        );
+        )
+        .unwrap();
         let p = fixture::write(dir.path(), "shapes.gguf", &bytes);
         let m = ModelShape::from_gguf(&p).unwrap();
         // No tensors listed, so no output.weight: treated as tied.

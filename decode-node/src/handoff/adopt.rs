@@ -43,7 +43,7 @@ pub fn request(turn: Option<pb::Turn>) -> Result<Request, Status> {
 }
 
 /// Greedy, one token: what publishing an adopted prefix computes.
-fn one_token() -> Result<(baton_engine::sampling::ValidSamplingParams, bool), Status> {
+fn one_token() -> Result<(baton_text::sampling::ValidSamplingParams, bool), Status> {
     convert::sampling_params(&pb::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() })
 }
 

@@ -13,12 +13,13 @@ mod plan;
 mod scheduler;
 mod sequence;
 
-use crate::chat_template::ChatTemplate;
 use crate::kv::{BlockHasher, ConversationId, KvError, KvStats, SeqId, UserId, Xxh64BlockHasher};
 use crate::model::LoadedModel;
-use crate::sampling::{SamplingError, ValidSamplingParams};
-use crate::tokenizer::Tokenizer;
 use baton_kernels::{Backend, KvDtype, KvLayout};
+use baton_text::chat_template::ChatTemplate;
+use baton_text::sampling::{SamplingError, ValidSamplingParams};
+use baton_text::tokenizer::Tokenizer;
+use baton_text::{FinishReason, TokenOut, Usage};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -134,49 +135,6 @@ pub struct Request {
     pub sampling: ValidSamplingParams,
     /// Keep generating past the end-of-sequence token (benchmarks).
     pub ignore_eos: bool,
-}
-
-/// Why a sequence ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// A stop token or stop string.
-    Stop,
-    /// `max_tokens` or the context limit.
-    Length,
-    /// The caller cancelled (or went away).
-    Cancelled,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// Token counts of a finished request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    /// Prompt tokens served from the prefix cache (both tiers).
-    pub cached_tokens: usize,
-    pub completion_tokens: usize,
-}
-
-/// One generated token.
-#[derive(Clone, Debug)]
-pub struct TokenOut {
-    pub id: u32,
-    /// Text this token completes (may be empty while a multi-byte character
-    /// or a possible stop string is held back).
-    pub text: String,
-    pub logprob: Option<f32>,
-    pub top_logprobs: Vec<(u32, f32)>,
-    /// Time since the request was submitted.
-    pub elapsed: Duration,
 }
 
 /// What a request stream yields.

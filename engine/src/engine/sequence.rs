@@ -2,8 +2,8 @@
 
 use super::{Event, FinishReason, ImportedToken, KvExport, KvImport, Request, TokenOut, Usage};
 use crate::kv::{BlockId, ChainLink, HashChain, SeqId, SwapHandle};
-use crate::sampling::{Sampler, StopMatcher};
-use crate::tokenizer::IncrementalDecoder;
+use baton_text::sampling::{Sampler, StopMatcher};
+use baton_text::tokenizer::IncrementalDecoder;
 use std::time::{Duration, Instant};
 
 /// Where a sequence's KV lives while it is not running.

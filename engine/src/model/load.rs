@@ -9,12 +9,12 @@
 //! and key rows are permuted at load time, exactly as llama.cpp's converter
 //! does, and permuted back on export.
 
-use super::{Layer, Model, ModelConfig};
-use crate::chat_template::{ChatTemplate, TemplateError};
-use crate::gguf::{GgmlType, GgufError, GgufFile};
+use super::{weight_format, Layer, Model, ModelConfig};
 use crate::model::HfConfig;
-use crate::tokenizer::{Tokenizer, TokenizerError};
 use baton_kernels::{Backend, KernelError, WeightFormat};
+use baton_text::chat_template::{ChatTemplate, TemplateError};
+use baton_text::gguf::{GgmlType, GgufError, GgufFile};
+use baton_text::tokenizer::{Tokenizer, TokenizerError};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -102,7 +102,7 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
         if dims != [k as u64, n as u64] {
             return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {dims:?}, expected [{k}, {n}]") });
         }
-        let format = t.ggml_type.format().ok_or_else(|| unsupported_type(path, name, t.ggml_type))?;
+        let format = weight_format(t.ggml_type).ok_or_else(|| unsupported_type(path, name, t.ggml_type))?;
         backend.matrix(format, n, k, f.tensor_data(t)).map_err(|e| kernel_err(path, name, e))
     };
     let vector = |name: &str, n: usize| -> Result<B::Tensor, ModelError> {
@@ -110,7 +110,7 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
         if t.dims != [n as u64] {
             return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {:?}, expected [{n}]", t.dims) });
         }
-        let format = t.ggml_type.format().filter(|f| f.block_len() == 1).ok_or_else(|| ModelError::Tensor {
+        let format = weight_format(t.ggml_type).filter(|f| f.block_len() == 1).ok_or_else(|| ModelError::Tensor {
             path: path.into(),
             tensor: name.into(),
             reason: format!("norm weights must be F32, F16 or BF16, found {:?}", t.ggml_type),
@@ -359,7 +359,7 @@ pub fn export_hf(gguf_path: &Path, out: &Path) -> Result<(), ModelError> {
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for t in &f.tensors {
         let Some(hf_name) = names.get(&t.name) else { continue };
-        let format = t.ggml_type.format().ok_or_else(|| unsupported_type(gguf_path, &t.name, t.ggml_type))?;
+        let format = weight_format(t.ggml_type).ok_or_else(|| unsupported_type(gguf_path, &t.name, t.ggml_type))?;
         let k = t.dims[0] as usize;
         let n = t.dims.get(1).copied().unwrap_or(1) as usize;
         let data = f.tensor_data(t);

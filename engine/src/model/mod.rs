@@ -7,9 +7,11 @@
 //! rows that need sampling, which is what makes long prefills cheap.
 
 mod config;
+mod format;
 mod load;
 
 pub use config::{HfConfig, ModelConfig};
+pub use format::weight_format;
 pub use load::{export_hf, load_gguf, load_hf_dir, LoadedModel, ModelError};
 
 use baton_kernels::{AttnRow, Backend};

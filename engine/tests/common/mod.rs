@@ -3,8 +3,9 @@
 
 use baton_engine::kv::UserId;
 use baton_engine::model::{load_gguf, LoadedModel};
-use baton_engine::sampling::SamplingParams;
-use baton_engine::{Engine, EngineConfig, Event, FinishReason, Request, Usage};
+use baton_text::sampling::SamplingParams;
+use baton_engine::{Engine, EngineConfig, Event, Request};
+use baton_text::{FinishReason, Usage};
 use baton_engine::model::{Model, Scratch, StepInput};
 use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
 use std::path::PathBuf;
@@ -46,7 +47,7 @@ pub fn engine(config: EngineConfig) -> Option<Engine> {
     Some(Engine::start(backend, loaded, config).expect("engine start"))
 }
 
-pub fn greedy(max_tokens: usize) -> baton_engine::sampling::ValidSamplingParams {
+pub fn greedy(max_tokens: usize) -> baton_text::sampling::ValidSamplingParams {
     SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() }.validate().unwrap()
 }
 
@@ -82,7 +83,7 @@ pub fn collect(mut s: baton_engine::RequestStream) -> Outcome {
 }
 
 pub fn chat_prompt(engine: &Engine, system: &str, user: &str) -> Vec<u32> {
-    use baton_engine::chat_template::ChatMessage;
+    use baton_text::chat_template::ChatMessage;
     let text = engine.template.render(&[ChatMessage::new("system", system), ChatMessage::new("user", user)], true).unwrap();
     engine.tokenizer.encode(&text, true).unwrap()
 }

@@ -5,14 +5,14 @@
 //! summaries are fixed texts) so the tests control what the model says; the
 //! tokenizer is the default model's.
 
-mod common;
+use crate::common;
 
 use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 use baton_api_gateway::server::App;
 use baton_api_gateway::store::{ConversationStore, SqliteStore};
 use baton_api_gateway::{auth, build_app, load_tokenizer, Args, Config};
-use baton_engine::tokenizer::Tokenizer;
-use baton_engine::{FinishReason, TokenOut, Usage};
+use baton_text::tokenizer::Tokenizer;
+use baton_text::{FinishReason, TokenOut, Usage};
 use clap::Parser;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};

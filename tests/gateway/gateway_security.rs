@@ -12,7 +12,7 @@
 //!
 //! The cross-user stall is in `gateway_isolation.rs` (a binary of its own: it times turns).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -208,7 +208,7 @@ async fn the_conversation_database_is_private_and_deletes_securely() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_operators_system_prompt_counts_as_the_platform_prefix() {
-    use baton_engine::chat_template::ChatMessage;
+    use baton_text::chat_template::ChatMessage;
     let Some(server) = common::start(&["--system-prompt", "You are the museum's guide."]).await else { return };
     let ctx = &server.app.context;
     let with = |system: &str| ctx.encode_messages(&[ChatMessage::new("system", system), ChatMessage::new("user", "hello")]).unwrap();

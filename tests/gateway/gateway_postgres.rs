@@ -4,11 +4,11 @@
 //! conversation seen by a second gateway replica sharing the database, and a
 //! 503 (not a panic or a 500) while the database is down.
 
-mod common;
-mod pg;
+use crate::common;
+use crate::pg;
 
 use baton_api_gateway::client::{Client, Method, StatusCode};
-use baton_api_gateway::generator::local::LocalGenerator;
+use baton::local_generator::LocalGenerator;
 use baton_api_gateway::store::ConversationStore;
 use baton_api_gateway::{auth, build_app, Args, Config};
 use baton_engine::model::load_gguf;

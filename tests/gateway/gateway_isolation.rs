@@ -3,7 +3,7 @@
 //! when the gateway is idle, within 50 ms (medians of seven). Its own test binary, so no
 //! other test's load shares the timing.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

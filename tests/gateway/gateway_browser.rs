@@ -6,12 +6,12 @@
 //! it says it is skipped, unless `BATON_REQUIRE_BROWSER=1` (set by `.ci/run`,
 //! which installs them), where it fails instead.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 
 fn python_with_selenium() -> Option<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let candidates = [root.join(".cache/venv/bin/python3"), PathBuf::from("python3")];
     candidates
         .into_iter()
@@ -50,7 +50,7 @@ async fn web_page_in_headless_chromium() {
     };
     // Replies long enough to stop one mid-stream, short enough to wait for on a CPU.
     let Some(s) = common::start(&["--default-max-tokens", "160"]).await else { return };
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/python/test_web_page.py");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_web_page.py");
     let started = std::time::Instant::now();
     let out = tokio::process::Command::new(python)
         .arg(script)

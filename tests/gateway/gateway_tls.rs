@@ -4,7 +4,7 @@
 //! client that does not trust it are refused. Bad flags and files are clear
 //! errors at start.
 
-mod common;
+use crate::common;
 
 use baton_api_gateway::{Args, Config};
 use clap::Parser;

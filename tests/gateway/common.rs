@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use baton_api_gateway::client::Client;
-use baton_api_gateway::generator::local::LocalGenerator;
+use baton::local_generator::LocalGenerator;
 use baton_api_gateway::generator::Generator;
 use baton_api_gateway::server::App;
 use baton_api_gateway::store::SqliteStore;

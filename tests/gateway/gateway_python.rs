@@ -3,12 +3,12 @@
 //! a message, only when no Python with `openai` is found (`.ci/run` installs
 //! it into .cache/venv, which is tried first).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 
 fn python_with_openai() -> Option<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let candidates = [root.join(".cache/venv/bin/python3"), PathBuf::from("python3")];
     candidates
         .into_iter()
@@ -22,7 +22,7 @@ async fn official_openai_python_client() {
         return;
     };
     let Some(s) = common::start(&[]).await else { return };
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/python/test_openai_client.py");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_openai_client.py");
     let out =
         tokio::process::Command::new(python).arg(script).env("BATON_URL", &s.base).env("BATON_API_KEY", &s.key).output().await.unwrap();
     let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

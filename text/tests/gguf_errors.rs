@@ -3,12 +3,22 @@
 
 use std::path::{Path, PathBuf};
 
-use baton_engine::gguf::writer::{to_bytes, write_gguf, TensorSpec};
-use baton_engine::gguf::{GgmlType, GgufError, GgufFile, MetaValue};
+use baton_text::gguf::writer::{to_bytes, write_gguf, TensorSpec};
+use baton_text::gguf::{GgmlType, GgufError, GgufFile, MetaValue};
 use proptest::prelude::*;
 
-mod common;
-use common::model_path;
+/// The default model: `BATON_MODEL` as given (a wrong path fails the test), else the
+/// cache scripts/fetch-model.sh fills; `None` skips the test.
+fn model_path() -> Option<PathBuf> {
+    if let Some(given) = std::env::var_os("BATON_MODEL") {
+        return Some(given.into());
+    }
+    let cache = match std::env::var_os("BATON_MODEL_CACHE") {
+        Some(c) => PathBuf::from(c),
+        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/baton/models"),
+    };
+    Some(cache.join("SmolLM2-135M-Instruct.Q4_1.gguf")).filter(|p| p.exists())
+}
 
 fn all_value_types() -> Vec<(&'static str, MetaValue)> {
     vec![
@@ -489,6 +499,13 @@ fn real_model_has_known_layout_and_metadata() {
     let t0 = std::time::Instant::now();
     let g = GgufFile::open(&path).unwrap();
     eprintln!("opened {} in {:?}", path.display(), t0.elapsed());
+    let t0 = std::time::Instant::now();
+    let h = GgufFile::open_header(&path).unwrap();
+    eprintln!("opened its header only in {:?}", t0.elapsed());
+    assert_eq!(h.tensors, g.tensors);
+    assert_eq!(h.get_array_len("tokenizer.ggml.tokens").unwrap(), 49152);
+    assert_eq!(h.get_array_len("tokenizer.ggml.merges").unwrap(), 48900);
+    assert_eq!(h.get_u32("llama.block_count").unwrap(), 30);
 
     assert_eq!(g.version, 3);
     assert_eq!(g.tensors.len(), 272);

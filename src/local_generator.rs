@@ -2,8 +2,11 @@
 //! `baton up` in single-process mode. The engine's request stream is adapted
 //! to a `futures::Stream`; dropping it drops the engine's stream, which
 //! cancels the sequence at the next step.
+//!
+//! It lives in the root crate, not in `baton-api-gateway`, so that the gateway
+//! does not depend on the engine (or, through it, on the kernels).
 
-use super::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
+use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 use baton_engine::kv::{ConversationId, UserId};
 use baton_engine::{Engine, EngineError, Event, Request};
 use std::sync::Arc;
@@ -24,20 +27,19 @@ impl LocalGenerator {
     }
 }
 
-impl From<EngineError> for GenerateError {
-    fn from(e: EngineError) -> Self {
-        match e {
-            EngineError::Overloaded { .. } => GenerateError::Overloaded { retry_after: Duration::from_secs(1) },
-            EngineError::ContextTooLong { prompt, max_tokens, max_context } => {
-                GenerateError::ContextTooLong { prompt, max_tokens, max_context }
-            }
-            EngineError::Sampling(s) => GenerateError::BadRequest(s.to_string()),
-            EngineError::EmptyPrompt | EngineError::BadToken { .. } | EngineError::BadPlatformPrefix { .. } => {
-                GenerateError::BadRequest(e.to_string())
-            }
-            EngineError::Stopped => GenerateError::Unavailable("the engine has stopped".into()),
-            other => GenerateError::Internal(other.to_string()),
+/// The gateway's error for an engine error.
+fn generate_error(e: EngineError) -> GenerateError {
+    match e {
+        EngineError::Overloaded { .. } => GenerateError::Overloaded { retry_after: Duration::from_secs(1) },
+        EngineError::ContextTooLong { prompt, max_tokens, max_context } => {
+            GenerateError::ContextTooLong { prompt, max_tokens, max_context }
         }
+        EngineError::Sampling(s) => GenerateError::BadRequest(s.to_string()),
+        EngineError::EmptyPrompt | EngineError::BadToken { .. } | EngineError::BadPlatformPrefix { .. } => {
+            GenerateError::BadRequest(e.to_string())
+        }
+        EngineError::Stopped => GenerateError::Unavailable("the engine has stopped".into()),
+        other => GenerateError::Internal(other.to_string()),
     }
 }
 
@@ -52,7 +54,8 @@ impl Generator for LocalGenerator {
             conversation: Some(ConversationId::new(req.routing_key)),
             sampling,
             ignore_eos: false,
-        })?;
+        })
+        .map_err(generate_error)?;
         let events = futures::stream::unfold(Some(stream), |state| async move {
             let mut stream = state?;
             match stream.next().await {
@@ -60,7 +63,7 @@ impl Generator for LocalGenerator {
                 Some(Event::Finished { reason, usage, trailing_text, .. }) => {
                     Some((GenEvent::Finished { reason, usage, trailing_text }, None))
                 }
-                Some(Event::Failed(e)) => Some((GenEvent::Failed(e.into()), None)),
+                Some(Event::Failed(e)) => Some((GenEvent::Failed(generate_error(e)), None)),
                 None => Some((GenEvent::Failed(GenerateError::Unavailable("the engine has stopped".into())), None)),
             }
         });
@@ -70,7 +73,7 @@ impl Generator for LocalGenerator {
     async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError> {
         let engine = self.engine.clone();
         let id = ConversationId::new(conversation);
-        tokio::task::spawn_blocking(move || engine.evict_conversation(id)).await.map_err(|e| GenerateError::Internal(e.to_string()))??;
+        tokio::task::spawn_blocking(move || engine.evict_conversation(id)).await.map_err(|e| GenerateError::Internal(e.to_string()))?.map_err(generate_error)?;
         Ok(Eviction { acked: vec!["local".into()], owed: vec![] })
     }
 }

@@ -1,7 +1,7 @@
 //! The gateway end to end: an axum server on 127.0.0.1:0 in front of the
 //! real engine with the default model, driven over HTTP.
 
-mod common;
+use crate::common;
 
 use baton_api_gateway::client::{Client, Method, StatusCode};
 use baton_api_gateway::store::{ConversationStore, TurnState};

@@ -1,0 +1,20 @@
+//! Baton's text layer: everything about text and model files that is not compute.
+//!
+//! - [`gguf`]: the hardened GGUF reader (full, or header and shapes only) and a writer
+//!   for fixtures;
+//! - [`tokenizer`] and [`chat_template`]: text to token IDs and back, messages to a prompt;
+//! - [`sampling`]: request sampling parameters and their validation, the seeded sampler
+//!   over a logits slice, and the stop-string matcher;
+//! - [`output`]: what a finished or streaming generation reports (finish reason, usage,
+//!   one token), shared by the engine, the nodes and the gateway.
+//!
+//! It depends on neither `baton-kernels` nor `baton-engine`, so the gateway and the
+//! capacity planner use it without compiling the compute stack.
+
+pub mod chat_template;
+pub mod gguf;
+pub mod output;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use output::{FinishReason, TokenOut, Usage};

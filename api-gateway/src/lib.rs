@@ -23,6 +23,7 @@ pub mod markdown;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
+pub mod polled;
 pub mod server;
 pub mod store;
 pub mod tls;
@@ -143,6 +144,11 @@ pub struct Args {
     /// The longest wait between eviction retries.
     #[arg(long, env = "BATON_EVICT_RETRY_MAX", default_value = "5m", value_parser = parse_duration)]
     pub evict_retry_max: Duration,
+    /// Replicas sharing one PostgreSQL: a replica whose heartbeat is older than this is
+    /// dead, and a retry of a turn it was streaming takes the turn over (at least 2s;
+    /// heartbeats are sent six times as often).
+    #[arg(long, env = "BATON_REPLICA_DEAD_AFTER", default_value = "60s", value_parser = parse_duration)]
+    pub replica_dead_after: Duration,
 }
 
 fn parse_duration(s: &str) -> std::result::Result<Duration, humantime::DurationError> {
@@ -180,6 +186,8 @@ pub struct Config {
     pub admin_key: Option<AdminKey>,
     /// Waits between retries of evictions some node did not acknowledge.
     pub evict_retry: evictions::Backoff,
+    /// Heartbeat age after which another replica is dead (PostgreSQL store).
+    pub replica_dead_after: Duration,
 }
 
 impl TryFrom<Args> for Config {
@@ -209,6 +217,7 @@ impl TryFrom<Args> for Config {
             a.evict_retry_max,
             a.evict_retry_min
         );
+        anyhow::ensure!(a.replica_dead_after >= Duration::from_secs(2), "--replica-dead-after must be at least 2s");
         let rules = match &a.check_rules {
             Some(p) => RuleCheck::load(p).map_err(anyhow::Error::msg)?,
             None => RuleCheck::default(),
@@ -248,6 +257,7 @@ impl TryFrom<Args> for Config {
                 header_timeout: Duration::from_secs(a.header_timeout_seconds),
             },
             evict_retry: evictions::Backoff { min: a.evict_retry_min, max: a.evict_retry_max },
+            replica_dead_after: a.replica_dead_after,
         })
     }
 }
@@ -264,7 +274,7 @@ pub fn load_tokenizer(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)
 /// marking turns a crash left streaming as failed.
 pub async fn open_store(config: &Config) -> Result<Arc<dyn ConversationStore>> {
     let shown = store::postgres::redact_url(&config.db.to_string_lossy());
-    let s = store::open(&config.db).await.with_context(|| format!("opening the store {shown}"))?;
+    let s = store::open_with(&config.db, config.replica_dead_after).await.with_context(|| format!("opening the store {shown}"))?;
     let n = s.fail_streaming_turns().await?;
     if n > 0 {
         tracing::warn!(turns = n, "turns interrupted by the last shutdown marked failed");

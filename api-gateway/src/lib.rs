@@ -59,6 +59,11 @@ pub struct Args {
     /// `postgres://user:password@host:port/db` URL (several replicas share it).
     #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
     pub db: PathBuf,
+    /// Replicas sharing one PostgreSQL: a replica whose heartbeat is older than this is
+    /// dead, and a retry of a turn it was streaming takes the turn over (at least 2s;
+    /// heartbeats are sent six times as often).
+    #[arg(long, env = "BATON_REPLICA_DEAD_AFTER", default_value = "60s", value_parser = parse_duration)]
+    pub replica_dead_after: Duration,
     /// The model whose tokenizer and chat template the gateway uses (GGUF
     /// file); by default the engine's model.
     #[arg(long, env = "BATON_TOKENIZER_MODEL")]
@@ -144,11 +149,6 @@ pub struct Args {
     /// The longest wait between eviction retries.
     #[arg(long, env = "BATON_EVICT_RETRY_MAX", default_value = "5m", value_parser = parse_duration)]
     pub evict_retry_max: Duration,
-    /// Replicas sharing one PostgreSQL: a replica whose heartbeat is older than this is
-    /// dead, and a retry of a turn it was streaming takes the turn over (at least 2s;
-    /// heartbeats are sent six times as often).
-    #[arg(long, env = "BATON_REPLICA_DEAD_AFTER", default_value = "60s", value_parser = parse_duration)]
-    pub replica_dead_after: Duration,
 }
 
 fn parse_duration(s: &str) -> std::result::Result<Duration, humantime::DurationError> {
@@ -160,6 +160,8 @@ fn parse_duration(s: &str) -> std::result::Result<Duration, humantime::DurationE
 pub struct Config {
     pub listen: SocketAddr,
     pub db: PathBuf,
+    /// Heartbeat age after which another replica is dead (PostgreSQL store).
+    pub replica_dead_after: Duration,
     pub tokenizer_model: Option<PathBuf>,
     pub served_model_name: Option<String>,
     pub system_prompt: String,
@@ -186,8 +188,6 @@ pub struct Config {
     pub admin_key: Option<AdminKey>,
     /// Waits between retries of evictions some node did not acknowledge.
     pub evict_retry: evictions::Backoff,
-    /// Heartbeat age after which another replica is dead (PostgreSQL store).
-    pub replica_dead_after: Duration,
 }
 
 impl TryFrom<Args> for Config {
@@ -198,6 +198,7 @@ impl TryFrom<Args> for Config {
             anyhow::ensure!(v.is_finite() && v > 0.0, "--{name} must be positive");
             Ok(v)
         };
+        anyhow::ensure!(a.replica_dead_after >= Duration::from_secs(2), "--replica-dead-after must be at least 2s");
         anyhow::ensure!(a.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
         anyhow::ensure!(a.default_max_tokens >= 1, "--default-max-tokens must be at least 1");
         anyhow::ensure!(
@@ -217,7 +218,6 @@ impl TryFrom<Args> for Config {
             a.evict_retry_max,
             a.evict_retry_min
         );
-        anyhow::ensure!(a.replica_dead_after >= Duration::from_secs(2), "--replica-dead-after must be at least 2s");
         let rules = match &a.check_rules {
             Some(p) => RuleCheck::load(p).map_err(anyhow::Error::msg)?,
             None => RuleCheck::default(),
@@ -231,6 +231,7 @@ impl TryFrom<Args> for Config {
             tls,
             listen: a.listen,
             db: a.db,
+            replica_dead_after: a.replica_dead_after,
             tokenizer_model: a.tokenizer_model,
             served_model_name: a.served_model_name,
             system_prompt: a.system_prompt,
@@ -257,7 +258,6 @@ impl TryFrom<Args> for Config {
                 header_timeout: Duration::from_secs(a.header_timeout_seconds),
             },
             evict_retry: evictions::Backoff { min: a.evict_retry_min, max: a.evict_retry_max },
-            replica_dead_after: a.replica_dead_after,
         })
     }
 }

@@ -6,12 +6,19 @@
 //! stored row and the live turn, the rest attach to it (same body) or get 409
 //! (different body). A new turn while another streams in the same conversation
 //! is a 409 as well. Other conversations' turns never wait on this lock.
+//!
+//! Across gateway replicas (one PostgreSQL) the store decides: `begin_turn`
+//! admits one turn per place in the conversation and one streaming turn at a
+//! time, so the loser of a race gets the same 409. A retry of a turn another
+//! replica runs follows it through the store ([`crate::polled`]); a retry of a
+//! turn whose replica died takes it over and generates it again.
 
 use crate::auth::AuthUser;
 use crate::error::ApiError;
+use crate::polled::{self, stored_events};
 use crate::server::{read_body, App};
 use crate::store::{BeginTurn, Conversation, Turn, TurnState};
-use crate::turns::{self, LiveTurn, TurnEvent, TurnResult, UsageJson};
+use crate::turns::{self, LiveTurn, TurnEvent};
 use crate::{metrics, request_id};
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -210,7 +217,7 @@ pub async fn add_turn(
     let admission = app.admission.lock(&id).await;
     if let Some(live) = app.live.get(&id) {
         if live.turn_id != turn_id {
-            return Err(ApiError::conflict("another turn of this conversation is in progress"));
+            return Err(busy());
         }
         if live.request_hash != hash {
             return Err(ApiError::conflict("this turn ID was used with a different request body"));
@@ -225,15 +232,34 @@ pub async fn add_turn(
         if t.request_hash != hash {
             return Err(ApiError::conflict("this turn ID was used with a different request body"));
         }
-        if t.state != TurnState::Failed {
-            drop(admission);
-            metrics::turn("replayed");
-            return respond_stored(app, t.clone(), from, stream).await;
+        match t.state {
+            TurnState::Failed => {} // generated again below
+            // Not this replica's (those are in `app.live`): follow it where it runs;
+            // if its replica died, take it over below.
+            TurnState::Streaming => {
+                if app.store.turn_runs_elsewhere(&id, &turn_id).await? {
+                    drop(admission);
+                    return attach_stored(app, &user, id, turn_id, from, stream).await;
+                }
+            }
+            TurnState::Done | TurnState::Stopped => {
+                drop(admission);
+                metrics::turn("replayed");
+                return respond_stored(app, t.clone(), from, stream).await;
+            }
+        }
+    }
+    // Another replica's turn in progress: refused before the model is asked (the
+    // store would refuse it too); a dead replica's turn does not block.
+    for other in turns.iter().filter(|t| t.state == TurnState::Streaming && t.turn_id != turn_id) {
+        if app.store.turn_runs_elsewhere(&id, &other.turn_id).await? {
+            return Err(busy());
         }
     }
     app.checks.check_input(&body.message).map_err(|r| ApiError::new(StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
     let prev = turns.iter().rev().find(|t| t.state.in_context() && t.turn_id != turn_id);
     let threshold = app.config.summary_threshold_tokens;
+    let mut new_summary = None;
     let prompt = match prev {
         Some(p) if threshold > 0 && p.prompt_ids.len() + p.output_ids.len() > threshold => {
             // A turn boundary past the threshold: summarize, store the summary,
@@ -243,13 +269,14 @@ pub async fn add_turn(
             // turn tries again.
             match summarize(&app, &user, &id, p).await? {
                 Some(summary) => {
-                    app.store.set_summary(&id, &summary).await?;
                     let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id).collect();
                     let keep = app.config.summary_keep_turns.min(in_context.len());
                     let recent: Vec<(&str, &[u32])> =
                         in_context[in_context.len() - keep..].iter().map(|t| (t.user_text.as_str(), t.output_ids.as_slice())).collect();
                     tracing::info!(conversation = %id, kept_turns = keep, "history summarized");
-                    app.context.with_summary(&summary, &recent, &body.message)
+                    let prompt = app.context.with_summary(&summary, &recent, &body.message);
+                    new_summary = Some(summary);
+                    prompt
                 }
                 None => app.context.next_turn(&p.prompt_ids, &p.output_ids, &body.message),
             }
@@ -279,13 +306,36 @@ pub async fn add_turn(
     let reply = app.start_reply(&user, &key, prompt, id.clone(), sampling).await?;
     match app.store.begin_turn(&row).await? {
         BeginTurn::Created => {}
+        // Another replica began (or took over) this very turn since we looked: follow it.
+        BeginTurn::Existing(t) if t.request_hash == hash && t.state == TurnState::Streaming => {
+            drop((reply, admission));
+            return attach_stored(app, &user, id, turn_id, from, stream).await;
+        }
         BeginTurn::Existing(_) => return Err(ApiError::conflict("this turn ID is already in use")),
+        BeginTurn::Busy => return Err(busy()),
+    }
+    // Stored only by the turn that won admission (a losing racer's summary is dropped).
+    if let Some(summary) = new_summary {
+        app.store.set_summary(&id, &summary).await?;
     }
     tracing::info!(conversation = %id, turn = %turn_id, prompt_tokens = row.prompt_ids.len(), "turn started");
     let live = turns::spawn(app.clone(), id, turn_id, hash, reply);
     drop(admission);
     metrics::turn("started");
     Ok(respond_live(app, live, from, stream, None).await)
+}
+
+/// The 409 for a turn while another of the same conversation is admitted or streams.
+fn busy() -> ApiError {
+    ApiError { retry_after: Some(std::time::Duration::from_secs(1)), ..ApiError::conflict("another turn of this conversation is in progress") }
+}
+
+/// Follows a turn that another gateway replica runs, through the store.
+async fn attach_stored(app: Arc<App>, user: &str, id: String, turn_id: String, from: usize, stream: bool) -> Result<Response, ApiError> {
+    let slot = follower_slot(&app, user)?;
+    metrics::turn("attached");
+    let events = polled::follow(app, id, turn_id, from);
+    Ok(respond_events(events, stream, Some(slot)).await)
 }
 
 /// An open-stream slot for a client that follows a turn already running.
@@ -347,7 +397,15 @@ fn sse_event(pos: usize, ev: &TurnEvent) -> Event {
 /// Answers with a live turn's events; `slot`, a follower's open-stream slot, is held
 /// until the response ends.
 async fn respond_live(app: Arc<App>, live: Arc<LiveTurn>, from: usize, stream: bool, slot: Option<crate::limits::Permit>) -> Response {
-    let events = live.follow(app, from);
+    respond_events(live.follow(app, from), stream, slot).await
+}
+
+/// Answers with a turn's events: as SSE, or the end event's result as JSON.
+async fn respond_events(
+    events: impl futures::Stream<Item = (usize, TurnEvent)> + Send + 'static,
+    stream: bool,
+    slot: Option<crate::limits::Permit>,
+) -> Response {
     if stream {
         let s = events.map(move |(pos, ev)| {
             let _held = &slot;
@@ -364,32 +422,12 @@ async fn respond_live(app: Arc<App>, live: Arc<LiveTurn>, from: usize, stream: b
     ApiError::internal().into_response()
 }
 
-fn stored_result(t: &Turn) -> TurnResult {
-    TurnResult {
-        turn_id: t.turn_id.clone(),
-        state: t.state,
-        finish_reason: t.finish_reason.clone().unwrap_or_default(),
-        reply: t.reply_text.clone(),
-        usage: UsageJson { prompt_tokens: t.prompt_tokens, cached_tokens: t.cached_tokens, completion_tokens: t.completion_tokens },
-    }
-}
-
 async fn respond_stored(app: Arc<App>, t: Turn, from: usize, stream: bool) -> Result<Response, ApiError> {
     if !stream {
-        return Ok(Json(stored_result(&t)).into_response());
+        return Ok(Json(polled::stored_result(&t)).into_response());
     }
-    let log = app.store.read_log(&t.conversation, &t.turn_id, from as i64).await?;
-    let all = app.store.read_log(&t.conversation, &t.turn_id, 0).await?.len();
-    let mut events: Vec<Event> = log.iter().map(|e| sse_event(e.index as usize, &TurnEvent::Delta(e.text.clone()))).collect();
-    let mut pos = all;
-    if t.finish_reason.as_deref() == Some("content_filter") {
-        if pos >= from {
-            events.push(sse_event(pos, &TurnEvent::Moderation("the reply was stopped by the output policy".into())));
-        }
-        pos += 1;
-    }
-    events.push(sse_event(pos, &TurnEvent::End(stored_result(&t))));
-    let s = futures::stream::iter(events.into_iter().map(Ok::<Event, Infallible>));
+    let events = stored_events(&app, &t, from).await?;
+    let s = futures::stream::iter(events.into_iter().map(|(pos, ev)| Ok::<Event, Infallible>(sse_event(pos, &ev))));
     Ok(Sse::new(s).into_response())
 }
 
@@ -416,6 +454,10 @@ pub async fn events(
         return Ok(respond_live(app, live, from, true, Some(slot)).await);
     }
     let t = app.store.get_turn(&id, &turn_id).await?.ok_or_else(|| ApiError::not_found("turn"))?;
+    if t.state == TurnState::Streaming {
+        // Another replica runs it (or ran it until it died: the stream then says so).
+        return attach_stored(app, &user, id, turn_id, from, true).await;
+    }
     respond_stored(app, t, from, true).await
 }
 
@@ -439,5 +481,5 @@ pub async fn stop(
         }
     }
     let t = app.store.get_turn(&id, &turn_id).await?.ok_or_else(|| ApiError::not_found("turn"))?;
-    Ok(Json(serde_json::to_value(stored_result(&t)).unwrap_or_default()))
+    Ok(Json(serde_json::to_value(polled::stored_result(&t)).unwrap_or_default()))
 }

@@ -23,6 +23,7 @@ pub mod markdown;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
+pub mod polled;
 pub mod server;
 pub mod slo;
 pub mod store;
@@ -59,6 +60,11 @@ pub struct Args {
     /// `postgres://user:password@host:port/db` URL (several replicas share it).
     #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
     pub db: PathBuf,
+    /// Replicas sharing one PostgreSQL: a replica whose heartbeat is older than this is
+    /// dead, and a retry of a turn it was streaming takes the turn over (at least 2s;
+    /// heartbeats are sent six times as often).
+    #[arg(long, env = "BATON_REPLICA_DEAD_AFTER", default_value = "60s", value_parser = parse_duration)]
+    pub replica_dead_after: Duration,
     /// The model whose tokenizer and chat template the gateway uses (GGUF
     /// file); by default the engine's model.
     #[arg(long, env = "BATON_TOKENIZER_MODEL")]
@@ -162,6 +168,8 @@ fn parse_duration(s: &str) -> std::result::Result<Duration, humantime::DurationE
 pub struct Config {
     pub listen: SocketAddr,
     pub db: PathBuf,
+    /// Heartbeat age after which another replica is dead (PostgreSQL store).
+    pub replica_dead_after: Duration,
     pub tokenizer_model: Option<PathBuf>,
     pub served_model_name: Option<String>,
     pub system_prompt: String,
@@ -200,6 +208,7 @@ impl TryFrom<Args> for Config {
             anyhow::ensure!(v.is_finite() && v > 0.0, "--{name} must be positive");
             Ok(v)
         };
+        anyhow::ensure!(a.replica_dead_after >= Duration::from_secs(2), "--replica-dead-after must be at least 2s");
         anyhow::ensure!(a.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024");
         anyhow::ensure!(a.default_max_tokens >= 1, "--default-max-tokens must be at least 1");
         anyhow::ensure!(
@@ -233,6 +242,7 @@ impl TryFrom<Args> for Config {
             tls,
             listen: a.listen,
             db: a.db,
+            replica_dead_after: a.replica_dead_after,
             tokenizer_model: a.tokenizer_model,
             served_model_name: a.served_model_name,
             system_prompt: a.system_prompt,
@@ -276,7 +286,7 @@ pub fn load_tokenizer(path: &Path) -> Result<(Arc<Tokenizer>, Arc<ChatTemplate>)
 /// marking turns a crash left streaming as failed.
 pub async fn open_store(config: &Config) -> Result<Arc<dyn ConversationStore>> {
     let shown = store::postgres::redact_url(&config.db.to_string_lossy());
-    let s = store::open(&config.db).await.with_context(|| format!("opening the store {shown}"))?;
+    let s = store::open_with(&config.db, config.replica_dead_after).await.with_context(|| format!("opening the store {shown}"))?;
     let n = s.fail_streaming_turns().await?;
     if n > 0 {
         tracing::warn!(turns = n, "turns interrupted by the last shutdown marked failed");

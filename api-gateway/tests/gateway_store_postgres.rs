@@ -101,6 +101,7 @@ async fn concurrent_replicas_create_a_turn_once() {
         match t.await.unwrap() {
             BeginTurn::Created => created += 1,
             BeginTurn::Existing(e) => assert_eq!(e.state, TurnState::Streaming),
+            BeginTurn::Busy => panic!("the same turn ID is never busy with itself"),
         }
     }
     assert_eq!(created, 1, "20 concurrent begins of one turn ID over two replicas must create it once");

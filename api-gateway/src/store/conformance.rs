@@ -33,6 +33,7 @@ pub async fn run_all(s: &dyn ConversationStore) {
     keys(s).await;
     conversations_are_owner_scoped(s).await;
     turns_are_idempotent_and_exact(s).await;
+    one_turn_admitted_at_a_time(s).await;
     delete_leaves_no_row(s).await;
     retention(s).await;
     tombstones(s).await;
@@ -98,7 +99,7 @@ async fn turns_are_idempotent_and_exact(s: &dyn ConversationStore) {
     assert!(matches!(s.begin_turn(&t).await.unwrap(), BeginTurn::Created));
     match s.begin_turn(&t).await.unwrap() {
         BeginTurn::Existing(e) => assert_eq!(e.state, TurnState::Streaming),
-        BeginTurn::Created => panic!("a turn ID must be created once"),
+        BeginTurn::Created | BeginTurn::Busy => panic!("a turn ID must be created once"),
     }
     let log: Vec<LogEntry> = (0..5).map(|i| LogEntry { index: i, text: format!("w{i} ") }).collect();
     s.append_log("c-turns", "t1", &log[..3]).await.unwrap();
@@ -140,6 +141,36 @@ async fn turns_are_idempotent_and_exact(s: &dyn ConversationStore) {
     s.begin_turn(&turn("c-turns", "t3", 1, "h")).await.unwrap();
     assert_eq!(s.fail_streaming_turns().await.unwrap(), 1);
     assert_eq!(s.get_turn("c-turns", "t3").await.unwrap().unwrap().state, TurnState::Failed);
+}
+
+/// The store's own admission guarantee (what keeps gateway replicas from forking a
+/// conversation): one streaming turn per conversation, one turn per place.
+async fn one_turn_admitted_at_a_time(s: &dyn ConversationStore) {
+    s.create_conversation(&conv("c-adm", "alice", now_unix())).await.unwrap();
+    s.create_conversation(&conv("c-adm2", "alice", now_unix())).await.unwrap();
+    assert!(matches!(s.begin_turn(&turn("c-adm", "t1", 0, "h")).await.unwrap(), BeginTurn::Created));
+    // A second turn while the first streams: refused, whatever place it asks for.
+    assert!(matches!(s.begin_turn(&turn("c-adm", "t2", 1, "h")).await.unwrap(), BeginTurn::Busy));
+    // Another conversation is not affected.
+    assert!(matches!(s.begin_turn(&turn("c-adm2", "t2", 0, "h")).await.unwrap(), BeginTurn::Created));
+    let done = TurnEnd {
+        state: TurnState::Done,
+        reply_text: "r".into(),
+        output_ids: vec![1],
+        finish_reason: "stop".into(),
+        prompt_tokens: 1,
+        cached_tokens: 0,
+        completion_tokens: 1,
+    };
+    s.finish_turn("c-adm", "t1", &done).await.unwrap();
+    // Built on a view from before t1 (the same place): refused, never a fork.
+    assert!(matches!(s.begin_turn(&turn("c-adm", "t2", 0, "h")).await.unwrap(), BeginTurn::Busy));
+    assert!(matches!(s.begin_turn(&turn("c-adm", "t2", 1, "h")).await.unwrap(), BeginTurn::Created));
+    let turns = s.list_turns("c-adm").await.unwrap();
+    assert_eq!(turns.iter().map(|t| (t.turn_id.as_str(), t.seq)).collect::<Vec<_>>(), vec![("t1", 0), ("t2", 1)]);
+    assert!(!s.turn_runs_elsewhere("c-adm", "t2").await.unwrap(), "a turn this store began does not run elsewhere");
+    s.finish_turn("c-adm", "t2", &done).await.unwrap();
+    s.finish_turn("c-adm2", "t2", &done).await.unwrap();
 }
 
 async fn delete_leaves_no_row(s: &dyn ConversationStore) {

@@ -169,6 +169,11 @@ pub enum BeginTurn {
     /// The turn ID was already used; here is its row (its state says whether
     /// it is still streaming).
     Existing(Box<Turn>),
+    /// Another turn of the conversation was admitted first: it is streaming
+    /// on a live replica, or it took this turn's place (`seq`) in the
+    /// conversation. The database enforces it, so two gateway replicas can
+    /// never fork a conversation (a 409 for the client).
+    Busy,
 }
 
 /// Per-user token counts (metering).
@@ -218,8 +223,18 @@ pub trait ConversationStore: Send + Sync + 'static {
     async fn delete_conversation(&self, owner: &str, id: &str, first_retry_ms: i64) -> StoreResult<bool>;
 
     /// Inserts `turn` in state streaming unless its turn ID exists; a failed
-    /// turn with the same ID is reset to streaming (the retry generates again).
+    /// turn with the same ID (and body), or a streaming one whose replica
+    /// died, is replaced by it with its token log (the retry generates again,
+    /// nothing is stored twice). [`BeginTurn::Busy`] when another turn of the
+    /// conversation streams on a live replica or already holds `turn.seq`; a
+    /// dead replica's streaming turn of another ID is marked failed first.
     async fn begin_turn(&self, turn: &Turn) -> StoreResult<BeginTurn>;
+    /// Whether the turn is streaming on another gateway replica that is alive
+    /// (its heartbeat is fresh): a retry there attaches to the stored token
+    /// log. False when it is not streaming, when this replica began it, or
+    /// when its replica stopped beating (a retry takes it over). Always false
+    /// for a single-process store.
+    async fn turn_runs_elsewhere(&self, conversation: &str, turn_id: &str) -> StoreResult<bool>;
     async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()>;
     async fn finish_turn(&self, conversation: &str, turn_id: &str, end: &TurnEnd) -> StoreResult<()>;
     /// Removes a turn that never started (the generator refused it).
@@ -265,8 +280,14 @@ pub trait ConversationStore: Send + Sync + 'static {
 /// connects to PostgreSQL (migrating its schema); anything else is the path
 /// of a SQLite file, created if missing.
 pub async fn open(db: &std::path::Path) -> StoreResult<std::sync::Arc<dyn ConversationStore>> {
+    open_with(db, postgres::DEFAULT_DEAD_AFTER).await
+}
+
+/// [`open`], with PostgreSQL's replica staleness: a replica whose heartbeat is
+/// older than `dead_after` is dead, and its streaming turns may be taken over.
+pub async fn open_with(db: &std::path::Path, dead_after: std::time::Duration) -> StoreResult<std::sync::Arc<dyn ConversationStore>> {
     match db.to_str() {
-        Some(url) if postgres::is_postgres_url(url) => Ok(std::sync::Arc::new(PostgresStore::connect(url).await?)),
+        Some(url) if postgres::is_postgres_url(url) => Ok(std::sync::Arc::new(PostgresStore::connect_with(url, dead_after).await?)),
         _ => Ok(std::sync::Arc::new(SqliteStore::open(db)?)),
     }
 }

@@ -12,9 +12,22 @@
 //!
 //! Replicas see each other's turns, so "turns a crash left streaming" cannot
 //! mean every streaming turn: each store instance records itself on the turns
-//! it begins and keeps a heartbeat row; [`ConversationStore::fail_streaming_turns`]
+//! it begins and keeps a heartbeat row (stamped with the database's clock, so
+//! replicas' clocks need not agree); [`ConversationStore::fail_streaming_turns`]
 //! fails only this instance's turns and those of instances whose heartbeat
 //! stopped.
+//!
+//! Admission across replicas is the database's: two unique indexes (migration
+//! 4) allow one turn per place (`seq`) in a conversation and one streaming turn
+//! per conversation, so of two replicas racing on one conversation exactly one
+//! insert commits and the other gets [`BeginTurn::Busy`]. Constraints rather than
+//! a row or advisory lock because admission spans a model call (the summary,
+//! the start of the reply): a lock would pin a pooled connection, and a dead
+//! replica's lock, for that long; a constraint is checked at the insert and
+//! holds nothing. A dead replica's streaming turn is taken over in
+//! `begin_turn`, and its late writes are fenced: the token log and the end of
+//! a turn are written only by the instance recorded on the row (a turn failed
+//! for a dead replica is owned by nobody).
 
 use super::*;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
@@ -114,14 +127,42 @@ CREATE TABLE eviction_tombstones (
 CREATE INDEX eviction_tombstones_due ON eviction_tombstones (next_attempt_ms);
 "#,
     ),
+    (
+        4,
+        r#"
+-- Conversations that replicas forked before this version: renumber their turns
+-- (order kept), and keep only the newest of several streaming turns streaming.
+UPDATE turns t SET seq = r.n - 1 FROM (
+    SELECT conversation, turn_id, row_number() OVER (PARTITION BY conversation ORDER BY seq, created_at, turn_id) AS n
+    FROM turns WHERE conversation IN (SELECT conversation FROM turns GROUP BY conversation, seq HAVING count(*) > 1)
+) r WHERE t.conversation = r.conversation AND t.turn_id = r.turn_id AND t.seq <> r.n - 1;
+UPDATE turns t SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming'
+    AND EXISTS (SELECT 1 FROM turns u WHERE u.conversation = t.conversation AND u.state = 'streaming' AND u.seq > t.seq);
+CREATE UNIQUE INDEX turns_one_per_seq ON turns (conversation, seq);
+CREATE UNIQUE INDEX turns_one_streaming ON turns (conversation) WHERE state = 'streaming';
+"#,
+    ),
 ];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").
 const MIGRATION_LOCK: i64 = 0x6261_746f_6e2d_6777;
-/// How often an instance refreshes its heartbeat row.
-const HEARTBEAT: Duration = Duration::from_secs(10);
-/// An instance silent for this long is dead; its streaming turns may be failed.
-const INSTANCE_DEAD_AFTER_SECS: i64 = 60;
+/// An instance silent for this long is dead: its streaming turns may be failed
+/// or taken over (`--replica-dead-after`).
+pub const DEFAULT_DEAD_AFTER: Duration = Duration::from_secs(60);
+
+/// How often an instance refreshes its heartbeat row: six beats per staleness
+/// period, so a few slow beats never make a live replica look dead.
+fn heartbeat_every(dead_after: Duration) -> Duration {
+    (dead_after / 6).clamp(Duration::from_millis(100), Duration::from_secs(10))
+}
+
+/// The database's clock in unix seconds (heartbeats and staleness use it alone).
+const DB_NOW: &str = "extract(epoch FROM clock_timestamp())::bigint";
+
+/// IDs of live instances: those whose heartbeat is at most `$n` seconds old.
+fn live_instances(n: usize) -> String {
+    format!("SELECT id FROM gateway_instances WHERE seen_at >= {DB_NOW} - ${n}")
+}
 /// How long a call waits for a connection (or for one to be made).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -233,6 +274,25 @@ fn conv_from_row(r: &Row) -> StoreResult<Conversation> {
     })
 }
 
+/// Why `try_begin_turn` failed: the driver's error (a unique violation is
+/// read by the caller) or a row that does not parse.
+enum BeginError {
+    Pg(tokio_postgres::Error),
+    Store(StoreError),
+}
+
+impl From<tokio_postgres::Error> for BeginError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        BeginError::Pg(e)
+    }
+}
+
+impl From<StoreError> for BeginError {
+    fn from(e: StoreError) -> Self {
+        BeginError::Store(e)
+    }
+}
+
 /// Stops the heartbeat task when the last clone of the store goes.
 struct HeartbeatGuard(tokio::task::JoinHandle<()>);
 
@@ -248,6 +308,8 @@ pub struct PostgresStore {
     pool: Pool,
     /// Random ID of this store instance (one per gateway process).
     instance: String,
+    /// Seconds of silence after which another instance is dead.
+    dead_after_secs: i64,
     _heartbeat: Arc<HeartbeatGuard>,
 }
 
@@ -257,6 +319,12 @@ impl PostgresStore {
     /// a clear error if the server cannot be reached or the schema is newer
     /// than this gateway.
     pub async fn connect(url: &str) -> StoreResult<Self> {
+        Self::connect_with(url, DEFAULT_DEAD_AFTER).await
+    }
+
+    /// [`connect`](Self::connect), counting another replica dead after
+    /// `dead_after` without a heartbeat (whole seconds, at least one).
+    pub async fn connect_with(url: &str, dead_after: Duration) -> StoreResult<Self> {
         let shown = redact_url(url);
         let mut cfg: tokio_postgres::Config = url.parse().map_err(|e| StoreError::Db(format!("invalid PostgreSQL URL {shown}: {e}")))?;
         if cfg.get_connect_timeout().is_none() {
@@ -286,8 +354,9 @@ impl PostgresStore {
         }
         drop(client);
         let instance = crate::request_id();
-        let task = tokio::spawn(heartbeat(pool.clone(), instance.clone()));
-        let store = PostgresStore { pool, instance, _heartbeat: Arc::new(HeartbeatGuard(task)) };
+        let task = tokio::spawn(heartbeat(pool.clone(), instance.clone(), heartbeat_every(dead_after)));
+        let dead_after_secs = dead_after.as_secs().max(1) as i64;
+        let store = PostgresStore { pool, instance, dead_after_secs, _heartbeat: Arc::new(HeartbeatGuard(task)) };
         store.beat().await?;
         Ok(store)
     }
@@ -325,6 +394,85 @@ impl PostgresStore {
         let st = c.prepare_cached(sql).await.map_err(db)?;
         c.query_opt(&st, params).await.map_err(db)
     }
+
+    /// [`ConversationStore::begin_turn`] in one transaction; a unique violation
+    /// is the caller's to read.
+    async fn try_begin_turn(&self, c: &mut deadpool_postgres::Client, t: &Turn) -> Result<BeginTurn, BeginError> {
+        let tx = c.transaction().await?;
+        // Column 15: whether a live replica holds the row (this one, or one whose heartbeat is fresh).
+        let select = tx
+            .prepare_cached(&format!(
+                "SELECT {TURN_COLS}, instance IS NOT NULL AND (instance = $3 OR instance IN ({})) \
+                 FROM turns WHERE conversation = $1 AND turn_id = $2 FOR UPDATE",
+                live_instances(4)
+            ))
+            .await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&t.conversation, &t.turn_id, &self.instance, &self.dead_after_secs];
+        if let Some(row) = tx.query_opt(&select, &params).await? {
+            let existing = turn_from_row(&row)?;
+            let held: bool = get(&row, 15)?;
+            let retry = existing.request_hash == t.request_hash
+                && (existing.state == TurnState::Failed || (existing.state == TurnState::Streaming && !held));
+            if !retry {
+                return Ok(BeginTurn::Existing(Box::new(existing)));
+            }
+            // A retry of a failed turn, or of one whose replica died, generates
+            // again: drop the old row and its log in this transaction.
+            if existing.state == TurnState::Streaming {
+                tracing::warn!(conversation = %t.conversation, turn = %t.turn_id, "taking over a turn whose replica stopped");
+            }
+            let del = tx.prepare_cached("DELETE FROM turns WHERE conversation = $1 AND turn_id = $2").await?;
+            tx.execute(&del, &[&t.conversation, &t.turn_id]).await?;
+        }
+        // A dead replica's turn of another ID no longer blocks the conversation; owned
+        // by nobody, it is fenced from that replica's late writes too.
+        let orphans = tx
+            .prepare_cached(&format!(
+                "UPDATE turns SET state = 'failed', finish_reason = 'interrupted', instance = NULL WHERE conversation = $1 \
+                 AND turn_id <> $2 AND state = 'streaming' AND (instance IS NULL OR (instance <> $3 AND instance NOT IN ({})))",
+                live_instances(4)
+            ))
+            .await?;
+        tx.execute(&orphans, &params).await?;
+        let insert = tx
+            .prepare_cached(&format!(
+                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                 ON CONFLICT (conversation, turn_id) DO NOTHING"
+            ))
+            .await?;
+        let inserted = tx
+            .execute(
+                &insert,
+                &[
+                    &t.conversation,
+                    &t.turn_id,
+                    &t.seq,
+                    &t.request_hash,
+                    &t.user_text,
+                    &t.reply_text,
+                    &ids_to_bytes(&t.prompt_ids),
+                    &ids_to_bytes(&t.output_ids),
+                    &i64::from(t.system_prompt_version),
+                    &TurnState::Streaming.as_str(),
+                    &t.finish_reason,
+                    &t.prompt_tokens,
+                    &t.cached_tokens,
+                    &t.completion_tokens,
+                    &t.created_at,
+                    &self.instance,
+                ],
+            )
+            .await?;
+        if inserted == 0 {
+            // Another replica inserted the same turn ID after our SELECT; its row wins.
+            let row = tx.query_one(&select, &params).await?;
+            return Ok(BeginTurn::Existing(Box::new(turn_from_row(&row)?)));
+        }
+        let touch = tx.prepare_cached("UPDATE conversations SET updated_at = $2 WHERE id = $1").await?;
+        tx.execute(&touch, &[&t.conversation, &now_unix()]).await?;
+        tx.commit().await?;
+        Ok(BeginTurn::Created)
+    }
 }
 
 /// Brings the schema to the latest version; returns the version it found.
@@ -354,16 +502,16 @@ async fn beat(pool: &Pool, instance: &str) -> StoreResult<()> {
     let c = pool.get().await.map_err(pool_err)?;
     let st = c
         .prepare_cached(
-            "INSERT INTO gateway_instances (id, seen_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET seen_at = EXCLUDED.seen_at",
+            &format!("INSERT INTO gateway_instances (id, seen_at) VALUES ($1, {DB_NOW}) ON CONFLICT (id) DO UPDATE SET seen_at = EXCLUDED.seen_at"),
         )
         .await
         .map_err(db)?;
-    c.execute(&st, &[&instance, &now_unix()]).await.map_err(db)?;
+    c.execute(&st, &[&instance]).await.map_err(db)?;
     Ok(())
 }
 
-async fn heartbeat(pool: Pool, instance: String) {
-    let mut tick = tokio::time::interval(HEARTBEAT);
+async fn heartbeat(pool: Pool, instance: String, every: Duration) {
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
@@ -460,60 +608,31 @@ impl ConversationStore for PostgresStore {
 
     async fn begin_turn(&self, t: &Turn) -> StoreResult<BeginTurn> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await.map_err(db)?;
-        let select = tx
-            .prepare_cached(&format!("SELECT {TURN_COLS} FROM turns WHERE conversation = $1 AND turn_id = $2 FOR UPDATE"))
-            .await
-            .map_err(db)?;
-        if let Some(row) = tx.query_opt(&select, &[&t.conversation, &t.turn_id]).await.map_err(db)? {
-            let existing = turn_from_row(&row)?;
-            if existing.state != TurnState::Failed || existing.request_hash != t.request_hash {
-                return Ok(BeginTurn::Existing(Box::new(existing)));
-            }
-            // A retry of a failed turn generates again: drop the old row and its log.
-            let del = tx.prepare_cached("DELETE FROM turns WHERE conversation = $1 AND turn_id = $2").await.map_err(db)?;
-            tx.execute(&del, &[&t.conversation, &t.turn_id]).await.map_err(db)?;
+        match self.try_begin_turn(&mut c, t).await {
+            // Another replica's insert won a unique index (this turn ID, its place, or
+            // the conversation's one streaming turn): the row it left says which.
+            Err(BeginError::Pg(e)) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => match self.get_turn(&t.conversation, &t.turn_id).await? {
+                Some(existing) => Ok(BeginTurn::Existing(Box::new(existing))),
+                None => Ok(BeginTurn::Busy),
+            },
+            Err(BeginError::Pg(e)) => Err(db(e)),
+            Err(BeginError::Store(e)) => Err(e),
+            Ok(b) => Ok(b),
         }
-        let insert = tx
-            .prepare_cached(&format!(
-                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
-                 ON CONFLICT (conversation, turn_id) DO NOTHING"
-            ))
-            .await
-            .map_err(db)?;
-        let inserted = tx
-            .execute(
-                &insert,
-                &[
-                    &t.conversation,
-                    &t.turn_id,
-                    &t.seq,
-                    &t.request_hash,
-                    &t.user_text,
-                    &t.reply_text,
-                    &ids_to_bytes(&t.prompt_ids),
-                    &ids_to_bytes(&t.output_ids),
-                    &i64::from(t.system_prompt_version),
-                    &TurnState::Streaming.as_str(),
-                    &t.finish_reason,
-                    &t.prompt_tokens,
-                    &t.cached_tokens,
-                    &t.completion_tokens,
-                    &t.created_at,
-                    &self.instance,
-                ],
+    }
+
+    async fn turn_runs_elsewhere(&self, conversation: &str, turn_id: &str) -> StoreResult<bool> {
+        let r = self
+            .query_opt(
+                &format!(
+                    "SELECT 1 FROM turns WHERE conversation = $1 AND turn_id = $2 AND state = 'streaming' \
+                     AND instance <> $3 AND instance IN ({})",
+                    live_instances(4)
+                ),
+                &[&conversation, &turn_id, &self.instance, &self.dead_after_secs],
             )
-            .await
-            .map_err(db)?;
-        if inserted == 0 {
-            // Another replica inserted the same turn ID after our SELECT; its row wins.
-            let row = tx.query_one(&select, &[&t.conversation, &t.turn_id]).await.map_err(db)?;
-            return Ok(BeginTurn::Existing(Box::new(turn_from_row(&row)?)));
-        }
-        let touch = tx.prepare_cached("UPDATE conversations SET updated_at = $2 WHERE id = $1").await.map_err(db)?;
-        tx.execute(&touch, &[&t.conversation, &now_unix()]).await.map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        Ok(BeginTurn::Created)
+            .await?;
+        Ok(r.is_some())
     }
 
     async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()> {
@@ -522,22 +641,25 @@ impl ConversationStore for PostgresStore {
         }
         let idx: Vec<i64> = entries.iter().map(|e| e.index).collect();
         let text: Vec<&str> = entries.iter().map(|e| e.text.as_str()).collect();
-        // One statement, so the batch is stored whole or not at all.
+        // One statement, so the batch is stored whole or not at all; only while
+        // this instance holds the turn (a replica that took it over owns its log).
         self.exec(
             "INSERT INTO token_log (conversation, turn_id, idx, text) \
              SELECT $1, $2, u.i, u.t FROM unnest($3::BIGINT[], $4::TEXT[]) AS u(i, t) \
+             WHERE EXISTS (SELECT 1 FROM turns WHERE conversation = $1 AND turn_id = $2 AND instance = $5) \
              ON CONFLICT (conversation, turn_id, idx) DO UPDATE SET text = EXCLUDED.text",
-            &[&conversation, &turn_id, &idx, &text],
+            &[&conversation, &turn_id, &idx, &text, &self.instance],
         )
         .await?;
         Ok(())
     }
 
     async fn finish_turn(&self, conversation: &str, turn_id: &str, e: &TurnEnd) -> StoreResult<()> {
-        // Zero rows when the conversation was deleted while the turn streamed: nothing to keep.
+        // Zero rows when the conversation was deleted while the turn streamed (nothing
+        // to keep), or when another replica took the turn over (its run is the one kept).
         self.exec(
             "UPDATE turns SET state = $3, reply_text = $4, output_ids = $5, finish_reason = $6, prompt_tokens = $7, \
-             cached_tokens = $8, completion_tokens = $9 WHERE conversation = $1 AND turn_id = $2",
+             cached_tokens = $8, completion_tokens = $9 WHERE conversation = $1 AND turn_id = $2 AND instance = $10",
             &[
                 &conversation,
                 &turn_id,
@@ -548,6 +670,7 @@ impl ConversationStore for PostgresStore {
                 &e.prompt_tokens,
                 &e.cached_tokens,
                 &e.completion_tokens,
+                &self.instance,
             ],
         )
         .await?;
@@ -586,10 +709,12 @@ impl ConversationStore for PostgresStore {
         // of instances whose heartbeat stopped (another live replica's stay).
         let n = self
             .exec(
-                "UPDATE turns SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming' \
-                 AND (instance IS NULL OR instance = $1 OR instance NOT IN \
-                      (SELECT id FROM gateway_instances WHERE seen_at >= $2))",
-                &[&self.instance, &(now_unix() - INSTANCE_DEAD_AFTER_SECS)],
+                &format!(
+                    "UPDATE turns SET state = 'failed', finish_reason = 'interrupted', instance = NULL WHERE state = 'streaming' \
+                     AND (instance IS NULL OR instance = $1 OR instance NOT IN ({}))",
+                    live_instances(2)
+                ),
+                &[&self.instance, &self.dead_after_secs],
             )
             .await?;
         Ok(n as usize)

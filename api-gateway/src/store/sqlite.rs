@@ -379,6 +379,19 @@ impl ConversationStore for SqliteStore {
                 }
                 tx.run("DELETE FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![t.conversation, t.turn_id]).map_err(db)?;
             }
+            // One process holds the only connection, so this check and the insert
+            // below are atomic: no second streaming turn, no second turn at `seq`.
+            let busy: Option<i64> = tx
+                .query_row(
+                    "SELECT 1 FROM turns WHERE conversation = ?1 AND turn_id <> ?2 AND (state = 'streaming' OR seq = ?3) LIMIT 1",
+                    params![t.conversation, t.turn_id, t.seq],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(db)?;
+            if busy.is_some() {
+                return Ok(BeginTurn::Busy);
+            }
             tx.run(
                 &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"),
                 params![
@@ -405,6 +418,11 @@ impl ConversationStore for SqliteStore {
             Ok(BeginTurn::Created)
         })
         .await
+    }
+
+    async fn turn_runs_elsewhere(&self, _conversation: &str, _turn_id: &str) -> StoreResult<bool> {
+        // One process: its streaming turns are in its own registry of live turns.
+        Ok(false)
     }
 
     async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()> {

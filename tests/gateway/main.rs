@@ -15,5 +15,6 @@ mod gateway_checks;
 mod gateway_isolation;
 mod gateway_postgres;
 mod gateway_python;
+mod gateway_replicas;
 mod gateway_security;
 mod gateway_tls;

@@ -15,11 +15,10 @@
 //! Each replica runs on its own Tokio runtime, so killing one stops every task it
 //! had (server, turn runner, heartbeat) at once, as a crash does.
 
-#[path = "../api-gateway/tests/pg/mod.rs"]
-mod pg;
+use crate::pg;
 
 use baton_api_gateway::client::{Client, Method, StatusCode};
-use baton_api_gateway::generator::local::LocalGenerator;
+use baton::local_generator::LocalGenerator;
 use baton_api_gateway::generator::{
     Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator,
 };

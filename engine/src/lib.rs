@@ -8,9 +8,11 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod spm_tokenizer;
 pub mod tokenizer;
 
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
-    RequestStream, SubmitOptions, Submission, TokenOut, Usage,
+    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, ImportedToken,
+    KvExport, KvImport, PreemptionMode, Request, RequestStream, Submission, SubmitOptions,
+    TokenOut, Usage,
 };

@@ -9,7 +9,7 @@
 //! so the prefix cache always hits. The system-prompt span is the only
 //! platform-shared one.
 
-use baton_engine::chat_template::{ChatMessage, ChatTemplate};
+use baton_engine::chat_template::{ChatMessage, ChatTemplate, TemplateError};
 use baton_engine::tokenizer::Tokenizer;
 use std::sync::Arc;
 
@@ -71,6 +71,11 @@ impl ContextBuilder {
             close_user_open_reply: vec![],
             system_span: 0,
         };
+        // A model without a chat template still serves raw prompts; every
+        // chat request gets the template's `Missing` error instead.
+        if !b.template.is_present() {
+            return Ok(b);
+        }
         let probe = [ChatMessage::system("s"), ChatMessage::user("u"), ChatMessage::assistant("r"), ChatMessage::user("v")];
         let (_, pieces) = b.render_pieces(&probe, true)?;
         // pieces: framing before each content, then the tail after the last one.
@@ -208,6 +213,9 @@ impl ContextBuilder {
     /// The next prompt: the previous turn's prompt and output IDs, exactly,
     /// then the framing and the new message.
     pub fn next_turn(&self, prev_prompt: &[u32], prev_output: &[u32], message: &str) -> Result<Prompt, ContextError> {
+        if !self.template.is_present() {
+            return Err(ContextError::Template(TemplateError::Missing.to_string()));
+        }
         let mut ids = Vec::with_capacity(prev_prompt.len() + prev_output.len() + 64);
         ids.extend_from_slice(prev_prompt);
         ids.extend_from_slice(prev_output);

@@ -12,7 +12,6 @@ pub mod spm_tokenizer;
 pub mod tokenizer;
 
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, ImportedToken,
-    KvExport, KvImport, PreemptionMode, Request, RequestStream, Submission, SubmitOptions,
-    TokenOut, Usage,
+    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, FinishReason, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
+    RequestStream, SubmitOptions, Submission, TokenOut, Usage,
 };

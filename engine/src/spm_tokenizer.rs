@@ -26,7 +26,7 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use aho_corasick::AhoCorasick;
+use aho_corasick::{AhoCorasick, AhoCorasickKind};
 
 use crate::gguf::GgufFile;
 use crate::tokenizer::TokenizerError;
@@ -106,8 +106,10 @@ struct TokenIndex {
     arena: Vec<u8>,
     /// Token `i` is `arena[offsets[i]..offsets[i + 1]]`.
     offsets: Vec<u32>,
-    /// ID + 1, 0 for an empty slot; the length is a power of two.
-    slots: Vec<u32>,
+    /// `hash << 32 | (ID + 1)`, 0 for an empty slot; the hash half skips
+    /// most text comparisons. At most half full; a power of two long.
+    slots: Vec<u64>,
+    shift: u32,
 }
 
 fn hash_bytes(b: &[u8]) -> u64 {
@@ -122,8 +124,7 @@ fn hash_bytes(b: &[u8]) -> u64 {
     for (i, &x) in chunks.remainder().iter().enumerate() {
         tail |= u64::from(x) << (8 * i);
     }
-    h = (h.rotate_left(5) ^ tail).wrapping_mul(K);
-    h ^ (h >> 32)
+    (h.rotate_left(5) ^ tail).wrapping_mul(K)
 }
 
 impl TokenIndex {
@@ -141,27 +142,26 @@ impl TokenIndex {
             arena,
             offsets,
             slots: vec![0; cap],
+            shift: 64 - cap.trailing_zeros(),
         };
+        let mask = cap - 1;
         for id in 0..texts.len() as u32 {
-            let mask = idx.slots.len() - 1;
-            let mut s = hash_bytes(idx.text(id)) as usize & mask;
-            loop {
-                match idx.slots[s] {
-                    0 => {
-                        idx.slots[s] = id + 1;
-                        break;
-                    }
-                    other if idx.text(other - 1) == idx.text(id) => {
-                        // llama.cpp refuses such a vocabulary too (an assertion).
-                        return Err(SpmError::DuplicateToken {
-                            text: texts[id as usize].clone(),
-                            first: other - 1,
-                            second: id,
-                        });
-                    }
-                    _ => s = (s + 1) & mask,
+            let h = hash_bytes(idx.text(id));
+            let tag = h & 0xffff_ffff_0000_0000;
+            let mut s = (h >> idx.shift) as usize;
+            while idx.slots[s] != 0 {
+                let other = (idx.slots[s] as u32).wrapping_sub(1);
+                if idx.slots[s] & 0xffff_ffff_0000_0000 == tag && idx.text(other) == idx.text(id) {
+                    // llama.cpp refuses such a vocabulary too (an assertion).
+                    return Err(SpmError::DuplicateToken {
+                        text: texts[id as usize].clone(),
+                        first: other,
+                        second: id,
+                    });
                 }
+                s = (s + 1) & mask;
             }
+            idx.slots[s] = tag | u64::from(id + 1);
         }
         Ok(idx)
     }
@@ -172,14 +172,20 @@ impl TokenIndex {
     }
 
     fn get(&self, key: &[u8]) -> Option<u32> {
+        let h = hash_bytes(key);
+        let tag = h & 0xffff_ffff_0000_0000;
         let mask = self.slots.len() - 1;
-        let mut s = hash_bytes(key) as usize & mask;
+        let mut s = (h >> self.shift) as usize;
         loop {
-            match self.slots[s] {
-                0 => return None,
-                v if self.text(v - 1) == key => return Some(v - 1),
-                _ => s = (s + 1) & mask,
+            let v = self.slots[s];
+            if v == 0 {
+                return None;
             }
+            let id = (v as u32).wrapping_sub(1);
+            if v & 0xffff_ffff_0000_0000 == tag && self.text(id) == key {
+                return Some(id);
+            }
+            s = (s + 1) & mask;
         }
     }
 }
@@ -211,6 +217,9 @@ pub(crate) struct SpmParts {
     pub special: Vec<bool>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
+    /// End-of-generation IDs (llama.cpp's EOG set: EOS, EOT/EOM and the
+    /// end-of-turn tokens it knows by name, e.g. Gemma's `<end_of_turn>`).
+    pub eog: Vec<u32>,
     pub add_bos: bool,
 }
 
@@ -262,6 +271,13 @@ struct Symbol {
     n: usize,
     prev: i32,
     next: i32,
+}
+
+/// Buffers of the merge step, reused across the text pieces of one encode.
+#[derive(Default)]
+struct Scratch {
+    symbols: Vec<Symbol>,
+    heap: BinaryHeap<Bigram>,
 }
 
 /// Bytes of a UTF-8 sequence by its first byte (llama.cpp's `unicode_len_utf8`).
@@ -359,6 +375,15 @@ pub(crate) fn from_gguf(f: &GgufFile) -> Result<SpmParts, TokenizerError> {
     };
     let bos = id("tokenizer.ggml.bos_token_id", Some(1))?;
     let eos = id("tokenizer.ggml.eos_token_id", Some(2))?;
+    let mut eog: Vec<u32> = (0..n as u32)
+        .filter(|&i| EOG_TEXTS.contains(&tokens[i as usize].as_str()))
+        .collect();
+    for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        eog.extend(id(key, None)?);
+    }
+    eog.extend(eos);
+    eog.sort_unstable();
+    eog.dedup();
     let flag = |key: &str, default: bool| -> Result<bool, TokenizerError> {
         match f.get(key) {
             Some(_) => Ok(f.get_bool(key)?),
@@ -424,6 +449,7 @@ pub(crate) fn from_gguf(f: &GgufFile) -> Result<SpmParts, TokenizerError> {
         special,
         bos,
         eos,
+        eog,
         add_bos,
     })
 }
@@ -443,6 +469,11 @@ fn build_specials(tokens: &[String], types: &[i32], phi3: bool) -> Result<Specia
     // vocabulary), and here ties go to the lower ID.
     ids.sort_by_key(|&i| (std::cmp::Reverse(tokens[i as usize].len()), i));
     let id = ids;
+    if id.len() >= 1 << 24 {
+        return Err(SpmError::Matcher {
+            reason: format!("{} special tokens (at most 2^24)", id.len()),
+        });
+    }
     let needs_parse_special = id
         .iter()
         .map(|&i| matches!(types[i as usize], TYPE_CONTROL | TYPE_UNKNOWN))
@@ -458,9 +489,14 @@ fn build_specials(tokens: &[String], types: &[i32], phi3: bool) -> Result<Specia
         None
     } else {
         let patterns = id.iter().map(|&i| tokens[i as usize].as_bytes());
-        Some(AhoCorasick::new(patterns).map_err(|e| SpmError::Matcher {
-            reason: e.to_string(),
-        })?)
+        // A contiguous NFA builds in milliseconds for thousands of patterns.
+        let ac = AhoCorasick::builder()
+            .kind(Some(AhoCorasickKind::ContiguousNFA))
+            .build(patterns)
+            .map_err(|e| SpmError::Matcher {
+                reason: e.to_string(),
+            })?;
+        Some(ac)
     };
     Ok(Specials {
         matcher,
@@ -485,6 +521,7 @@ impl SpmVocab {
     pub(crate) fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, SpmError> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
         let mut buf = String::new();
+        let mut scratch = Scratch::default();
         let mut prev_was_token = true;
         for frag in self.partition(text, parse_special) {
             match frag {
@@ -504,7 +541,7 @@ impl SpmVocab {
                             buf.push(c);
                         }
                     }
-                    self.merge(buf.as_bytes(), &mut out)?;
+                    self.merge(buf.as_bytes(), &mut scratch, &mut out)?;
                     prev_was_token = false;
                 }
             }
@@ -532,10 +569,13 @@ impl SpmVocab {
             return whole(text);
         };
         // (pattern = rank, start) of every occurrence, overlapping ones included.
-        let mut occ: Vec<(usize, usize)> = matcher
+        // Packed as one u64 (pattern, start) so the sort is on plain integers:
+        // 24 bits of pattern (checked at load), 40 of offset (a 1 TiB text).
+        let mut occ: Vec<u64> = matcher
             .find_overlapping_iter(text)
             .map(|m| (m.pattern().as_usize(), m.start()))
             .filter(|&(p, _)| parse_special || !sp.needs_parse_special[p])
+            .map(|(p, start)| (p as u64) << 40 | start as u64)
             .collect();
         if occ.is_empty() {
             return whole(text);
@@ -544,7 +584,8 @@ impl SpmVocab {
         let bytes = text.as_bytes();
         let mut taken = vec![false; bytes.len()];
         let mut found: Vec<(usize, usize, u32)> = Vec::new();
-        for &(p, start) in &occ {
+        for &packed in &occ {
+            let (p, start) = ((packed >> 40) as usize, (packed & ((1 << 40) - 1)) as usize);
             let id = sp.id[p];
             let end = start + self.index.text(id).len();
             if taken[start..end].iter().any(|&t| t) {
@@ -582,11 +623,18 @@ impl SpmVocab {
     }
 
     /// llama.cpp's `llm_tokenizer_spm_session::tokenize` over escaped text.
-    fn merge(&self, text: &[u8], out: &mut Vec<u32>) -> Result<(), SpmError> {
+    fn merge(
+        &self,
+        text: &[u8],
+        scratch: &mut Scratch,
+        out: &mut Vec<u32>,
+    ) -> Result<(), SpmError> {
         if text.is_empty() {
             return Ok(());
         }
-        let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
+        let Scratch { symbols, heap } = scratch;
+        symbols.clear();
+        heap.clear();
         let mut offs = 0;
         while offs < text.len() {
             let n = utf8_len(text[offs]).min(text.len() - offs);
@@ -599,9 +647,8 @@ impl SpmVocab {
             });
             offs += n;
         }
-        let mut heap = BinaryHeap::with_capacity(symbols.len());
         for i in 1..symbols.len() as i32 {
-            self.try_add_bigram(text, &symbols, i - 1, i, &mut heap);
+            self.try_add_bigram(text, symbols, i - 1, i, heap);
         }
         while let Some(b) = heap.pop() {
             let (l, r) = (symbols[b.left as usize], symbols[b.right as usize]);
@@ -616,8 +663,8 @@ impl SpmVocab {
                 symbols[r.next as usize].prev = b.left;
             }
             let left = symbols[b.left as usize];
-            self.try_add_bigram(text, &symbols, left.prev, b.left, &mut heap);
-            self.try_add_bigram(text, &symbols, b.left, left.next, &mut heap);
+            self.try_add_bigram(text, symbols, left.prev, b.left, heap);
+            self.try_add_bigram(text, symbols, b.left, left.next, heap);
         }
         let mut i = 0i32;
         while i != -1 {

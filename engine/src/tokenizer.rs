@@ -149,6 +149,9 @@ pub struct Tokenizer {
     eos: Option<u32>,
     add_bos: bool,
     pre: String,
+    /// Tokens that end a generation (sorted): EOS, and for SentencePiece
+    /// vocabularies also llama.cpp's other end-of-generation tokens.
+    eog: Vec<u32>,
     /// SentencePiece with `add_space_prefix`: decoding drops the space the
     /// encoder put in front (llama.cpp's detokenize does).
     strip_first_space: bool,
@@ -395,6 +398,7 @@ impl Tokenizer {
             eos,
             add_bos,
             pre,
+            eog: eos.into_iter().collect(),
             strip_first_space: false,
         }
     }
@@ -409,6 +413,7 @@ impl Tokenizer {
             bos: p.bos,
             eos: p.eos,
             add_bos: p.add_bos,
+            eog: p.eog,
             // llama.cpp ignores `tokenizer.ggml.pre` for SentencePiece.
             pre: "spm".into(),
         }
@@ -612,6 +617,12 @@ impl Tokenizer {
     /// End-of-sequence token, if the model has one.
     pub fn eos_id(&self) -> Option<u32> {
         self.eos
+    }
+
+    /// Whether generating `id` ends the reply: EOS, or (SentencePiece) any
+    /// of llama.cpp's end-of-generation tokens, e.g. Gemma's `<end_of_turn>`.
+    pub fn is_end_of_generation(&self, id: u32) -> bool {
+        self.eog.binary_search(&id).is_ok()
     }
 
     /// Whether prompts should start with BOS (`tokenizer.ggml.add_bos_token`).

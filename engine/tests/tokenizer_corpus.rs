@@ -183,6 +183,9 @@ fn gemma3_vocabulary_facts() {
     );
     assert_eq!(t.token_id("<start_of_turn>"), Some(105));
     assert_eq!(t.token_id("<end_of_turn>"), Some(106));
+    // A chat reply ends on <end_of_turn> as well as on <eos> (llama.cpp's EOG set).
+    assert!(t.is_end_of_generation(106) && t.is_end_of_generation(1));
+    assert!(!t.is_end_of_generation(105) && !t.is_end_of_generation(2));
     assert_eq!(t.token_text(105), Some("<start_of_turn>"));
     // Control tokens are special; user-defined ones ("\n", "[multimodal]") are not.
     assert!(t.is_special(105) && t.is_special(106) && t.is_special(2));

@@ -126,6 +126,8 @@ impl TokenizerError {
 }
 
 /// Text -> IDs for one kind of vocabulary.
+// One per loaded model: the variants' size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Encoder {
     Bpe {
         /// Matches special tokens in the input.

@@ -233,3 +233,39 @@ impl ContextBuilder {
         Ok(Prompt { ids, platform_prefix_len })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_engine::gguf::writer::write_gguf;
+    use baton_engine::gguf::{GgufFile, MetaValue};
+
+    /// A model with a SentencePiece vocabulary and no chat template: the
+    /// builder starts, and every chat prompt is refused with a clear error.
+    #[test]
+    fn a_model_without_a_template_refuses_chat_prompts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notemplate.gguf");
+        let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
+        tokens.extend((0..256).map(|b| format!("<0x{b:02X}>")));
+        let mut types = vec![MetaValue::I32(2), MetaValue::I32(3), MetaValue::I32(3)];
+        types.extend((0..256).map(|_| MetaValue::I32(6)));
+        let meta = vec![
+            ("tokenizer.ggml.model", MetaValue::String("llama".into())),
+            ("tokenizer.ggml.tokens", MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect())),
+            ("tokenizer.ggml.token_type", MetaValue::Array(types)),
+        ];
+        write_gguf(&path, &meta, &[]).unwrap();
+        let f = GgufFile::open(&path).unwrap();
+        let tok = Arc::new(Tokenizer::from_gguf(&f).unwrap());
+        let tmpl = Arc::new(ChatTemplate::from_gguf(&f).unwrap());
+        let b = ContextBuilder::new(tok, tmpl, "You are helpful.".into(), 1).unwrap();
+        let no_template = |e: ContextError| {
+            let msg = e.to_string();
+            assert!(msg.contains("no chat template"), "{msg}");
+        };
+        no_template(b.encode_messages(&[ChatMessage::user("hi")]).unwrap_err());
+        no_template(b.first_turn("hi").unwrap_err());
+        no_template(b.next_turn(&[1, 2], &[3], "hi").unwrap_err());
+    }
+}

@@ -24,6 +24,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -168,8 +169,11 @@ def main():
         template = f.read()
     doc["gemma3_chat"] = chat_cases(models["gemma3"], template)
     with open(args.out, "w", encoding="utf-8") as f:
-        # One line per list keeps the file diffable and small.
-        f.write(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
+        # Indented, with each list of IDs on one line: diffable and small.
+        text = json.dumps(doc, ensure_ascii=False, indent=1)
+        text = re.sub(r"\[(\s*\d+(?:,\s*\d+)*\s*)\]",
+                      lambda m: "[" + "".join(m.group(1).split()) + "]", text)
+        f.write(text)
         f.write("\n")
     for name, m in doc["models"].items():
         n = sum(len(x) for x in m["special"])

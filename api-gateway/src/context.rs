@@ -9,7 +9,7 @@
 //! so the prefix cache always hits. The system-prompt span is the only
 //! platform-shared one.
 
-use baton_text::chat_template::{ChatMessage, ChatTemplate};
+use baton_text::chat_template::{ChatMessage, ChatTemplate, TemplateError};
 use baton_text::tokenizer::Tokenizer;
 use std::sync::Arc;
 
@@ -71,6 +71,11 @@ impl ContextBuilder {
             close_user_open_reply: vec![],
             system_span: 0,
         };
+        // A model without a chat template still serves raw prompts; every
+        // chat request gets the template's `Missing` error instead.
+        if !b.template.is_present() {
+            return Ok(b);
+        }
         let probe = [ChatMessage::system("s"), ChatMessage::user("u"), ChatMessage::assistant("r"), ChatMessage::user("v")];
         let (_, pieces) = b.render_pieces(&probe, true)?;
         // pieces: framing before each content, then the tail after the last one.
@@ -208,6 +213,9 @@ impl ContextBuilder {
     /// The next prompt: the previous turn's prompt and output IDs, exactly,
     /// then the framing and the new message.
     pub fn next_turn(&self, prev_prompt: &[u32], prev_output: &[u32], message: &str) -> Result<Prompt, ContextError> {
+        if !self.template.is_present() {
+            return Err(ContextError::Template(TemplateError::Missing.to_string()));
+        }
         let mut ids = Vec::with_capacity(prev_prompt.len() + prev_output.len() + 64);
         ids.extend_from_slice(prev_prompt);
         ids.extend_from_slice(prev_output);
@@ -223,5 +231,41 @@ impl ContextBuilder {
         ids.extend_from_slice(&self.close_user_open_reply);
         let platform_prefix_len = self.system_span.min(prev_prompt.len());
         Ok(Prompt { ids, platform_prefix_len })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_engine::gguf::writer::write_gguf;
+    use baton_engine::gguf::{GgufFile, MetaValue};
+
+    /// A model with a SentencePiece vocabulary and no chat template: the
+    /// builder starts, and every chat prompt is refused with a clear error.
+    #[test]
+    fn a_model_without_a_template_refuses_chat_prompts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notemplate.gguf");
+        let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
+        tokens.extend((0..256).map(|b| format!("<0x{b:02X}>")));
+        let mut types = vec![MetaValue::I32(2), MetaValue::I32(3), MetaValue::I32(3)];
+        types.extend((0..256).map(|_| MetaValue::I32(6)));
+        let meta = vec![
+            ("tokenizer.ggml.model", MetaValue::String("llama".into())),
+            ("tokenizer.ggml.tokens", MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect())),
+            ("tokenizer.ggml.token_type", MetaValue::Array(types)),
+        ];
+        write_gguf(&path, &meta, &[]).unwrap();
+        let f = GgufFile::open(&path).unwrap();
+        let tok = Arc::new(Tokenizer::from_gguf(&f).unwrap());
+        let tmpl = Arc::new(ChatTemplate::from_gguf(&f).unwrap());
+        let b = ContextBuilder::new(tok, tmpl, "You are helpful.".into(), 1).unwrap();
+        let no_template = |e: ContextError| {
+            let msg = e.to_string();
+            assert!(msg.contains("no chat template"), "{msg}");
+        };
+        no_template(b.encode_messages(&[ChatMessage::user("hi")]).unwrap_err());
+        no_template(b.first_turn("hi").unwrap_err());
+        no_template(b.next_turn(&[1, 2], &[3], "hi").unwrap_err());
     }
 }

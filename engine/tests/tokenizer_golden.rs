@@ -496,8 +496,11 @@ fn synthetic_gguf_errors_are_named() {
         Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err()
     };
     let s = |v: &str| MetaValue::String(v.into());
-    let e = write("spm.gguf", vec![("tokenizer.ggml.model", s("llama"))]);
+    let e = write("rwkv.gguf", vec![("tokenizer.ggml.model", s("rwkv"))]);
     assert_eq!(e.kind(), "unsupported_tokenizer_model");
+    // SentencePiece is supported; without a token list it is a missing key.
+    let e = write("spm.gguf", vec![("tokenizer.ggml.model", s("llama"))]);
+    assert_eq!(e.kind(), "missing_key", "{e}");
     let e = write(
         "nomerges.gguf",
         vec![

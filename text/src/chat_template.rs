@@ -15,7 +15,11 @@
 //!   current UTC time;
 //! - the Python `str`/`dict` methods templates use (`.strip()`,
 //!   `.startswith()`, `.split()`, `.items()`, `.get()`, ...) are provided by
-//!   an unknown-method callback (a subset of minijinja-contrib's pycompat).
+//!   an unknown-method callback (a subset of minijinja-contrib's pycompat);
+//!   they and the `trim` filter use Python's whitespace (`str.isspace`, which
+//!   also has U+001C..U+001F), as Jinja2 does;
+//! - a model without a template loads; rendering then fails with
+//!   [`TemplateError::Missing`], so a chat request gets a clear error.
 //!
 //! The template is parsed once at construction; a syntax error is reported
 //! then, not at the first request.
@@ -46,6 +50,9 @@ pub enum TemplateError {
     /// The template itself rejected the conversation (`raise_exception`).
     #[error("chat template rejected the messages: {message}")]
     Raised { message: String },
+    /// The model carries no chat template (GGUF `tokenizer.chat_template`).
+    #[error("this model has no chat template (GGUF key tokenizer.chat_template), so it cannot take chat messages; send a raw prompt instead")]
+    Missing,
 }
 
 impl TemplateError {
@@ -56,6 +63,7 @@ impl TemplateError {
             TemplateError::Syntax { .. } => "template_syntax",
             TemplateError::Render { .. } => "template_render",
             TemplateError::Raised { .. } => "template_raised",
+            TemplateError::Missing => "template_missing",
         }
     }
 }
@@ -93,7 +101,8 @@ impl ChatMessage {
 /// A parsed chat template with the model's BOS/EOS texts.
 pub struct ChatTemplate {
     env: Environment<'static>,
-    source: String,
+    /// `None`: the model has no template and every render fails.
+    source: Option<String>,
     bos_token: String,
     eos_token: String,
 }
@@ -101,7 +110,7 @@ pub struct ChatTemplate {
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTemplate")
-            .field("source_len", &self.source.len())
+            .field("source_len", &self.source.as_ref().map(String::len))
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
             .finish()
@@ -122,8 +131,17 @@ impl std::error::Error for Raised {}
 
 impl ChatTemplate {
     /// The template in `tokenizer.chat_template`, with BOS/EOS texts from
-    /// the token list.
+    /// the token list; without that key, a template whose every render is
+    /// [`TemplateError::Missing`].
     pub fn from_gguf(f: &GgufFile) -> Result<Self, TemplateError> {
+        if f.get("tokenizer.chat_template").is_none() {
+            return Ok(ChatTemplate {
+                env: Environment::new(),
+                source: None,
+                bos_token: String::new(),
+                eos_token: String::new(),
+            });
+        }
         let source = f.get_str("tokenizer.chat_template")?;
         let tokens = f.get_str_array("tokenizer.ggml.tokens")?;
         let text = |key: &str| -> String {
@@ -153,20 +171,26 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_filter("trim", pycompat::trim);
         env.set_unknown_method_callback(pycompat::call_method);
         env.add_template_owned(TEMPLATE_NAME, template.to_string())
             .map_err(|source| TemplateError::Syntax { source })?;
         Ok(ChatTemplate {
             env,
-            source: template.to_string(),
+            source: Some(template.to_string()),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
     }
 
-    /// The template source.
+    /// The template source (`""` when the model has none).
     pub fn source(&self) -> &str {
-        &self.source
+        self.source.as_deref().unwrap_or_default()
+    }
+
+    /// Whether the model has a template (else every render is [`TemplateError::Missing`]).
+    pub fn is_present(&self) -> bool {
+        self.source.is_some()
     }
 
     /// Renders `messages`; with `add_generation_prompt` the text ends where
@@ -176,6 +200,9 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        if self.source.is_none() {
+            return Err(TemplateError::Missing);
+        }
         let tmpl = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -502,10 +529,21 @@ mod pycompat {
             .collect()
     }
 
+    /// Python's `str.isspace` for one character: Unicode White_Space plus
+    /// the four information separators U+001C..U+001F.
+    pub(super) fn py_isspace(c: char) -> bool {
+        c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+    }
+
+    /// Jinja2's `trim` filter: Python `str.strip(chars)`.
+    pub(super) fn trim(s: String, chars: Option<String>) -> String {
+        strip_with(&s, chars.as_deref(), true, true).to_string()
+    }
+
     fn strip_with<'a>(s: &'a str, chars: Option<&str>, left: bool, right: bool) -> &'a str {
         let pred = |c: char| match chars {
             Some(set) => set.contains(c),
-            None => c.is_whitespace(),
+            None => py_isspace(c),
         };
         let s = if left { s.trim_start_matches(pred) } else { s };
         if right {
@@ -530,15 +568,15 @@ mod pycompat {
             },
             None => {
                 let mut parts = Vec::new();
-                let mut rest = s.trim_start();
+                let mut rest = s.trim_start_matches(py_isspace);
                 while !rest.is_empty() {
                     if limit.is_some_and(|m| parts.len() >= m) {
                         parts.push(Value::from(rest));
                         break;
                     }
-                    let end = rest.find(char::is_whitespace).unwrap_or(rest.len());
+                    let end = rest.find(py_isspace).unwrap_or(rest.len());
                     parts.push(Value::from(&rest[..end]));
-                    rest = rest[end..].trim_start();
+                    rest = rest[end..].trim_start_matches(py_isspace);
                 }
                 parts
             }
@@ -638,7 +676,7 @@ mod pycompat {
             "isdigit" => Value::from(!s.is_empty() && s.chars().all(|c| c.is_ascii_digit())),
             "isalpha" => Value::from(!s.is_empty() && s.chars().all(char::is_alphabetic)),
             "isalnum" => Value::from(!s.is_empty() && s.chars().all(char::is_alphanumeric)),
-            "isspace" => Value::from(!s.is_empty() && s.chars().all(char::is_whitespace)),
+            "isspace" => Value::from(!s.is_empty() && s.chars().all(py_isspace)),
             "islower" => {
                 Value::from(s.chars().any(char::is_lowercase) && !s.chars().any(char::is_uppercase))
             }

@@ -15,6 +15,7 @@ pub mod chat_template;
 pub mod gguf;
 pub mod output;
 pub mod sampling;
+pub mod spm_tokenizer;
 pub mod tokenizer;
 
 pub use output::{FinishReason, TokenOut, Usage};

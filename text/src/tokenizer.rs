@@ -1,8 +1,10 @@
 //! Byte-level BPE tokenizer, built from GGUF metadata or a Hugging Face
-//! `tokenizer.json`, with llama.cpp-compatible pre-tokenization.
+//! `tokenizer.json`, with llama.cpp-compatible pre-tokenization; GGUF
+//! SentencePiece vocabularies (`tokenizer.ggml.model = "llama"`) are encoded
+//! by [`crate::spm_tokenizer`] behind the same [`Tokenizer`].
 //!
-//! Owns: text -> token IDs (via the `tokenizers` crate), token IDs -> bytes
-//! and text (own tables), and incremental decoding for streaming.
+//! Owns: text -> token IDs (via the `tokenizers` crate for BPE), token IDs ->
+//! bytes and text (own tables), and incremental decoding for streaming.
 //!
 //! Invariants:
 //! - the pre-tokenizer is chosen from `tokenizer.ggml.pre` by name and must
@@ -33,6 +35,8 @@ use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, SplitDelimiterBehavior};
 
 use crate::gguf::{GgufError, GgufFile};
+// --- SentencePiece hook (the encoder lives in spm_tokenizer.rs) ---
+use crate::spm_tokenizer::{self, SpmError, SpmVocab};
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
 const TYPE_UNKNOWN: i32 = 2;
@@ -48,7 +52,7 @@ const GPT2_REGEX: &str =
 pub enum TokenizerError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("tokenizer model {model:?} is not supported (only \"gpt2\", byte-level BPE)")]
+    #[error("tokenizer model {model:?} is not supported (only \"gpt2\", byte-level BPE, and \"llama\", SentencePiece)")]
     UnsupportedModel { model: String },
     #[error("pre-tokenizer {pre:?} is not supported (supported: smollm, gpt-2, default and their llama.cpp aliases)")]
     UnsupportedPreTokenizer { pre: String },
@@ -96,6 +100,8 @@ pub enum TokenizerError {
     },
     #[error("{path}: {reason}")]
     UnsupportedJson { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Spm(#[from] SpmError),
 }
 
 impl TokenizerError {
@@ -114,16 +120,28 @@ impl TokenizerError {
             TokenizerError::Load { .. } => "tokenizer_load",
             TokenizerError::Json { .. } => "json",
             TokenizerError::UnsupportedJson { .. } => "unsupported_tokenizer_json",
+            TokenizerError::Spm(e) => e.kind(),
         }
     }
 }
 
-/// A byte-level BPE tokenizer. Cheap to share behind an `Arc`; all methods take `&self`.
+/// Text -> IDs for one kind of vocabulary.
+// One per loaded model: the variants' size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+enum Encoder {
+    Bpe {
+        /// Matches special tokens in the input.
+        with_special: tokenizers::Tokenizer,
+        /// Treats special tokens' text as plain text.
+        plain: tokenizers::Tokenizer,
+    },
+    Spm(SpmVocab),
+}
+
+/// A byte-level BPE or SentencePiece tokenizer. Cheap to share behind an
+/// `Arc`; all methods take `&self`.
 pub struct Tokenizer {
-    /// Matches special tokens in the input.
-    with_special: tokenizers::Tokenizer,
-    /// Treats special tokens' text as plain text.
-    plain: tokenizers::Tokenizer,
+    encoder: Encoder,
     /// Vocabulary spelling per ID ("" for IDs with no token).
     tokens: Vec<String>,
     /// Bytes each ID decodes to.
@@ -133,6 +151,12 @@ pub struct Tokenizer {
     eos: Option<u32>,
     add_bos: bool,
     pre: String,
+    /// Tokens that end a generation (sorted): EOS, and for SentencePiece
+    /// vocabularies also llama.cpp's other end-of-generation tokens.
+    eog: Vec<u32>,
+    /// SentencePiece with `add_space_prefix`: decoding drops the space the
+    /// encoder put in front (llama.cpp's detokenize does).
+    strip_first_space: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -143,6 +167,7 @@ impl std::fmt::Debug for Tokenizer {
             .field("bos", &self.bos)
             .field("eos", &self.eos)
             .field("add_bos", &self.add_bos)
+            .field("model", &self.model())
             .finish()
     }
 }
@@ -231,6 +256,9 @@ impl Tokenizer {
     /// Builds the tokenizer from `tokenizer.ggml.*` metadata.
     pub fn from_gguf(f: &GgufFile) -> Result<Self, TokenizerError> {
         let model = f.get_str("tokenizer.ggml.model")?;
+        if model == "llama" {
+            return Ok(Self::from_spm(spm_tokenizer::from_gguf(f)?));
+        }
         if model != "gpt2" {
             return Err(TokenizerError::UnsupportedModel {
                 model: model.to_string(),
@@ -361,8 +389,10 @@ impl Tokenizer {
         let mut with_special = inner;
         with_special.set_encode_special_tokens(false);
         Tokenizer {
-            with_special,
-            plain,
+            encoder: Encoder::Bpe {
+                with_special,
+                plain,
+            },
             tokens,
             pieces,
             special,
@@ -370,6 +400,24 @@ impl Tokenizer {
             eos,
             add_bos,
             pre,
+            eog: eos.into_iter().collect(),
+            strip_first_space: false,
+        }
+    }
+
+    fn from_spm(p: spm_tokenizer::SpmParts) -> Self {
+        Tokenizer {
+            strip_first_space: p.vocab.add_space_prefix(),
+            encoder: Encoder::Spm(p.vocab),
+            tokens: p.tokens,
+            pieces: p.pieces,
+            special: p.special,
+            bos: p.bos,
+            eos: p.eos,
+            add_bos: p.add_bos,
+            eog: p.eog,
+            // llama.cpp ignores `tokenizer.ggml.pre` for SentencePiece.
+            pre: "spm".into(),
         }
     }
 
@@ -465,19 +513,22 @@ impl Tokenizer {
 
     /// The tokenizer as a Hugging Face `tokenizer.json` document.
     pub fn to_tokenizer_json(&self) -> Result<String, TokenizerError> {
-        self.with_special
-            .to_string(true)
-            .map_err(|source| TokenizerError::Build { source })
+        match &self.encoder {
+            Encoder::Bpe { with_special, .. } => with_special
+                .to_string(true)
+                .map_err(|source| TokenizerError::Build { source }),
+            Encoder::Spm(_) => Err(SpmError::NoTokenizerJson.into()),
+        }
     }
 
     /// Token IDs of `text`. With `parse_special`, the text of a special token
     /// (e.g. `<|im_start|>`) becomes its ID; without, it is tokenized as text.
     /// Never adds BOS/EOS.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let tok = if parse_special {
-            &self.with_special
-        } else {
-            &self.plain
+        let tok = match &self.encoder {
+            Encoder::Spm(v) => return Ok(v.encode(text, parse_special)?),
+            Encoder::Bpe { with_special, .. } if parse_special => with_special,
+            Encoder::Bpe { plain, .. } => plain,
         };
         let enc = tok
             .encode_fast(text, false)
@@ -495,14 +546,22 @@ impl Tokenizer {
     /// `<|im_end|>`) when `with_special`, skipped otherwise.
     pub fn decode_with_special(&self, ids: &[u32], with_special: bool) -> String {
         let mut bytes = Vec::new();
-        for &id in ids {
+        for (i, &id) in ids.iter().enumerate() {
             if let Some(p) = self.piece(id, with_special) {
-                bytes.extend_from_slice(p);
+                bytes.extend_from_slice(self.strip_leading_space(p, i == 0));
             }
         }
         match String::from_utf8(bytes) {
             Ok(s) => s,
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        }
+    }
+
+    /// The first token's piece without the space the SPM encoder prefixed.
+    fn strip_leading_space<'a>(&self, piece: &'a [u8], first: bool) -> &'a [u8] {
+        match piece {
+            [b' ', rest @ ..] if first && self.strip_first_space => rest,
+            p => p,
         }
     }
 
@@ -532,7 +591,19 @@ impl Tokenizer {
 
     /// The ID whose vocabulary spelling is `token` (e.g. `"<|im_end|>"`, `"Ġthe"`).
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.with_special.token_to_id(token)
+        match &self.encoder {
+            Encoder::Bpe { with_special, .. } => with_special.token_to_id(token),
+            Encoder::Spm(v) => v.token_id(token),
+        }
+    }
+
+    /// The vocabulary kind, as `tokenizer.ggml.model` names it: `"gpt2"`
+    /// (byte-level BPE) or `"llama"` (SentencePiece).
+    pub fn model(&self) -> &'static str {
+        match self.encoder {
+            Encoder::Bpe { .. } => "gpt2",
+            Encoder::Spm(_) => "llama",
+        }
     }
 
     /// Number of token IDs (including special tokens).
@@ -550,6 +621,12 @@ impl Tokenizer {
         self.eos
     }
 
+    /// Whether generating `id` ends the reply: EOS, or (SentencePiece) any
+    /// of llama.cpp's end-of-generation tokens, e.g. Gemma's `<end_of_turn>`.
+    pub fn is_end_of_generation(&self, id: u32) -> bool {
+        self.eog.binary_search(&id).is_ok()
+    }
+
     /// Whether prompts should start with BOS (`tokenizer.ggml.add_bos_token`).
     pub fn add_bos(&self) -> bool {
         self.add_bos
@@ -560,7 +637,8 @@ impl Tokenizer {
         self.special.get(id as usize).copied().unwrap_or(false)
     }
 
-    /// The pre-tokenizer name this tokenizer was built for.
+    /// The pre-tokenizer name this tokenizer was built for (`"spm"` for a
+    /// SentencePiece vocabulary, which has none).
     pub fn pre_tokenizer(&self) -> &str {
         &self.pre
     }
@@ -576,6 +654,8 @@ pub struct IncrementalDecoder {
     tokenizer: Arc<Tokenizer>,
     with_special: bool,
     pending: Vec<u8>,
+    /// No token pushed yet (the first one may lose its leading space).
+    first: bool,
 }
 
 impl std::fmt::Debug for IncrementalDecoder {
@@ -598,14 +678,17 @@ impl IncrementalDecoder {
             tokenizer,
             with_special,
             pending: Vec::new(),
+            first: true,
         }
     }
 
     /// Adds one token; returns the text that became complete (maybe empty).
     pub fn push(&mut self, id: u32) -> String {
         if let Some(p) = self.tokenizer.piece(id, self.with_special) {
+            let p = self.tokenizer.strip_leading_space(p, self.first);
             self.pending.extend_from_slice(p);
         }
+        self.first = false;
         self.drain(false)
     }
 

@@ -626,7 +626,7 @@ fn accept_token(seq: &mut Sequence, sampled: Sampled, tokenizer: &Tokenizer, max
     seq.generated += 1;
     shared.stats.lock().unwrap_or_else(|p| p.into_inner()).generated_tokens += 1;
     let params = &seq.request.sampling;
-    let is_stop = params.is_stop_token(id) || (!seq.request.ignore_eos && Some(id) == tokenizer.eos_id());
+    let is_stop = params.is_stop_token(id) || (!seq.request.ignore_eos && tokenizer.is_end_of_generation(id));
     let mut text = String::new();
     let mut stopped = is_stop;
     if !is_stop && !tokenizer.is_special(id) {

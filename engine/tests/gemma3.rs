@@ -141,8 +141,8 @@ fn generate(
             logit_rows: &logit_rows,
         };
         let logits = backend.run(|| model.forward(backend, &mut kv, &input, &mut scratch));
-        for s in 0..seqs.len() {
-            done[s] += owner.iter().filter(|&&o| o == s).count();
+        for &s in &owner {
+            done[s] += 1;
         }
         for (row, &s) in logits.chunks_exact(c.vocab).zip(&who) {
             let id = baton_kernels::ops::argmax(row) as u32;

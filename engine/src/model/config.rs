@@ -47,7 +47,7 @@ impl ModelConfig {
         if self.n_heads % self.n_kv_heads != 0 {
             return Err(format!("{} attention heads are not a multiple of {} kv heads", self.n_heads, self.n_kv_heads));
         }
-        if self.head_dim % 8 != 0 {
+        if !self.head_dim.is_multiple_of(8) {
             return Err(format!("head dim {} is not a multiple of 8", self.head_dim));
         }
         if self.layers.len() != self.n_layers {

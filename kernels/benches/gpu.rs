@@ -82,7 +82,7 @@ fn build(g: &CudaBackend, s: Shape) -> Model {
         .map(|_| LayerWeights { wq: m(q, s.dim), wk: m(kv, s.dim), wv: m(kv, s.dim), wo: m(s.dim, q), gate: m(s.ffn, s.dim), up: m(s.ffn, s.dim), down: m(s.dim, s.ffn) })
         .collect();
     let head = m(s.vocab, s.dim);
-    Model { s, layers, head, norm: g.upload(&vec![1.0; s.dim]), rope: g.rope(s.head_dim, 500_000.0, CONTEXT + 4096) }
+    Model { s, layers, head, norm: g.upload(&vec![1.0; s.dim]), rope: g.rope(baton_kernels::RopeTable::new(s.head_dim, 500_000.0, CONTEXT + 4096)) }
 }
 
 /// Buffers of one forward pass.
@@ -112,7 +112,7 @@ fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a:
         g.apply_rope(&m.rope, &mut a.q, positions, s.heads);
         g.apply_rope(&m.rope, &mut a.k, positions, s.kv_heads);
         g.kv_write(kv, li, &a.k, &a.v, slots);
-        g.attention(kv, li, &a.q, attn, s.heads, scale, &mut a.att);
+        g.attention(kv, li, &a.q, attn, s.heads, scale, None, &mut a.att);
         g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
         g.add(&mut a.x, &a.o, rows * s.dim);
         g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
@@ -292,7 +292,7 @@ fn main() {
             let scale = 1.0 / (s.head_dim as f32).sqrt();
             let attention = best_of_five(&g, || {
                 for li in 0..s.layers {
-                    g.attention(&kv, li, &a.q, &attn, s.heads, scale, &mut a.att);
+                    g.attention(&kv, li, &a.q, &attn, s.heads, scale, None, &mut a.att);
                 }
             });
             let kv_read = batch * (CONTEXT + 1) * s.kv_bytes_per_token();

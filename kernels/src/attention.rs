@@ -3,7 +3,8 @@
 //! One routine serves prefill (many query rows of one sequence, causal over
 //! its cached prefix and the new tokens) and decode (one row for each of many
 //! sequences of different lengths): each query row names its sequence's
-//! block table and its own position, and attends to positions `0..=pos`.
+//! block table and its own position, and attends to positions `0..=pos`, or
+//! with a sliding window of `W` (a local layer) to `pos + 1 - W..=pos` only.
 //! Keys and values are always read back from the arena (after conversion to
 //! the KV dtype), never from the freshly computed f32 values, so a token's
 //! result is the same whether its prefix was computed in this step, in an
@@ -84,12 +85,14 @@ fn dot8(a: &[f32], b: &[f32]) -> f32 {
 const ROW_GROUP: usize = 16;
 
 /// `out[r]` = attention of query row `r` (`n_heads x head_dim`, already
-/// rotated) over its sequence's keys and values at positions `0..=pos`.
+/// rotated) over its sequence's keys and values at positions `0..=pos`
+/// (with `window: Some(w)`, only the last `w` of them: blocks before are not read).
 ///
 /// Rows of one sequence are grouped to share KV reads; the arithmetic of
 /// each row is the same whatever its group: scores in position order, a
 /// two-pass softmax, values accumulated in position order.
-pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut [f32]) {
     let l = &kv.layout;
     let (hd, kvh) = (l.head_dim, l.kv_heads);
     let width = n_heads * hd;
@@ -111,7 +114,7 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
     // values) as one contiguous stretch instead of a third of every slot;
     // otherwise one task per (run, KV head). Each row's arithmetic is the same.
     let heads_per_task = if runs.len() >= 4 * pool.threads() { kvh } else { 1 };
-    let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale, heads_per_task };
+    let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale, window, heads_per_task };
     let tasks = runs.len() * (kvh / heads_per_task);
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
@@ -133,6 +136,7 @@ struct Task<'a> {
     runs: &'a [(usize, usize)],
     n_heads: usize,
     scale: f32,
+    window: Option<usize>,
     heads_per_task: usize,
 }
 
@@ -152,6 +156,12 @@ impl Task<'_> {
         self.run_heads(self.runs[task / groups], first..first + self.heads_per_task, p);
     }
 
+    /// First position row `row` attends to.
+    #[inline(always)]
+    fn first(&self, row: &AttnRow) -> usize {
+        self.window.map_or(0, |w| (row.pos + 1).saturating_sub(w))
+    }
+
     /// Run `(r0, r1)` of rows for KV heads `heads` (KV head `h` serves query
     /// heads `h * group .. (h + 1) * group`).
     #[inline(always)]
@@ -168,29 +178,35 @@ impl Task<'_> {
         let nq = nh * group;
         let mut scores = vec![0f32; nr * nq * max_ctx];
         let mut buf = vec![0f32; nh * bt * hd];
-        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)) {
+        // Blocks wholly before every row's window are skipped.
+        let first_block = rows[r0..r1].iter().map(|r| self.first(r)).min().unwrap_or(0) / bt;
+        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)).skip(first_block) {
             let n = bt.min(max_ctx - bi * bt);
             kv.read_heads_slots(layer, block as usize, 0, heads.clone(), n, &mut buf);
             for (ri, row) in rows[r0..r1].iter().enumerate() {
                 let ctx = row.pos + 1;
                 let m = n.min(ctx.saturating_sub(bi * bt));
+                let lo = self.first(row).saturating_sub(bi * bt).min(m);
+                if lo == m {
+                    continue; // nothing of this block in the row's range
+                }
                 let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
                 for i in 0..nh {
                     let keys = &buf[i * bt * hd..(i + 1) * bt * hd];
                     for g in 0..group {
                         let head = (h0 + i) * group + g;
                         let qh = &qrow[head * hd..(head + 1) * hd];
-                        let srow = &mut scores[(ri * nq + i * group + g) * max_ctx + bi * bt..];
-                        scores_into(qh, keys, hd, m, scale, srow);
+                        let srow = &mut scores[(ri * nq + i * group + g) * max_ctx + bi * bt + lo..];
+                        scores_into(qh, &keys[lo * hd..], hd, m - lo, scale, srow);
                     }
                 }
             }
         }
         let mut sums = vec![0f32; nr * nq];
         for (ri, row) in rows[r0..r1].iter().enumerate() {
-            let ctx = row.pos + 1;
+            let (first, ctx) = (self.first(row), row.pos + 1);
             for k in 0..nq {
-                let s = &mut scores[(ri * nq + k) * max_ctx..(ri * nq + k) * max_ctx + ctx];
+                let s = &mut scores[(ri * nq + k) * max_ctx + first..(ri * nq + k) * max_ctx + ctx];
                 let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let mut sum = 0f32;
                 for v in s.iter_mut() {
@@ -201,17 +217,21 @@ impl Task<'_> {
             }
         }
         let mut acc = vec![0f32; nr * nq * hd];
-        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)) {
+        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)).skip(first_block) {
             let n = bt.min(max_ctx - bi * bt);
             kv.read_heads_slots(layer, block as usize, 1, heads.clone(), n, &mut buf);
             for (ri, row) in rows[r0..r1].iter().enumerate() {
                 let m = n.min((row.pos + 1).saturating_sub(bi * bt));
+                let lo = self.first(row).saturating_sub(bi * bt).min(m);
+                if lo == m {
+                    continue;
+                }
                 for i in 0..nh {
                     let values = &buf[i * bt * hd..(i + 1) * bt * hd];
                     for g in 0..group {
                         let k = ri * nq + i * group + g;
                         let a = &mut acc[k * hd..(k + 1) * hd];
-                        accumulate(a, &scores[k * max_ctx + bi * bt..][..m], values, hd);
+                        accumulate(a, &scores[k * max_ctx + bi * bt + lo..][..m - lo], &values[lo * hd..], hd);
                     }
                 }
             }
@@ -371,7 +391,8 @@ mod tests {
     /// [`dot8`] in position order, two-pass softmax, values accumulated in
     /// position order. The kernel must equal it bit for bit (its reordering
     /// of independent work and its SIMD widths may not change a result).
-    fn plain(kv: &KvStorage, q: &[f32], table: &[u32], pos: usize, nh: usize, scale: f32) -> Vec<f32> {
+    fn plain(kv: &KvStorage, q: &[f32], table: &[u32], pos: usize, nh: usize, scale: f32, window: Option<usize>) -> Vec<f32> {
+        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let l = &kv.layout;
         let (hd, group) = (l.head_dim, nh / l.kv_heads);
         let read = |which: usize, h: usize, j: usize| {
@@ -383,7 +404,7 @@ mod tests {
         for head in 0..nh {
             let h = head / group;
             let qh = &q[head * hd..(head + 1) * hd];
-            let mut s: Vec<f32> = (0..=pos).map(|j| dot8(qh, &read(0, h, j)) * scale).collect();
+            let mut s: Vec<f32> = (first..=pos).map(|j| dot8(qh, &read(0, h, j)) * scale).collect();
             let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let mut sum = 0f32;
             for v in s.iter_mut() {
@@ -392,7 +413,7 @@ mod tests {
             }
             let mut a = vec![0f32; hd];
             for (j, &pj) in s.iter().enumerate() {
-                for (x, v) in a.iter_mut().zip(read(1, h, j)) {
+                for (x, v) in a.iter_mut().zip(read(1, h, first + j)) {
                     *x += pj * v;
                 }
             }
@@ -420,7 +441,8 @@ mod tests {
 
     #[test]
     fn equals_the_plain_arithmetic_bit_for_bit() {
-        for (hd, dtype) in [(64, KvDtype::F16), (128, KvDtype::F32), (24, KvDtype::BF16)] {
+        let cases = [(64, KvDtype::F16, None), (128, KvDtype::F32, None), (24, KvDtype::BF16, None), (256, KvDtype::F16, Some(20)), (64, KvDtype::F32, Some(1)), (128, KvDtype::F16, Some(32))];
+        for (hd, dtype, window) in cases {
             let layout = KvLayout { layers: 1, block_tokens: 16, kv_heads: 3, head_dim: hd, dtype };
             let (nh, te, len) = (9, 3 * hd, 70);
             let mut kv = KvStorage::new(layout, 8);
@@ -435,17 +457,24 @@ mod tests {
             let rows: Vec<AttnRow> = (0..len).map(|p| AttnRow { block_table: &table, pos: p }).collect();
             let scale = 1.0 / (hd as f32).sqrt();
             let mut out = vec![0f32; len * nh * hd];
-            attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, &mut out);
+            attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, window, &mut out);
             // The same rows as a decode batch: each its own sequence (its own
             // block table), so one task takes every KV head of a row.
             let tables: Vec<[u32; 5]> = vec![table; len];
             let batch: Vec<AttnRow> = (0..len).map(|p| AttnRow { block_table: &tables[p], pos: p }).collect();
             let mut batched = vec![0f32; len * nh * hd];
-            attention(&Pool::new(2).unwrap(), &kv, 0, &q, &batch, nh, scale, &mut batched);
+            attention(&Pool::new(2).unwrap(), &kv, 0, &q, &batch, nh, scale, window, &mut batched);
+            // The last rows alone, as a late prefill chunk.
+            let tail = len - 23;
+            let mut chunk = vec![0f32; 23 * nh * hd];
+            attention(&Pool::new(2).unwrap(), &kv, 0, &q[tail * nh * hd..], &rows[tail..], nh, scale, window, &mut chunk);
             for p in 0..len {
-                let want = plain(&kv, &q[p * nh * hd..(p + 1) * nh * hd], &table, p, nh, scale);
-                assert_eq!(out[p * nh * hd..(p + 1) * nh * hd], want[..], "head_dim {hd}, position {p}");
-                assert_eq!(batched[p * nh * hd..(p + 1) * nh * hd], want[..], "head_dim {hd}, position {p}, batched");
+                let want = plain(&kv, &q[p * nh * hd..(p + 1) * nh * hd], &table, p, nh, scale, window);
+                assert_eq!(out[p * nh * hd..(p + 1) * nh * hd], want[..], "head_dim {hd}, position {p}, window {window:?}");
+                assert_eq!(batched[p * nh * hd..(p + 1) * nh * hd], want[..], "head_dim {hd}, position {p}, window {window:?}, batched");
+                if p >= tail {
+                    assert_eq!(chunk[(p - tail) * nh * hd..(p - tail + 1) * nh * hd], want[..], "position {p}, window {window:?}, chunk");
+                }
             }
         }
     }
@@ -467,7 +496,7 @@ mod tests {
         let rows: Vec<AttnRow> = (0..len).map(|p| AttnRow { block_table: &table, pos: p }).collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0f32; len * nh * hd];
-        attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, &mut out);
+        attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, None, &mut out);
         for p in 0..len {
             for h in 0..nh {
                 let kh = h / 2;
@@ -484,7 +513,7 @@ mod tests {
                 }
             }
             let mut single = vec![0f32; nh * hd];
-            attention(&Pool::new(1).unwrap(), &kv, 0, &q[p * nh * hd..(p + 1) * nh * hd], &rows[p..p + 1], nh, scale, &mut single);
+            attention(&Pool::new(1).unwrap(), &kv, 0, &q[p * nh * hd..(p + 1) * nh * hd], &rows[p..p + 1], nh, scale, None, &mut single);
             assert_eq!(single, out[p * nh * hd..(p + 1) * nh * hd].to_vec());
         }
     }

@@ -1,4 +1,4 @@
-//! The backend trait: every tensor operation of a Llama-family forward pass,
+//! The backend trait: every tensor operation of a decoder forward pass,
 //! over tensors, weight matrices and a KV arena that the backend owns (host
 //! memory for the CPU backend, device memory for an accelerator backend).
 //!
@@ -37,6 +37,35 @@ impl KernelError {
     }
 }
 
+/// Operations that only some architectures use, which a backend may lack;
+/// a model needing one the backend lacks is refused at load
+/// ([`Backend::supports`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptionalOp {
+    /// [`Backend::gelu_mul`] (GeGLU feed-forward).
+    GeluMul,
+    /// [`Backend::add_rows`] (attention projection biases).
+    BiasAdd,
+    /// [`Backend::scale`] (scaled embeddings).
+    Scale,
+    /// [`Backend::rmsnorm`] over each head of a row (QK-norm).
+    HeadNorm,
+    /// A `window` in [`Backend::attention`] (sliding-window layers).
+    SlidingWindow,
+}
+
+impl OptionalOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            OptionalOp::GeluMul => "GELU-gated feed-forward",
+            OptionalOp::BiasAdd => "attention bias",
+            OptionalOp::Scale => "embedding scale",
+            OptionalOp::HeadNorm => "per-head RMSNorm (QK-norm)",
+            OptionalOp::SlidingWindow => "sliding-window attention",
+        }
+    }
+}
+
 /// Which backend to run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -61,7 +90,15 @@ pub trait Backend: Send + Sync {
     fn matrix_from_f32(&self, n: usize, k: usize, w: Vec<f32>) -> Result<Self::Matrix, KernelError>;
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
     fn kv(&self, layout: KvLayout, blocks: usize) -> Result<Self::Kv, KernelError>;
-    fn rope(&self, head_dim: usize, base: f32, max_pos: usize) -> Self::Rope;
+    /// Takes a rotary table computed on the host (one per distinct rope base
+    /// and scaling of the model's layers).
+    fn rope(&self, table: RopeTable) -> Self::Rope;
+    /// Whether the backend implements `op`; every op of the trait not named
+    /// in [`OptionalOp`] is mandatory.
+    fn supports(&self, op: OptionalOp) -> bool {
+        let _ = op;
+        true
+    }
 
     fn tensor(&self, len: usize) -> Self::Tensor;
     fn upload(&self, data: &[f32]) -> Self::Tensor;
@@ -71,17 +108,29 @@ pub trait Backend: Send + Sync {
 
     /// `out[i] = row tokens[i] of the embedding table`.
     fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Tensor);
+    /// Row by row; with `rows = tokens x heads` and `dim = head_dim` it is
+    /// the per-head norm of QK-norm ([`OptionalOp::HeadNorm`]).
     fn rmsnorm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32, rows: usize, dim: usize, out: &mut Self::Tensor);
     /// For each `(w, out)`: `out = x · wᵀ` over `rows` rows of `x`.
     fn matmul(&self, x: &Self::Tensor, rows: usize, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
     fn apply_rope(&self, rope: &Self::Rope, x: &mut Self::Tensor, positions: &[u32], heads: usize);
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor, len: usize, out: &mut Self::Tensor);
+    /// `out = gelu_tanh(gate) * up` ([`OptionalOp::GeluMul`]).
+    fn gelu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor, len: usize, out: &mut Self::Tensor);
+    /// `x[r] += bias` for `rows` rows of `bias`'s width ([`OptionalOp::BiasAdd`]).
+    fn add_rows(&self, x: &mut Self::Tensor, bias: &Self::Tensor, rows: usize, width: usize);
+    /// `x *= s` over `len` elements ([`OptionalOp::Scale`]).
+    fn scale(&self, x: &mut Self::Tensor, s: f32, len: usize);
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor, len: usize);
     /// `out[i] = x[rows[i]]` for rows of `width` elements.
     fn gather_rows(&self, x: &Self::Tensor, width: usize, rows: &[usize], out: &mut Self::Tensor);
     /// Stores row `i` of `k` and `v` into `(block, slot) = slots[i]` of `layer`.
     fn kv_write(&self, kv: &mut Self::Kv, layer: usize, k: &Self::Tensor, v: &Self::Tensor, slots: &[(u32, u32)]);
-    fn attention(&self, kv: &Self::Kv, layer: usize, q: &Self::Tensor, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut Self::Tensor);
+    /// Causal attention of each row over its sequence's positions `0..=pos`,
+    /// or with `window: Some(w)` over the last `w` of them only
+    /// ([`OptionalOp::SlidingWindow`]).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(&self, kv: &Self::Kv, layer: usize, q: &Self::Tensor, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut Self::Tensor);
     /// Bytes of one block (all layers), for the second tier and transport.
     fn kv_copy_block_out(&self, kv: &Self::Kv, block: usize, out: &mut [u8]);
     fn kv_copy_block_in(&self, kv: &mut Self::Kv, block: usize, data: &[u8]);
@@ -159,8 +208,8 @@ impl Backend for CpuBackend {
         Ok(KvStorage::new(layout, blocks))
     }
 
-    fn rope(&self, head_dim: usize, base: f32, max_pos: usize) -> RopeTable {
-        RopeTable::new(head_dim, base, max_pos)
+    fn rope(&self, table: RopeTable) -> RopeTable {
+        table
     }
 
     fn tensor(&self, len: usize) -> Vec<f32> {
@@ -226,6 +275,19 @@ impl Backend for CpuBackend {
         ops::silu_mul_parallel(&self.pool, &gate[..len], &up[..len], &mut out[..len]);
     }
 
+    fn gelu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        self.ensure_len(out, len);
+        ops::gelu_mul_parallel(&self.pool, &gate[..len], &up[..len], &mut out[..len]);
+    }
+
+    fn add_rows(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, width: usize) {
+        ops::add_rows(&mut x[..rows * width], &bias[..width]);
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32, len: usize) {
+        ops::scale_inplace(&mut x[..len], s);
+    }
+
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
         ops::add_inplace(&mut x[..len], &y[..len]);
     }
@@ -244,9 +306,9 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn attention(&self, kv: &KvStorage, layer: usize, q: &Vec<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut Vec<f32>) {
+    fn attention(&self, kv: &KvStorage, layer: usize, q: &Vec<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut Vec<f32>) {
         self.ensure_len(out, rows.len() * n_heads * kv.layout.head_dim);
-        attention(&self.pool, kv, layer, q, rows, n_heads, scale, out);
+        attention(&self.pool, kv, layer, q, rows, n_heads, scale, window, out);
     }
 
     fn kv_copy_block_out(&self, kv: &KvStorage, block: usize, out: &mut [u8]) {

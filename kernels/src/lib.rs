@@ -21,7 +21,7 @@ pub mod pool;
 pub mod quant;
 
 pub use attention::AttnRow;
-pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError};
+pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, OptionalOp};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
 pub use kv::{KvDtype, KvLayout, KvStorage};

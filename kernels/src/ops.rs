@@ -1,5 +1,6 @@
-//! Element-wise and row-wise operations of a Llama-family layer: RMSNorm,
-//! rotary position embedding, the SiLU-gated MLP glue and residual adds.
+//! Element-wise and row-wise operations of a decoder layer: RMSNorm,
+//! rotary position embedding, the SiLU- and GELU-gated MLP glue, bias adds,
+//! scaling and residual adds.
 //!
 //! Every function treats rows independently, with a fixed order of floating
 //! point operations per row, so a row's result never depends on its batch.
@@ -40,14 +41,31 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     out.iter_mut().zip(gate).zip(up).for_each(f);
 }
 
+/// `out = gelu(gate) * up` with GELU's tanh form,
+/// `gelu(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))` (Gemma's GeGLU).
+pub fn gelu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let f = |((o, &g), &u): ((&mut f32, &f32), &f32)| *o = 0.5 * g * (1.0 + (SQRT_2_OVER_PI * g * (1.0 + 0.044715 * g * g)).tanh()) * u;
+    out.iter_mut().zip(gate).zip(up).for_each(f);
+}
+
 /// [`silu_mul`] split across `pool` in chunks. One `exp` per element made
 /// it ~5% of batch-32 decode on the calling thread alone while the other
 /// thread spun idle; element-wise, so the split changes no result.
 pub fn silu_mul_parallel(pool: &crate::pool::Pool, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    glu_parallel(pool, gate, up, out, silu_mul)
+}
+
+/// [`gelu_mul`] split across `pool` like [`silu_mul_parallel`].
+pub fn gelu_mul_parallel(pool: &crate::pool::Pool, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    glu_parallel(pool, gate, up, out, gelu_mul)
+}
+
+fn glu_parallel(pool: &crate::pool::Pool, gate: &[f32], up: &[f32], out: &mut [f32], f: fn(&[f32], &[f32], &mut [f32])) {
     const CHUNK: usize = 4096;
     let len = out.len();
     if len < 2 * CHUNK {
-        return silu_mul(gate, up, out);
+        return f(gate, up, out);
     }
     // Tasks write disjoint chunks of `out`.
     let o = crate::pool::SendPtr(out.as_mut_ptr());
@@ -56,8 +74,29 @@ pub fn silu_mul_parallel(pool: &crate::pool::Pool, gate: &[f32], up: &[f32], out
         let o = &o;
         // SAFETY: chunk `task` is `a..b`, within `len`, and no other task's.
         let chunk = unsafe { std::slice::from_raw_parts_mut(o.0.add(a), b - a) };
-        silu_mul(&gate[a..b], &up[a..b], chunk);
+        f(&gate[a..b], &up[a..b], chunk);
     });
+}
+
+/// `x[r] += bias` for every row `r` of `bias.len()` elements (QKV bias).
+pub fn add_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_inplace(row, bias);
+    }
+}
+
+/// `x *= s`.
+pub fn scale_inplace(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
+/// `x = cap * tanh(x / cap)`: final logit soft-capping.
+pub fn softcap(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = cap * (*v / cap).tanh();
+    }
 }
 
 /// Precomputed cos/sin of rotary angles for positions `0..max_pos`.
@@ -75,15 +114,27 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(head_dim: usize, base: f32, max_pos: usize) -> Self {
+        Self::scaled(head_dim, base, max_pos, 1.0, None)
+    }
+
+    /// Angles with GGML's scalings: each pair's angle divided by its
+    /// frequency factor (Llama 3's `rope_freqs`, `head_dim / 2` of them),
+    /// then multiplied by `freq_scale` (linear scaling: 1 / factor). With
+    /// 1.0 and no factors the table equals [`RopeTable::new`]'s exactly
+    /// (both operations are then exact in IEEE arithmetic).
+    pub fn scaled(head_dim: usize, base: f32, max_pos: usize, freq_scale: f32, factors: Option<&[f32]>) -> Self {
         let half = head_dim / 2;
+        assert!(factors.is_none_or(|f| f.len() == half), "rope: {half} frequency factors expected");
         let theta_scale = base.powf(-2.0 / head_dim as f32);
         let mut cos = vec![0f32; max_pos * half];
         let mut sin = vec![0f32; max_pos * half];
         for p in 0..max_pos {
             let mut theta = p as f32;
             for i in 0..half {
-                cos[p * half + i] = theta.cos();
-                sin[p * half + i] = theta.sin();
+                let ff = factors.map_or(1.0, |f| f[i]);
+                let t = freq_scale * (theta / ff);
+                cos[p * half + i] = t.cos();
+                sin[p * half + i] = t.sin();
                 theta *= theta_scale;
             }
         }
@@ -161,6 +212,52 @@ mod tests {
         silu_mul(&g, &u, &mut a);
         silu_mul_parallel(&crate::pool::Pool::new(2).unwrap(), &g, &u, &mut b);
         assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn rope_scaled_without_scaling_is_new_bit_for_bit_and_factors_slow_pairs() {
+        let (a, b) = (RopeTable::new(64, 10000.0, 40), RopeTable::scaled(64, 10000.0, 40, 1.0, None));
+        assert_eq!(a.cos.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.cos.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(a.sin.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.sin.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        let f = vec![4.0f32; 32];
+        let c = RopeTable::scaled(64, 10000.0, 40, 1.0, Some(&f));
+        let l = RopeTable::scaled(64, 10000.0, 40, 0.25, None);
+        // Position 8 with every pair slowed 4x turns like position 2 (linear scaling alike).
+        for i in 0..32 {
+            assert!((c.cos[8 * 32 + i] - a.cos[2 * 32 + i]).abs() < 1e-5);
+            assert!((l.sin[8 * 32 + i] - a.sin[2 * 32 + i]).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn gelu_mul_matches_formula_and_parallel_equals_serial() {
+        let mut out = [0.0; 3];
+        gelu_mul(&[1.0, -3.0, 0.0], &[2.0, 1.0, 5.0], &mut out);
+        // gelu_tanh(1) = 0.841192, gelu_tanh(-3) = -0.003637.
+        assert!((out[0] - 2.0 * 0.841192).abs() < 1e-5, "{out:?}");
+        assert!((out[1] + 0.003637).abs() < 1e-5, "{out:?}");
+        assert_eq!(out[2], 0.0);
+        let n = 20_003;
+        let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
+        let u: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+        gelu_mul(&g, &u, &mut a);
+        gelu_mul_parallel(&crate::pool::Pool::new(2).unwrap(), &g, &u, &mut b);
+        assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn bias_scale_and_softcap() {
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        add_rows(&mut x, &[10.0, 20.0]);
+        assert_eq!(x, [11.0, 22.0, 13.0, 24.0]);
+        scale_inplace(&mut x, 0.5);
+        assert_eq!(x, [5.5, 11.0, 6.5, 12.0]);
+        let mut l = vec![0.0, 1000.0, -1000.0, 1.0];
+        softcap(&mut l, 30.0);
+        assert_eq!(l[0], 0.0);
+        assert!((l[1] - 30.0).abs() < 1e-4 && (l[2] + 30.0).abs() < 1e-4);
+        assert!((l[3] - 30.0 * (1.0f32 / 30.0).tanh()).abs() < 1e-7);
     }
 
     #[test]

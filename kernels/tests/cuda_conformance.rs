@@ -15,7 +15,7 @@
 
 use std::io::Write;
 
-use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout};
+use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout, RopeTable};
 use support::{rel_err, scattered_tables, slots_of, values};
 
 mod support;
@@ -76,7 +76,7 @@ fn elementwise_operations_match_the_cpu() {
     let (heads, hd) = (9, 64);
     let q = values(rows * heads * hd, 4);
     let positions: Vec<u32> = vec![0, 1, 2, 100, 1000, 4095, 17];
-    let (rc, rg) = (c.rope(hd, 10_000.0, 4096), g.rope(hd, 10_000.0, 4096));
+    let (rc, rg) = (c.rope(RopeTable::new(hd, 10_000.0, 4096)), g.rope(RopeTable::new(hd, 10_000.0, 4096)));
     let mut qc = q.clone();
     let mut qg = g.upload(&q);
     c.apply_rope(&rc, &mut qc, &positions, heads);
@@ -223,29 +223,29 @@ fn kv_and_attention_match_the_cpu_for_every_dtype() {
         let q = values(rows.len() * n_heads * 64, 9);
         let scale = 1.0 / 8.0;
         let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
-        c.attention(&kc, layer, &q, &rows, n_heads, scale, &mut oc);
-        g.attention(&kg, layer, &g.upload(&q), &rows, n_heads, scale, &mut og);
+        c.attention(&kc, layer, &q, &rows, n_heads, scale, None, &mut oc);
+        g.attention(&kg, layer, &g.upload(&q), &rows, n_heads, scale, None, &mut og);
         let batch = down(&g, &og, q.len());
         let e = rel_err(&batch, &oc[..q.len()]);
         assert!(e <= tol, "{dtype:?} decode attention: {e}");
         // The 3,000-token row alone: the same bits as in the batch.
         let mut alone = g.tensor(1);
-        g.attention(&kg, layer, &g.upload(&q[..n_heads * 64]), &rows[..1], n_heads, scale, &mut alone);
+        g.attention(&kg, layer, &g.upload(&q[..n_heads * 64]), &rows[..1], n_heads, scale, None, &mut alone);
         assert_eq!(down(&g, &alone, n_heads * 64), batch[..n_heads * 64].to_vec(), "{dtype:?}: attention depends on the batch");
 
         // Prefill: positions 600..700 of the second sequence as one chunk (causal).
         let chunk: Vec<AttnRow> = (600..700).map(|p| AttnRow { block_table: &tables[1], pos: p }).collect();
         let q = values(chunk.len() * n_heads * 64, 10);
         let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
-        c.attention(&kc, layer, &q, &chunk, n_heads, scale, &mut oc);
-        g.attention(&kg, layer, &g.upload(&q), &chunk, n_heads, scale, &mut og);
+        c.attention(&kc, layer, &q, &chunk, n_heads, scale, None, &mut oc);
+        g.attention(&kg, layer, &g.upload(&q), &chunk, n_heads, scale, None, &mut og);
         let chunk_out = down(&g, &og, q.len());
         let e = rel_err(&chunk_out, &oc[..q.len()]);
         assert!(e <= tol, "{dtype:?} prefill attention: {e}");
         // A chunk row (tiled kernel) equals the same position computed alone (per-row kernel).
         for &i in &[0usize, 37, 99] {
             let mut alone = g.tensor(1);
-            g.attention(&kg, layer, &g.upload(&q[i * n_heads * 64..(i + 1) * n_heads * 64]), &chunk[i..i + 1], n_heads, scale, &mut alone);
+            g.attention(&kg, layer, &g.upload(&q[i * n_heads * 64..(i + 1) * n_heads * 64]), &chunk[i..i + 1], n_heads, scale, None, &mut alone);
             assert_eq!(down(&g, &alone, n_heads * 64), chunk_out[i * n_heads * 64..(i + 1) * n_heads * 64].to_vec(), "{dtype:?}: prefill row {i} depends on its chunk");
         }
     }

@@ -60,7 +60,7 @@ fn row_and_elementwise_kernels_match_the_cpu() {
     let (heads, hd) = (9, 64);
     let q = values(rows * heads * hd, 4);
     let positions: Vec<u32> = vec![0, 1, 2, 100, 1000, 4095, 17];
-    let table = c.rope(hd, 10_000.0, 4096);
+    let table = c.rope(baton_kernels::RopeTable::new(hd, 10_000.0, 4096));
     let mut want = q.clone();
     c.apply_rope(&table, &mut want, &positions, heads);
     let (cos, sin) = table.tables();
@@ -223,7 +223,7 @@ fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
         // The emulated kernels' output for `rows`, checked against the CPU backend's.
         let checked = |q: &Vec<f32>, rows: &[AttnRow], kind: &str| {
             let mut want = c.tensor(0);
-            c.attention(&kc, layer, q, rows, n_heads, scale, &mut want);
+            c.attention(&kc, layer, q, rows, n_heads, scale, None, &mut want);
             let got = emulated(q, rows);
             let e = rel_err(&got, &want[..q.len()]);
             assert!(e <= 1e-5, "{what}: {kind} attention: {e}");

@@ -196,6 +196,10 @@ pub struct EngineInfo {
     pub vocab: usize,
     pub max_context: usize,
     pub kv_layout: KvLayout,
+    /// Sliding window of each of the layout's layers (`None`: global). Local
+    /// layers still keep every position (attention masks the rest); this is
+    /// what reclaiming and not shipping out-of-window blocks will read.
+    pub layer_windows: Vec<Option<usize>>,
     pub kv_blocks: usize,
     pub tier2_blocks: usize,
     pub weight_bytes: usize,
@@ -323,6 +327,7 @@ impl Engine {
             vocab: mc.vocab,
             max_context,
             kv_layout: layout,
+            layer_windows: mc.windows(),
             kv_blocks: blocks,
             tier2_blocks,
             weight_bytes: model.weight_bytes,

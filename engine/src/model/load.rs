@@ -5,13 +5,15 @@
 //! wrong; nothing here panics on a bad file.
 //!
 //! Rotary embeddings run in GGML's "normal" (interleaved pairs) convention.
-//! Hugging Face checkpoints use the "rotate half" convention, so their query
-//! and key rows are permuted at load time, exactly as llama.cpp's converter
-//! does, and permuted back on export.
+//! Hugging Face checkpoints, and GGUF files of "neox" families (Qwen, Gemma),
+//! use the "rotate half" convention, so their query and key rows (and the
+//! query/key norms and biases) are permuted at load time, as llama.cpp's
+//! converter does for Llama, and permuted back on export.
 
+use super::arch::{self, RopeSpec, RopeStyle};
 use super::{weight_format, Layer, Model, ModelConfig};
 use crate::model::HfConfig;
-use baton_kernels::{Backend, KernelError, WeightFormat};
+use baton_kernels::{Backend, KernelError, OptionalOp, RopeTable, WeightFormat};
 use baton_text::chat_template::{ChatTemplate, TemplateError};
 use baton_text::gguf::{GgmlType, GgufError, GgufFile};
 use baton_text::tokenizer::{Tokenizer, TokenizerError};
@@ -63,49 +65,113 @@ fn kernel_err(path: &Path, tensor: &str, e: KernelError) -> ModelError {
     ModelError::Tensor { path: path.to_path_buf(), tensor: tensor.to_string(), reason: e.to_string() }
 }
 
-/// Loads a Llama-family GGUF file. Matrices may be in any type of
+/// Loads a GGUF file of any family in [`arch::FAMILIES`], with its
+/// tokenizer and chat template. Matrices may be in any type of
 /// [`WeightFormat::ALL`]: the legacy and K formats run as integer products on
 /// the CPU; IQ4_XS and Q8_K are expanded to f32 at load (the CUDA backend
 /// expands every format to bf16). Any other type is an error naming the
 /// tensor and the type.
 pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>, ModelError> {
     let f = GgufFile::open(path)?;
-    let arch = f.get_str("general.architecture")?.to_string();
-    if arch != "llama" {
-        return Err(ModelError::Config { path: path.into(), reason: format!("architecture {arch:?} is not supported (llama only)") });
-    }
-    let g = |k: &str| f.get_u32(&format!("llama.{k}")).map(|v| v as usize);
+    let model = load_gguf_weights(backend, &f)?;
+    let tokenizer = Tokenizer::from_gguf(&f).map_err(|source| ModelError::Tokenizer { path: path.into(), source })?;
+    let template = ChatTemplate::from_gguf(&f).map_err(|source| ModelError::Template { path: path.into(), source })?;
+    Ok(LoadedModel { model, tokenizer, template, source: path.to_path_buf() })
+}
+
+/// The configuration a GGUF file's metadata (and `rope_freqs.weight`) describes.
+pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
+    let path = f.path.as_path();
+    let cfg_err = |reason: String| ModelError::Config { path: path.into(), reason };
+    let name = f.get_str("general.architecture")?.to_string();
+    let family = *arch::by_gguf_name(&name).map_err(cfg_err)?;
+    let key = |k: &str| format!("{name}.{k}");
+    let g = |k: &str| f.get_u32(&key(k)).map(|v| v as usize);
+    let opt = |k: &str| f.opt_u32(&key(k)).map(|v| v as usize);
     let hidden = g("embedding_length")?;
     let n_heads = g("attention.head_count")?;
-    let embd = f.tensor("token_embd.weight").ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })?;
-    let vocab = match f.opt_u32("llama.vocab_size") {
-        Some(v) => v as usize,
-        None => embd.dims.get(1).copied().unwrap_or(0) as usize,
+    let vocab = match opt("vocab_size") {
+        Some(v) => v,
+        None => {
+            let embd = f.tensor("token_embd.weight").ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })?;
+            embd.dims.get(1).copied().unwrap_or(0) as usize
+        }
     };
+    // Gemma and Qwen3 name the head size; Llama files imply it.
+    let head_dim = opt("attention.key_length").or(opt("rope.dimension_count")).unwrap_or(hidden / n_heads.max(1));
+    if let Some(v) = opt("attention.value_length").filter(|&v| v != head_dim) {
+        return Err(cfg_err(format!("value head size {v} differs from key head size {head_dim}")));
+    }
+    if let Some(r) = opt("rope.dimension_count").filter(|&r| r != head_dim) {
+        return Err(cfg_err(format!("rotary dimension {r} differs from head size {head_dim} (partial rotary is not supported)")));
+    }
+    let freq_scale = match f.opt_str(&key("rope.scaling.type")) {
+        None | Some("none") => 1.0,
+        Some("linear") => 1.0 / f.get_f32(&key("rope.scaling.factor"))?,
+        Some(other) => return Err(cfg_err(format!("rope scaling {other:?} is not supported (linear is)"))),
+    };
+    let rope_factors = match f.tensor("rope_freqs.weight") {
+        None => None,
+        Some(t) if t.ggml_type == GgmlType::F32 && t.dims == [head_dim as u64 / 2] => {
+            let data = f.tensor_data_checked(t)?;
+            Some(data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+        }
+        Some(t) => return Err(ModelError::Tensor { path: path.into(), tensor: t.name.clone(), reason: format!("{:?} {:?}, expected F32 [{}]", t.ggml_type, t.dims, head_dim / 2) }),
+    };
+    if f.get(&key("attention.sliding_window_pattern")).is_some() && opt("attention.sliding_window_pattern").is_none() {
+        return Err(cfg_err("a per-layer sliding_window_pattern array is not supported (a period is)".into()));
+    }
+    let global = RopeSpec { base: f.opt_f32(&key("rope.freq_base")).unwrap_or(10000.0), freq_scale };
+    let n_layers = g("block_count")?;
+    let window = opt("attention.sliding_window");
+    let layers = arch::layer_specs(&family, n_layers, window, opt("attention.sliding_window_pattern"), f.opt_f32(&key("rope.freq_base_swa")), global).map_err(cfg_err)?;
+    // Gemma 3 27B scales by hidden / heads, every other size by the head
+    // size (query_pre_attn_scalar, which GGUF does not carry; llama.cpp's rule).
+    let scale_dim = if family.name == "gemma3" && n_layers == 62 { hidden / n_heads.max(1) } else { head_dim };
     let config = ModelConfig {
-        n_layers: g("block_count")?,
+        family,
+        n_layers,
         hidden,
         n_heads,
-        n_kv_heads: f.opt_u32("llama.attention.head_count_kv").map(|v| v as usize).unwrap_or(n_heads),
-        head_dim: f.opt_u32("llama.rope.dimension_count").map(|v| v as usize).unwrap_or(hidden / n_heads.max(1)),
+        n_kv_heads: opt("attention.head_count_kv").unwrap_or(n_heads),
+        head_dim,
         ffn: g("feed_forward_length")?,
         vocab,
-        rope_base: f.opt_f32("llama.rope.freq_base").unwrap_or(10000.0),
-        rms_eps: f.get_f32("llama.attention.layer_norm_rms_epsilon")?,
+        rms_eps: f.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
         context_length: g("context_length")?,
+        layers,
+        rope_factors,
+        attn_scale: 1.0 / (scale_dim as f32).sqrt(),
+        logit_softcap: f.opt_f32(&key("final_logit_softcapping")).filter(|&c| c != 0.0),
     };
-    config.check().map_err(|reason| ModelError::Config { path: path.into(), reason })?;
+    config.check().map_err(cfg_err)?;
+    Ok(config)
+}
 
-    let matrix = |name: &str, k: usize, n: usize| -> Result<B::Matrix, ModelError> {
+/// The weights of a GGUF file on `backend`, without its tokenizer (for
+/// callers that feed token IDs).
+pub fn load_gguf_weights<B: Backend>(backend: &B, f: &GgufFile) -> Result<Model<B>, ModelError> {
+    let path = f.path.as_path();
+    let config = config_from_gguf(f)?;
+    check_backend(backend, &config).map_err(|reason| ModelError::Config { path: path.into(), reason })?;
+    let neox = config.family.rope_style == RopeStyle::Neox;
+    let matrix_p = |name: &str, k: usize, n: usize, permute_heads: Option<usize>| -> Result<B::Matrix, ModelError> {
         let t = f.tensor(name).ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: name.into() })?;
         let dims: Vec<u64> = t.dims.clone();
         if dims != [k as u64, n as u64] {
             return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {dims:?}, expected [{k}, {n}]") });
         }
         let format = weight_format(t.ggml_type).ok_or_else(|| unsupported_type(path, name, t.ggml_type))?;
-        backend.matrix(format, n, k, f.tensor_data(t)).map_err(|e| kernel_err(path, name, e))
+        let data = f.tensor_data(t);
+        match permute_heads.filter(|_| neox) {
+            // Whole quantized rows move, so any format permutes.
+            Some(h) => backend.matrix(format, n, k, &permute_rows(data, n, h, true)),
+            None => backend.matrix(format, n, k, data),
+        }
+        .map_err(|e| kernel_err(path, name, e))
     };
-    let vector = |name: &str, n: usize| -> Result<B::Tensor, ModelError> {
+    let matrix = |name: &str, k: usize, n: usize| matrix_p(name, k, n, None);
+    let vector_p = |name: &str, n: usize, permute_heads: Option<usize>| -> Result<B::Tensor, ModelError> {
         let t = f.tensor(name).ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: name.into() })?;
         if t.dims != [n as u64] {
             return Err(ModelError::Tensor { path: path.into(), tensor: name.into(), reason: format!("shape {:?}, expected [{n}]", t.dims) });
@@ -113,23 +179,36 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
         let format = weight_format(t.ggml_type).filter(|f| f.block_len() == 1).ok_or_else(|| ModelError::Tensor {
             path: path.into(),
             tensor: name.into(),
-            reason: format!("norm weights must be F32, F16 or BF16, found {:?}", t.ggml_type),
+            reason: format!("norm and bias weights must be F32, F16 or BF16, found {:?}", t.ggml_type),
         })?;
         let mut v = vec![0f32; n];
         baton_kernels::quant::dequantize_row(format, f.tensor_data(t), &mut v);
+        if let Some(h) = permute_heads.filter(|_| neox) {
+            v = permute_f32(&v, h);
+        }
         Ok(backend.upload(&v))
     };
+    let vector = |name: &str, n: usize| vector_p(name, n, None);
     let c = &config;
-    let kvw = c.n_kv_heads * c.head_dim;
+    let fam = &c.family;
+    let (qw, kvw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let p = |s: &str| format!("blk.{i}.{s}.weight");
+        let b = |s: &str| format!("blk.{i}.{s}.bias");
         layers.push(Layer {
             attn_norm: vector(&p("attn_norm"), c.hidden)?,
-            wq: matrix(&p("attn_q"), c.hidden, c.n_heads * c.head_dim)?,
-            wk: matrix(&p("attn_k"), c.hidden, kvw)?,
+            wq: matrix_p(&p("attn_q"), c.hidden, qw, Some(c.n_heads))?,
+            wk: matrix_p(&p("attn_k"), c.hidden, kvw, Some(c.n_kv_heads))?,
             wv: matrix(&p("attn_v"), c.hidden, kvw)?,
-            wo: matrix(&p("attn_output"), c.n_heads * c.head_dim, c.hidden)?,
+            qkv_bias: if fam.qkv_bias {
+                Some([vector_p(&b("attn_q"), qw, Some(c.n_heads))?, vector_p(&b("attn_k"), kvw, Some(c.n_kv_heads))?, vector(&b("attn_v"), kvw)?])
+            } else {
+                None
+            },
+            qk_norm: if fam.qk_norm { Some([vector_p(&p("attn_q_norm"), c.head_dim, Some(1))?, vector_p(&p("attn_k_norm"), c.head_dim, Some(1))?]) } else { None },
+            wo: matrix(&p("attn_output"), qw, c.hidden)?,
+            post_norms: if fam.post_norms { Some([vector(&p("post_attention_norm"), c.hidden)?, vector(&p("post_ffw_norm"), c.hidden)?]) } else { None },
             ffn_norm: vector(&p("ffn_norm"), c.hidden)?,
             w_gate: matrix(&p("ffn_gate"), c.hidden, c.ffn)?,
             w_up: matrix(&p("ffn_up"), c.hidden, c.ffn)?,
@@ -142,10 +221,29 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
         None => None,
     };
     let out_norm = vector("output_norm.weight", c.hidden)?;
-    let tokenizer = Tokenizer::from_gguf(&f).map_err(|source| ModelError::Tokenizer { path: path.into(), source })?;
-    let template = ChatTemplate::from_gguf(&f).map_err(|source| ModelError::Template { path: path.into(), source })?;
-    let model = assemble(backend, config, embed, output, out_norm, layers);
-    Ok(LoadedModel { model, tokenizer, template, source: path.to_path_buf() })
+    Ok(assemble(backend, config, embed, output, out_norm, layers))
+}
+
+/// Refuses a model that needs an operation the backend lacks, naming both.
+fn check_backend<B: Backend>(backend: &B, c: &ModelConfig) -> Result<(), String> {
+    let f = &c.family;
+    let needs = [
+        (f.activation == arch::Activation::GeluTanhGlu, OptionalOp::GeluMul),
+        (f.qkv_bias, OptionalOp::BiasAdd),
+        (f.embed_scale, OptionalOp::Scale),
+        (f.qk_norm, OptionalOp::HeadNorm),
+        (c.layers.iter().any(|l| l.window.is_some()), OptionalOp::SlidingWindow),
+    ];
+    match needs.iter().find(|(need, op)| *need && !backend.supports(*op)) {
+        Some((_, op)) => Err(format!("architecture {} needs {}, which backend {} does not implement", f.name, op.name(), backend.describe())),
+        None => Ok(()),
+    }
+}
+
+/// [`permute_rows`] for a vector of `heads` heads of f32 values.
+fn permute_f32(v: &[f32], heads: usize) -> Vec<f32> {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    permute_rows(&bytes, v.len(), heads, true).chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
 fn assemble<B: Backend>(backend: &B, config: ModelConfig, embed: B::Matrix, output: Option<B::Matrix>, out_norm: B::Tensor, layers: Vec<Layer<B>>) -> Model<B> {
@@ -155,8 +253,22 @@ fn assemble<B: Backend>(backend: &B, config: ModelConfig, embed: B::Matrix, outp
             weight_bytes += backend.matrix_bytes(m);
         }
     }
-    let rope = backend.rope(config.head_dim, config.rope_base, config.context_length);
-    Model { config, embed, output, out_norm, layers, rope, weight_bytes }
+    // One table per distinct rope of the layers (Gemma 3: local and global).
+    let mut specs: Vec<RopeSpec> = Vec::new();
+    let layer_rope = config
+        .layers
+        .iter()
+        .map(|l| match specs.iter().position(|s| *s == l.rope) {
+            Some(i) => i,
+            None => {
+                specs.push(l.rope);
+                specs.len() - 1
+            }
+        })
+        .collect();
+    let (hd, ctx, factors) = (config.head_dim, config.context_length, config.rope_factors.as_deref());
+    let ropes = specs.iter().map(|s| backend.rope(RopeTable::scaled(hd, s.base, ctx, s.freq_scale, factors))).collect();
+    Model { config, embed, output, out_norm, layers, ropes, layer_rope, weight_bytes }
 }
 
 /// An error naming the tensor, its type and the types Baton reads.
@@ -201,8 +313,15 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ModelErro
 pub fn load_hf_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LoadedModel<B>, ModelError> {
     use safetensors::{tensor::Dtype, SafeTensors};
     let hf: HfConfig = read_json(&dir.join("config.json"))?;
-    let config = ModelConfig::from(&hf);
-    config.check().map_err(|reason| ModelError::Config { path: dir.join("config.json"), reason })?;
+    let cfg_err = |reason: String| ModelError::Config { path: dir.join("config.json"), reason };
+    let config = ModelConfig::from_hf(&hf).map_err(cfg_err)?;
+    config.check().map_err(cfg_err)?;
+    if config.family.post_norms || config.family.embed_scale {
+        // Gemma checkpoints name their norms differently and store them as
+        // w - 1; only their GGUF conversion is read so far.
+        return Err(cfg_err(format!("{} models load from GGUF files only", config.family.name)));
+    }
+    check_backend(backend, &config).map_err(cfg_err)?;
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|source| ModelError::Io { path: dir.into(), source })?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -257,26 +376,39 @@ pub fn load_hf_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LoadedModel<B>
         };
         backend.matrix(format, n, k, bytes).map_err(|e| kernel_err(&p, name, e))
     };
-    let vector = |name: &str, n: usize| -> Result<B::Tensor, ModelError> {
+    let vector_p = |name: &str, n: usize, permute_heads: Option<usize>| -> Result<B::Tensor, ModelError> {
         let (p, dtype, shape, data) = find(name)?;
         if shape != [n] {
             return Err(ModelError::Tensor { path: p, tensor: name.into(), reason: format!("shape {shape:?}, expected [{n}]") });
         }
         let mut v = vec![0f32; n];
         baton_kernels::quant::dequantize_row(format_of(&p, name, dtype)?, data, &mut v);
+        if let Some(h) = permute_heads {
+            v = permute_f32(&v, h);
+        }
         Ok(backend.upload(&v))
     };
+    let vector = |name: &str, n: usize| vector_p(name, n, None);
     let c = &config;
     let kvw = c.n_kv_heads * c.head_dim;
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let p = |s: &str| format!("model.layers.{i}.{s}.weight");
+        let b = |s: &str| format!("model.layers.{i}.{s}.bias");
+        let qw = c.n_heads * c.head_dim;
         layers.push(Layer {
             attn_norm: vector(&p("input_layernorm"), c.hidden)?,
-            wq: matrix(&p("self_attn.q_proj"), c.n_heads * c.head_dim, c.hidden, Some(c.n_heads))?,
+            wq: matrix(&p("self_attn.q_proj"), qw, c.hidden, Some(c.n_heads))?,
             wk: matrix(&p("self_attn.k_proj"), kvw, c.hidden, Some(c.n_kv_heads))?,
             wv: matrix(&p("self_attn.v_proj"), kvw, c.hidden, None)?,
-            wo: matrix(&p("self_attn.o_proj"), c.hidden, c.n_heads * c.head_dim, None)?,
+            qkv_bias: if c.family.qkv_bias {
+                Some([vector_p(&b("self_attn.q_proj"), qw, Some(c.n_heads))?, vector_p(&b("self_attn.k_proj"), kvw, Some(c.n_kv_heads))?, vector(&b("self_attn.v_proj"), kvw)?])
+            } else {
+                None
+            },
+            qk_norm: if c.family.qk_norm { Some([vector_p(&p("self_attn.q_norm"), c.head_dim, Some(1))?, vector_p(&p("self_attn.k_norm"), c.head_dim, Some(1))?]) } else { None },
+            wo: matrix(&p("self_attn.o_proj"), c.hidden, qw, None)?,
+            post_norms: None,
             ffn_norm: vector(&p("post_attention_layernorm"), c.hidden)?,
             w_gate: matrix(&p("mlp.gate_proj"), c.ffn, c.hidden, None)?,
             w_up: matrix(&p("mlp.up_proj"), c.ffn, c.hidden, None)?,
@@ -302,6 +434,10 @@ pub fn load_hf_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LoadedModel<B>
 pub fn export_hf(gguf_path: &Path, out: &Path) -> Result<(), ModelError> {
     use safetensors::tensor::{Dtype, TensorView};
     let f = GgufFile::open(gguf_path)?;
+    let arch = f.get_str("general.architecture")?;
+    if arch != "llama" {
+        return Err(ModelError::Config { path: gguf_path.into(), reason: format!("export writes Llama models only, not {arch:?}") });
+    }
     let io = |path: &Path, source| ModelError::Io { path: path.into(), source };
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     let g = |k: &str| f.get_u32(&format!("llama.{k}")).map(|v| v as usize);

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use crate::attention::AttnRow;
-use crate::backend::{Backend, KernelError};
+use crate::backend::{Backend, KernelError, OptionalOp};
 use crate::kv::{KvDtype, KvLayout};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
@@ -480,12 +480,11 @@ impl Backend for CudaBackend {
         Ok(CudaKv { layout, blocks, arena })
     }
 
-    fn rope(&self, head_dim: usize, base: f32, max_pos: usize) -> CudaRope {
-        let table = RopeTable::new(head_dim, base, max_pos);
+    fn rope(&self, table: RopeTable) -> CudaRope {
         let (cos, sin) = table.tables();
         let cos = self.stream.memcpy_stod(cos).unwrap_or_else(|e| fail("uploading rope tables", e));
         let sin = self.stream.memcpy_stod(sin).unwrap_or_else(|e| fail("uploading rope tables", e));
-        CudaRope { half: head_dim / 2, max_pos, cos, sin }
+        CudaRope { half: table.head_dim / 2, max_pos: table.max_pos, cos, sin }
     }
 
     fn tensor(&self, len: usize) -> CudaSlice<f32> {
@@ -584,6 +583,25 @@ impl Backend for CudaBackend {
         unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("silu_mul", e));
     }
 
+    fn supports(&self, op: OptionalOp) -> bool {
+        // Only the Llama-family ops have kernels here so far; models needing
+        // more are refused at load, so the methods below are never reached.
+        let _ = op;
+        false
+    }
+
+    fn gelu_mul(&self, _: &CudaSlice<f32>, _: &CudaSlice<f32>, _: usize, _: &mut CudaSlice<f32>) {
+        unreachable!("{}: refused at load (Backend::supports)", OptionalOp::GeluMul.name())
+    }
+
+    fn add_rows(&self, _: &mut CudaSlice<f32>, _: &CudaSlice<f32>, _: usize, _: usize) {
+        unreachable!("{}: refused at load (Backend::supports)", OptionalOp::BiasAdd.name())
+    }
+
+    fn scale(&self, _: &mut CudaSlice<f32>, _: f32, _: usize) {
+        unreachable!("{}: refused at load (Backend::supports)", OptionalOp::Scale.name())
+    }
+
     fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) {
         if len == 0 {
             return;
@@ -621,7 +639,8 @@ impl Backend for CudaBackend {
         unsafe { b.launch(config(plan::per_row(slots.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("kv_write", e));
     }
 
-    fn attention(&self, kv: &CudaKv, layer: usize, q: &CudaSlice<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, out: &mut CudaSlice<f32>) {
+    fn attention(&self, kv: &CudaKv, layer: usize, q: &CudaSlice<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut CudaSlice<f32>) {
+        assert!(window.is_none(), "{}: refused at load (Backend::supports)", OptionalOp::SlidingWindow.name());
         if rows.is_empty() {
             return;
         }

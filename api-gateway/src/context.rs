@@ -237,8 +237,8 @@ impl ContextBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use baton_engine::gguf::writer::write_gguf;
-    use baton_engine::gguf::{GgufFile, MetaValue};
+    use baton_text::gguf::writer::write_gguf;
+    use baton_text::gguf::{GgufFile, MetaValue};
 
     /// A model with a SentencePiece vocabulary and no chat template: the
     /// builder starts, and every chat prompt is refused with a clear error.

@@ -30,7 +30,7 @@ fn main() {
         t2 - t1
     );
     let corpus: Vec<String> =
-        serde_json::from_str(include_str!("../tests/golden/tokenizer_corpus.json"))
+        serde_json::from_str(include_str!("../../engine/tests/golden/tokenizer_corpus.json"))
             .expect("corpus");
     let mut text = corpus.join(" ");
     while text.len() < bytes {

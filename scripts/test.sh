@@ -62,6 +62,10 @@ step "deploy/check.sh" bash deploy/check.sh
 current="scripts/fetch-model.sh"
 BATON_MODEL="$(bash scripts/fetch-model.sh | tail -n 1)"
 export BATON_MODEL
+# The second model (Gemma 3 270M, SentencePiece, sliding window): named explicitly so its
+# tests (engine/tests/gemma3.rs, tokenizer_corpus.rs) run rather than skip.
+BATON_GEMMA_MODEL="$(bash scripts/fetch-model.sh gemma3 | tail -n 1)"
+export BATON_GEMMA_MODEL
 # NVRTC (from PyPI): kernels/tests/cuda_ptx.rs compiles every CUDA kernel to PTX
 # with it, no GPU needed, so it must not skip here.
 current="scripts/fetch-nvrtc.sh"

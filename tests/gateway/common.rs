@@ -13,11 +13,19 @@ use baton_engine::model::load_gguf;
 use baton_engine::{Engine, EngineConfig};
 use baton_kernels::CpuBackend;
 use clap::Parser;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The default model, or `None` (the test then says it is skipped), resolved
 /// as scripts/fetch-model.sh does.
+/// The engine every gateway test runs on: the default model, 2 threads, 64 MiB of KV.
+pub fn engine(model: &Path) -> Arc<Engine> {
+    let backend = CpuBackend::new(2).unwrap();
+    let loaded = load_gguf(&backend, model).unwrap();
+    let config = EngineConfig { kv_memory_bytes: 64 << 20, tier2_bytes: 0, max_context: Some(2048), ..Default::default() };
+    Arc::new(Engine::start(backend, loaded, config).unwrap())
+}
+
 pub fn model_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("BATON_MODEL") {
         return Some(PathBuf::from(p));
@@ -92,16 +100,7 @@ pub async fn start_wrapped(
     }
     argv.extend(flags.iter().map(|s| s.to_string()));
     let config = Config::try_from(Wrap::parse_from(argv).args).unwrap();
-    let backend = CpuBackend::new(2).unwrap();
-    let loaded = load_gguf(&backend, &model).unwrap();
-    let engine = Arc::new(
-        Engine::start(
-            backend,
-            loaded,
-            EngineConfig { kv_memory_bytes: 64 << 20, tier2_bytes: 0, max_context: Some(2048), ..Default::default() },
-        )
-        .unwrap(),
-    );
+    let engine = engine(&model);
     let store = SqliteStore::open(&db).unwrap();
     let key = auth::create_key(&store, "alice", "test").await.unwrap();
     let key2 = auth::create_key(&store, "bob", "test").await.unwrap();

@@ -11,9 +11,7 @@ use baton_api_gateway::client::{Client, Method, StatusCode};
 use baton::local_generator::LocalGenerator;
 use baton_api_gateway::store::ConversationStore;
 use baton_api_gateway::{auth, build_app, Args, Config};
-use baton_engine::model::load_gguf;
-use baton_engine::{Engine, EngineConfig};
-use baton_kernels::CpuBackend;
+use baton_engine::Engine;
 use clap::Parser;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -60,16 +58,7 @@ async fn turn(c: &Client, conv: &str, id: &str, message: &str) -> Value {
 async fn multi_turn_conversation_over_postgres() {
     let Some(model) = common::model_path() else { return };
     let Some(mut pg) = pg::TempPostgres::start() else { return };
-    let backend = CpuBackend::new(2).unwrap();
-    let loaded = load_gguf(&backend, &model).unwrap();
-    let engine = Arc::new(
-        Engine::start(
-            backend,
-            loaded,
-            EngineConfig { kv_memory_bytes: 64 << 20, tier2_bytes: 0, max_context: Some(2048), ..Default::default() },
-        )
-        .unwrap(),
-    );
+    let engine = common::engine(&model);
     let url = pg.url();
     let (base, _stop) = replica(&url, &engine).await;
     let (base2, _stop2) = replica(&url, &engine).await;

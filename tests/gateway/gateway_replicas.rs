@@ -15,6 +15,7 @@
 //! Each replica runs on its own Tokio runtime, so killing one stops every task it
 //! had (server, turn runner, heartbeat) at once, as a crash does.
 
+use crate::common::{engine, model_path};
 use crate::pg;
 
 use baton_api_gateway::client::{Client, Method, StatusCode};
@@ -24,13 +25,10 @@ use baton_api_gateway::generator::{
 };
 use baton_api_gateway::store::{ConversationStore, LogEntry, PostgresStore, TurnState};
 use baton_api_gateway::{auth, build_app, Args, Config};
-use baton_engine::model::load_gguf;
-use baton_engine::{Engine, EngineConfig};
-use baton_kernels::CpuBackend;
+use baton_engine::Engine;
 use clap::Parser;
 use serde_json::{json, Value};
 use std::future::Future;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -38,41 +36,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio_stream::Stream;
-
-fn model_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("BATON_MODEL") {
-        return Some(PathBuf::from(p));
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from)?;
-    let p = home.join(".cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!(
-            "skipped: model not found at {}; run scripts/fetch-model.sh",
-            p.display()
-        );
-        None
-    }
-}
-
-fn engine(model: &std::path::Path) -> Arc<Engine> {
-    let backend = CpuBackend::new(2).unwrap();
-    let loaded = load_gguf(&backend, model).unwrap();
-    Arc::new(
-        Engine::start(
-            backend,
-            loaded,
-            EngineConfig {
-                kv_memory_bytes: 64 << 20,
-                tier2_bytes: 0,
-                max_context: Some(2048),
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    )
-}
 
 /// Holds the engine's generations where a test wants them: before they start
 /// (so that two replicas reach admission together) or after `free` tokens (so

@@ -1,12 +1,14 @@
-//! One user's slow turn never stalls another's: while Alice's turn is held inside
-//! summarization (the slowest part of admitting a turn), Bob's turns take what they take
-//! when the gateway is idle, within 50 ms (medians of seven). Its own test binary, so no
-//! other test's load shares the timing.
+//! One user's slow turn never stalls another's: Alice's turn is held inside summarization
+//! (the slowest part of admitting a turn) for as long as the test wants, and Bob's turns
+//! must all finish while it is still held. The hold has no end of its own, so anything
+//! Bob's turn waited on behind Alice's (a lock, a queue slot, a worker) shows up as a
+//! timeout, not as a slowdown; the test does not compare wall-clock times, which other
+//! tests in this binary share.
 
 use crate::common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use baton_api_gateway::generator::{Eviction, GenerateError, GenerateRequest, Generator, GenerationStream};
 
@@ -35,13 +37,12 @@ impl Generator for HoldSummaries {
     }
 }
 
-/// The median of `n` turns by `key`, each the first turn of a new conversation of its own
+/// Runs `n` turns by `key`, each the first turn of a new conversation of its own
 /// (the path that takes a conversation's admission lock, as Alice's held turn does);
-/// `tag` keeps the two series' messages distinct and equally long. Only the turn is timed.
-async fn median_turn(base: &str, key: &str, tag: &str, n: usize) -> Duration {
+/// `tag` keeps the two series' messages distinct and equally long.
+async fn bob_turns(base: &str, key: &str, tag: &str, n: usize) {
     // A turn stuck behind Alice's fails the test instead of hanging it.
     let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
-    let mut took = Vec::new();
     for i in 0..n {
         let created = http
             .post(format!("{base}/v1/conversations"))
@@ -57,7 +58,6 @@ async fn median_turn(base: &str, key: &str, tag: &str, n: usize) -> Duration {
         let created: serde_json::Value = serde_json::from_str(&created).unwrap();
         let conv = created["id"].as_str().unwrap();
         let body = serde_json::json!({"message": format!("Name a colour, please ({tag}{i})."), "max_tokens": 4, "temperature": 0, "stream": false});
-        let started = Instant::now();
         let r = http
             .post(format!("{base}/v1/conversations/{conv}/turns"))
             .bearer_auth(key)
@@ -68,10 +68,7 @@ async fn median_turn(base: &str, key: &str, tag: &str, n: usize) -> Duration {
             .unwrap();
         assert_eq!(r.status(), 200);
         let _ = r.bytes().await.unwrap();
-        took.push(started.elapsed());
     }
-    took.sort();
-    took[n / 2]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,18 +96,15 @@ async fn a_turn_held_in_summarization_does_not_stall_another_user() {
     let (st, _) = alice.json(reqwest::Method::POST, &path, Some(&first)).await.unwrap();
     assert_eq!(st, 200);
 
-    let idle = median_turn(&server.base, &server.key2, "a", 7).await;
+    // Bob's turns work at all before Alice's is held, so a failure below is the hold's.
+    bob_turns(&server.base, &server.key2, "a", 2).await;
     let held_turn = {
         let (alice, path) = (server.client(), path.clone());
         tokio::spawn(async move { alice.json(reqwest::Method::POST, &path, Some(&turn("And the sea?"))).await.unwrap().0 })
     };
     tokio::time::timeout(Duration::from_secs(30), entered.notified()).await.expect("alice's turn reached its summary");
-    let during = median_turn(&server.base, &server.key2, "b", 7).await;
-    assert!(!held_turn.is_finished(), "alice's turn is still held in its summary");
+    bob_turns(&server.base, &server.key2, "b", 5).await;
+    assert!(!held_turn.is_finished(), "alice's turn is still held in its summary while bob's turns finished");
     release_tx.send(true).unwrap();
     assert_eq!(held_turn.await.unwrap(), 200);
-    assert!(
-        during <= idle + Duration::from_millis(50),
-        "bob's median turn took {during:?} while alice's turn was held in summarization, {idle:?} idle"
-    );
 }

@@ -24,6 +24,20 @@ mkdir -p "$CACHE" "$SRC" "$BIN"
 
 log() { echo "[llamacpp/build] $*" >&2; }
 
+# One set of ggml options for both builds. AMX is off: on machines whose CPU reports AMX
+# (Sapphire Rapids and later) ggml 0.3.36's AMX matrix product crashes (SIGSEGV in
+# ggml_backend_amx_mul_mat, seen in llama-bench on SmolLM2 Q4_1 and in the Python build
+# on Gemma 3); without it ggml uses its AVX-512 VNNI kernels, the ISA Baton's CPU
+# backend uses too, so the comparison stays like for like.
+GGML_FLAGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF"
+# Builds made with other options are rebuilt.
+STAMP="$CACHE/ggml-flags"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$GGML_FLAGS" ]; then
+    rm -rf "$BIN"/llama-* "$BUILD"
+    mkdir -p "$BIN"
+    REBUILD_PY=1
+fi
+
 # --- system tools -----------------------------------------------------------
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
@@ -62,13 +76,13 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 fi
 have="$("$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)"
-if [ "$have" != "$VERSION" ]; then
+if [ "$have" != "$VERSION" ] || [ "${REBUILD_PY:-0}" = 1 ]; then
     log "building llama-cpp-python $VERSION from sdist (CPU only, takes a while)"
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
+    CMAKE_ARGS="$GGML_FLAGS" \
     CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
     FORCE_CMAKE=1 \
         "$VENV/bin/python" -m pip install --disable-pip-version-check --no-cache-dir \
-        --verbose "$SDIST" > "$CACHE/pip-install.log" 2>&1 \
+        --force-reinstall --verbose "$SDIST" > "$CACHE/pip-install.log" 2>&1 \
         || { tail -50 "$CACHE/pip-install.log" >&2; exit 1; }
 else
     log "llama-cpp-python $VERSION already installed"
@@ -82,9 +96,9 @@ missing=0
 for t in "${targets[@]}"; do [ -x "$BIN/$t" ] || missing=1; done
 if [ "$missing" = 1 ]; then
     log "configuring cmake build in $BUILD"
-    cmake -S "$LLAMA_SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    # shellcheck disable=SC2086 # GGML_FLAGS is a list of options
+    cmake -S "$LLAMA_SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release $GGML_FLAGS \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
         > "$CACHE/cmake-configure.log" 2>&1 \
         || { tail -50 "$CACHE/cmake-configure.log" >&2; exit 1; }
@@ -98,6 +112,8 @@ if [ "$missing" = 1 ]; then
 else
     log "binaries already in $BIN"
 fi
+
+echo "$GGML_FLAGS" >"$STAMP"
 
 # --- report -----------------------------------------------------------------
 echo "llama-cpp-python $VERSION (sdist: $SDIST)"

@@ -88,10 +88,19 @@ fn a_plaintext_client_and_a_foreign_ca_get_no_answer() {
         let kv_only = Plane::mtls(baton_kv_transport::NodeTls::from_dir(cluster.dir.path(), "kv-only").unwrap());
         assert!(kv_only.is_err(), "a role-less certificate is not a plane identity");
     });
-    // Both failed handshakes are in the coordinator's metrics.
-    let text = metrics(&cluster.coordinator.addr("http"));
-    let refused = sample(&text, "baton_plane_connections_refused_total{reason=\"handshake\"}");
-    assert!(refused >= 2.0, "refused handshakes counted: {refused}\n{text}");
+    // Both failed handshakes are in the coordinator's metrics. The server counts a
+    // refusal when its side of the handshake ends, which can be after the client gave up,
+    // so the count is read until it arrives (or the deadline says it never will).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let text = metrics(&cluster.coordinator.addr("http"));
+        let refused = sample(&text, "baton_plane_connections_refused_total{reason=\"handshake\"}");
+        if refused >= 2.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "refused handshakes counted: {refused}\n{text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The value of the sample `series` (name and labels, as printed) in a Prometheus text.

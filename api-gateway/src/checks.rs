@@ -7,15 +7,47 @@
 //! Rule file: one rule per line, `input: <phrase>` or `output: <phrase>`
 //! (case-insensitive substring), `#` comments.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use crate::markdown::StreamSanitizer;
 use std::sync::Arc;
 
-/// Screens text; `Err(reason)` blocks it. Reasons are short and safe to show.
+/// Why a check blocked a text. The reason is short and safe to show the client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct Refusal {
+    pub reason: String,
+}
+
+impl Refusal {
+    pub fn new(reason: impl Into<String>) -> Self {
+        Refusal { reason: reason.into() }
+    }
+}
+
+/// Why a rule file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RulesError {
+    #[error("line {line}: {why}")]
+    Line { line: usize, why: String },
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    InFile {
+        path: PathBuf,
+        #[source]
+        source: Box<RulesError>,
+    },
+}
+
+/// Screens text; `Err(refusal)` blocks it.
 pub trait ContentCheck: Send + Sync + 'static {
-    fn check_input(&self, text: &str) -> Result<(), String>;
+    fn check_input(&self, text: &str) -> Result<(), Refusal>;
     /// `recent` is the tail of the reply so far, including the newest chunk.
-    fn check_output(&self, recent: &str) -> Result<(), String>;
+    fn check_output(&self, recent: &str) -> Result<(), Refusal>;
 }
 
 /// Phrase rules from a file.
@@ -26,30 +58,31 @@ pub struct RuleCheck {
 }
 
 impl RuleCheck {
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, RulesError> {
         let mut r = RuleCheck::default();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let (kind, phrase) = line.split_once(':').ok_or_else(|| format!("line {}: expected `input:` or `output:`", n + 1))?;
+            let bad = |why: String| RulesError::Line { line: n + 1, why };
+            let (kind, phrase) = line.split_once(':').ok_or_else(|| bad("expected `input:` or `output:`".into()))?;
             let phrase = phrase.trim().to_lowercase();
             if phrase.is_empty() {
-                return Err(format!("line {}: empty phrase", n + 1));
+                return Err(bad("empty phrase".into()));
             }
             match kind.trim() {
                 "input" => r.input.push(phrase),
                 "output" => r.output.push(phrase),
-                other => return Err(format!("line {}: unknown rule kind {other:?}", n + 1)),
+                other => return Err(bad(format!("unknown rule kind {other:?}"))),
             }
         }
         Ok(r)
     }
 
-    pub fn load(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    pub fn load(path: &Path) -> Result<Self, RulesError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read { path: path.into(), source })?;
+        Self::parse(&text).map_err(|e| RulesError::InFile { path: path.into(), source: Box::new(e) })
     }
 
     /// Longest output phrase, in bytes: how much tail the filter must keep.
@@ -59,18 +92,18 @@ impl RuleCheck {
 }
 
 impl ContentCheck for RuleCheck {
-    fn check_input(&self, text: &str) -> Result<(), String> {
+    fn check_input(&self, text: &str) -> Result<(), Refusal> {
         let t = text.to_lowercase();
         match self.input.iter().find(|p| t.contains(p.as_str())) {
-            Some(_) => Err("the message was blocked by the input policy".into()),
+            Some(_) => Err(Refusal::new("the message was blocked by the input policy")),
             None => Ok(()),
         }
     }
 
-    fn check_output(&self, recent: &str) -> Result<(), String> {
+    fn check_output(&self, recent: &str) -> Result<(), Refusal> {
         let t = recent.to_lowercase();
         match self.output.iter().find(|p| t.contains(p.as_str())) {
-            Some(_) => Err("the reply was stopped by the output policy".into()),
+            Some(_) => Err(Refusal::new("the reply was stopped by the output policy")),
             None => Ok(()),
         }
     }
@@ -150,8 +183,8 @@ impl OutputFilter {
             return Filtered::Text(out);
         }
         self.recent.push_str(&out);
-        if let Err(reason) = self.check.check_output(&self.recent) {
-            return Filtered::Blocked(reason);
+        if let Err(refusal) = self.check.check_output(&self.recent) {
+            return Filtered::Blocked(refusal.reason);
         }
         if self.recent.len() > self.keep_recent * 2 {
             let mut cut = self.recent.len() - self.keep_recent;

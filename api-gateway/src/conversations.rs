@@ -256,7 +256,7 @@ pub async fn add_turn(
             return Err(busy());
         }
     }
-    app.checks.check_input(&body.message).map_err(|r| ApiError::new(StatusCode::BAD_REQUEST, "content_policy_violation", r))?;
+    app.checks.check_input(&body.message).map_err(|r| ApiError::refused(r.reason))?;
     let prev = turns.iter().rev().find(|t| t.state.in_context() && t.turn_id != turn_id);
     let threshold = app.config.summary_threshold_tokens;
     let mut new_summary = None;

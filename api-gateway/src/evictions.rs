@@ -78,7 +78,7 @@ impl Evictions {
                         }
                         Err(e) => {
                             // Evicted, but the tombstone stays: a later retry evicts again, harmlessly.
-                            tracing::warn!(conversation, kind = e.kind(), error = %e, "clearing a tombstone failed");
+                            tracing::warn!(conversation, kind = e.label(), error = %e, "clearing a tombstone failed");
                             ("store_error", ev.owed)
                         }
                     }
@@ -87,7 +87,7 @@ impl Evictions {
                 }
             }
             Err(e) => {
-                tracing::warn!(conversation, kind = e.kind(), error = %e, "eviction attempt failed");
+                tracing::warn!(conversation, kind = e.label(), error = %e, "eviction attempt failed");
                 ("error", owed.to_vec())
             }
         };
@@ -97,7 +97,7 @@ impl Evictions {
         let next = now_unix_ms().saturating_add(delay.as_millis() as i64);
         tracing::info!(conversation, attempts = failed, owed = ?owed, retry_in_ms = delay.as_millis() as u64, "eviction not yet acknowledged by every node");
         if let Err(e) = self.store.tombstone_attempted(conversation, failed, next, &owed).await {
-            tracing::warn!(conversation, kind = e.kind(), error = %e, "recording an eviction attempt failed");
+            tracing::warn!(conversation, kind = e.label(), error = %e, "recording an eviction attempt failed");
         }
         self.refresh_gauge().await;
         false
@@ -110,7 +110,7 @@ impl Evictions {
         loop {
             match self.store.due_tombstones(now_unix_ms(), BATCH).await {
                 Ok(due) => self.retry(due).await,
-                Err(e) => tracing::warn!(kind = e.kind(), error = %e, "reading due tombstones failed"),
+                Err(e) => tracing::warn!(kind = e.label(), error = %e, "reading due tombstones failed"),
             }
             tokio::time::sleep(poll).await;
         }
@@ -126,7 +126,7 @@ impl Evictions {
     pub async fn refresh_gauge(&self) {
         match self.store.count_tombstones().await {
             Ok(n) => metrics::set_tombstones(n),
-            Err(e) => tracing::warn!(kind = e.kind(), error = %e, "counting tombstones failed"),
+            Err(e) => tracing::warn!(kind = e.label(), error = %e, "counting tombstones failed"),
         }
     }
 }

@@ -48,6 +48,7 @@ use std::time::Duration;
 use store::ConversationStore;
 
 pub use auth::ensure_key;
+pub use error::Error;
 pub use store::sqlite;
 
 /// Flags of the gateway (`baton gateway`, `baton up`).
@@ -230,7 +231,7 @@ impl TryFrom<Args> for Config {
         );
         anyhow::ensure!(!a.slo_ttft.is_zero() && !a.slo_itl.is_zero(), "--slo-ttft and --slo-itl must be positive");
         let rules = match &a.check_rules {
-            Some(p) => RuleCheck::load(p).map_err(anyhow::Error::msg)?,
+            Some(p) => RuleCheck::load(p)?,
             None => RuleCheck::default(),
         };
         let tls = tls::TlsConfig::from_flags(a.tls_cert.as_deref(), a.tls_key.as_deref())?;

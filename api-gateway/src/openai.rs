@@ -17,7 +17,7 @@ use crate::server::{read_body, App};
 use crate::{metrics, request_id};
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -179,7 +179,7 @@ pub fn check_messages(check: &dyn ContentCheck, messages: &[ChatMessage]) -> Res
     for (i, m) in messages.iter().enumerate() {
         check.check_input(&m.content).map_err(|reason| ApiError {
             param: Some("messages"),
-            ..ApiError::new(StatusCode::BAD_REQUEST, "content_policy_violation", format!("messages[{i}] ({}): {reason}", m.role))
+            ..ApiError::refused(format!("messages[{i}] ({}): {reason}", m.role))
         })?;
     }
     Ok(())

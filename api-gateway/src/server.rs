@@ -6,6 +6,7 @@ use crate::auth::KeyCache;
 use crate::checks::{ContentCheck, LinkPolicy};
 use crate::context::ContextBuilder;
 use crate::error::ApiError;
+use baton_vocab::ErrorKind;
 use crate::generator::Generator;
 use crate::limits::Limiter;
 use crate::store::ConversationStore;
@@ -54,7 +55,7 @@ pub struct App {
 pub async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
     let limited = http_body_util::Limited::new(body, limit);
     let Ok(collected) = tokio::time::timeout(deadline, limited.collect()).await else {
-        return Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, "request_timeout", format!("the request body did not arrive within {deadline:?}")));
+        return Err(ApiError::new(ErrorKind::DeadlineExceeded, format!("the request body did not arrive within {deadline:?}")));
     };
     match collected {
         Ok(c) => Ok(c.to_bytes()),
@@ -75,10 +76,10 @@ async fn metrics_text() -> Response {
 /// they show the service's load and errors to whoever reads them.
 async fn public_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let Some(admin) = &app.config.admin_key else {
-        return ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "/metrics is served on the admin listener (--admin-listen), or here with an admin key").into_response();
+        return ApiError::new(ErrorKind::NotFound, "/metrics is served on the admin listener (--admin-listen), or here with an admin key").into_response();
     };
     if !admin.admits(headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())) {
-        return ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "/metrics needs the admin key: Authorization: Bearer <key>").into_response();
+        return ApiError::new(ErrorKind::Unauthenticated, "/metrics needs the admin key: Authorization: Bearer <key>").into_response();
     }
     metrics_text().await
 }
@@ -93,7 +94,7 @@ async fn health() -> &'static str {
 }
 
 async fn fallback() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
+    ApiError::new(ErrorKind::NotFound, "no such route")
 }
 
 /// The router over `app`.
@@ -111,7 +112,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/conversations/{id}/turns/{turn_id}/stop", post(conversations::stop))
         .fallback(fallback)
         .method_not_allowed_fallback(|| async {
-            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed")
+            ApiError::bad_request("method not allowed").with_status(StatusCode::METHOD_NOT_ALLOWED)
         })
         .with_state(app)
 }

@@ -197,7 +197,7 @@ async fn run(app: Arc<App>, live: Arc<LiveTurn>, conversation: String, turn_id: 
         _ => TurnState::Failed,
     };
     let finish_reason = match &end.error {
-        Some(e) => e.kind().to_string(),
+        Some(e) => e.label().to_string(),
         None => end.finish_reason.to_string(),
     };
     let u = end.usage;

@@ -135,7 +135,7 @@ async fn a_lost_server_is_unavailable_then_recovers() {
     assert!(t.elapsed() < Duration::from_secs(15), "failing took {:?}", t.elapsed());
     let api = ApiError::from(e);
     assert_eq!(api.status.as_u16(), 503);
-    assert_eq!(api.kind, "service_unavailable");
+    assert_eq!(api.error_type, "service_unavailable");
     assert!(!api.message.contains("postgres"), "internal details must not reach the client: {}", api.message);
 
     pg.spawn();

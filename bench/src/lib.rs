@@ -24,7 +24,7 @@ pub mod rng;
 pub mod simulate;
 
 pub use capacity::CapacityArgs;
-pub use error::BenchError;
+pub use error::{BenchError, Error, Result};
 pub use load::LoadArgs;
 pub use simulate::SimulateArgs;
 

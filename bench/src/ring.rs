@@ -25,7 +25,7 @@ mod tests {
     #[test]
     fn ring_errors_become_invalid_input() {
         let e: BenchError = Ring::new(0, 1.25).unwrap_err().into();
-        assert_eq!(e.kind(), "invalid_input");
+        assert_eq!(e.label(), "invalid_input");
         let e: BenchError = Ring::new(8, 0.5).unwrap_err().into();
         assert!(e.to_string().contains("load_factor"));
     }

@@ -1,4 +1,10 @@
-//! The crate's one error type, and its single crossing into gRPC statuses.
+//! The crate's one error type. Building a ring and evicting on one node keep their own
+//! small vocabularies ([`RingError`], [`EvictError`]); all three report an
+//! [`ErrorKind`], which `baton_proto::status` maps to a gRPC status.
+
+use crate::evict::EvictError;
+use crate::routing::ring::RingError;
+use baton_vocab::{ErrorKind, HasKind};
 
 /// What went wrong in the coordinator.
 #[derive(Debug, thiserror::Error)]
@@ -25,8 +31,8 @@ pub enum Error {
 }
 
 impl Error {
-    /// A stable short label, for metrics and the API error type.
-    pub fn kind(&self) -> &'static str {
+    /// A stable short label, for metrics and logs.
+    pub fn label(&self) -> &'static str {
         match self {
             Error::Config { .. } => "config",
             Error::InvalidRequest { .. } => "invalid_request",
@@ -40,21 +46,38 @@ impl Error {
     }
 }
 
+impl HasKind for Error {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            Error::InvalidRequest { .. } | Error::Config { .. } => ErrorKind::InvalidArgument,
+            // The membership store or the server is down: retry, maybe at another
+            // replica. `baton_proto::status` answers these with the label only, so
+            // store addresses and keys stay in the logs.
+            Error::NoNodes { .. } | Error::CorruptRecord { .. } | Error::Bind { .. } | Error::Serve(_) => ErrorKind::Unavailable,
+            #[cfg(feature = "etcd")]
+            Error::Etcd(_) => ErrorKind::Unavailable,
+        }
+    }
+}
+
+/// Lets a service answer with `?`; the mapping itself is `baton_proto::status`.
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
-        match &e {
-            Error::InvalidRequest { .. } | Error::Config { .. } => tonic::Status::invalid_argument(e.to_string()),
-            Error::NoNodes { .. } => tonic::Status::unavailable(e.to_string()),
-            // Internal details (store addresses, keys) stay in the logs.
-            Error::CorruptRecord { .. } | Error::Bind { .. } | Error::Serve(_) => {
-                tracing::warn!(error = %e, kind = e.kind(), "coordinator error");
-                tonic::Status::unavailable(e.kind())
-            }
-            #[cfg(feature = "etcd")]
-            Error::Etcd(_) => {
-                tracing::warn!(error = %e, kind = e.kind(), "coordinator error");
-                tonic::Status::unavailable(e.kind())
-            }
+        baton_proto::status(&e)
+    }
+}
+
+impl HasKind for RingError {
+    fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidArgument
+    }
+}
+
+impl HasKind for EvictError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            EvictError::Unreachable(_) | EvictError::Refused(_) => ErrorKind::Unavailable,
+            EvictError::Timeout(_) => ErrorKind::DeadlineExceeded,
         }
     }
 }

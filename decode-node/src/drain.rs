@@ -115,7 +115,7 @@ impl Drainer {
         let (tokens, owner, platform) = (w.tokens.clone(), w.owner.clone(), w.platform_prefix_len.min(w.tokens.len()));
         let cached = baton_node_common::shell::blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform))
             .await?
-            .map_err(baton_node_common::convert::status)?;
+            .map_err(|e| baton_proto::status(&e))?;
         if cached == 0 {
             return Ok(None);
         }

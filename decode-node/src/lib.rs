@@ -16,6 +16,7 @@
 //! listeners, TLS identity and engine.
 
 pub mod drain;
+pub mod error;
 pub mod handoff;
 pub mod metrics;
 mod service;
@@ -30,6 +31,7 @@ use baton_proto::node::decode_node_server::DecodeNodeServer;
 use baton_proto::plane::Role as IdRole;
 
 pub use baton_node_common::shell::{run, serve, Bound, Parts};
+pub use error::Error;
 pub use handoff::Router;
 
 /// The decode node's series: their prefix, where its `imported` prompt tokens come from, its own histograms.

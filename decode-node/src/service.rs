@@ -83,7 +83,7 @@ impl DecodeNode for DecodeService {
         self.metrics.turns.increment(1);
         let engine = self.engine.clone();
         let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
-        let mut cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
+        let mut cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(|e| baton_proto::status(&e))?;
         if !prefix_source.is_empty() && prefix_source != self.grpc_addr && req.conversation.is_some() {
             cached = self.adopt_moved(&req, &prefix_source, cached).await;
         }
@@ -98,7 +98,7 @@ impl DecodeNode for DecodeService {
                     self.metrics.imported(req.prompt.len().saturating_sub(cached) as u64);
                 }
                 Err(e) => {
-                    tracing::warn!(kind = e.kind(), error = %e, "remote prefill failed; prefilling locally");
+                    tracing::warn!(kind = e.label(), error = %e, "remote prefill failed; prefilling locally");
                     path = pb::PrefillPath::Fallback;
                     self.metrics.fallbacks.inc();
                 }
@@ -114,9 +114,9 @@ impl DecodeNode for DecodeService {
                 tracing::warn!(what, "import refused; prefilling locally");
                 path = pb::PrefillPath::Fallback;
                 self.metrics.fallbacks.inc();
-                self.engine.submit_with(req, SubmitOptions::default()).map_err(convert::status)?
+                self.engine.submit_with(req, SubmitOptions::default()).map_err(|e| baton_proto::status(&e))?
             }
-            Err(e) => return Err(convert::status(e)),
+            Err(e) => return Err(baton_proto::status(&e)),
         };
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(forward(sub.stream, tx, path, self.metrics.clone(), warm));
@@ -129,7 +129,7 @@ impl DecodeNode for DecodeService {
         let peer = parse_endpoint(&r.kv_endpoint).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let engine = self.engine.clone();
         let (tokens, owner, platform, start) = (r.tokens, convert::owner(r.owner)?, r.platform_prefix_len as usize, r.start_block as usize);
-        let export = blocking(move || engine.export_prefix(&tokens, &owner, platform, start)).await?.map_err(convert::status)?;
+        let export = blocking(move || engine.export_prefix(&tokens, &owner, platform, start)).await?.map_err(|e| baton_proto::status(&e))?;
         let n = grant.blocks.len();
         if export.blocks.len() < n {
             return Err(Status::failed_precondition(format!("only {} of {n} prefix blocks are cached here", export.blocks.len())));
@@ -168,7 +168,7 @@ impl DecodeNode for DecodeService {
         }
         let engine = self.engine.clone();
         let (tokens, owner, platform) = (r.tokens, convert::owner(r.owner)?, r.platform_prefix_len as usize);
-        let cached = blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform)).await?.map_err(convert::status)?;
+        let cached = blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform)).await?.map_err(|e| baton_proto::status(&e))?;
         Ok(Response::new(pb::CachedPrefixResponse { cached_tokens: cached as u32 }))
     }
 
@@ -254,7 +254,7 @@ async fn forward(
             }
             Some(Event::Failed(e)) => {
                 metrics.outcome("failed", 1);
-                let _ = tx.send(Err(convert::status(e))).await;
+                let _ = tx.send(Err(baton_proto::status(&e))).await;
                 return;
             }
             None => {

@@ -4,9 +4,11 @@
 //! decides what to run.
 
 pub mod engine;
+pub mod error;
 pub mod kv;
 pub mod model;
 
+pub use error::{Error, Result};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
     RequestStream, SubmitOptions, Submission,

@@ -121,7 +121,7 @@ fn bad_imports_are_refused() {
     let Some(e) = engine(config()) else { return };
     let prompt: Vec<u32> = (1..50).collect();
     let bytes = e.info.kv_layout.block_bytes();
-    let bad = |import: KvImport| e.submit_with(request(prompt.clone(), "u", 4), SubmitOptions { import: Some(import), export_from_block: None }).err().map(|x| x.kind());
+    let bad = |import: KvImport| e.submit_with(request(prompt.clone(), "u", 4), SubmitOptions { import: Some(import), export_from_block: None }).err().map(|x| x.label());
     let first = Some(ImportedToken { id: 5, logprob: 0.0, top_logprobs: vec![] });
     assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes - 1]; 4], first_token: first.clone() }), Some("bad_import"));
     assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 2], first_token: first }), Some("bad_import"));

@@ -56,7 +56,7 @@ fn unknown_architecture_is_refused_naming_it_and_the_known_ones() {
         "{msg}"
     );
     assert!(msg.contains("m.gguf"), "names the file: {msg}");
-    assert_eq!(e.kind(), "model_config");
+    assert_eq!(e.label(), "model_config");
 }
 
 #[test]

@@ -459,10 +459,10 @@ fn synthetic_spm_errors_are_named() {
     let mut bad_byte = base_vocab(&[]);
     bad_byte[10].0 = "<0xZZ>".into();
     let e = spm_gguf(dir.path(), "badbyte", &as_refs(&bad_byte), vec![]).unwrap_err();
-    assert_eq!(e.kind(), "bad_byte_token", "{e}");
+    assert_eq!(e.label(), "bad_byte_token", "{e}");
     let dup = base_vocab(&[("x", 0.0, 1), ("x", 0.0, 1)]);
     let e = spm_gguf(dir.path(), "dup", &as_refs(&dup), vec![]).unwrap_err();
-    assert_eq!(e.kind(), "duplicate_token", "{e}");
+    assert_eq!(e.label(), "duplicate_token", "{e}");
     assert!(e.to_string().contains("\"x\""), "{e}");
     let e = spm_gguf(
         dir.path(),
@@ -471,7 +471,7 @@ fn synthetic_spm_errors_are_named() {
         vec![("tokenizer.ggml.bos_token_id", MetaValue::U32(9999))],
     )
     .unwrap_err();
-    assert_eq!(e.kind(), "token_id_out_of_range", "{e}");
+    assert_eq!(e.label(), "token_id_out_of_range", "{e}");
     // A byte with no token at all is an encode error, not a panic.
     let tiny = [
         ("<unk>", 0.0, 2),
@@ -482,7 +482,7 @@ fn synthetic_spm_errors_are_named() {
     let tok = spm_gguf(dir.path(), "nobytes", &tiny, vec![]).unwrap();
     assert_eq!(tok.encode(" ", false).unwrap(), vec![3, 3]);
     let e = tok.encode("q", false).unwrap_err();
-    assert_eq!(e.kind(), "no_byte_token", "{e}");
+    assert_eq!(e.label(), "no_byte_token", "{e}");
 }
 
 // ---------------------------------------------------------------------------
@@ -538,7 +538,7 @@ fn a_model_without_a_template_loads_and_refuses_chat() {
     assert!(!tmpl.is_present());
     assert_eq!(tmpl.source(), "");
     let e = tmpl.render(&[ChatMessage::user("hi")], true).unwrap_err();
-    assert_eq!(e.kind(), "template_missing");
+    assert_eq!(e.label(), "template_missing");
     assert!(e.to_string().contains("no chat template"), "{e}");
     // A present but broken key is still an error, not "missing".
     let bad = dir.path().join("badtemplate.gguf");

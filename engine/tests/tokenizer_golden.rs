@@ -313,7 +313,7 @@ fn hf_tokenizer_json_export_round_trips() {
         49152
     );
     let e = Tokenizer::from_tokenizer_json(&dir.path().join("missing.json")).unwrap_err();
-    assert_eq!(e.kind(), "tokenizer_load");
+    assert_eq!(e.label(), "tokenizer_load");
 }
 
 // ---------------------------------------------------------------------------
@@ -484,7 +484,7 @@ fn synthetic_gguf_tokenizers_follow_the_pre_type() {
         matches!(&e, TokenizerError::UnsupportedPreTokenizer { pre } if pre == "some-new-model"),
         "{e}"
     );
-    assert_eq!(e.kind(), "unsupported_pre_tokenizer");
+    assert_eq!(e.label(), "unsupported_pre_tokenizer");
 }
 
 #[test]
@@ -497,10 +497,10 @@ fn synthetic_gguf_errors_are_named() {
     };
     let s = |v: &str| MetaValue::String(v.into());
     let e = write("rwkv.gguf", vec![("tokenizer.ggml.model", s("rwkv"))]);
-    assert_eq!(e.kind(), "unsupported_tokenizer_model");
+    assert_eq!(e.label(), "unsupported_tokenizer_model");
     // SentencePiece is supported; without a token list it is a missing key.
     let e = write("spm.gguf", vec![("tokenizer.ggml.model", s("llama"))]);
-    assert_eq!(e.kind(), "missing_key", "{e}");
+    assert_eq!(e.label(), "missing_key", "{e}");
     let e = write(
         "nomerges.gguf",
         vec![
@@ -509,7 +509,7 @@ fn synthetic_gguf_errors_are_named() {
             ("tokenizer.ggml.tokens", MetaValue::Array(vec![s("a")])),
         ],
     );
-    assert_eq!(e.kind(), "missing_key", "{e}");
+    assert_eq!(e.label(), "missing_key", "{e}");
     let e = write(
         "badmerge.gguf",
         vec![
@@ -557,7 +557,7 @@ fn synthetic_gguf_errors_are_named() {
             ("tokenizer.ggml.merges", MetaValue::Array(vec![])),
         ],
     );
-    assert_eq!(e.kind(), "length_mismatch");
+    assert_eq!(e.label(), "length_mismatch");
 }
 
 // ---------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 //! The crate's one error type.
 
+use baton_vocab::{ErrorKind, HasKind};
+
 /// Result with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -32,7 +34,7 @@ pub enum Error {
 
 impl Error {
     /// A stable short label (metrics, logs).
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             Error::Generate(_) => "generate",
             Error::Tls(_) => "tls",
@@ -43,6 +45,18 @@ impl Error {
             Error::Io { .. } => "io",
             Error::InvalidName { .. } => "invalid_name",
             Error::InvalidAdminKey(_) => "invalid_admin_key",
+        }
+    }
+}
+
+impl HasKind for Error {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            // A certificate or name the peer presented that does not say who it is.
+            Error::NoIdentity | Error::AmbiguousIdentity(..) => ErrorKind::Unauthenticated,
+            Error::UnknownName(_) => ErrorKind::NotFound,
+            Error::InvalidName { .. } | Error::InvalidAdminKey(_) | Error::Parse(_) => ErrorKind::InvalidArgument,
+            Error::Generate(_) | Error::Tls(_) | Error::Io { .. } => ErrorKind::Internal,
         }
     }
 }

@@ -8,34 +8,11 @@
 
 use crate::attention::{attention, AttnRow};
 use crate::kv::{KvLayout, KvStorage};
-use crate::matmul::{matmul_many, Acts, MatrixError, QMatrix};
+pub use crate::error::Error as KernelError;
+use crate::matmul::{matmul_many, Acts, QMatrix};
 use crate::ops::{self, RopeTable};
 use crate::pool::Pool;
 use crate::quant::{QuantizedActs, WeightFormat};
-
-/// Errors of the kernels crate.
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    #[error(transparent)]
-    Matrix(#[from] MatrixError),
-    #[error("backend {backend} is unavailable: {reason}")]
-    BackendUnavailable { backend: &'static str, reason: String },
-    #[error("could not start {threads} compute threads: {reason}")]
-    Threads { threads: usize, reason: String },
-    #[error("NVRTC could not compile {file} for {arch}:\n{log}")]
-    Compile { file: String, arch: &'static str, log: String },
-}
-
-impl KernelError {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            KernelError::Matrix(_) => "matrix",
-            KernelError::BackendUnavailable { .. } => "backend_unavailable",
-            KernelError::Threads { .. } => "threads",
-            KernelError::Compile { .. } => "compile",
-        }
-    }
-}
 
 /// Operations that only some architectures use, which a backend may lack;
 /// a model needing one the backend lacks is refused at load

@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod backend;
 pub mod blocks;
+pub mod error;
 pub mod fp8;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -22,6 +23,7 @@ pub mod quant;
 
 pub use attention::AttnRow;
 pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, OptionalOp};
+pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
 pub use kv::{KvDtype, KvLayout, KvStorage};

@@ -129,7 +129,7 @@ fn without_a_driver_the_backend_is_an_error_that_says_why() {
         Err(e) if !has_driver => {
             let msg = e.to_string();
             assert!(msg.contains("libcuda.so.1") || msg.contains("no GPU"), "{msg}");
-            assert_eq!(e.kind(), "backend_unavailable");
+            assert_eq!(e.label(), "backend_unavailable");
         }
         Err(e) => println!("a driver is present but the backend is unavailable: {e}"),
         Ok(b) => println!("a GPU is present: {}", baton_kernels::Backend::describe(&b)),

@@ -1,14 +1,15 @@
 //! The crate's one error type.
 //!
-//! Owns: [`Error`], its stable [`Error::kind`] strings (metric label and API error type) and
+//! Owns: [`Error`], its stable [`Error::label`] strings (metric label and API error type) and
 //! the wire codes a receiver uses to tell a sender why a reservation ended.
-//! Invariants: `kind()` strings never change once shipped; a wire code always decodes to an
-//! error with the same `kind()` (unknown codes decode to `remote` with kind `unknown`).
+//! Invariants: `label()` strings never change once shipped; a wire code always decodes to an
+//! error with the same `label()` (unknown codes decode to `remote` with kind `unknown`).
 
 use std::fmt;
 use std::time::Duration;
 
 use crate::types::{BlockId, Epoch, ReservationId};
+use baton_vocab::{ErrorKind, HasKind};
 
 /// Result with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -200,11 +201,11 @@ pub struct WireFailure {
 
 impl Error {
     /// Stable label for metrics and API error types.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         KINDS[self.code() as usize]
     }
 
-    /// Index of [`Error::kind`] in [`KINDS`].
+    /// Index of [`Error::label`] in [`KINDS`].
     pub fn code(&self) -> u16 {
         match self {
             Error::UnknownReservation { .. } => 1,
@@ -258,7 +259,7 @@ impl Error {
     }
 
     /// Rebuilds a receiver's failure on the sender. Kinds whose details stay on the receiver
-    /// come back as [`Error::Remote`] with the same `kind()`.
+    /// come back as [`Error::Remote`] with the same `label()`.
     pub fn from_wire(reservation: ReservationId, w: WireFailure) -> Error {
         let (layer, block) = (w.layer, w.block);
         match w.code {
@@ -300,6 +301,41 @@ impl Error {
     }
 }
 
+impl HasKind for Error {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            Error::UnknownReservation { .. } => ErrorKind::NotFound,
+            Error::StaleEpoch { .. } | Error::ReservationEnded { .. } | Error::RdmaUnavailable { .. } => ErrorKind::FailedPrecondition,
+            Error::ReservationExpired { .. } | Error::DeadlineExceeded { .. } => ErrorKind::DeadlineExceeded,
+            Error::Cancelled { .. } => ErrorKind::Cancelled,
+            // The peer sent something this end can never accept.
+            Error::FrameChecksum { .. }
+            | Error::FrameMalformed { .. }
+            | Error::FrameTooLarge { .. }
+            | Error::UnsupportedVersion { .. }
+            | Error::LayoutMismatch { .. }
+            | Error::OutOfRange { .. }
+            | Error::DuplicateBlock { .. }
+            | Error::UnexpectedFrame { .. }
+            | Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
+            Error::AlreadyAttached { .. } => ErrorKind::Conflict,
+            Error::PoolExhausted { .. } => ErrorKind::ResourceExhausted,
+            // The link or the peer failed: another try (or a local prefill) may succeed.
+            Error::Incomplete { .. }
+            | Error::PeerGone { .. }
+            | Error::Remote { .. }
+            | Error::Io { .. }
+            | Error::Connect { .. }
+            | Error::Link { .. }
+            | Error::Rdma { .. }
+            | Error::RdmaCompletion { .. } => ErrorKind::Unavailable,
+            Error::Tls { .. } => ErrorKind::Unauthenticated,
+            Error::Certs { source, .. } => source.kind(),
+            Error::Sink { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,21 +354,21 @@ mod tests {
         ];
         for e in errors {
             let back = Error::from_wire(r, e.to_wire());
-            assert_eq!(back.kind(), e.kind(), "{e}");
+            assert_eq!(back.label(), e.label(), "{e}");
             assert_eq!(back.to_wire(), e.to_wire());
         }
         let unknown = Error::from_wire(r, WireFailure { code: 999, layer: 0, block: 0 });
-        assert_eq!(unknown.kind(), "unknown");
+        assert_eq!(unknown.label(), "unknown");
     }
 
     #[test]
     fn every_code_indexes_kinds() {
         let e = Error::RdmaUnavailable { reason: String::new() };
-        assert_eq!(e.kind(), "rdma_unavailable");
+        assert_eq!(e.label(), "rdma_unavailable");
         let e = Error::Rdma { op: "x", source: std::io::Error::other("y") };
-        assert_eq!(e.kind(), "rdma");
+        assert_eq!(e.label(), "rdma");
         let e = Error::RdmaCompletion { status: "x".into(), vendor_err: 0 };
-        assert_eq!(e.kind(), "rdma_completion");
+        assert_eq!(e.label(), "rdma_completion");
         assert_eq!(KINDS.len(), 30);
     }
 }

@@ -16,7 +16,7 @@ use crate::error::{Error, Side, KINDS};
 pub const LABEL_TRANSPORT: &str = "transport";
 /// Label: `sender` or `receiver`.
 pub const LABEL_SIDE: &str = "side";
-/// Label: [`Error::kind`].
+/// Label: [`Error::label`].
 pub const LABEL_KIND: &str = "kind";
 
 /// Counter: frame bytes (header, payload, checksum) sent or received.

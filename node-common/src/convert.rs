@@ -89,15 +89,3 @@ pub fn finish_reason(r: FinishReason) -> pb::FinishReason {
     }
 }
 
-/// Maps an engine error to a gRPC status (the one place it crosses).
-pub fn status(e: baton_engine::EngineError) -> Status {
-    use baton_engine::EngineError as E;
-    match e {
-        E::Overloaded { .. } => Status::resource_exhausted(e.to_string()),
-        E::ContextTooLong { .. } | E::EmptyPrompt | E::BadToken { .. } | E::BadPlatformPrefix { .. } | E::Sampling(_) | E::BadImport { .. } => {
-            Status::invalid_argument(e.to_string())
-        }
-        E::Stopped => Status::unavailable("the engine has stopped"),
-        other => Status::internal(other.kind()),
-    }
-}

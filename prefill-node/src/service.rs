@@ -93,7 +93,7 @@ impl PrefillService {
         // What this node holds of the prefix; pull the rest from the decode node.
         let engine = self.engine.clone();
         let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
-        let have = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?.min(k);
+        let have = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(|e| baton_proto::status(&e))?.min(k);
         let mut pulled = None;
         if have < k && !r.prefix_source.is_empty() {
             match self.pull_prefix(&req.prompt[..k], &req.owner, req.platform_prefix_len, have / bt, &r.prefix_source).await {
@@ -113,9 +113,9 @@ impl PrefillService {
             Ok(s) => s,
             Err(EngineError::BadImport { what }) => {
                 tracing::warn!(what, "pulled prefix refused; computing it here");
-                self.engine.submit_with(req, SubmitOptions { import: None, export_from_block: Some(start_block) }).map_err(convert::status)?
+                self.engine.submit_with(req, SubmitOptions { import: None, export_from_block: Some(start_block) }).map_err(|e| baton_proto::status(&e))?
             }
-            Err(e) => return Err(convert::status(e)),
+            Err(e) => return Err(baton_proto::status(&e)),
         };
         let mut stream = sub.stream;
         let mut first = None;
@@ -123,7 +123,7 @@ impl PrefillService {
             match stream.next().await {
                 Some(Event::Token(t)) => first = Some(convert::token(&t)),
                 Some(Event::Finished { .. }) => break,
-                Some(Event::Failed(e)) => return Err(convert::status(e)),
+                Some(Event::Failed(e)) => return Err(baton_proto::status(&e)),
                 None => return Err(Status::unavailable("the engine has stopped")),
             }
         }

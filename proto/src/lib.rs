@@ -6,6 +6,8 @@
 //! - [`node`]: the services nodes serve to each other and to the coordinator.
 //! - [`plane`]: the internal plane's mutual TLS, connections and authorization table.
 //! - [`client`]: [`client::MembershipClient`], the register + keep-alive loop nodes run.
+//! - [`status()`] and [`kind_of`]: the one mapping between an error's [`baton_vocab::ErrorKind`]
+//!   and a gRPC status, both ways.
 
 #[allow(clippy::all, missing_docs)]
 mod generated {
@@ -15,6 +17,10 @@ mod generated {
 pub use generated::baton::{common, coordinator, node};
 
 pub mod client;
+pub mod error;
 pub mod plane;
+pub mod status;
 
 pub use client::{MembershipClient, MembershipHandle, MembershipState};
+pub use error::{Error, Result};
+pub use status::{kind_of, status};

@@ -57,9 +57,9 @@ pub enum TemplateError {
 
 impl TemplateError {
     /// A stable, short name of the variant, for metric labels and API errors.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
-            TemplateError::Gguf(e) => e.kind(),
+            TemplateError::Gguf(e) => e.label(),
             TemplateError::Syntax { .. } => "template_syntax",
             TemplateError::Render { .. } => "template_render",
             TemplateError::Raised { .. } => "template_raised",
@@ -792,7 +792,7 @@ mod tests {
             matches!(&e, TemplateError::Raised { message } if message == "need a system message"),
             "{e}"
         );
-        assert_eq!(e.kind(), "template_raised");
+        assert_eq!(e.label(), "template_raised");
     }
 
     #[test]
@@ -804,7 +804,7 @@ mod tests {
     #[test]
     fn syntax_error_at_construction() {
         let e = ChatTemplate::from_str("{% for m in messages %}", "", "").unwrap_err();
-        assert_eq!(e.kind(), "template_syntax");
+        assert_eq!(e.label(), "template_syntax");
     }
 
     #[test]

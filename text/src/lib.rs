@@ -5,6 +5,8 @@
 //! - [`tokenizer`] and [`chat_template`]: text to token IDs and back, messages to a prompt;
 //! - [`sampling`]: request sampling parameters and their validation, the seeded sampler
 //!   over a logits slice, and the stop-string matcher;
+//! - [`Error`]: the crate's one error type (each module's own enum is a variant's
+//!   payload), with a `kind()` that protocols map to their status codes;
 //! - [`output`]: what a finished or streaming generation reports (finish reason, usage,
 //!   one token), shared by the engine, the nodes and the gateway.
 //!
@@ -12,10 +14,12 @@
 //! capacity planner use it without compiling the compute stack.
 
 pub mod chat_template;
+pub mod error;
 pub mod gguf;
 pub mod output;
 pub mod sampling;
 pub mod spm_tokenizer;
 pub mod tokenizer;
 
+pub use error::{Error, Result};
 pub use output::{FinishReason, TokenOut, Usage};

@@ -106,7 +106,7 @@ pub enum SamplingError {
 
 impl SamplingError {
     /// A stable, low-cardinality name for metrics labels and API error types.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             Self::InvalidParam { .. } => "invalid_sampling_params",
             Self::EmptyLogits => "empty_logits",

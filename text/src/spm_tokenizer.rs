@@ -89,7 +89,7 @@ pub enum SpmError {
 
 impl SpmError {
     /// A stable, short name of the variant, for metric labels and API errors.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             SpmError::BadByteToken { .. } => "bad_byte_token",
             SpmError::DuplicateToken { .. } => "duplicate_token",

@@ -106,9 +106,9 @@ pub enum TokenizerError {
 
 impl TokenizerError {
     /// A stable, short name of the variant, for metric labels and API errors.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
-            TokenizerError::Gguf(e) => e.kind(),
+            TokenizerError::Gguf(e) => e.label(),
             TokenizerError::UnsupportedModel { .. } => "unsupported_tokenizer_model",
             TokenizerError::UnsupportedPreTokenizer { .. } => "unsupported_pre_tokenizer",
             TokenizerError::LengthMismatch { .. } => "length_mismatch",
@@ -120,7 +120,7 @@ impl TokenizerError {
             TokenizerError::Load { .. } => "tokenizer_load",
             TokenizerError::Json { .. } => "json",
             TokenizerError::UnsupportedJson { .. } => "unsupported_tokenizer_json",
-            TokenizerError::Spm(e) => e.kind(),
+            TokenizerError::Spm(e) => e.label(),
         }
     }
 }

@@ -125,9 +125,9 @@ fn round_trip_all_value_and_tensor_types() {
 
     // Typed getters accept any integer type that fits.
     assert_eq!(g.get_u32("t.u8").unwrap(), 200);
-    assert_eq!(g.get_u32("t.u64").err().unwrap().kind(), "wrong_type");
+    assert_eq!(g.get_u32("t.u64").err().unwrap().label(), "wrong_type");
     assert_eq!(g.get_u64("t.u64").unwrap(), 1 << 40);
-    assert_eq!(g.get_u32("t.i32").err().unwrap().kind(), "wrong_type");
+    assert_eq!(g.get_u32("t.i32").err().unwrap().label(), "wrong_type");
     assert_eq!(g.get_f32("t.f64").unwrap(), -2.25);
     assert_eq!(g.get_str("t.str").unwrap(), "héllo 🙂");
     assert!(g.get_bool("t.bool").unwrap());
@@ -149,7 +149,7 @@ fn round_trip_all_value_and_tensor_types() {
     assert_eq!(g.opt_str("t.u8"), None);
     assert_eq!(g.opt_str("t.str"), Some("héllo 🙂"));
     assert_eq!(
-        g.get_i32_array("t.strs").err().unwrap().kind(),
+        g.get_i32_array("t.strs").err().unwrap().label(),
         "wrong_type"
     );
 }
@@ -204,7 +204,7 @@ fn every_prefix_of_a_file_is_an_error_not_a_panic() {
         match GgufFile::open(&p) {
             Ok(_) => panic!("prefix of {cut} bytes out of {} opened", full.len()),
             Err(e) => assert!(
-                matches!(e.kind(), "truncated" | "tensor_out_of_bounds"),
+                matches!(e.label(), "truncated" | "tensor_out_of_bounds"),
                 "cut at {cut}: unexpected {e}"
             ),
         }
@@ -222,7 +222,7 @@ fn corrupted_magic_is_bad_magic() {
         matches!(&e, GgufError::BadMagic { path } if path == &p),
         "{e}"
     );
-    assert_eq!(e.kind(), "bad_magic");
+    assert_eq!(e.label(), "bad_magic");
 }
 
 #[test]
@@ -230,7 +230,7 @@ fn missing_file_is_io_error_with_path() {
     let e = GgufFile::open(Path::new("/nonexistent/model.gguf"))
         .err()
         .unwrap();
-    assert_eq!(e.kind(), "io");
+    assert_eq!(e.label(), "io");
     assert!(e.to_string().contains("/nonexistent/model.gguf"));
 }
 
@@ -274,13 +274,13 @@ fn huge_counts_are_rejected_before_allocating() {
     let e = GgufFile::open(&write(dir.path(), "n.gguf", &b))
         .err()
         .unwrap();
-    assert_eq!(e.kind(), "truncated");
+    assert_eq!(e.label(), "truncated");
     b[8..16].copy_from_slice(&0u64.to_le_bytes());
     b[16..24].copy_from_slice(&(u64::MAX / 2).to_le_bytes()); // metadata count
     let e = GgufFile::open(&write(dir.path(), "m.gguf", &b))
         .err()
         .unwrap();
-    assert_eq!(e.kind(), "truncated");
+    assert_eq!(e.label(), "truncated");
 }
 
 #[test]
@@ -314,7 +314,7 @@ fn unknown_value_type_and_duplicates_are_errors() {
     let e = GgufFile::open(&write(dir.path(), "dk.gguf", &b))
         .err()
         .unwrap();
-    assert_eq!(e.kind(), "duplicate_key");
+    assert_eq!(e.label(), "duplicate_key");
 
     let t = TensorSpec::f32("w", &[1], &[1.0]);
     let b = to_bytes::<&str>(3, &[], &[t.clone(), t]).unwrap();
@@ -434,7 +434,7 @@ fn unsupported_type_missing_tensor_and_shape_are_reported_on_use() {
     let t = g.tensor("g.iq2_xxs").unwrap();
     assert_eq!(g.tensor_data(t), &[] as &[u8]);
     assert_eq!(
-        g.tensor_data_checked(t).err().unwrap().kind(),
+        g.tensor_data_checked(t).err().unwrap().label(),
         "unsupported_tensor_type"
     );
 

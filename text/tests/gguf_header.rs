@@ -66,7 +66,7 @@ fn reads_metadata_and_tensor_shapes() {
     assert_eq!(h.get_array_len("tokenizer.ggml.tokens").unwrap(), 3);
     // The elements were not read: asking for them is an error naming the key.
     let e = h.get_str_array("tokenizer.ggml.tokens").unwrap_err();
-    assert_eq!(e.kind(), "wrong_type");
+    assert_eq!(e.label(), "wrong_type");
     assert!(e.to_string().contains("tokenizer.ggml.tokens"), "{e}");
     assert_eq!(h.opt_f32("llama.rope.freq_base"), Some(10000.0));
     assert_eq!(h.tensors.len(), 4);
@@ -86,7 +86,7 @@ fn reads_metadata_and_tensor_shapes() {
 #[test]
 fn rejects_bad_magic_version_and_truncation() {
     let dir = tempfile::tempdir().unwrap();
-    let kind = |p: &Path| GgufFile::open_header(p).unwrap_err().kind();
+    let kind = |p: &Path| GgufFile::open_header(p).unwrap_err().label();
     let p = write(dir.path(), "bad.gguf", b"GGML\x03\0\0\0");
     assert_eq!(kind(&p), "bad_magic");
 

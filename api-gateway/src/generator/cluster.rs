@@ -22,7 +22,7 @@ use baton_proto::node::decode_node_client::DecodeNodeClient;
 use futures::StreamExt;
 use baton_proto::plane::{Expect, Plane, Role};
 use tonic::transport::Channel;
-use tonic::Code;
+use baton_vocab::ErrorKind;
 
 use super::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 
@@ -267,14 +267,14 @@ impl Generator for ClusterGenerator {
     }
 }
 
-/// The one place a gRPC status becomes a gateway error.
+/// The one place a gRPC status becomes a gateway error, by its kind
+/// ([`baton_proto::kind_of`]): a dead, slow or cancelled call is the cluster being
+/// unavailable (the client may retry), a kind the gateway cannot act on is internal.
 fn status_error(s: tonic::Status) -> GenerateError {
-    match s.code() {
-        Code::InvalidArgument | Code::OutOfRange => GenerateError::BadRequest(s.message().to_string()),
-        Code::ResourceExhausted => GenerateError::Overloaded { retry_after: Duration::from_secs(1) },
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted | Code::Unknown => {
-            GenerateError::Unavailable(s.message().to_string())
-        }
+    match baton_proto::kind_of(s.code()) {
+        ErrorKind::InvalidArgument => GenerateError::BadRequest(s.message().to_string()),
+        ErrorKind::ResourceExhausted => GenerateError::Overloaded { retry_after: Duration::from_secs(1) },
+        ErrorKind::Unavailable | ErrorKind::DeadlineExceeded | ErrorKind::Cancelled => GenerateError::Unavailable(s.message().to_string()),
         _ => GenerateError::Internal(format!("{:?}: {}", s.code(), s.message())),
     }
 }

@@ -90,8 +90,8 @@ pub enum GenerateError {
 }
 
 impl GenerateError {
-    /// Stable label for metrics and the API error type.
-    pub fn kind(&self) -> &'static str {
+    /// Stable label for logs and the stored finish reason of a failed turn.
+    pub fn label(&self) -> &'static str {
         match self {
             GenerateError::Unavailable(_) => "unavailable",
             GenerateError::Overloaded { .. } => "overloaded",

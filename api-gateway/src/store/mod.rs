@@ -35,7 +35,8 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    pub fn kind(&self) -> &'static str {
+    /// Stable label for logs.
+    pub fn label(&self) -> &'static str {
         match self {
             StoreError::Db(_) => "store",
             StoreError::NotFound { .. } => "not_found",

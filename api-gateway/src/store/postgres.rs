@@ -516,7 +516,7 @@ async fn heartbeat(pool: Pool, instance: String, every: Duration) {
     loop {
         tick.tick().await;
         if let Err(e) = beat(&pool, &instance).await {
-            tracing::warn!(kind = e.kind(), error = %e, "postgres store heartbeat failed");
+            tracing::warn!(kind = e.label(), error = %e, "postgres store heartbeat failed");
         }
     }
 }

@@ -346,7 +346,7 @@ part 1: arithmetic
         assert_eq!(pl.prefill_rate_source, "roofline");
         std::fs::write(&p, r#"{"other": 1}"#).unwrap();
         let a = args(&["--from-bench", p.to_str().unwrap()]);
-        assert_eq!(Inputs::try_from(&a).unwrap_err().kind(), "missing_field");
+        assert_eq!(Inputs::try_from(&a).unwrap_err().label(), "missing_field");
     }
 
     #[test]
@@ -370,7 +370,7 @@ part 1: arithmetic
         .unwrap();
         // Shapes incomplete for a parameter count: the planner asks for --params.
         let e = Inputs::try_from(&args(&["--config", c.to_str().unwrap()])).unwrap_err();
-        assert_eq!(e.kind(), "missing_field");
+        assert_eq!(e.label(), "missing_field");
         let i =
             Inputs::try_from(&args(&["--config", c.to_str().unwrap(), "--params", "1e9"])).unwrap();
         assert_eq!(
@@ -384,9 +384,9 @@ part 1: arithmetic
     fn impossible_inputs_are_errors() {
         // 600 B parameters in FP8 (75 GB per GPU) plus 8 GB reserved exceed 80 GB.
         let e = plan(&Inputs::try_from(&args(&["--params", "600e9"])).unwrap()).unwrap_err();
-        assert_eq!(e.kind(), "invalid_input");
+        assert_eq!(e.label(), "invalid_input");
         let e = plan(&Inputs::try_from(&args(&["--cached-share", "1.5"])).unwrap()).unwrap_err();
-        assert_eq!(e.kind(), "invalid_input");
+        assert_eq!(e.label(), "invalid_input");
     }
 
     #[test]

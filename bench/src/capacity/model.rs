@@ -237,9 +237,9 @@ mod tests {
 
         std::fs::write(&p, r#"{"num_attention_heads": 8}"#).unwrap();
         let e = ModelShape::from_hf_config(&p).unwrap_err();
-        assert_eq!(e.kind(), "missing_field");
+        assert_eq!(e.label(), "missing_field");
         std::fs::write(&p, "not json").unwrap();
-        assert_eq!(ModelShape::from_hf_config(&p).unwrap_err().kind(), "json");
+        assert_eq!(ModelShape::from_hf_config(&p).unwrap_err().label(), "json");
     }
 
     #[test]

@@ -41,7 +41,8 @@ pub enum TurnError {
 }
 
 impl TurnError {
-    pub fn kind(&self) -> String {
+    /// A bounded label (`http_429`, `transport`, `protocol`) for the results table.
+    pub fn label(&self) -> String {
         match self {
             TurnError::Status { status, .. } => format!("http_{status}"),
             TurnError::Transport(_) => "transport".into(),

@@ -22,6 +22,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
+use crate::error::BadValue;
+
 pub use client::{stream_turn, Endpoint, Message, SseParser, TurnError, TurnResult};
 pub use report::{LevelReport, Percentiles, Targets};
 pub use traffic::{system_prompt, ConversationScript, TrafficShape};
@@ -108,7 +110,7 @@ pub struct RunReport {
 }
 
 /// Parses `500ms`, `2s`, `1.5s`, `3m` or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, BadValue> {
     let s = s.trim();
     let (num, scale) = if let Some(v) = s.strip_suffix("ms") {
         (v, 1e-3)
@@ -119,9 +121,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     } else {
         (s, 1.0)
     };
-    let v: f64 = num.trim().parse().map_err(|_| format!("not a duration: {s:?} (use e.g. 500ms, 2s, 1m)"))?;
+    let not_a_duration = || BadValue::new(s, "a duration (use e.g. 500ms, 2s, 1m)");
+    let v: f64 = num.trim().parse().map_err(|_| not_a_duration())?;
     if !(v.is_finite() && v >= 0.0) {
-        return Err(format!("not a duration: {s:?}"));
+        return Err(not_a_duration());
     }
     Ok(Duration::from_secs_f64(v * scale))
 }
@@ -266,7 +269,7 @@ async fn run_level(
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, conversation = index, "turn failed");
-                        errors.push(e.kind());
+                        errors.push(e.label());
                         // The turn is lost; the next one resends the history without it.
                         history.pop();
                     }

@@ -27,7 +27,7 @@ pub use fleet::{simulate, FleetChange, FleetConfig, FleetEvent, FleetStats, Rout
 pub use workload::{Trace, TurnEvent, Workload};
 
 use crate::capacity::plan::thousands;
-use crate::error::{invalid, BenchError};
+use crate::error::{invalid, BadValue, BenchError};
 
 /// The seed's printed part-2 table (`python3 chat_capacity.py`): cache tokens per replica,
 /// random-routing hit rate, conversation-affinity hit rate. A reference, not a result.
@@ -140,7 +140,7 @@ pub struct SimulateArgs {
 }
 
 /// Parse `300`, `300s`, `2.5m` or `1h` as seconds.
-pub fn parse_seconds(s: &str) -> Result<f64, String> {
+pub fn parse_seconds(s: &str) -> Result<f64, BadValue> {
     let s = s.trim();
     let (num, mult) = match s.as_bytes().last() {
         Some(b's') => (&s[..s.len() - 1], 1.0),
@@ -150,25 +150,25 @@ pub fn parse_seconds(s: &str) -> Result<f64, String> {
     };
     match num.parse::<f64>() {
         Ok(v) if v >= 0.0 && v.is_finite() => Ok(v * mult),
-        _ => Err(format!("{s:?} is not a duration like 300s, 2.5m or 1h")),
+        _ => Err(BadValue::new(s, "a duration like 300s, 2.5m or 1h")),
     }
 }
 
-fn parse_fail(s: &str) -> Result<FleetEvent, String> {
+fn parse_fail(s: &str) -> Result<FleetEvent, BadValue> {
     let (node, t) = s
         .split_once('@')
-        .ok_or_else(|| format!("{s:?} is not NODE@TIME, e.g. 3@400s"))?;
+        .ok_or_else(|| BadValue::new(s, "NODE@TIME, e.g. 3@400s"))?;
     let node = node
         .trim()
         .parse::<u32>()
-        .map_err(|_| format!("{node:?} is not a node id"))?;
+        .map_err(|_| BadValue::new(node, "a node id"))?;
     Ok(FleetEvent {
         t: parse_seconds(t)?,
         change: FleetChange::Fail(node),
     })
 }
 
-fn parse_join(s: &str) -> Result<FleetEvent, String> {
+fn parse_join(s: &str) -> Result<FleetEvent, BadValue> {
     Ok(FleetEvent {
         t: parse_seconds(s)?,
         change: FleetChange::Join,

@@ -25,7 +25,7 @@ pub enum RingError {
 
 impl RingError {
     /// A stable short label.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             RingError::NoVnodes => "ring_vnodes",
             RingError::LoadFactor(_) => "ring_load_factor",

@@ -71,7 +71,7 @@ pub async fn adopt(
     }
     let e = engine.clone();
     let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
-    let had = baton_node_common::shell::blocking(move || e.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(convert::status)?;
+    let had = baton_node_common::shell::blocking(move || e.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(|e| baton_proto::status(&e))?;
     let had_blocks = had / bt;
     if had_blocks >= (req.prompt.len() - 1) / bt {
         return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
@@ -107,14 +107,14 @@ async fn publish(engine: &Engine, req: Request, import: KvImport) -> Result<(), 
     let sub = match engine.submit_with(req, SubmitOptions { import: Some(import), export_from_block: None }) {
         Ok(s) => s,
         Err(EngineError::BadImport { what }) => return Err(Status::internal(format!("the pulled prefix was refused: {what}"))),
-        Err(e) => return Err(convert::status(e)),
+        Err(e) => return Err(baton_proto::status(&e)),
     };
     let mut stream = sub.stream;
     loop {
         match stream.next().await {
             Some(Event::Token(_)) => {}
             Some(Event::Finished { .. }) => return Ok(()),
-            Some(Event::Failed(e)) => return Err(convert::status(e)),
+            Some(Event::Failed(e)) => return Err(baton_proto::status(&e)),
             None => return Err(Status::unavailable("the engine has stopped")),
         }
     }

@@ -23,36 +23,7 @@ use tonic::transport::Channel;
 use baton_node_common::convert;
 use baton_node_common::kv::KvNode;
 
-/// Why a remote prefill did not deliver; the turn is then prefilled locally.
-#[derive(Debug, thiserror::Error)]
-pub enum HandoffError {
-    #[error("reserving staging blocks: {0}")]
-    Reserve(baton_kv_transport::Error),
-    #[error("cannot reach the prefill node: {0}")]
-    Connect(String),
-    #[error("the prefill node failed: {0}")]
-    Prefill(tonic::Status),
-    #[error("the KV transfer failed: {0}")]
-    Transfer(baton_kv_transport::Error),
-    #[error("the remote prefill missed its deadline of {0:?}")]
-    Deadline(Duration),
-    #[error("the prefill node answered without a first token")]
-    NoFirstToken,
-}
-
-impl HandoffError {
-    /// Stable label for logs and metrics.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            HandoffError::Reserve(_) => "reserve",
-            HandoffError::Connect(_) => "connect",
-            HandoffError::Prefill(_) => "prefill",
-            HandoffError::Transfer(_) => "transfer",
-            HandoffError::Deadline(_) => "deadline",
-            HandoffError::NoFirstToken => "no_first_token",
-        }
-    }
-}
+pub use crate::error::Error as HandoffError;
 
 /// Where the tail of a turn is prefilled.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -104,8 +104,8 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    /// Stable label for metrics and API error types.
-    pub fn kind(&self) -> &'static str {
+    /// Stable label for metrics and logs.
+    pub fn label(&self) -> &'static str {
         match self {
             EngineError::KvTooSmall { .. } => "kv_too_small",
             EngineError::Config(_) => "config",

@@ -171,7 +171,7 @@ pub enum KvError {
 
 impl KvError {
     /// A stable, low-cardinality name for metrics labels and API error types.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             Self::OutOfBlocks { .. } => "out_of_blocks",
             Self::UnknownBlock { .. } => "unknown_block",
@@ -181,7 +181,7 @@ impl KvError {
             Self::Tier2Full { .. } => "tier2_full",
             Self::UnknownSwap { .. } => "unknown_swap",
             Self::BlockBytesMismatch { .. } => "block_bytes_mismatch",
-            Self::SwapIn { source, .. } => source.kind(),
+            Self::SwapIn { source, .. } => source.label(),
         }
     }
 

@@ -145,7 +145,7 @@ fn allocate_takes_free_first_then_evicts_lru_all_or_nothing() {
     let before = cache.stats();
     let err = cache.allocate(5, &mut store).expect_err("too many");
     assert!(matches!(err, KvError::OutOfBlocks { requested: 5, available: 4 }));
-    assert_eq!(err.kind(), "out_of_blocks");
+    assert_eq!(err.label(), "out_of_blocks");
     assert_eq!(cache.stats(), before, "a failed allocate changes nothing");
     // Two free blocks go first, then the tail block (1) is evicted before its prefix.
     let b = cache.allocate(3, &mut store).expect("allocate");
@@ -205,7 +205,7 @@ fn double_release_is_an_error_and_changes_nothing() {
     let before = cache.stats();
     let err = cache.release(&b).expect_err("block 0 is free");
     assert!(matches!(err, KvError::DoubleRelease { block } if block == b[0]));
-    assert_eq!(err.kind(), "double_release");
+    assert_eq!(err.label(), "double_release");
     assert_eq!(cache.stats(), before);
     assert_eq!(cache.refcount(b[1]), 1, "the valid block was not released either");
     // Listing a block twice needs two holders.
@@ -372,7 +372,7 @@ fn swap_round_trip_restores_bytes_and_errors_return_the_handle() {
         store.write(b, &[0xEE; BLOCK_BYTES]);
     }
     let err = cache.swap_in(handle, &mut store).expect_err("pool pinned");
-    assert_eq!(err.kind(), "out_of_blocks");
+    assert_eq!(err.label(), "out_of_blocks");
     let handle = err.into_swap_handle().expect("handle returned");
     assert_eq!(cache.stats().swapped, 3);
     cache.release(&pin).expect("release");
@@ -390,7 +390,7 @@ fn swap_round_trip_restores_bytes_and_errors_return_the_handle() {
     let mut other = KvCache::new(4, 4);
     let foreign = other.swap_out(&[], &mut store).expect("empty swap");
     let err = cache.swap_in(foreign, &mut store).expect_err("foreign");
-    assert_eq!(err.kind(), "unknown_swap");
+    assert_eq!(err.label(), "unknown_swap");
 }
 
 #[test]
@@ -717,7 +717,7 @@ impl Harness {
                         self.seqs[i].blocks = blocks;
                     }
                     Err(e) => {
-                        assert_eq!(e.kind(), "out_of_blocks");
+                        assert_eq!(e.label(), "out_of_blocks");
                         self.seqs[i].swap = e.into_swap_handle();
                         assert!(self.seqs[i].swap.is_some());
                     }

@@ -3,6 +3,8 @@
 //! (and windows, rope bases) of one model come from its metadata
 //! ([`super::ModelConfig`]). Adding a family is a row here plus tests.
 
+use super::config::ConfigError;
+
 /// How the rotary embedding pairs elements of a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeStyle {
@@ -110,7 +112,7 @@ pub const FAMILIES: &[Family] = &[
 ];
 
 /// The family named `name` in GGUF metadata.
-pub fn by_gguf_name(name: &str) -> Result<&'static Family, String> {
+pub fn by_gguf_name(name: &str) -> Result<&'static Family, ConfigError> {
     FAMILIES
         .iter()
         .find(|f| f.name == name)
@@ -118,19 +120,20 @@ pub fn by_gguf_name(name: &str) -> Result<&'static Family, String> {
 }
 
 /// The family of a Hugging Face `model_type`.
-pub fn by_hf_model_type(name: &str) -> Result<&'static Family, String> {
+pub fn by_hf_model_type(name: &str) -> Result<&'static Family, ConfigError> {
     FAMILIES
         .iter()
         .find(|f| f.hf_model_type == name)
         .ok_or_else(|| unknown("model_type", name, |f| f.hf_model_type))
 }
 
-fn unknown(what: &str, name: &str, key: fn(&Family) -> &'static str) -> String {
+fn unknown(what: &str, name: &str, key: fn(&Family) -> &'static str) -> ConfigError {
     let known: Vec<&str> = FAMILIES.iter().map(key).collect();
     format!(
         "{what} {name:?} is not supported (Baton runs {})",
         known.join(", ")
     )
+    .into()
 }
 
 /// Rotary angles of one layer.
@@ -159,7 +162,7 @@ pub fn layer_specs(
     period: Option<usize>,
     local_base: Option<f32>,
     global: RopeSpec,
-) -> Result<Vec<LayerSpec>, String> {
+) -> Result<Vec<LayerSpec>, ConfigError> {
     if window == Some(0) {
         return Err("sliding window of 0 tokens".into());
     }
@@ -262,17 +265,19 @@ mod tests {
         let f = by_gguf_name("gemma3").unwrap();
         assert!(layer_specs(f, 6, Some(0), None, None, G)
             .unwrap_err()
+            .to_string()
             .contains("window of 0"));
         assert!(layer_specs(f, 6, Some(8), Some(0), None, G)
             .unwrap_err()
+            .to_string()
             .contains("period of 0"));
-        let e = by_gguf_name("mamba").unwrap_err();
+        let e = by_gguf_name("mamba").unwrap_err().to_string();
         assert!(
             e.contains("\"mamba\"") && e.contains("gemma3") && e.contains("qwen2"),
             "{e}"
         );
         assert_eq!(by_hf_model_type("qwen3").unwrap().name, "qwen3");
-        assert!(by_hf_model_type("gpt2").unwrap_err().contains("\"gpt2\""));
+        assert!(by_hf_model_type("gpt2").unwrap_err().to_string().contains("\"gpt2\""));
     }
 
     #[test]

@@ -5,6 +5,26 @@
 use super::arch::{self, Family, LayerSpec, RopeSpec};
 use serde::Deserialize;
 
+/// Why a model's shape cannot be served: the message names the field or key and the
+/// value that is wrong (it becomes `ModelError::Config`, which adds the file).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct ConfigError {
+    pub reason: String,
+}
+
+impl From<String> for ConfigError {
+    fn from(reason: String) -> Self {
+        ConfigError { reason }
+    }
+}
+
+impl From<&str> for ConfigError {
+    fn from(reason: &str) -> Self {
+        ConfigError { reason: reason.to_string() }
+    }
+}
+
 /// Hyper-parameters of a decoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -31,7 +51,7 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     /// Checks the relations the forward pass relies on; returns what is wrong.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ConfigError> {
         let pos = [
             ("layers", self.n_layers),
             ("hidden size", self.hidden),
@@ -42,20 +62,20 @@ impl ModelConfig {
             ("context length", self.context_length),
         ];
         if let Some((what, _)) = pos.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("{what} is zero"));
+            return Err(format!("{what} is zero").into());
         }
         if self.n_heads % self.n_kv_heads != 0 {
-            return Err(format!("{} attention heads are not a multiple of {} kv heads", self.n_heads, self.n_kv_heads));
+            return Err(format!("{} attention heads are not a multiple of {} kv heads", self.n_heads, self.n_kv_heads).into());
         }
         if !self.head_dim.is_multiple_of(8) {
-            return Err(format!("head dim {} is not a multiple of 8", self.head_dim));
+            return Err(format!("head dim {} is not a multiple of 8", self.head_dim).into());
         }
         if self.layers.len() != self.n_layers {
-            return Err(format!("{} layer descriptions for {} layers", self.layers.len(), self.n_layers));
+            return Err(format!("{} layer descriptions for {} layers", self.layers.len(), self.n_layers).into());
         }
         if let Some(f) = &self.rope_factors {
             if f.len() != self.head_dim / 2 || f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
-                return Err(format!("rope frequency factors: {} positive values expected, found {}", self.head_dim / 2, f.len()));
+                return Err(format!("rope frequency factors: {} positive values expected, found {}", self.head_dim / 2, f.len()).into());
             }
         }
         let bad = |v: f32| !(v.is_finite() && v > 0.0);
@@ -63,7 +83,7 @@ impl ModelConfig {
             return Err("rope base, rope scale, attention scale and logit soft-cap must be positive".into());
         }
         if self.hidden % 32 != 0 || self.ffn % 32 != 0 {
-            return Err(format!("hidden {} and ffn {} must be multiples of 32", self.hidden, self.ffn));
+            return Err(format!("hidden {} and ffn {} must be multiples of 32", self.hidden, self.ffn).into());
         }
         Ok(())
     }
@@ -141,7 +161,7 @@ fn default_ctx() -> usize {
 impl ModelConfig {
     /// The configuration a `config.json` describes; errors name what is not
     /// supported.
-    pub fn from_hf(c: &HfConfig) -> Result<Self, String> {
+    pub fn from_hf(c: &HfConfig) -> Result<Self, ConfigError> {
         let family = *arch::by_hf_model_type(&c.model_type)?;
         let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
         let (mut freq_scale, mut rope_factors) = (1.0, None);
@@ -149,7 +169,7 @@ impl ModelConfig {
             None => {}
             Some(r) if r.rope_type == "linear" => freq_scale = 1.0 / r.factor,
             Some(r) if r.rope_type == "llama3" => rope_factors = Some(llama3_rope_factors(r, c.rope_theta, head_dim)?),
-            Some(r) => return Err(format!("rope scaling {:?} is not supported (linear and llama3 are)", r.rope_type)),
+            Some(r) => return Err(format!("rope scaling {:?} is not supported (linear and llama3 are)", r.rope_type).into()),
         }
         let global = RopeSpec { base: c.rope_theta, freq_scale };
         let layers = arch::layer_specs(&family, c.num_hidden_layers, c.sliding_window, c.sliding_window_pattern, c.rope_local_base_freq, global)?;
@@ -175,12 +195,12 @@ impl ModelConfig {
 /// Llama 3's per-pair frequency factors, as llama.cpp's converter writes
 /// them into `rope_freqs.weight`: short wavelengths unchanged, long ones
 /// slowed by `factor`, a smooth blend between.
-pub fn llama3_rope_factors(r: &HfRopeScaling, base: f32, head_dim: usize) -> Result<Vec<f32>, String> {
+pub fn llama3_rope_factors(r: &HfRopeScaling, base: f32, head_dim: usize) -> Result<Vec<f32>, ConfigError> {
     let (Some(low), Some(high), Some(old)) = (r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings) else {
         return Err("llama3 rope scaling needs low_freq_factor, high_freq_factor and original_max_position_embeddings".into());
     };
     if high <= low {
-        return Err(format!("llama3 rope scaling: high_freq_factor {high} must exceed low_freq_factor {low}"));
+        return Err(format!("llama3 rope scaling: high_freq_factor {high} must exceed low_freq_factor {low}").into());
     }
     let (old, base) = (old as f64, base as f64);
     let (low_wavelen, high_wavelen) = (old / low as f64, old / high as f64);
@@ -204,7 +224,7 @@ pub fn llama3_rope_factors(r: &HfRopeScaling, base: f32, head_dim: usize) -> Res
 mod tests {
     use super::*;
 
-    fn hf(json: &str) -> Result<ModelConfig, String> {
+    fn hf(json: &str) -> Result<ModelConfig, ConfigError> {
         ModelConfig::from_hf(&serde_json::from_str::<HfConfig>(json).unwrap())
     }
 
@@ -245,9 +265,9 @@ mod tests {
 
     #[test]
     fn unknown_model_type_and_rope_scaling_are_named() {
-        assert!(hf(&format!(r#"{{{BASE}, "model_type": "falcon"}}"#)).unwrap_err().contains("\"falcon\""));
+        assert!(hf(&format!(r#"{{{BASE}, "model_type": "falcon"}}"#)).unwrap_err().reason.contains("\"falcon\""));
         let e = hf(&format!(r#"{{{BASE}, "rope_scaling": {{"type": "yarn", "factor": 4.0}}}}"#)).unwrap_err();
-        assert!(e.contains("yarn"), "{e}");
+        assert!(e.reason.contains("yarn"), "{e}");
         let lin = hf(&format!(r#"{{{BASE}, "rope_scaling": {{"type": "linear", "factor": 4.0}}}}"#)).unwrap();
         assert!(lin.layers.iter().all(|l| l.rope.freq_scale == 0.25));
     }

@@ -11,6 +11,7 @@
 //! converter does for Llama, and permuted back on export.
 
 use super::arch::{self, RopeSpec, RopeStyle};
+use super::config::ConfigError;
 use super::{weight_format, Layer, Model, ModelConfig};
 use crate::model::HfConfig;
 use baton_kernels::{Backend, KernelError, OptionalOp, RopeTable, WeightFormat};
@@ -30,7 +31,7 @@ pub enum ModelError {
     #[error("{path}: missing tensor {tensor}")]
     MissingTensor { path: PathBuf, tensor: String },
     #[error("{path}: {reason}")]
-    Config { path: PathBuf, reason: String },
+    Config { path: PathBuf, reason: ConfigError },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: tokenizer: {source}")]
@@ -40,9 +41,10 @@ pub enum ModelError {
 }
 
 impl ModelError {
-    pub fn kind(&self) -> &'static str {
+    /// A stable, fine-grained label of the variant (metrics, logs).
+    pub fn label(&self) -> &'static str {
         match self {
-            ModelError::Gguf(e) => e.kind(),
+            ModelError::Gguf(e) => e.label(),
             ModelError::Tensor { .. } => "model_tensor",
             ModelError::MissingTensor { .. } => "model_missing_tensor",
             ModelError::Config { .. } => "model_config",
@@ -82,7 +84,7 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
 /// The configuration a GGUF file's metadata (and `rope_freqs.weight`) describes.
 pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
     let path = f.path.as_path();
-    let cfg_err = |reason: String| ModelError::Config { path: path.into(), reason };
+    let cfg_err = |reason: ConfigError| ModelError::Config { path: path.into(), reason };
     let name = f.get_str("general.architecture")?.to_string();
     let family = *arch::by_gguf_name(&name).map_err(cfg_err)?;
     let key = |k: &str| format!("{name}.{k}");
@@ -100,15 +102,15 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
     // Gemma and Qwen3 name the head size; Llama files imply it.
     let head_dim = opt("attention.key_length").or(opt("rope.dimension_count")).unwrap_or(hidden / n_heads.max(1));
     if let Some(v) = opt("attention.value_length").filter(|&v| v != head_dim) {
-        return Err(cfg_err(format!("value head size {v} differs from key head size {head_dim}")));
+        return Err(cfg_err(format!("value head size {v} differs from key head size {head_dim}").into()));
     }
     if let Some(r) = opt("rope.dimension_count").filter(|&r| r != head_dim) {
-        return Err(cfg_err(format!("rotary dimension {r} differs from head size {head_dim} (partial rotary is not supported)")));
+        return Err(cfg_err(format!("rotary dimension {r} differs from head size {head_dim} (partial rotary is not supported)").into()));
     }
     let freq_scale = match f.opt_str(&key("rope.scaling.type")) {
         None | Some("none") => 1.0,
         Some("linear") => 1.0 / f.get_f32(&key("rope.scaling.factor"))?,
-        Some(other) => return Err(cfg_err(format!("rope scaling {other:?} is not supported (linear is)"))),
+        Some(other) => return Err(cfg_err(format!("rope scaling {other:?} is not supported (linear is)").into())),
     };
     let rope_factors = match f.tensor("rope_freqs.weight") {
         None => None,
@@ -225,7 +227,7 @@ pub fn load_gguf_weights<B: Backend>(backend: &B, f: &GgufFile) -> Result<Model<
 }
 
 /// Refuses a model that needs an operation the backend lacks, naming both.
-fn check_backend<B: Backend>(backend: &B, c: &ModelConfig) -> Result<(), String> {
+fn check_backend<B: Backend>(backend: &B, c: &ModelConfig) -> Result<(), ConfigError> {
     let f = &c.family;
     let needs = [
         (f.activation == arch::Activation::GeluTanhGlu, OptionalOp::GeluMul),
@@ -235,7 +237,7 @@ fn check_backend<B: Backend>(backend: &B, c: &ModelConfig) -> Result<(), String>
         (c.layers.iter().any(|l| l.window.is_some()), OptionalOp::SlidingWindow),
     ];
     match needs.iter().find(|(need, op)| *need && !backend.supports(*op)) {
-        Some((_, op)) => Err(format!("architecture {} needs {}, which backend {} does not implement", f.name, op.name(), backend.describe())),
+        Some((_, op)) => Err(format!("architecture {} needs {}, which backend {} does not implement", f.name, op.name(), backend.describe()).into()),
         None => Ok(()),
     }
 }
@@ -304,7 +306,7 @@ fn permute_rows(bytes: &[u8], rows: usize, heads: usize, to_ggml: bool) -> Vec<u
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ModelError> {
     let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.into(), source })?;
-    serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.into(), reason: e.to_string() })
+    serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.into(), reason: e.to_string().into() })
 }
 
 /// Loads a Hugging Face model folder: `config.json`, `*.safetensors` (F32,
@@ -313,13 +315,13 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ModelErro
 pub fn load_hf_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LoadedModel<B>, ModelError> {
     use safetensors::{tensor::Dtype, SafeTensors};
     let hf: HfConfig = read_json(&dir.join("config.json"))?;
-    let cfg_err = |reason: String| ModelError::Config { path: dir.join("config.json"), reason };
+    let cfg_err = |reason: ConfigError| ModelError::Config { path: dir.join("config.json"), reason };
     let config = ModelConfig::from_hf(&hf).map_err(cfg_err)?;
     config.check().map_err(cfg_err)?;
     if config.family.post_norms || config.family.embed_scale {
         // Gemma checkpoints name their norms differently and store them as
         // w - 1; only their GGUF conversion is read so far.
-        return Err(cfg_err(format!("{} models load from GGUF files only", config.family.name)));
+        return Err(cfg_err(format!("{} models load from GGUF files only", config.family.name).into()));
     }
     check_backend(backend, &config).map_err(cfg_err)?;
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -341,7 +343,7 @@ pub fn load_hf_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LoadedModel<B>
     }
     let mut parsed = Vec::new();
     for (p, m) in &maps {
-        let st = SafeTensors::deserialize(m).map_err(|e| ModelError::Config { path: p.clone(), reason: format!("safetensors: {e}") })?;
+        let st = SafeTensors::deserialize(m).map_err(|e| ModelError::Config { path: p.clone(), reason: format!("safetensors: {e}").into() })?;
         parsed.push((p.clone(), st));
     }
     let find = |name: &str| -> Result<(PathBuf, Dtype, Vec<usize>, &[u8]), ModelError> {
@@ -436,7 +438,7 @@ pub fn export_hf(gguf_path: &Path, out: &Path) -> Result<(), ModelError> {
     let f = GgufFile::open(gguf_path)?;
     let arch = f.get_str("general.architecture")?;
     if arch != "llama" {
-        return Err(ModelError::Config { path: gguf_path.into(), reason: format!("export writes Llama models only, not {arch:?}") });
+        return Err(ModelError::Config { path: gguf_path.into(), reason: format!("export writes Llama models only, not {arch:?}").into() });
     }
     let io = |path: &Path, source| ModelError::Io { path: path.into(), source };
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
@@ -518,10 +520,10 @@ pub fn export_hf(gguf_path: &Path, out: &Path) -> Result<(), ModelError> {
         .map(|(name, shape, bytes)| {
             TensorView::new(Dtype::F32, shape.clone(), bytes)
                 .map(|v| (name.clone(), v))
-                .map_err(|e| ModelError::Tensor { path: out.into(), tensor: name.clone(), reason: e.to_string() })
+                .map_err(|e| ModelError::Tensor { path: out.into(), tensor: name.clone(), reason: e.to_string().into() })
         })
         .collect::<Result<_, _>>()?;
     let st_path = out.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &st_path).map_err(|e| ModelError::Config { path: st_path.clone(), reason: e.to_string() })?;
+    safetensors::serialize_to_file(views, None, &st_path).map_err(|e| ModelError::Config { path: st_path.clone(), reason: e.to_string().into() })?;
     Ok(())
 }

@@ -15,7 +15,7 @@ mod format;
 mod load;
 
 pub use arch::{Activation, Family, LayerSpec, RopeSpec, FAMILIES};
-pub use config::{HfConfig, ModelConfig};
+pub use config::{ConfigError, HfConfig, ModelConfig};
 pub use format::weight_format;
 pub use load::{config_from_gguf, export_hf, load_gguf, load_gguf_weights, load_hf_dir, LoadedModel, ModelError};
 

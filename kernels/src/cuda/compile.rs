@@ -57,7 +57,11 @@ pub fn full_source(name: &str, source: &str) -> String {
 /// Compiles one kernel file for `arch` ("sm_90"). A compile error carries NVRTC's log.
 pub fn compile(name: &str, source: &str, arch: &'static str) -> Result<Ptx, KernelError> {
     let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
-    Nvrtc::get()?.compile_ptx(&full_source(name, source), &format!("{name}.cu"), &options).map(Ptx::from_src).map_err(|log| KernelError::Compile { file: format!("{name}.cu"), arch, log })
+    let file = format!("{name}.cu");
+    Nvrtc::get()?.compile_ptx(&full_source(name, source), &file, &options).map(Ptx::from_src).map_err(|e| match e {
+        KernelError::Compile { log, .. } => KernelError::Compile { file, arch, log },
+        other => KernelError::Compile { file, arch, log: other.to_string() },
+    })
 }
 
 /// PTX text of every module, per architecture.

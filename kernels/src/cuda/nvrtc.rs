@@ -90,18 +90,19 @@ impl Nvrtc {
         }
     }
 
-    fn check(&self, rc: Status, call: &str) -> Result<(), String> {
+    fn check(&self, rc: Status, call: &'static str) -> Result<(), KernelError> {
         if rc == SUCCESS {
             Ok(())
         } else {
-            Err(format!("{call} failed: {}", self.describe(rc)))
+            Err(KernelError::Device { call, detail: self.describe(rc) })
         }
     }
 
     /// Compiles `source` (named `name` in diagnostics) with `options` to PTX
-    /// text; the error is NVRTC's log, or the call that failed.
-    pub fn compile_ptx(&self, source: &str, name: &str, options: &[String]) -> Result<String, String> {
-        let nul = |s: &str| CString::new(s).map_err(|_| format!("a NUL byte in {s:?}"));
+    /// text; a compile error ([`KernelError::Compile`], its `arch` left for the caller
+    /// to name) carries NVRTC's log, any other error the call that failed.
+    pub fn compile_ptx(&self, source: &str, name: &str, options: &[String]) -> Result<String, KernelError> {
+        let nul = |s: &str| CString::new(s).map_err(|_| KernelError::Device { call: "nvrtcCreateProgram", detail: format!("a NUL byte in {s:?}") });
         let (src, name) = (nul(source)?, nul(name)?);
         let opts = options.iter().map(|o| nul(o)).collect::<Result<Vec<_>, _>>()?;
         let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
@@ -113,8 +114,8 @@ impl Nvrtc {
         let rc = unsafe { (self.compile)(guard.1, opt_ptrs.len() as c_int, opt_ptrs.as_ptr()) };
         if rc != SUCCESS {
             return Err(match self.read(guard.1, &self.log_size, &self.log) {
-                Ok(log) if !log.trim().is_empty() => log,
-                _ => format!("nvrtcCompileProgram failed: {}", self.describe(rc)),
+                Ok(log) if !log.trim().is_empty() => KernelError::Compile { file: name.to_string_lossy().into_owned(), arch: "", log },
+                _ => KernelError::Device { call: "nvrtcCompileProgram", detail: self.describe(rc) },
             });
         }
         self.read(guard.1, &self.ptx_size, &self.ptx)
@@ -127,7 +128,7 @@ impl Nvrtc {
         prog: Program,
         size: &Symbol<unsafe extern "C" fn(Program, *mut usize) -> Status>,
         copy: &Symbol<unsafe extern "C" fn(Program, *mut c_char) -> Status>,
-    ) -> Result<String, String> {
+    ) -> Result<String, KernelError> {
         let mut len = 0usize;
         // SAFETY: `prog` is live; `len` is a valid out pointer.
         self.check(unsafe { size(prog, &mut len) }, "reading a size")?;

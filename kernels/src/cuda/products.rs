@@ -98,29 +98,29 @@ impl Products {
     /// call on `handle`'s stream; with more than one call and lane, the calls
     /// go round-robin over the lanes, which start after the main stream's work
     /// so far and which the main stream then waits for.
-    pub fn run<E>(&self, calls: usize, mut call: impl FnMut(&BlasHandle, usize) -> Result<(), E>) -> Result<(), String>
+    pub fn run<E>(&self, calls: usize, mut call: impl FnMut(&BlasHandle, usize) -> Result<(), E>) -> Result<(), KernelError>
     where
         E: std::fmt::Debug,
     {
         let lanes = self.streams.min(self.lanes.len()).min(calls);
         if lanes <= 1 {
             for c in 0..calls {
-                call(&self.main, c).map_err(|e| format!("{e:?}"))?;
+                call(&self.main, c).map_err(|e| product_failed(&e))?;
             }
             return Ok(());
         }
         let used = &self.lanes[..lanes];
         // SAFETY: live events and streams of the current context.
         unsafe {
-            result::event::record(self.inputs_ready, self.main_stream).map_err(|e| format!("{e:?}"))?;
+            result::event::record(self.inputs_ready, self.main_stream).map_err(|e| device("cuEventRecord", &e))?;
             for lane in used {
-                result::stream::wait_event(lane.stream, self.inputs_ready, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(|e| format!("{e:?}"))?;
+                result::stream::wait_event(lane.stream, self.inputs_ready, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(|e| device("cuStreamWaitEvent", &e))?;
             }
         }
         let mut outcome = Ok(());
         for c in 0..calls {
             if let Err(e) = call(&used[c % lanes].blas, c) {
-                outcome = Err(format!("{e:?}"));
+                outcome = Err(product_failed(&e));
                 break;
             }
         }
@@ -129,12 +129,22 @@ impl Products {
         for lane in used {
             // SAFETY: as above.
             unsafe {
-                result::event::record(lane.done, lane.stream).map_err(|e| format!("{e:?}"))?;
-                result::stream::wait_event(self.main_stream, lane.done, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(|e| format!("{e:?}"))?;
+                result::event::record(lane.done, lane.stream).map_err(|e| device("cuEventRecord", &e))?;
+                result::stream::wait_event(self.main_stream, lane.done, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(|e| device("cuStreamWaitEvent", &e))?;
             }
         }
         outcome
     }
+}
+
+/// A failed stream or event call of the driver.
+fn device(call: &'static str, e: &impl std::fmt::Debug) -> KernelError {
+    KernelError::Device { call, detail: format!("{e:?}") }
+}
+
+/// A failed product call (its own status, as the caller's closure gave it).
+fn product_failed(e: &impl std::fmt::Debug) -> KernelError {
+    device("a cuBLAS product", e)
 }
 
 impl Drop for Products {

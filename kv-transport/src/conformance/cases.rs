@@ -34,7 +34,7 @@ async fn within<T>(limit: Duration, f: impl std::future::Future<Output = T>) -> 
 fn kind_of<T: std::fmt::Debug>(r: crate::Result<T>) -> &'static str {
     match r {
         Ok(v) => panic!("expected an error, got {v:?}"),
-        Err(e) => e.kind(),
+        Err(e) => e.label(),
     }
 }
 

@@ -174,7 +174,7 @@ mod tests {
         let mut b = grant(vec![]).to_bytes();
         let n = GRANT_FIXED_LEN - 4;
         b[n..n + 4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(Grant::from_bytes(&b).unwrap_err().kind(), "frame_too_large");
+        assert_eq!(Grant::from_bytes(&b).unwrap_err().label(), "frame_too_large");
     }
 
     proptest! {

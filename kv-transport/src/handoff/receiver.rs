@@ -361,7 +361,7 @@ impl KvReceiver {
                     s.add(&s.rejected_frames, 1);
                     s.record_failure(&e);
                 }
-                tracing::info!(reservation = reservation.0, kind = e.kind(), "link rejected");
+                tracing::info!(reservation = reservation.0, kind = e.label(), "link rejected");
                 let _ = send_bounded(&mut *tx, Frame::failed(reservation, epoch, e.to_wire())).await;
                 linger(&mut *rx, inner.config.linger).await;
                 return;
@@ -614,7 +614,7 @@ impl Inner {
 
     fn reject(&self, entry: &Entry, e: Error) -> Step {
         self.stats.add(&self.stats.rejected_frames, 1);
-        tracing::info!(reservation = entry.id.0, kind = e.kind(), error = %e, "frame rejected");
+        tracing::info!(reservation = entry.id.0, kind = e.label(), error = %e, "frame rejected");
         Step::Failed(self.end(entry, &e))
     }
 
@@ -736,7 +736,7 @@ impl Inner {
         }
         s.record_failure(why);
         entry.phase.send_modify(|p| p.outcome = Some(Outcome::Failed(w)));
-        tracing::info!(reservation = entry.id.0, kind = why.kind(), "reservation released");
+        tracing::info!(reservation = entry.id.0, kind = why.label(), "reservation released");
         w
     }
 

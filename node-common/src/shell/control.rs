@@ -78,7 +78,7 @@ impl NodeControl for Control {
         let conversation = convert::conversation(request.into_inner().conversation)?;
         self.hooks.evicting(&conversation);
         let engine = self.engine.clone();
-        let freed = blocking(move || engine.evict_conversation(conversation)).await?.map_err(convert::status)?;
+        let freed = blocking(move || engine.evict_conversation(conversation)).await?.map_err(|e| baton_proto::status(&e))?;
         Ok(Response::new(pb::EvictResponse { blocks_freed: freed as u64 }))
     }
 

@@ -37,16 +37,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// closed at once rather than queued (a flood of slow handshakes cannot pin memory).
 pub const MAX_PENDING_HANDSHAKES: usize = 4096;
 
-/// Why a [`Plane`] could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum PlaneError {
-    #[error("internal plane TLS: {0}")]
-    Identity(#[from] baton_identity::Error),
-    #[error("{file} names {names}, not a {role} identity")]
-    WrongRole { file: String, names: String, role: Role },
-    #[error("internal plane URL {url:?}: {why}")]
-    Url { url: String, why: String },
-}
+/// Why a [`Plane`] could not be set up: the crate's one error type.
+pub use crate::error::Error as PlaneError;
 
 enum Security {
     Mtls { tls: NodeTls, identity: Identity, acceptor: tokio_rustls::TlsAcceptor },

@@ -104,7 +104,7 @@ pub enum GgufError {
 
 impl GgufError {
     /// A stable, short name of the variant, for metric labels and API errors.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             GgufError::Io { .. } => "io",
             GgufError::BadMagic { .. } => "bad_magic",

@@ -35,7 +35,7 @@ fn huge_array_count_is_rejected_before_allocating() {
     let at = 24 + 8 + 1 + 4 + 4;
     b[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
     let e = parse_bytes(&b).err().unwrap();
-    assert_eq!(e.kind(), "truncated", "{e}");
+    assert_eq!(e.label(), "truncated", "{e}");
 }
 
 #[test]
@@ -45,7 +45,7 @@ fn deep_arrays_are_rejected() {
         v = MetaValue::Array(vec![v]);
     }
     let b = to_bytes(3, &[("deep", v)], &[]).unwrap();
-    assert_eq!(parse_bytes(&b).err().unwrap().kind(), "array_too_deep");
+    assert_eq!(parse_bytes(&b).err().unwrap().label(), "array_too_deep");
 }
 
 #[test]
@@ -67,7 +67,7 @@ fn row_not_block_aligned_is_an_error() {
     let t = TensorSpec::new("w", &[33, 1], GgmlType::Q8_0, vec![0; 68]);
     let b = to_bytes::<&str>(3, &[], &[t]).unwrap();
     assert_eq!(
-        parse_bytes(&b).err().unwrap().kind(),
+        parse_bytes(&b).err().unwrap().label(),
         "row_not_block_aligned"
     );
 }
@@ -75,7 +75,7 @@ fn row_not_block_aligned_is_an_error() {
 #[test]
 fn bad_alignment_is_an_error() {
     let b = to_bytes(3, &[("general.alignment", MetaValue::U32(3))], &[]).unwrap();
-    assert_eq!(parse_bytes(&b).err().unwrap().kind(), "bad_alignment");
+    assert_eq!(parse_bytes(&b).err().unwrap().label(), "bad_alignment");
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn header_only_checks_what_it_skips() {
     let mut b = to_bytes(3, &[("a", MetaValue::Array(vec![MetaValue::U64(1)]))], &[]).unwrap();
     let at = 24 + 8 + 1 + 4 + 4;
     b[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
-    assert_eq!(parse_header(&b).err().unwrap().kind(), "truncated");
+    assert_eq!(parse_header(&b).err().unwrap().label(), "truncated");
     // A string element longer than the file.
     let mut b = to_bytes(
         3,
@@ -191,14 +191,14 @@ fn header_only_checks_what_it_skips() {
     .unwrap();
     let at = 24 + 8 + 1 + 4 + 4 + 8;
     b[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
-    assert_eq!(parse_header(&b).err().unwrap().kind(), "truncated");
+    assert_eq!(parse_header(&b).err().unwrap().label(), "truncated");
     // Nesting past the limit, as when decoding.
     let mut v = MetaValue::U8(1);
     for _ in 0..(MAX_ARRAY_DEPTH + 1) {
         v = MetaValue::Array(vec![v]);
     }
     let b = to_bytes(3, &[("deep", v)], &[]).unwrap();
-    assert_eq!(parse_header(&b).err().unwrap().kind(), "array_too_deep");
+    assert_eq!(parse_header(&b).err().unwrap().label(), "array_too_deep");
     // Every prefix that cuts the table is an error, never a panic (the alignment
     // padding after the last entry may go).
     let b = to_bytes(

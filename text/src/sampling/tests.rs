@@ -101,7 +101,7 @@ fn bad_logits_are_errors() {
     assert_eq!(s.sample(&[0.0, f32::NAN]), Err(SamplingError::NonFiniteLogit { index: 1 }));
     assert_eq!(s.sample(&[f32::INFINITY]), Err(SamplingError::NonFiniteLogit { index: 0 }));
     assert_eq!(s.sample(&[f32::NEG_INFINITY; 3]), Err(SamplingError::AllMasked));
-    assert_eq!(SamplingError::AllMasked.kind(), "all_masked");
+    assert_eq!(SamplingError::AllMasked.label(), "all_masked");
 }
 
 #[test]

@@ -69,10 +69,10 @@ fn oversized_payload_is_rejected_before_reading_it() {
     h.payload_len = u32::MAX;
     let bytes = h.encode();
     let err = decode(&bytes, &FrameLimits::default()).unwrap_err();
-    assert_eq!(err.kind(), "frame_too_large");
+    assert_eq!(err.label(), "frame_too_large");
     let mut h = FrameHeader::new(FrameKind::Done, ReservationId(1), Epoch(1));
     h.payload_len = 1;
-    assert_eq!(decode(&h.encode(), &FrameLimits::default()).unwrap_err().kind(), "frame_too_large");
+    assert_eq!(decode(&h.encode(), &FrameLimits::default()).unwrap_err().label(), "frame_too_large");
 }
 
 #[test]
@@ -88,7 +88,7 @@ fn bad_magic_version_kind_and_flags_are_rejected() {
     ] {
         let mut b = good;
         b[i] = v;
-        assert_eq!(FrameHeader::decode(&b, &limits).unwrap_err().kind(), kind);
+        assert_eq!(FrameHeader::decode(&b, &limits).unwrap_err().label(), kind);
     }
 }
 

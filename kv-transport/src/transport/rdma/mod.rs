@@ -235,7 +235,7 @@ async fn serve_stream(shared: Arc<Shared>, mut send: quinn::SendStream, mut recv
     let qp = match setup() {
         Ok(qp) => qp,
         Err(e) => {
-            tracing::warn!(error = %e, kind = e.kind(), "RDMA link set-up failed");
+            tracing::warn!(error = %e, kind = e.label(), "RDMA link set-up failed");
             let _ = write_msg(&mut send, &Msg::Refuse { code: e.code() }).await;
             return;
         }

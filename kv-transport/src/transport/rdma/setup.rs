@@ -254,10 +254,10 @@ mod tests {
     fn rejects_wrong_version_length_and_tag() {
         let mut hello = Msg::Hello { version: SETUP_VERSION, qp: qp(1) }.encode().to_vec();
         hello[5] = 9; // version low byte
-        assert_eq!(Msg::decode(1, &hello[5..]).unwrap_err().kind(), "unsupported_version");
-        assert_eq!(Msg::decode(4, &[0; 7]).unwrap_err().kind(), "frame_malformed");
-        assert_eq!(Msg::decode(2, &[0; 3]).unwrap_err().kind(), "frame_malformed");
-        assert_eq!(Msg::decode(99, &[]).unwrap_err().kind(), "frame_malformed");
+        assert_eq!(Msg::decode(1, &hello[5..]).unwrap_err().label(), "unsupported_version");
+        assert_eq!(Msg::decode(4, &[0; 7]).unwrap_err().label(), "frame_malformed");
+        assert_eq!(Msg::decode(2, &[0; 3]).unwrap_err().label(), "frame_malformed");
+        assert_eq!(Msg::decode(99, &[]).unwrap_err().label(), "frame_malformed");
     }
 
     #[tokio::test]
@@ -266,10 +266,10 @@ mod tests {
         let mut cut = &full[..full.len() - 1];
         assert!(read_msg(&mut cut).await.is_err());
         let mut cut = &full[..2];
-        assert_eq!(read_msg(&mut cut).await.unwrap_err().kind(), "frame_malformed");
+        assert_eq!(read_msg(&mut cut).await.unwrap_err().label(), "frame_malformed");
         let mut huge = vec![5u8];
         huge.extend_from_slice(&(MAX_BODY as u32 + 1).to_le_bytes());
         let mut r = &huge[..];
-        assert_eq!(read_msg(&mut r).await.unwrap_err().kind(), "frame_too_large");
+        assert_eq!(read_msg(&mut r).await.unwrap_err().label(), "frame_too_large");
     }
 }

@@ -68,7 +68,7 @@ async fn without_a_device_both_ends_fail_with_the_cause() {
             assert!(cause.starts_with("RDMA transport unavailable: "), "{cause}");
             for r in [connector.err(), listener.err()] {
                 let e = r.expect("no device, yet an RDMA end started");
-                assert_eq!(e.kind(), "rdma_unavailable");
+                assert_eq!(e.label(), "rdma_unavailable");
                 assert!(e.to_string().contains("RDMA device"), "{e}");
             }
             eprintln!("no RDMA device here, as expected by this test: {cause}");
@@ -87,7 +87,7 @@ fn a_device_that_does_not_exist_is_named_in_the_error() {
         ..RdmaConfig::default()
     };
     let e = probe(&config).unwrap_err();
-    assert_eq!(e.kind(), "rdma_unavailable");
+    assert_eq!(e.label(), "rdma_unavailable");
     // Either the machine has no RDMA at all, or it lists the devices it has.
     let msg = e.to_string();
     assert!(msg.contains("no RDMA device"), "{msg}");

@@ -15,8 +15,9 @@
 
 use crate::auth::AuthUser;
 use crate::error::ApiError;
+use crate::listen::read_body;
 use crate::polled::{self, stored_events};
-use crate::server::{read_body, App};
+use crate::state::App;
 use crate::store::{BeginTurn, Conversation, Turn, TurnState};
 use crate::turns::{self, LiveTurn, TurnEvent};
 use crate::{metrics, request_id};

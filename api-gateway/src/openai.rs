@@ -12,8 +12,9 @@
 use crate::auth::AuthUser;
 use crate::checks::ContentCheck;
 use crate::error::ApiError;
+use crate::listen::read_body;
 use crate::pipeline::{End, Piece, Reply, TokenInfo};
-use crate::server::{read_body, App};
+use crate::state::App;
 use crate::{metrics, request_id};
 use axum::body::Body;
 use axum::extract::State;

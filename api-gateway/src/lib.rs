@@ -22,6 +22,7 @@ pub mod listen;
 pub mod markdown;
 pub mod metrics;
 pub mod openai;
+pub mod params;
 pub mod pipeline;
 pub mod polled;
 pub mod server;

@@ -3,7 +3,7 @@
 //! (or `?key=` for browsers' EventSource), never from its body.
 
 use crate::error::ApiError;
-use crate::server::App;
+use crate::state::App;
 use crate::store::{ConversationStore, StoreResult};
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;

@@ -15,8 +15,9 @@
 
 use crate::auth::AuthUser;
 use crate::error::ApiError;
+use crate::listen::read_body;
 use crate::polled::{self, stored_events};
-use crate::server::{read_body, App};
+use crate::state::App;
 use crate::store::{BeginTurn, Conversation, Turn, TurnState};
 use crate::turns::{self, LiveTurn, TurnEvent};
 use crate::{metrics, request_id};
@@ -147,15 +148,15 @@ pub struct TurnBody {
     pub stream: Option<bool>,
     /// Stop strings (one or a list, as in the OpenAI API); the reply ends before the first.
     #[serde(default)]
-    pub stop: Option<crate::openai::Stop>,
+    pub stop: Option<crate::params::Stop>,
 }
 
 impl TurnBody {
     fn stop_strings(&self) -> Vec<String> {
         match &self.stop {
             None => vec![],
-            Some(crate::openai::Stop::One(s)) => vec![s.clone()],
-            Some(crate::openai::Stop::Many(v)) => v.clone(),
+            Some(crate::params::Stop::One(s)) => vec![s.clone()],
+            Some(crate::params::Stop::Many(v)) => v.clone(),
         }
     }
 }
@@ -203,7 +204,7 @@ pub async fn add_turn(
     let stream = body.stream.unwrap_or(true);
     let hash = request_hash(&body);
     let max_tokens = body.max_tokens.map(|v| v as usize).unwrap_or(app.config.default_max_tokens);
-    crate::openai::check_max_tokens(max_tokens, app.config.max_tokens_ceiling)?;
+    crate::params::check_max_tokens(max_tokens, app.config.max_tokens_ceiling)?;
     let mut sampling = SamplingParams {
         max_tokens,
         temperature: body.temperature.unwrap_or(0.7),

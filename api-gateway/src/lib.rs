@@ -22,10 +22,12 @@ pub mod listen;
 pub mod markdown;
 pub mod metrics;
 pub mod openai;
+pub mod params;
 pub mod pipeline;
 pub mod polled;
 pub mod server;
 pub mod slo;
+pub mod state;
 pub mod store;
 pub mod tls;
 pub mod turns;
@@ -35,11 +37,9 @@ use baton_identity::AdminKey;
 use baton_text::chat_template::ChatTemplate;
 use baton_text::gguf::GgufFile;
 use baton_text::tokenizer::Tokenizer;
-use checks::{ContentCheck, LinkPolicy, RuleCheck};
-use context::ContextBuilder;
+use checks::RuleCheck;
 use generator::Generator;
-use limits::{LimitConfig, Limiter};
-use server::App;
+use limits::LimitConfig;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -49,6 +49,7 @@ use store::ConversationStore;
 
 pub use auth::ensure_key;
 pub use error::Error;
+pub use state::{build_app, App};
 pub use store::sqlite;
 
 /// Flags of the gateway (`baton gateway`, `baton up`).
@@ -293,37 +294,6 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn ConversationStore>> {
         tracing::warn!(turns = n, "turns interrupted by the last shutdown marked failed");
     }
     Ok(s)
-}
-
-/// Builds the gateway's shared state.
-pub fn build_app(
-    config: Config,
-    generator: Arc<dyn Generator>,
-    store: Arc<dyn ConversationStore>,
-    tokenizer: Arc<Tokenizer>,
-    template: Arc<ChatTemplate>,
-    model_id: String,
-) -> Result<Arc<App>> {
-    let context = ContextBuilder::new(tokenizer, template, config.system_prompt.clone(), config.system_prompt_version)?;
-    let check_window = checks::rule_window(&config.rules);
-    let checks: Arc<dyn ContentCheck> = Arc::new(config.rules.clone());
-    let evictions = evictions::Evictions::new(store.clone(), generator.clone(), config.evict_retry);
-    Ok(Arc::new(App {
-        evictions,
-        limiter: Limiter::new(config.limits.clone()),
-        links: Arc::new(LinkPolicy { allowed_hosts: config.link_allowlist.clone() }),
-        checks,
-        check_window,
-        context,
-        key_cache: auth::KeyCache::new(Duration::from_secs(10)),
-        live: Default::default(),
-        admission: Default::default(),
-        model_id,
-        overrides_cache: Default::default(),
-        generator,
-        store,
-        config,
-    }))
 }
 
 /// Runs the gateway in front of `generator` until `shutdown` completes.

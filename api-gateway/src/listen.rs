@@ -7,7 +7,7 @@
 //!   keep-alive connection idle for that long between requests;
 //! - TLS handshakes run in the connection's own task, bounded by
 //!   [`crate::tls::HANDSHAKE_TIMEOUT`];
-//! - request bodies are read with a deadline ([`crate::server::read_body`]).
+//! - request bodies are read with a deadline ([`read_body`]).
 //!
 //! Shutdown stops accepting, lets every connection finish its current response, and
 //! returns when the last one has closed.
@@ -18,12 +18,18 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axum::body::Body;
 use axum::Router;
+use bytes::Bytes;
+use http_body_util::BodyExt;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
+
+use crate::error::ApiError;
+use baton_vocab::ErrorKind;
 
 /// The client's address, in every request's extensions (per-address limits read it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,5 +178,19 @@ where
             conn.as_mut().graceful_shutdown();
             let _ = conn.await;
         }
+    }
+}
+
+/// Reads a whole body, refusing more than `limit` bytes with 413, and a body that takes
+/// longer than `deadline` to arrive with 408.
+pub async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
+    let limited = http_body_util::Limited::new(body, limit);
+    let Ok(collected) = tokio::time::timeout(deadline, limited.collect()).await else {
+        return Err(ApiError::new(ErrorKind::DeadlineExceeded, format!("the request body did not arrive within {deadline:?}")));
+    };
+    match collected {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
+        Err(_) => Err(ApiError::bad_request("could not read the request body")),
     }
 }

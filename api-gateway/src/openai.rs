@@ -12,8 +12,10 @@
 use crate::auth::AuthUser;
 use crate::checks::ContentCheck;
 use crate::error::ApiError;
+use crate::listen::read_body;
+use crate::params::{check_max_tokens, Stop};
 use crate::pipeline::{End, Piece, Reply, TokenInfo};
-use crate::server::{read_body, App};
+use crate::state::App;
 use crate::{metrics, request_id};
 use axum::body::Body;
 use axum::extract::State;
@@ -52,13 +54,6 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
-}
-
-#[derive(Deserialize, Debug, Clone)]
-#[serde(untagged)]
-pub enum Stop {
-    One(String),
-    Many(Vec<String>),
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -108,14 +103,6 @@ pub struct ValidChat {
 }
 
 /// Parses and validates a body (pure: the fuzz and property tests call it).
-/// The operator's ceiling on one reply's length (`--max-tokens-ceiling`): a clear 400 above it.
-pub fn check_max_tokens(max_tokens: usize, ceiling: usize) -> Result<(), ApiError> {
-    if max_tokens > ceiling {
-        return Err(ApiError::bad_param("max_tokens", format!("max_tokens is {max_tokens}; this server allows at most {ceiling}")));
-    }
-    Ok(())
-}
-
 pub fn parse_chat(body: &[u8], default_max_tokens: usize) -> Result<ValidChat, ApiError> {
     let req: ChatRequest = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
     if req.messages.is_empty() {

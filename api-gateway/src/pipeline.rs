@@ -12,7 +12,7 @@ use crate::generator::{GenEvent, GenerateError, GenerateRequest, GenerationStrea
 use crate::auth::KeyHash;
 use crate::limits::{LimitOverrides, Permit};
 use crate::metrics;
-use crate::server::App;
+use crate::state::App;
 use crate::slo::TurnClock;
 use crate::store::UsageCounts;
 use baton_text::sampling::SamplingParams;

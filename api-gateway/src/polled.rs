@@ -8,7 +8,7 @@
 //! `failed`/`interrupted` end event: the client's retry with the same turn ID
 //! then takes the turn over (it generates again; nothing is stored twice).
 
-use crate::server::App;
+use crate::state::App;
 use crate::store::{StoreResult, Turn, TurnState};
 use crate::turns::{TurnEvent, TurnResult, UsageJson};
 use std::collections::VecDeque;

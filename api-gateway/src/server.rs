@@ -1,68 +1,21 @@
-//! The HTTP server: shared state ([`App`]), the router, body reading with a
-//! size limit, the retention job, and serving (plain HTTP, or HTTPS when the
-//! config has TLS) until shutdown.
+//! The HTTP server: the router, the retention job, and serving (plain HTTP, or
+//! HTTPS when the config has TLS) until shutdown. The one module that imports the
+//! handler modules (`openai`, `conversations`); the state they share is
+//! [`crate::state::App`].
 
-use crate::auth::KeyCache;
-use crate::checks::{ContentCheck, LinkPolicy};
-use crate::context::ContextBuilder;
 use crate::error::ApiError;
 use baton_vocab::ErrorKind;
-use crate::generator::Generator;
-use crate::limits::Limiter;
-use crate::store::ConversationStore;
-use crate::turns::Registry;
-use crate::{conversations, metrics, openai, Config};
-use axum::body::Body;
+use crate::state::App;
+use crate::{conversations, metrics, openai};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use bytes::Bytes;
-use http_body_util::BodyExt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-
-/// Everything a request handler needs.
-pub struct App {
-    pub config: Config,
-    pub generator: Arc<dyn Generator>,
-    pub store: Arc<dyn ConversationStore>,
-    pub context: ContextBuilder,
-    pub limiter: Arc<Limiter>,
-    pub checks: Arc<dyn ContentCheck>,
-    pub links: Arc<LinkPolicy>,
-    /// Bytes of reply tail the output check needs to see.
-    pub check_window: usize,
-    pub key_cache: KeyCache,
-    pub live: Registry,
-    /// Per-conversation turn admission (idempotency decisions of one conversation see
-    /// each other; different conversations never wait on each other).
-    pub admission: crate::admission::Admission,
-    /// Deleted conversations' evictions, retried until every node acknowledged.
-    pub evictions: Arc<crate::evictions::Evictions>,
-    pub model_id: String,
-    /// Users' and keys' limit overrides with when they were read.
-    pub overrides_cache: std::sync::Mutex<
-        std::collections::HashMap<crate::pipeline::LimitSubject, (Option<crate::limits::LimitOverrides>, std::time::Instant)>,
-    >,
-}
-
-/// Reads a whole body, refusing more than `limit` bytes with 413, and a body that takes
-/// longer than `deadline` to arrive with 408.
-pub async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
-    let limited = http_body_util::Limited::new(body, limit);
-    let Ok(collected) = tokio::time::timeout(deadline, limited.collect()).await else {
-        return Err(ApiError::new(ErrorKind::DeadlineExceeded, format!("the request body did not arrive within {deadline:?}")));
-    };
-    match collected {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
-        Err(_) => Err(ApiError::bad_request("could not read the request body")),
-    }
-}
 
 async fn index() -> Html<&'static str> {
     Html(include_str!("web/index.html"))

@@ -11,7 +11,7 @@
 
 use crate::metrics;
 use crate::pipeline::{Piece, Reply};
-use crate::server::App;
+use crate::state::App;
 use crate::store::{LogEntry, TurnEnd, TurnState};
 use serde::Serialize;
 use std::collections::HashMap;

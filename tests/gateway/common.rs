@@ -6,7 +6,7 @@
 use baton_api_gateway::client::Client;
 use baton::local_generator::LocalGenerator;
 use baton_api_gateway::generator::Generator;
-use baton_api_gateway::server::App;
+use baton_api_gateway::state::App;
 use baton_api_gateway::store::SqliteStore;
 use baton_api_gateway::{auth, build_app, Args, Config};
 use baton_engine::model::load_gguf;

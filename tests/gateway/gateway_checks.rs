@@ -8,7 +8,7 @@
 use crate::common;
 
 use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
-use baton_api_gateway::server::App;
+use baton_api_gateway::state::App;
 use baton_api_gateway::store::{ConversationStore, SqliteStore};
 use baton_api_gateway::{auth, build_app, load_tokenizer, Args, Config};
 use baton_text::tokenizer::Tokenizer;

@@ -3,7 +3,7 @@
 //! store: token IDs as little-endian `u32` bytes (exact round trip), turns and
 //! token log cascading with their conversation, ownership in every query.
 //!
-//! The schema is versioned ([`MIGRATIONS`] recorded in
+//! The schema is versioned (`schema`: [`MIGRATIONS`] recorded in
 //! `baton_schema_migrations`) and migrated at connect under a transaction-scoped
 //! advisory lock, so replicas starting together migrate once. Connections come
 //! from a pool; when the server is unreachable or a connection drops, calls
@@ -17,7 +17,7 @@
 //! fails only this instance's turns and those of instances whose heartbeat
 //! stopped.
 //!
-//! Admission across replicas is the database's: two unique indexes (migration
+//! Admission across replicas (`admission`) is the database's: two unique indexes (migration
 //! 4) allow one turn per place (`seq`) in a conversation and one streaming turn
 //! per conversation, so of two replicas racing on one conversation exactly one
 //! insert commits and the other gets [`BeginTurn::Busy`]. Constraints rather than
@@ -36,133 +36,17 @@ use std::time::Duration;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{NoTls, Row};
 
-/// The schema, one entry per version; never edit a released entry, append.
-pub const MIGRATIONS: &[(i32, &str)] = &[
-    (
-        1,
-        r#"
-CREATE TABLE api_keys (
-    key_hash TEXT PRIMARY KEY,
-    prefix TEXT COLLATE "C" NOT NULL,
-    user_id TEXT NOT NULL,
-    label TEXT NOT NULL,
-    created_at BIGINT NOT NULL,
-    revoked BOOLEAN NOT NULL DEFAULT FALSE
-);
-CREATE TABLE conversations (
-    id TEXT COLLATE "C" PRIMARY KEY,
-    owner TEXT NOT NULL,
-    title TEXT NOT NULL,
-    system_prompt_version BIGINT NOT NULL,
-    summary TEXT,
-    created_at BIGINT NOT NULL,
-    updated_at BIGINT NOT NULL
-);
-CREATE INDEX conversations_owner ON conversations (owner, updated_at);
-CREATE INDEX conversations_updated ON conversations (updated_at);
-CREATE TABLE turns (
-    conversation TEXT COLLATE "C" NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
-    turn_id TEXT COLLATE "C" NOT NULL,
-    seq BIGINT NOT NULL,
-    request_hash TEXT NOT NULL,
-    user_text TEXT NOT NULL,
-    reply_text TEXT NOT NULL,
-    prompt_ids BYTEA NOT NULL,
-    output_ids BYTEA NOT NULL,
-    system_prompt_version BIGINT NOT NULL,
-    state TEXT NOT NULL,
-    finish_reason TEXT,
-    prompt_tokens BIGINT NOT NULL DEFAULT 0,
-    cached_tokens BIGINT NOT NULL DEFAULT 0,
-    completion_tokens BIGINT NOT NULL DEFAULT 0,
-    created_at BIGINT NOT NULL,
-    instance TEXT,
-    PRIMARY KEY (conversation, turn_id)
-);
-CREATE INDEX turns_streaming ON turns (instance) WHERE state = 'streaming';
-CREATE TABLE token_log (
-    conversation TEXT COLLATE "C" NOT NULL,
-    turn_id TEXT COLLATE "C" NOT NULL,
-    idx BIGINT NOT NULL,
-    text TEXT NOT NULL,
-    PRIMARY KEY (conversation, turn_id, idx),
-    FOREIGN KEY (conversation, turn_id) REFERENCES turns (conversation, turn_id) ON DELETE CASCADE
-);
-CREATE TABLE user_limits (
-    user_id TEXT PRIMARY KEY,
-    limits TEXT NOT NULL
-);
-CREATE TABLE usage (
-    user_id TEXT PRIMARY KEY,
-    requests BIGINT NOT NULL,
-    prompt_tokens BIGINT NOT NULL,
-    cached_tokens BIGINT NOT NULL,
-    completion_tokens BIGINT NOT NULL
-);
-CREATE TABLE gateway_instances (
-    id TEXT PRIMARY KEY,
-    seen_at BIGINT NOT NULL
-);
-"#,
-    ),
-    (
-        2,
-        r#"
-CREATE TABLE key_limits (
-    key_hash TEXT PRIMARY KEY REFERENCES api_keys(key_hash),
-    limits TEXT NOT NULL
-);
-"#,
-    ),
-    (
-        3,
-        r#"
-CREATE TABLE eviction_tombstones (
-    conversation TEXT COLLATE "C" PRIMARY KEY,
-    created_at BIGINT NOT NULL,
-    attempts BIGINT NOT NULL DEFAULT 0,
-    next_attempt_ms BIGINT NOT NULL,
-    owed TEXT NOT NULL DEFAULT '[]'
-);
-CREATE INDEX eviction_tombstones_due ON eviction_tombstones (next_attempt_ms);
-"#,
-    ),
-    (
-        4,
-        r#"
--- Conversations that replicas forked before this version: renumber their turns
--- (order kept), and keep only the newest of several streaming turns streaming.
-UPDATE turns t SET seq = r.n - 1 FROM (
-    SELECT conversation, turn_id, row_number() OVER (PARTITION BY conversation ORDER BY seq, created_at, turn_id) AS n
-    FROM turns WHERE conversation IN (SELECT conversation FROM turns GROUP BY conversation, seq HAVING count(*) > 1)
-) r WHERE t.conversation = r.conversation AND t.turn_id = r.turn_id AND t.seq <> r.n - 1;
-UPDATE turns t SET state = 'failed', finish_reason = 'interrupted' WHERE state = 'streaming'
-    AND EXISTS (SELECT 1 FROM turns u WHERE u.conversation = t.conversation AND u.state = 'streaming' AND u.seq > t.seq);
-CREATE UNIQUE INDEX turns_one_per_seq ON turns (conversation, seq);
-CREATE UNIQUE INDEX turns_one_streaming ON turns (conversation) WHERE state = 'streaming';
-"#,
-    ),
-];
+mod admission;
+mod schema;
 
-/// Key of the advisory lock that serializes migrations ("baton-gw").
-const MIGRATION_LOCK: i64 = 0x6261_746f_6e2d_6777;
+use admission::{beat, heartbeat, heartbeat_every, live_instances, BeginError, HeartbeatGuard};
+use schema::migrate;
+pub use schema::MIGRATIONS;
+
 /// An instance silent for this long is dead: its streaming turns may be failed
 /// or taken over (`--replica-dead-after`).
 pub const DEFAULT_DEAD_AFTER: Duration = Duration::from_secs(60);
 
-/// How often an instance refreshes its heartbeat row: six beats per staleness
-/// period, so a few slow beats never make a live replica look dead.
-fn heartbeat_every(dead_after: Duration) -> Duration {
-    (dead_after / 6).clamp(Duration::from_millis(100), Duration::from_secs(10))
-}
-
-/// The database's clock in unix seconds (heartbeats and staleness use it alone).
-const DB_NOW: &str = "extract(epoch FROM clock_timestamp())::bigint";
-
-/// IDs of live instances: those whose heartbeat is at most `$n` seconds old.
-fn live_instances(n: usize) -> String {
-    format!("SELECT id FROM gateway_instances WHERE seen_at >= {DB_NOW} - ${n}")
-}
 /// How long a call waits for a connection (or for one to be made).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -274,34 +158,6 @@ fn conv_from_row(r: &Row) -> StoreResult<Conversation> {
     })
 }
 
-/// Why `try_begin_turn` failed: the driver's error (a unique violation is
-/// read by the caller) or a row that does not parse.
-enum BeginError {
-    Pg(tokio_postgres::Error),
-    Store(StoreError),
-}
-
-impl From<tokio_postgres::Error> for BeginError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        BeginError::Pg(e)
-    }
-}
-
-impl From<StoreError> for BeginError {
-    fn from(e: StoreError) -> Self {
-        BeginError::Store(e)
-    }
-}
-
-/// Stops the heartbeat task when the last clone of the store goes.
-struct HeartbeatGuard(tokio::task::JoinHandle<()>);
-
-impl Drop for HeartbeatGuard {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// The shared store.
 #[derive(Clone)]
 pub struct PostgresStore {
@@ -395,131 +251,9 @@ impl PostgresStore {
         c.query_opt(&st, params).await.map_err(db)
     }
 
-    /// [`ConversationStore::begin_turn`] in one transaction; a unique violation
-    /// is the caller's to read.
-    async fn try_begin_turn(&self, c: &mut deadpool_postgres::Client, t: &Turn) -> Result<BeginTurn, BeginError> {
-        let tx = c.transaction().await?;
-        // Column 15: whether a live replica holds the row (this one, or one whose heartbeat is fresh).
-        let select = tx
-            .prepare_cached(&format!(
-                "SELECT {TURN_COLS}, instance IS NOT NULL AND (instance = $3 OR instance IN ({})) \
-                 FROM turns WHERE conversation = $1 AND turn_id = $2 FOR UPDATE",
-                live_instances(4)
-            ))
-            .await?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&t.conversation, &t.turn_id, &self.instance, &self.dead_after_secs];
-        if let Some(row) = tx.query_opt(&select, &params).await? {
-            let existing = turn_from_row(&row)?;
-            let held: bool = get(&row, 15)?;
-            let retry = existing.request_hash == t.request_hash
-                && (existing.state == TurnState::Failed || (existing.state == TurnState::Streaming && !held));
-            if !retry {
-                return Ok(BeginTurn::Existing(Box::new(existing)));
-            }
-            // A retry of a failed turn, or of one whose replica died, generates
-            // again: drop the old row and its log in this transaction.
-            if existing.state == TurnState::Streaming {
-                tracing::warn!(conversation = %t.conversation, turn = %t.turn_id, "taking over a turn whose replica stopped");
-            }
-            let del = tx.prepare_cached("DELETE FROM turns WHERE conversation = $1 AND turn_id = $2").await?;
-            tx.execute(&del, &[&t.conversation, &t.turn_id]).await?;
-        }
-        // A dead replica's turn of another ID no longer blocks the conversation; owned
-        // by nobody, it is fenced from that replica's late writes too.
-        let orphans = tx
-            .prepare_cached(&format!(
-                "UPDATE turns SET state = 'failed', finish_reason = 'interrupted', instance = NULL WHERE conversation = $1 \
-                 AND turn_id <> $2 AND state = 'streaming' AND (instance IS NULL OR (instance <> $3 AND instance NOT IN ({})))",
-                live_instances(4)
-            ))
-            .await?;
-        tx.execute(&orphans, &params).await?;
-        let insert = tx
-            .prepare_cached(&format!(
-                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
-                 ON CONFLICT (conversation, turn_id) DO NOTHING"
-            ))
-            .await?;
-        let inserted = tx
-            .execute(
-                &insert,
-                &[
-                    &t.conversation,
-                    &t.turn_id,
-                    &t.seq,
-                    &t.request_hash,
-                    &t.user_text,
-                    &t.reply_text,
-                    &ids_to_bytes(&t.prompt_ids),
-                    &ids_to_bytes(&t.output_ids),
-                    &i64::from(t.system_prompt_version),
-                    &TurnState::Streaming.as_str(),
-                    &t.finish_reason,
-                    &t.prompt_tokens,
-                    &t.cached_tokens,
-                    &t.completion_tokens,
-                    &t.created_at,
-                    &self.instance,
-                ],
-            )
-            .await?;
-        if inserted == 0 {
-            // Another replica inserted the same turn ID after our SELECT; its row wins.
-            let row = tx.query_one(&select, &params).await?;
-            return Ok(BeginTurn::Existing(Box::new(turn_from_row(&row)?)));
-        }
-        let touch = tx.prepare_cached("UPDATE conversations SET updated_at = $2 WHERE id = $1").await?;
-        tx.execute(&touch, &[&t.conversation, &now_unix()]).await?;
-        tx.commit().await?;
-        Ok(BeginTurn::Created)
-    }
 }
 
-/// Brings the schema to the latest version; returns the version it found.
-async fn migrate(client: &mut deadpool_postgres::Client) -> StoreResult<i32> {
-    let tx = client.transaction().await.map_err(db)?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await.map_err(db)?;
-    tx.batch_execute("CREATE TABLE IF NOT EXISTS baton_schema_migrations (version INTEGER PRIMARY KEY, applied_at BIGINT NOT NULL)")
-        .await
-        .map_err(db)?;
-    let r = tx.query_one("SELECT COALESCE(max(version), 0) FROM baton_schema_migrations", &[]).await.map_err(db)?;
-    let current: i32 = get(&r, 0)?;
-    let latest = MIGRATIONS.last().map_or(0, |m| m.0);
-    if current > latest {
-        return Err(StoreError::Db(format!(
-            "the PostgreSQL schema is at version {current}, newer than this gateway's {latest}: upgrade the gateway"
-        )));
-    }
-    for (v, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
-        tx.batch_execute(sql).await.map_err(|e| StoreError::Db(format!("schema migration {v}: {}", db(e))))?;
-        tx.execute("INSERT INTO baton_schema_migrations (version, applied_at) VALUES ($1, $2)", &[v, &now_unix()]).await.map_err(db)?;
-    }
-    tx.commit().await.map_err(db)?;
-    Ok(current)
-}
 
-async fn beat(pool: &Pool, instance: &str) -> StoreResult<()> {
-    let c = pool.get().await.map_err(pool_err)?;
-    let st = c
-        .prepare_cached(
-            &format!("INSERT INTO gateway_instances (id, seen_at) VALUES ($1, {DB_NOW}) ON CONFLICT (id) DO UPDATE SET seen_at = EXCLUDED.seen_at"),
-        )
-        .await
-        .map_err(db)?;
-    c.execute(&st, &[&instance]).await.map_err(db)?;
-    Ok(())
-}
-
-async fn heartbeat(pool: Pool, instance: String, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        if let Err(e) = beat(&pool, &instance).await {
-            tracing::warn!(kind = e.label(), error = %e, "postgres store heartbeat failed");
-        }
-    }
-}
 
 #[async_trait::async_trait]
 impl ConversationStore for PostgresStore {

@@ -6,6 +6,7 @@
 //! - [`node`]: the services nodes serve to each other and to the coordinator.
 //! - [`plane`]: the internal plane's mutual TLS, connections and authorization table.
 //! - [`client`]: [`client::MembershipClient`], the register + keep-alive loop nodes run.
+//! - [`ids`]: the one place per ID where a wire string becomes a `baton-vocab` ID.
 
 #[allow(clippy::all, missing_docs)]
 mod generated {
@@ -15,6 +16,7 @@ mod generated {
 pub use generated::baton::{common, coordinator, node};
 
 pub mod client;
+pub mod ids;
 pub mod plane;
 
 pub use client::{MembershipClient, MembershipHandle, MembershipState};

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::kv::{ConversationId, OwnerId};
 use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, Event, Request};
 use baton_proto::node as pb;
@@ -192,9 +192,9 @@ fn greedy(max_tokens: usize) -> Result<baton_text::sampling::ValidSamplingParams
 async fn in_process(engine: Arc<Engine>, owner: String, prompt: Vec<u32>, max_tokens: usize) -> Result<(Timing, Vec<u32>)> {
     let req = Request {
         prompt,
-        owner: UserId::new(owner.clone()),
+        owner: OwnerId::parse(owner.clone())?,
         platform_prefix_len: 0,
-        conversation: Some(ConversationId::new(owner)),
+        conversation: Some(ConversationId::parse(owner)?),
         sampling: greedy(max_tokens)?,
         ignore_eos: true,
     };

@@ -4,7 +4,7 @@
 
 use crate::engine_args::EngineArgs;
 use anyhow::{bail, Result};
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, Event, Request};
 use clap::Args;
@@ -45,7 +45,7 @@ fn prompt(len: usize, salt: usize) -> Vec<u32> {
 fn request(prompt: Vec<u32>, max_tokens: usize, owner: String) -> Result<Request> {
     Ok(Request {
         prompt,
-        owner: UserId::new(owner),
+        owner: OwnerId::parse(owner)?,
         platform_prefix_len: 0,
         conversation: None,
         sampling: SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() }.validate()?,

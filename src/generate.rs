@@ -3,7 +3,7 @@
 use crate::engine_args::EngineArgs;
 use anyhow::{bail, Context, Result};
 use baton_text::chat_template::ChatMessage;
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_text::sampling::SamplingParams;
 use baton_engine::{Event, Request};
 use clap::Args;
@@ -84,7 +84,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     .validate()?;
     let mut stream = engine.submit(Request {
         prompt: prompt.clone(),
-        owner: UserId::new("local"),
+        owner: OwnerId::parse("local")?,
         platform_prefix_len: platform_len,
         conversation: None,
         sampling,

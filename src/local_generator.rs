@@ -7,7 +7,7 @@
 //! does not depend on the engine (or, through it, on the kernels).
 
 use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
-use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::kv::ConversationId;
 use baton_engine::{Engine, EngineError, Event, Request};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,9 +49,9 @@ impl Generator for LocalGenerator {
         let sampling = req.sampling.validate().map_err(|e| GenerateError::BadRequest(e.to_string()))?;
         let stream = self.engine.submit(Request {
             prompt: req.prompt,
-            owner: UserId::new(req.owner),
+            owner: req.owner,
             platform_prefix_len: req.platform_prefix_len,
-            conversation: Some(ConversationId::new(req.routing_key)),
+            conversation: Some(req.conversation),
             sampling,
             ignore_eos: false,
         })
@@ -70,9 +70,9 @@ impl Generator for LocalGenerator {
         Ok(Box::pin(events))
     }
 
-    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError> {
+    async fn evict_conversation(&self, conversation: &ConversationId) -> Result<Eviction, GenerateError> {
         let engine = self.engine.clone();
-        let id = ConversationId::new(conversation);
+        let id = conversation.clone();
         tokio::task::spawn_blocking(move || engine.evict_conversation(id)).await.map_err(|e| GenerateError::Internal(e.to_string()))?.map_err(generate_error)?;
         Ok(Eviction { acked: vec!["local".into()], owed: vec![] })
     }

@@ -127,7 +127,7 @@ fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over() {
         .find(|k| {
             let mut r = DecodeRouter::new(160, 1.25, Duration::from_secs(600)).unwrap();
             r.set_members(["decode-0", "decode-1"]);
-            r.route(k, &[], Instant::now()).unwrap().node == "decode-1"
+            r.route(&baton_vocab::ConversationId::parse(k.as_str()).unwrap(), &[], Instant::now()).unwrap().node == "decode-1"
         })
         .unwrap();
     let d0 = cluster.node("decode", "decode-0", &[]);

@@ -45,7 +45,7 @@ impl Generator for FastTokens {
         Ok(Box::pin(futures::stream::iter(tokens.chain(end))))
     }
 
-    async fn evict_conversation(&self, _conversation: &str) -> Result<baton_api_gateway::generator::Eviction, GenerateError> {
+    async fn evict_conversation(&self, _conversation: &baton_vocab::ConversationId) -> Result<baton_api_gateway::generator::Eviction, GenerateError> {
         Ok(Default::default())
     }
 }

@@ -10,6 +10,7 @@ use axum::http::request::Parts;
 use rand::Rng;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
+use baton_vocab::OwnerId;
 
 /// Hex SHA-256 of a key: what the store keeps.
 pub fn hash_key(key: &str) -> String {
@@ -58,9 +59,20 @@ pub async fn ensure_key(store: &dyn ConversationStore, key: Option<String>, user
     }
 }
 
-/// The authenticated user of a request and the key it came with.
+/// The authenticated user of a request and the key it came with. The owner is read
+/// from the key's stored user here, the one place it enters the gateway as an
+/// [`OwnerId`]; a client never names it.
 #[derive(Clone, Debug)]
-pub struct AuthUser(pub String, pub KeyHash);
+pub struct AuthUser(pub OwnerId, pub KeyHash);
+
+/// The owner of a key's stored user. A user that is no valid owner ID (made outside
+/// `baton gateway add-key`) cannot authenticate; the log says why.
+fn owner_of(user: String) -> Result<OwnerId, ApiError> {
+    OwnerId::parse(user).map_err(|e| {
+        tracing::warn!(error = %e, "an API key's user is not a valid owner ID; refused");
+        ApiError::unauthorized()
+    })
+}
 
 /// The stored hash of the API key a request came with (its limits may differ
 /// from its user's).
@@ -88,7 +100,7 @@ impl FromRequestParts<Arc<App>> for AuthUser {
         };
         let h = hash_key(&key);
         if let Some(u) = app.key_cache.get(&h) {
-            return Ok(AuthUser(u, KeyHash(h)));
+            return Ok(AuthUser(owner_of(u)?, KeyHash(h)));
         }
         // An address that keeps presenting unknown keys waits before its next store lookup.
         if let Some(wait) = address.and_then(|a| app.key_cache.blocked(a)) {
@@ -97,7 +109,7 @@ impl FromRequestParts<Arc<App>> for AuthUser {
         match app.store.user_for_key(&h).await? {
             Some(u) => {
                 app.key_cache.put(h.clone(), u.clone());
-                Ok(AuthUser(u, KeyHash(h)))
+                Ok(AuthUser(owner_of(u)?, KeyHash(h)))
             }
             None => Err(failed(app)),
         }

@@ -28,6 +28,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use baton_text::sampling::SamplingParams;
+use baton_vocab::{ConversationId, OwnerId, TurnId};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -46,6 +47,8 @@ fn conv_json(c: &Conversation) -> Value {
            "created_at": c.created_at, "updated_at": c.updated_at, "summary": c.summary})
 }
 
+/// The API's rule for IDs a client names (narrower than an ID's own rules: these
+/// also appear in URLs), checked before the ID's own `parse`.
 fn check_id(id: &str) -> Result<(), ApiError> {
     if id.is_empty() || id.len() > 128 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
         return Err(ApiError::bad_request("IDs are 1 to 128 characters of [A-Za-z0-9_-]"));
@@ -53,9 +56,23 @@ fn check_id(id: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-async fn owned(app: &App, user: &str, id: &str) -> Result<Conversation, ApiError> {
+/// A conversation ID from a path (or one the gateway minted): where it becomes an ID.
+fn parse_conversation_id(id: &str) -> Result<ConversationId, ApiError> {
     check_id(id)?;
-    app.store.get_conversation(user, id).await?.ok_or_else(|| ApiError::not_found("conversation"))
+    ConversationId::parse(id).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// A turn ID from a path, a body or a header: where it becomes an ID.
+fn parse_turn_id(id: &str) -> Result<TurnId, ApiError> {
+    check_id(id)?;
+    TurnId::parse(id).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// The conversation `id` names, if `owner` owns it.
+async fn owned(app: &App, owner: &OwnerId, id: &str) -> Result<(ConversationId, Conversation), ApiError> {
+    let conversation = parse_conversation_id(id)?;
+    let c = app.store.get_conversation(owner.as_str(), conversation.as_str()).await?.ok_or_else(|| ApiError::not_found("conversation"))?;
+    Ok((conversation, c))
 }
 
 pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, body: Body) -> Result<Response, ApiError> {
@@ -69,8 +86,8 @@ pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, bo
     let now = crate::store::now_unix();
     let title: String = b.title.unwrap_or_default().chars().take(200).collect();
     let c = Conversation {
-        id: format!("conv-{}", request_id()),
-        owner: user,
+        id: parse_conversation_id(&format!("conv-{}", request_id()))?.into_string(),
+        owner: user.into_string(),
         title,
         system_prompt_version: app.context.system_prompt_version,
         created_at: now,
@@ -83,7 +100,7 @@ pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, bo
 
 pub async fn list(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_list");
-    let cs = app.store.list_conversations(&user).await?;
+    let cs = app.store.list_conversations(user.as_str()).await?;
     Ok(Json(json!({"object": "list", "data": cs.iter().map(conv_json).collect::<Vec<_>>()})))
 }
 
@@ -95,7 +112,7 @@ fn turn_json(t: &Turn) -> Value {
 
 pub async fn get(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_get");
-    let c = owned(&app, &user, &id).await?;
+    let (_, c) = owned(&app, &user, &id).await?;
     let turns = app.store.list_turns(&id).await?;
     let mut v = conv_json(&c);
     v["turns"] = Value::Array(turns.iter().map(turn_json).collect());
@@ -120,7 +137,7 @@ pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Pa
             }
         }
     }
-    if !app.store.delete_conversation(&user, &id, app.evictions.first_retry_ms()).await? {
+    if !app.store.delete_conversation(user.as_str(), &id, app.evictions.first_retry_ms()).await? {
         return Err(ApiError::not_found("conversation")); // a concurrent delete won
     }
     let kv_evicted = app.evictions.attempt(&id, 0, &[], "delete").await;
@@ -191,7 +208,7 @@ pub async fn add_turn(
     metrics::request("turns_create");
     let raw = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let body: TurnBody = serde_json::from_slice(&raw).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
-    let conv = owned(&app, &user, &id).await?;
+    let (conversation, conv) = owned(&app, &user, &id).await?;
     let header_id = headers.get("idempotency-key").map(|v| v.to_str().map(str::to_string));
     let turn_id = match (&body.turn_id, header_id) {
         (Some(t), _) => t.clone(),
@@ -199,7 +216,7 @@ pub async fn add_turn(
         (None, Some(Err(_))) => return Err(ApiError::bad_request("Idempotency-Key must be ASCII")),
         (None, None) => format!("turn-{}", request_id()),
     };
-    check_id(&turn_id)?;
+    let turn_id = parse_turn_id(&turn_id)?.into_string();
     let from = last_event_id(&headers)?.map(|n| n + 1).unwrap_or(0);
     let stream = body.stream.unwrap_or(true);
     let hash = request_hash(&body);
@@ -268,7 +285,7 @@ pub async fn add_turn(
             // the input check refuses is neither stored nor used: the turn
             // appends to the full history as below the threshold, and the next
             // turn tries again.
-            match summarize(&app, &user, &id, p).await? {
+            match summarize(&app, &user, &conversation, p).await? {
                 Some(summary) => {
                     let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id).collect();
                     let keep = app.config.summary_keep_turns.min(in_context.len());
@@ -304,7 +321,7 @@ pub async fn add_turn(
         completion_tokens: 0,
         created_at: crate::store::now_unix(),
     };
-    let reply = app.start_reply(&user, &key, prompt, id.clone(), sampling).await?;
+    let reply = app.start_reply(&user, &key, prompt, conversation, sampling).await?;
     match app.store.begin_turn(&row).await? {
         BeginTurn::Created => {}
         // Another replica began (or took over) this very turn since we looked: follow it.
@@ -332,16 +349,16 @@ fn busy() -> ApiError {
 }
 
 /// Follows a turn that another gateway replica runs, through the store.
-async fn attach_stored(app: Arc<App>, user: &str, id: String, turn_id: String, from: usize, stream: bool) -> Result<Response, ApiError> {
-    let slot = follower_slot(&app, user)?;
+async fn attach_stored(app: Arc<App>, owner: &OwnerId, id: String, turn_id: String, from: usize, stream: bool) -> Result<Response, ApiError> {
+    let slot = follower_slot(&app, owner)?;
     metrics::turn("attached");
     let events = polled::follow(app, id, turn_id, from);
     Ok(respond_events(events, stream, Some(slot)).await)
 }
 
 /// An open-stream slot for a client that follows a turn already running.
-fn follower_slot(app: &App, user: &str) -> Result<crate::limits::Permit, ApiError> {
-    app.limiter.attach(user).map_err(|r| {
+fn follower_slot(app: &App, owner: &OwnerId) -> Result<crate::limits::Permit, ApiError> {
+    app.limiter.attach(owner.as_str()).map_err(|r| {
         metrics::rate_limited(r.limit);
         ApiError::rate_limited(r.limit, r.retry_after)
     })
@@ -351,7 +368,7 @@ fn follower_slot(app: &App, user: &str) -> Result<crate::limits::Permit, ApiErro
 /// (greedy, appended to that turn's tokens so the prefix cache serves it).
 /// The summary becomes prompt text of every later turn, so it passes the
 /// input check like a client's message; `None` when the check refuses it.
-async fn summarize(app: &Arc<App>, user: &str, conversation: &str, last: &Turn) -> Result<Option<String>, ApiError> {
+async fn summarize(app: &Arc<App>, owner: &OwnerId, conversation: &ConversationId, last: &Turn) -> Result<Option<String>, ApiError> {
     let prompt = app
         .context
         .next_turn(&last.prompt_ids, &last.output_ids, crate::context::SUMMARY_REQUEST)
@@ -361,9 +378,9 @@ async fn summarize(app: &Arc<App>, user: &str, conversation: &str, last: &Turn) 
         .generator
         .generate(crate::generator::GenerateRequest {
             prompt: prompt.ids,
-            owner: user.to_string(),
+            owner: owner.clone(),
             platform_prefix_len: prompt.platform_prefix_len,
-            routing_key: conversation.to_string(),
+            conversation: conversation.clone(),
             sampling,
         })
         .await?;
@@ -448,7 +465,7 @@ pub async fn events(
 ) -> Result<Response, ApiError> {
     metrics::request("turns_events");
     owned(&app, &user, &id).await?;
-    check_id(&turn_id)?;
+    parse_turn_id(&turn_id)?;
     let from = last_event_id(&headers)?.or(q.after).map(|n| n + 1).unwrap_or(0);
     if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
         let slot = follower_slot(&app, &user)?;
@@ -471,7 +488,7 @@ pub async fn stop(
 ) -> Result<Json<Value>, ApiError> {
     metrics::request("turns_stop");
     owned(&app, &user, &id).await?;
-    check_id(&turn_id)?;
+    parse_turn_id(&turn_id)?;
     if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
         live.stop();
         let mut events = Box::pin(live.follow(app.clone(), 0));

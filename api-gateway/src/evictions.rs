@@ -16,7 +16,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::generator::Generator;
+use baton_vocab::ConversationId;
+
+use crate::generator::{Eviction, Generator};
 use crate::metrics;
 use crate::store::{now_unix_ms, ConversationStore, Tombstone};
 
@@ -65,7 +67,13 @@ impl Evictions {
     /// times (`owed`: who owed it then). Clears the tombstone when nothing is owed,
     /// else schedules the next attempt. True when the tombstone cleared.
     pub async fn attempt(&self, conversation: &str, failed: u32, owed: &[String], when: &'static str) -> bool {
-        let (result, owed) = match self.generator.evict_conversation(conversation).await {
+        let evicted = match ConversationId::parse(conversation) {
+            Ok(id) => self.generator.evict_conversation(&id).await,
+            // Every generation's conversation is a parsed ID, so no node holds KV under
+            // a string that is none: nothing to evict.
+            Err(_) => Ok(Eviction::default()),
+        };
+        let (result, owed) = match evicted {
             Ok(ev) => {
                 metrics::eviction_acks(ev.acked.len());
                 if ev.complete() {
@@ -134,7 +142,7 @@ impl Evictions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generator::{Eviction, GenerateError, GenerateRequest, GenerationStream};
+    use crate::generator::{GenerateError, GenerateRequest, GenerationStream};
     use crate::store::{now_unix, Conversation, SqliteStore};
     use std::collections::VecDeque;
     use std::sync::Mutex;
@@ -165,7 +173,7 @@ mod tests {
             Err(GenerateError::Unavailable("not in this test".into()))
         }
 
-        async fn evict_conversation(&self, _conversation: &str) -> Result<Eviction, GenerateError> {
+        async fn evict_conversation(&self, _conversation: &ConversationId) -> Result<Eviction, GenerateError> {
             self.0.lock().unwrap().pop_front().expect("an answer scripted for every attempt")
         }
     }

@@ -25,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use baton_text::chat_template::ChatMessage;
 use baton_text::sampling::SamplingParams;
+use baton_vocab::ConversationId;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -211,11 +212,14 @@ pub async fn chat_completions(
     let key = match headers.get(CONVERSATION_HEADER).and_then(|v| v.to_str().ok()) {
         Some(c) if !c.is_empty() && c.len() <= 128 => format!("{user}/{c}"),
         Some(_) => return Err(ApiError::bad_request("X-Baton-Conversation must be 1 to 128 characters")),
-        None => routing_key(&user, &chat.messages),
+        None => routing_key(user.as_str(), &chat.messages),
     };
+    // The one place this handler's conversation becomes an ID (a header may still hold
+    // a character no ID may).
+    let conversation = ConversationId::parse(key).map_err(|e| ApiError::bad_request(format!("X-Baton-Conversation: {e}")))?;
     let id = format!("chatcmpl-{}", request_id());
-    tracing::info!(request = %id, user = %crate::auth::user_log_id(&user), prompt_tokens = prompt.ids.len(), "chat completion");
-    let reply = app.start_reply(&user, &api_key, prompt, key, chat.sampling.clone()).await?;
+    tracing::info!(request = %id, user = %crate::auth::user_log_id(user.as_str()), prompt_tokens = prompt.ids.len(), "chat completion");
+    let reply = app.start_reply(&user, &api_key, prompt, conversation, chat.sampling.clone()).await?;
     let created = crate::store::now_unix();
     if chat.stream {
         Ok(stream_response(app, reply, id, created, chat).into_response())

@@ -17,6 +17,7 @@ use crate::slo::TurnClock;
 use crate::store::UsageCounts;
 use baton_text::sampling::SamplingParams;
 use baton_text::{FinishReason, Usage};
+use baton_vocab::{ConversationId, OwnerId};
 use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Instant;
@@ -71,14 +72,14 @@ impl App {
     /// Checks limits and starts a generation.
     pub async fn start_reply(
         self: &Arc<Self>,
-        user: &str,
+        owner: &OwnerId,
         key: &KeyHash,
         prompt: Prompt,
-        routing_key: String,
+        conversation: ConversationId,
         sampling: SamplingParams,
     ) -> Result<Reply, ApiError> {
         let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
-        let (bucket, overrides) = self.limits_for(user, key).await?;
+        let (bucket, overrides) = self.limits_for(owner.as_str(), key).await?;
         let permit = self.limiter.admit_with(&bucket, prompt.ids.len(), overrides.as_ref()).map_err(|r| {
             metrics::rate_limited(r.limit);
             ApiError::rate_limited(r.limit, r.retry_after)
@@ -89,16 +90,16 @@ impl App {
             .generator
             .generate(GenerateRequest {
                 prompt: prompt.ids,
-                owner: user.to_string(),
+                owner: owner.clone(),
                 platform_prefix_len: prompt.platform_prefix_len,
-                routing_key,
+                conversation,
                 sampling,
             })
             .await?;
         metrics::stream_opened();
         Ok(Reply {
             app: self.clone(),
-            user: user.to_string(),
+            user: owner.as_str().to_string(),
             events: Some(events),
             filter: OutputFilter::new(self.checks.clone(), self.links.clone(), self.check_window),
             permit: Some(permit),

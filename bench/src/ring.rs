@@ -5,7 +5,7 @@
 //! predicts is what the coordinator does. Its tests (including the 4-node, 1,000-key
 //! bound and the fifth-node move share) run in that crate.
 
-pub use baton_coordinator::routing::ring::{Loads, NodeId, Ring, RingError};
+pub use baton_coordinator::routing::ring::{Loads, Ring, RingError, Slot};
 
 impl From<RingError> for crate::error::BenchError {
     fn from(e: RingError) -> Self {

@@ -66,6 +66,10 @@ async fn debug_routing(AxState(s): AxState<HttpState>, headers: HeaderMap, Query
     let Some(key) = q.key.filter(|k| !k.is_empty()) else {
         return error(StatusCode::BAD_REQUEST, "missing query parameter: key");
     };
-    let records = s.state.explain(&key, q.limit);
+    let conversation = match baton_vocab::ConversationId::parse(key.as_str()) {
+        Ok(c) => c,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("key: {e}")),
+    };
+    let records = s.state.explain(&conversation, q.limit);
     Json(serde_json::json!({ "key": key, "records": records })).into_response()
 }

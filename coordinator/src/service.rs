@@ -11,8 +11,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
 use baton_proto::coordinator as pb;
 use baton_proto::coordinator::coordinator_server::Coordinator as CoordinatorRpc;
+use baton_proto::ids;
 use baton_proto::plane::authz::{caller, claim_node};
 use baton_proto::plane::Role as IdRole;
+use baton_vocab::ConversationId;
 use tonic::{Request, Response, Status};
 
 use crate::error::{Error, Result};
@@ -154,10 +156,8 @@ impl State {
         routing.explain.push(rec)
     }
 
-    pub(crate) async fn route_decode(&self, req: pb::RouteDecodeRequest) -> Result<pb::RouteDecodeResponse> {
-        if req.routing_key.is_empty() {
-            return Err(Error::InvalidRequest { what: "routing_key is empty" });
-        }
+    /// Places a turn of `conversation` (read off `req.routing_key` by the RPC handler).
+    pub(crate) async fn route_decode(&self, conversation: &ConversationId, req: pb::RouteDecodeRequest) -> Result<pb::RouteDecodeResponse> {
         let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Decode).collect();
         let started = Instant::now();
         let exclude: Vec<&str> = req.exclude.iter().map(|n| n.id.as_str()).collect();
@@ -166,11 +166,11 @@ impl State {
         routing.decode.expire(started);
         let decision = routing
             .decode
-            .route(&req.routing_key, &exclude, started)
+            .route(conversation, &exclude, started)
             .ok_or(Error::NoNodes { role: "decode" })?;
         self.metrics.conversations(routing.decode.total());
-        let rec = ExplainRecord::decode(&req.routing_key, &decision, req.prompt_tokens, unix_ms());
-        let mut explanation = to_pb(&rec, &req.routing_key);
+        let rec = ExplainRecord::decode(conversation, &decision, req.prompt_tokens, unix_ms());
+        let mut explanation = to_pb(&rec, Some(conversation));
         explanation.seq = self.record(&mut routing, rec, started);
         drop(routing);
         let info_of = |id: &str| members.iter().find(|m| m.id() == id).map(|m| m.info.clone());
@@ -179,12 +179,12 @@ impl State {
         Ok(pb::RouteDecodeResponse { node, explanation: Some(explanation), previous })
     }
 
-    pub(crate) async fn route_prefill(&self, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {
+    pub(crate) async fn route_prefill(&self, conversation: Option<&ConversationId>, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {
         // Every turn's tail is decided here, a turn without a conversation too (it has
         // no routing key, hence no prefix affinity).
         let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Prefill).collect();
         let started = Instant::now();
-        let key = (!req.routing_key.is_empty()).then(|| key_of(&req.routing_key));
+        let key = conversation.map(key_of);
         let mut routing = lock(&self.routing);
         let held = key.and_then(|k| routing.affinity.get(k).cloned());
         let candidates = members
@@ -209,14 +209,14 @@ impl State {
             routing.affinity.insert(key, node.clone(), req.prompt_tokens);
         }
         let rec = ExplainRecord::prefill(
-            &req.routing_key,
+            conversation,
             &d,
             req.prompt_tokens,
             req.uncached_tokens,
             self.policy.local_threshold_tokens,
             unix_ms(),
         );
-        let mut explanation = to_pb(&rec, &req.routing_key);
+        let mut explanation = to_pb(&rec, conversation);
         explanation.seq = self.record(&mut routing, rec, started);
         drop(routing);
         let choice = match d.remote {
@@ -232,27 +232,24 @@ impl State {
     /// Tombstones the conversation, asks every member to evict it, and reports each
     /// member's ack plus the nodes that may hold it but were not asked. The tombstone
     /// clears only when every member acknowledged and none is pending.
-    pub(crate) async fn evict(&self, req: pb::EvictConversationRequest) -> Result<pb::EvictConversationResponse> {
-        if req.routing_key.is_empty() {
-            return Err(Error::InvalidRequest { what: "routing_key is empty" });
-        }
+    pub(crate) async fn evict(&self, conversation: &ConversationId, req: pb::EvictConversationRequest) -> Result<pb::EvictConversationResponse> {
         {
             let mut routing = lock(&self.routing);
-            routing.decode.forget(&req.routing_key);
-            routing.affinity.forget(key_of(&req.routing_key));
+            routing.decode.forget(conversation);
+            routing.affinity.forget(key_of(conversation));
         }
         // Before the member list is read: a node that registers from here on either
         // evicts this tombstone while joining or is reported pending below.
         self.metrics.tombstones({
             let mut ledger = lock(&self.ledger);
-            ledger.tombstone(&req.routing_key, &req.owner);
+            ledger.tombstone(conversation.as_str(), &req.owner);
             ledger.tombstones()
         });
         let members = self.members().await?;
         let timeout = self.evict_timeout;
         let calls = members.iter().map(|m| {
             let evictor = self.evictor.clone();
-            let (key, owner) = (req.routing_key.clone(), req.owner.clone());
+            let (key, owner) = (conversation.as_str().to_string(), req.owner.clone());
             let info = m.info.clone();
             async move {
                 let r = match tokio::time::timeout(timeout, evictor.evict(&info, &key, &owner)).await {
@@ -283,7 +280,7 @@ impl State {
             let pending = ledger.pending(&asked, Instant::now());
             let failed = acks.iter().any(|a| !a.ok);
             if !failed && pending.is_empty() {
-                ledger.clear(&req.routing_key);
+                ledger.clear(conversation.as_str());
             }
             (pending, ledger.tombstones())
         };
@@ -316,8 +313,8 @@ impl State {
         r
     }
 
-    pub(crate) fn explain(&self, routing_key: &str, limit: usize) -> Vec<ExplainRecord> {
-        lock(&self.routing).explain.for_key(routing_key, limit)
+    pub(crate) fn explain(&self, conversation: &ConversationId, limit: usize) -> Vec<ExplainRecord> {
+        lock(&self.routing).explain.for_key(conversation, limit)
     }
 }
 
@@ -334,8 +331,9 @@ fn reason_pb(r: Reason) -> pb::Reason {
     }
 }
 
-/// The wire form of a record; `routing_key` is the caller's (the log keeps only hashes).
-pub(crate) fn to_pb(r: &ExplainRecord, routing_key: &str) -> pb::Explanation {
+/// The wire form of a record; the conversation is the caller's (the log keeps only
+/// hashes), empty on the wire for a turn outside any conversation.
+pub(crate) fn to_pb(r: &ExplainRecord, conversation: Option<&ConversationId>) -> pb::Explanation {
     pb::Explanation {
         seq: r.seq,
         unix_ms: r.unix_ms,
@@ -343,7 +341,7 @@ pub(crate) fn to_pb(r: &ExplainRecord, routing_key: &str) -> pb::Explanation {
             DecisionKind::Decode => pb::DecisionKind::Decode,
             DecisionKind::Prefill => pb::DecisionKind::Prefill,
         } as i32,
-        routing_key: routing_key.to_string(),
+        routing_key: conversation.map_or_else(String::new, |c| c.as_str().to_string()),
         candidates: r
             .candidates
             .iter()
@@ -496,19 +494,27 @@ impl CoordinatorRpc for CoordinatorService {
         Ok(Response::new(pb::DeregisterResponse { removed }))
     }
 
+    // Each routing key is read once, here, into a `ConversationId`; below this the
+    // coordinator only sees the typed ID (and keeps only its hash).
     async fn route_decode(&self, req: Request<pb::RouteDecodeRequest>) -> Result<Response<pb::RouteDecodeResponse>, Status> {
-        Ok(Response::new(self.state.route_decode(req.into_inner()).await?))
+        let mut req = req.into_inner();
+        let conversation = ids::conversation(std::mem::take(&mut req.routing_key))?;
+        Ok(Response::new(self.state.route_decode(&conversation, req).await?))
     }
 
     async fn route_prefill(&self, req: Request<pb::RoutePrefillRequest>) -> Result<Response<pb::RoutePrefillResponse>, Status> {
-        Ok(Response::new(self.state.route_prefill(req.into_inner()).await?))
+        let mut req = req.into_inner();
+        let conversation = ids::optional_conversation(std::mem::take(&mut req.routing_key))?;
+        Ok(Response::new(self.state.route_prefill(conversation.as_ref(), req).await?))
     }
 
     async fn evict_conversation(
         &self,
         req: Request<pb::EvictConversationRequest>,
     ) -> Result<Response<pb::EvictConversationResponse>, Status> {
-        Ok(Response::new(self.state.evict(req.into_inner()).await?))
+        let mut req = req.into_inner();
+        let conversation = ids::conversation(std::mem::take(&mut req.routing_key))?;
+        Ok(Response::new(self.state.evict(&conversation, req).await?))
     }
 
     async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Result<Response<pb::ListNodesResponse>, Status> {
@@ -526,11 +532,12 @@ impl CoordinatorRpc for CoordinatorService {
 
     async fn explain(&self, req: Request<pb::ExplainRequest>) -> Result<Response<pb::ExplainResponse>, Status> {
         let req = req.into_inner();
+        let conversation = ids::conversation(req.routing_key)?;
         let records = self
             .state
-            .explain(&req.routing_key, req.limit as usize)
+            .explain(&conversation, req.limit as usize)
             .iter()
-            .map(|r| to_pb(r, &req.routing_key))
+            .map(|r| to_pb(r, Some(&conversation)))
             .collect();
         Ok(Response::new(pb::ExplainResponse { records }))
     }

@@ -128,7 +128,7 @@ impl DecodeNode for DecodeService {
         let grant = Grant::from_bytes(&r.grant).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let peer = parse_endpoint(&r.kv_endpoint).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let engine = self.engine.clone();
-        let (tokens, owner, platform, start) = (r.tokens, convert::owner(r.owner)?, r.platform_prefix_len as usize, r.start_block as usize);
+        let (tokens, owner, platform, start) = (r.tokens, baton_proto::ids::owner(r.owner)?, r.platform_prefix_len as usize, r.start_block as usize);
         let export = blocking(move || engine.export_prefix(&tokens, &owner, platform, start)).await?.map_err(|e| baton_proto::status(&e))?;
         let n = grant.blocks.len();
         if export.blocks.len() < n {
@@ -167,7 +167,7 @@ impl DecodeNode for DecodeService {
             return Err(Status::invalid_argument("platform_prefix_len is past the tokens"));
         }
         let engine = self.engine.clone();
-        let (tokens, owner, platform) = (r.tokens, convert::owner(r.owner)?, r.platform_prefix_len as usize);
+        let (tokens, owner, platform) = (r.tokens, baton_proto::ids::owner(r.owner)?, r.platform_prefix_len as usize);
         let cached = blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform)).await?.map_err(|e| baton_proto::status(&e))?;
         Ok(Response::new(pb::CachedPrefixResponse { cached_tokens: cached as u32 }))
     }

@@ -14,13 +14,13 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::kv::{ConversationId, OwnerId};
 
 /// One warm conversation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WarmConversation {
     pub conversation: ConversationId,
-    pub owner: UserId,
+    pub owner: OwnerId,
     pub platform_prefix_len: usize,
     /// The latest turn's prompt followed by its reply.
     pub tokens: Vec<u32>,
@@ -116,8 +116,8 @@ mod tests {
 
     fn warm(c: &str, tokens: &[u32]) -> WarmConversation {
         WarmConversation {
-            conversation: ConversationId::new(c.to_string()),
-            owner: UserId::new("u".to_string()),
+            conversation: ConversationId::parse(c).unwrap(),
+            owner: OwnerId::parse("u").unwrap(),
             platform_prefix_len: 0,
             tokens: tokens.to_vec(),
         }
@@ -156,7 +156,7 @@ mod tests {
         assert_eq!(names, vec!["c", "b"], "12 tokens > 10: the oldest goes");
         t.record(warm("d", &[0; 50]));
         assert_eq!(t.len(), 1, "an entry over the bound alone is kept, the rest go");
-        t.remove(&ConversationId::new("d".to_string()));
+        t.remove(&ConversationId::parse("d").unwrap());
         t.record(warm("e", &[1; 10]));
         assert_eq!(t.len(), 1, "token count went back to zero on removal");
     }
@@ -165,7 +165,7 @@ mod tests {
     fn eviction_forgets() {
         let t = WarmTable::new(4, 1000);
         t.record(warm("a", &[1]));
-        t.remove(&ConversationId::new("a".to_string()));
+        t.remove(&ConversationId::parse("a").unwrap());
         assert!(t.is_empty());
     }
 }

@@ -18,7 +18,7 @@ mod common;
 
 use std::io::Write;
 
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_engine::model::load_gguf;
 use baton_engine::{Engine, EngineConfig, Request};
 use baton_kernels::{CpuBackend, CudaBackend, KvDtype};
@@ -84,7 +84,7 @@ fn greedy_replies_on_the_gpu_do_not_depend_on_batch_or_chunks() {
     for i in 0..6 {
         let p = chat_prompt(&e, "You are terse.", &format!("List {} rivers of Europe.", 2 + i * 3));
         let sampling = SamplingParams { max_tokens: 8 + i * 5, temperature: 0.7, seed: Some(i as u64), ..Default::default() }.validate().unwrap();
-        streams.push(e.submit(Request { prompt: p, owner: UserId::new(format!("u{i}")), platform_prefix_len: 0, conversation: None, sampling, ignore_eos: true }).unwrap());
+        streams.push(e.submit(Request { prompt: p, owner: OwnerId::parse(format!("u{i}")).unwrap(), platform_prefix_len: 0, conversation: None, sampling, ignore_eos: true }).unwrap());
         if i == 2 {
             streams.push(e.submit(request(prompt.clone(), "bob", 24)).unwrap());
         }

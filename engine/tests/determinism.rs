@@ -4,7 +4,7 @@
 
 mod common;
 
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_engine::{EngineConfig, Request};
 use baton_text::sampling::SamplingParams;
 use common::*;
@@ -58,7 +58,7 @@ fn greedy_tokens_identical_alone_batched_chunked_and_cached() {
     for i in 0..7 {
         let p = chat_prompt(&e, SYSTEM, &format!("Write item {i} of a list of {} animals.", 3 + i * 5));
         let sampling = SamplingParams { max_tokens: 10 + i * 7, temperature: 0.8, top_p: 0.9, seed: Some(i as u64), ..Default::default() }.validate().unwrap();
-        streams.push(e.submit(Request { prompt: p, owner: UserId::new(format!("u{i}")), platform_prefix_len: 0, conversation: None, sampling, ignore_eos: true }).unwrap());
+        streams.push(e.submit(Request { prompt: p, owner: OwnerId::parse(format!("u{i}")).unwrap(), platform_prefix_len: 0, conversation: None, sampling, ignore_eos: true }).unwrap());
         if i == 3 {
             streams.push(e.submit(request(prompt.clone(), "carol", 32)).unwrap());
         }
@@ -74,7 +74,7 @@ fn seeded_sampling_is_reproducible_across_batches() {
     let Some(e) = engine(config(512)) else { return };
     let prompt = chat_prompt(&e, SYSTEM, "Tell me a short story about a lighthouse.");
     let sampled = |seed| SamplingParams { max_tokens: 24, temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed), ..Default::default() }.validate().unwrap();
-    let req = |seed, user: &str| Request { prompt: prompt.clone(), owner: UserId::new(user), platform_prefix_len: 0, conversation: None, sampling: sampled(seed), ignore_eos: true };
+    let req = |seed, user: &str| Request { prompt: prompt.clone(), owner: OwnerId::parse(user).unwrap(), platform_prefix_len: 0, conversation: None, sampling: sampled(seed), ignore_eos: true };
     let a = collect(e.submit(req(7, "a")).unwrap());
     let b_stream = e.submit(req(7, "b")).unwrap();
     let c_stream = e.submit(req(8, "c")).unwrap();

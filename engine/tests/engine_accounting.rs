@@ -4,7 +4,7 @@
 
 mod common;
 
-use baton_engine::kv::{ConversationId, UserId};
+use baton_engine::kv::{ConversationId, OwnerId};
 use baton_text::sampling::SamplingParams;
 use baton_engine::{EngineConfig, EngineError, Event, PreemptionMode, Request};
 use baton_text::FinishReason;
@@ -183,9 +183,9 @@ fn users_share_platform_blocks_only_and_deletion_evicts() {
     let alice = chat_prompt(&e, system, "What is the capital of France?");
     let req = |p: &Vec<u32>, user: &str, conv: &str| Request {
         prompt: p.clone(),
-        owner: UserId::new(user),
+        owner: OwnerId::parse(user).unwrap(),
         platform_prefix_len: platform,
-        conversation: Some(ConversationId::new(conv)),
+        conversation: Some(ConversationId::parse(conv).unwrap()),
         sampling: greedy(8),
         ignore_eos: true,
     };
@@ -198,7 +198,7 @@ fn users_share_platform_blocks_only_and_deletion_evicts() {
     let a2 = collect(e.submit(req(&alice, "alice", "c1")).unwrap());
     assert_eq!(a2.usage.cached_tokens, (alice.len() - 1) / 16 * 16);
     // Deleting Alice's conversation removes her blocks, not the platform's.
-    assert!(e.evict_conversation(ConversationId::new("c1")).unwrap() > 0);
+    assert!(e.evict_conversation(ConversationId::parse("c1").unwrap()).unwrap() > 0);
     let a3 = collect(e.submit(req(&alice, "alice", "c1")).unwrap());
     assert_eq!(a3.usage.cached_tokens, platform / 16 * 16);
     assert_eq!(a3.tokens, a1.tokens);

@@ -63,7 +63,7 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
     let prompt = chat_prompt(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
     assert!(prompt.len() > 3 * bt && prompt.len() % bt != 0, "prompt of {} tokens", prompt.len());
     let local = collect(reference.submit(request(prompt.clone(), "alice", 24)).unwrap());
-    assert_eq!(decoder.cached_prefix_tokens(&prompt, &baton_engine::kv::UserId::new("alice"), 0).unwrap(), 0);
+    assert_eq!(decoder.cached_prefix_tokens(&prompt, &baton_engine::kv::OwnerId::parse("alice").unwrap(), 0).unwrap(), 0);
     let p = prefill(&prefiller, request(prompt.clone(), "alice", 24), 0, None);
     assert_eq!(p.export.blocks.len(), prompt.len().div_ceil(bt));
     assert_eq!(p.first.id, local.tokens[0]);
@@ -76,7 +76,7 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
     let mut turn2 = prompt.clone();
     turn2.extend(&local.tokens);
     turn2.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd why are sunsets red, then?<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
-    let alice = baton_engine::kv::UserId::new("alice");
+    let alice = baton_engine::kv::OwnerId::parse("alice").unwrap();
     let local2 = collect(reference.submit(request(turn2.clone(), "alice", 24)).unwrap());
     let k = decoder.cached_prefix_tokens(&turn2, &alice, 0).unwrap();
     assert!(k >= (prompt.len() + local.tokens.len()) / bt * bt - bt, "decoder holds {k} tokens of turn 2");
@@ -93,8 +93,8 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
     assert!(prefiller.cached_prefix_tokens(&turn2, &alice, 0).unwrap() >= k);
 
     // Another user gets nothing of alice's prefix.
-    assert_eq!(decoder.cached_prefix_tokens(&turn2, &baton_engine::kv::UserId::new("bob"), 0).unwrap(), 0);
-    assert!(decoder.export_prefix(&turn2[..k], &baton_engine::kv::UserId::new("bob"), 0, 0).unwrap().blocks.is_empty());
+    assert_eq!(decoder.cached_prefix_tokens(&turn2, &baton_engine::kv::OwnerId::parse("bob").unwrap(), 0).unwrap(), 0);
+    assert!(decoder.export_prefix(&turn2[..k], &baton_engine::kv::OwnerId::parse("bob").unwrap(), 0, 0).unwrap().blocks.is_empty());
 
     // An import the decoder cannot attach (a gap before it): it computes locally.
     let fresh = engine(config()).unwrap();

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use baton_engine::kv::{ConstantHasher, UserId};
+use baton_engine::kv::{ConstantHasher, OwnerId};
 use baton_engine::{Engine, EngineConfig, Event, ImportedToken, KvImport, Request, SubmitOptions};
 use common::*;
 
@@ -47,7 +47,7 @@ fn a_forged_hash_collision_is_not_a_hit_in_the_engine() {
     let Some(reference) = engine(config()) else { return };
     let forged = colliding().unwrap();
     let bt = reference.info.kv_layout.block_tokens;
-    let (alice, bob) = (UserId::new("alice"), UserId::new("bob"));
+    let (alice, bob) = (OwnerId::parse("alice").unwrap(), OwnerId::parse("bob").unwrap());
     // Two prompts that differ inside their first block.
     let p = chat_prompt(&reference, "You are a careful assistant for a science museum.", "Why is the sky blue?");
     let q = chat_prompt(&reference, "Answer like a pirate would, in one sentence.", "Name three planets.");

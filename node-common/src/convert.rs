@@ -1,6 +1,7 @@
-//! Between the wire messages of `node.proto` and the engine's types.
+//! Between the wire messages of `node.proto` and the engine's types. IDs are read
+//! through `baton_proto::ids`, the one place a wire string becomes an ID.
 
-use baton_engine::kv::{ConversationId, UserId};
+use baton_proto::ids;
 use baton_text::sampling::{SamplingParams, ValidSamplingParams};
 use baton_engine::Request;
 use baton_text::{FinishReason, TokenOut};
@@ -15,28 +16,12 @@ pub fn request(turn: Option<pb::Turn>, sampling: Option<pb::SamplingParams>) -> 
     let (sampling, ignore_eos) = sampling_params(&s)?;
     Ok(Request {
         prompt: turn.prompt,
-        owner: owner(turn.owner)?,
+        owner: ids::owner(turn.owner)?,
         platform_prefix_len: turn.platform_prefix_len as usize,
-        conversation: (!turn.conversation.is_empty()).then(|| ConversationId::new(turn.conversation)),
+        conversation: ids::optional_conversation(turn.conversation)?,
         sampling,
         ignore_eos,
     })
-}
-
-/// The owner scope named on the wire; an empty one is refused.
-pub fn owner(owner: String) -> Result<UserId, Status> {
-    if owner.is_empty() {
-        return Err(Status::invalid_argument("owner is empty"));
-    }
-    Ok(UserId::new(owner))
-}
-
-/// A conversation named on the wire; an empty one is refused.
-pub fn conversation(conversation: String) -> Result<ConversationId, Status> {
-    if conversation.is_empty() {
-        return Err(Status::invalid_argument("conversation is empty"));
-    }
-    Ok(ConversationId::new(conversation))
 }
 
 pub fn sampling_params(s: &pb::SamplingParams) -> Result<(ValidSamplingParams, bool), Status> {

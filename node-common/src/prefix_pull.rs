@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_engine::KvImport;
 use baton_proto::node as pb;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
@@ -37,7 +37,7 @@ pub async fn pull_prefix(
     kv: &KvNode,
     client: &mut DecodeNodeClient<Channel>,
     prefix: &[u32],
-    owner: &UserId,
+    owner: &OwnerId,
     platform: usize,
     start_block: usize,
     deadline: Duration,

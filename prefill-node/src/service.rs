@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_engine::{Engine, EngineError, Event, KvImport, SubmitOptions};
 use baton_kv_transport::Grant;
 use baton_node_common::shell::{blocking, node_stats, Node};
@@ -160,7 +160,7 @@ impl PrefillService {
     }
 
     /// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node at `source`.
-    async fn pull_prefix(&self, prefix: &[u32], owner: &UserId, platform: usize, start_block: usize, source: &str) -> Result<KvImport, Status> {
+    async fn pull_prefix(&self, prefix: &[u32], owner: &OwnerId, platform: usize, start_block: usize, source: &str) -> Result<KvImport, Status> {
         let started = Instant::now();
         let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(&self.plane, source))
             .await

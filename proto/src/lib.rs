@@ -8,6 +8,7 @@
 //! - [`client`]: [`client::MembershipClient`], the register + keep-alive loop nodes run.
 //! - [`status()`] and [`kind_of`]: the one mapping between an error's [`baton_vocab::ErrorKind`]
 //!   and a gRPC status, both ways.
+//! - [`ids`]: the one place per ID where a wire string becomes a `baton-vocab` ID.
 
 #[allow(clippy::all, missing_docs)]
 mod generated {
@@ -18,6 +19,7 @@ pub use generated::baton::{common, coordinator, node};
 
 pub mod client;
 pub mod error;
+pub mod ids;
 pub mod plane;
 pub mod status;
 

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_engine::model::load_gguf;
 use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, EngineConfig, Event, Request};
@@ -229,7 +229,7 @@ pub fn reference_engine(model: &Path) -> Engine {
 /// time is not needed: the engine's own determinism tests cover cached vs not).
 pub fn reference_tokens(engine: &Engine, prompt: &[u32], owner: &str, max_tokens: usize) -> Vec<u32> {
     let sampling = SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() }.validate().unwrap();
-    let req = Request { prompt: prompt.to_vec(), owner: UserId::new(owner), platform_prefix_len: 0, conversation: None, sampling, ignore_eos: true };
+    let req = Request { prompt: prompt.to_vec(), owner: OwnerId::parse(owner).unwrap(), platform_prefix_len: 0, conversation: None, sampling, ignore_eos: true };
     let mut s = engine.submit(req).unwrap();
     let mut out = Vec::new();
     loop {

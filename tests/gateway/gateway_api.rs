@@ -319,7 +319,7 @@ async fn delete_leaves_no_row_and_no_kv_block() {
     assert!(s.store.list_turns(&conv).await.unwrap().is_empty());
     assert!(s.store.read_log(&conv, "d1", 0).await.unwrap().is_empty());
     assert_eq!(
-        s.engine.evict_conversation(baton_engine::kv::ConversationId::new(conv.clone())).unwrap(),
+        s.engine.evict_conversation(baton_engine::kv::ConversationId::parse(conv.clone()).unwrap()).unwrap(),
         0,
         "no KV block of the conversation is left"
     );

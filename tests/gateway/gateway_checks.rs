@@ -56,7 +56,7 @@ impl Generator for Scripted {
         Ok(Box::pin(futures::stream::iter(tokens.chain(end))))
     }
 
-    async fn evict_conversation(&self, _conversation: &str) -> Result<Eviction, GenerateError> {
+    async fn evict_conversation(&self, _conversation: &baton_vocab::ConversationId) -> Result<Eviction, GenerateError> {
         Ok(Eviction::default())
     }
 }

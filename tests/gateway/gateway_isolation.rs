@@ -32,7 +32,7 @@ impl Generator for HoldSummaries {
         self.inner.generate(req).await
     }
 
-    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError> {
+    async fn evict_conversation(&self, conversation: &baton_vocab::ConversationId) -> Result<Eviction, GenerateError> {
         self.inner.evict_conversation(conversation).await
     }
 }

@@ -128,7 +128,7 @@ impl Generator for Gated {
 
     fn evict_conversation<'l, 'c, 'a>(
         &'l self,
-        conversation: &'c str,
+        conversation: &'c baton_vocab::ConversationId,
     ) -> Pin<Box<dyn Future<Output = Result<Eviction, GenerateError>> + Send + 'a>>
     where
         'l: 'a,

@@ -14,13 +14,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_text::{FinishReason, TokenOut, Usage};
-use baton_proto::common::NodeId;
+use baton_proto::common::NodeId as WireNodeId;
+use baton_proto::ids;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::{EvictConversationRequest, RouteDecodeRequest};
 use baton_proto::node as pb;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
 use futures::StreamExt;
 use baton_proto::plane::{Expect, Plane, Role};
+use baton_vocab::{ConversationId, NodeId};
 use tonic::transport::Channel;
 use baton_vocab::ErrorKind;
 
@@ -108,37 +110,39 @@ impl ClusterGenerator {
         self.channels.lock().unwrap_or_else(|p| p.into_inner()).remove(&(id.to_string(), addr.to_string()));
     }
 
-    fn excluded(&self) -> Vec<NodeId> {
+    fn excluded(&self) -> Vec<WireNodeId> {
         let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
         failed.retain(|_, at| at.elapsed() < EXCLUDE_FOR);
-        failed.keys().map(|id| NodeId { id: id.clone() }).collect()
+        failed.keys().map(|id| WireNodeId { id: id.clone() }).collect()
     }
 
     /// The chosen decode node's ID and address, and the address of the node the
     /// conversation lived on before a join moved it (its warm prefix is there).
-    async fn route(&self, req: &GenerateRequest) -> Result<(String, String, String), GenerateError> {
+    async fn route(&self, req: &GenerateRequest) -> Result<(NodeId, String, String), GenerateError> {
         let ask = RouteDecodeRequest {
-            routing_key: req.routing_key.clone(),
-            owner: req.owner.clone(),
+            routing_key: req.conversation.as_str().to_string(),
+            owner: req.owner.as_str().to_string(),
             prompt_tokens: req.prompt.len() as u32,
             exclude: self.excluded(),
         };
         let r = self.coordinator.clone().route_decode(ask).await.map_err(status_error)?.into_inner();
         let node = r.node.ok_or_else(|| GenerateError::Unavailable("no decode node".into()))?;
-        let id = node.node_id.map(|n| n.id).unwrap_or_default();
+        // A coordinator that names no valid node is not the client's fault: unavailable.
+        let id = ids::node(node.node_id.map(|n| n.id).unwrap_or_default())
+            .map_err(|e| GenerateError::Unavailable(format!("the coordinator named no valid decode node: {}", e.message())))?;
         let previous = r.previous.map(|p| p.grpc_addr).unwrap_or_default();
         Ok((id, node.grpc_addr, previous))
     }
 
-    async fn open(&self, id: &str, addr: &str, prefix_source: String, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
-        let channel = self.decode_channel(id, addr).await?;
+    async fn open(&self, id: &NodeId, addr: &str, prefix_source: String, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
+        let channel = self.decode_channel(id.as_str(), addr).await?;
         let s = &req.sampling;
         let wire = pb::GenerateRequest {
             turn: Some(pb::Turn {
                 prompt: req.prompt.clone(),
-                owner: req.owner.clone(),
+                owner: req.owner.as_str().to_string(),
                 platform_prefix_len: req.platform_prefix_len as u32,
-                conversation: req.routing_key.clone(),
+                conversation: req.conversation.as_str().to_string(),
             }),
             sampling: Some(pb::SamplingParams {
                 temperature: s.temperature,
@@ -158,7 +162,7 @@ impl ClusterGenerator {
             Ok(r) => Ok(r.into_inner()),
             Err(e) => {
                 if matches!(e, GenerateError::Unavailable(_)) {
-                    self.forget_channel(id, addr);
+                    self.forget_channel(id.as_str(), addr);
                 }
                 Err(e)
             }
@@ -184,12 +188,12 @@ impl Generator for ClusterGenerator {
             let (id, addr, previous) = self.route(&req).await?;
             match self.open(&id, &addr, previous, &req).await {
                 Ok(s) => {
-                    opened = Some((id, s));
+                    opened = Some((id.into_string(), s));
                     break;
                 }
                 Err(e @ GenerateError::Unavailable(_)) => {
                     tracing::warn!(node = %id, "decode node unreachable; excluding it");
-                    Self::mark_failed(&self.failed, &id);
+                    Self::mark_failed(&self.failed, id.as_str());
                     last = Some(e);
                 }
                 Err(e) => return Err(e),
@@ -249,16 +253,16 @@ impl Generator for ClusterGenerator {
         Ok(Box::pin(events))
     }
 
-    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError> {
-        let ask = EvictConversationRequest { routing_key: conversation.to_string(), owner: String::new() };
+    async fn evict_conversation(&self, conversation: &ConversationId) -> Result<Eviction, GenerateError> {
+        let ask = EvictConversationRequest { routing_key: conversation.as_str().to_string(), owner: String::new() };
         let r = self.coordinator.clone().evict_conversation(ask).await.map_err(status_error)?.into_inner();
-        let id = |n: Option<NodeId>| n.map(|n| n.id).unwrap_or_default();
+        let id = |n: Option<WireNodeId>| n.map(|n| n.id).unwrap_or_default();
         let mut out = Eviction::default();
         for a in r.acks {
             if a.ok {
                 out.acked.push(id(a.node_id));
             } else {
-                tracing::warn!(conversation, node = ?a.node_id.as_ref().map(|n| &n.id), error = %a.error, "a node did not evict");
+                tracing::warn!(conversation = %conversation, node = ?a.node_id.as_ref().map(|n| &n.id), error = %a.error, "a node did not evict");
                 out.owed.push(id(a.node_id));
             }
         }

@@ -12,6 +12,7 @@
 pub mod cluster;
 
 use baton_text::sampling::SamplingParams;
+use baton_vocab::{ConversationId, OwnerId};
 use baton_text::{FinishReason, TokenOut, Usage};
 use std::pin::Pin;
 use std::time::Duration;
@@ -23,7 +24,7 @@ pub trait Generator: Send + Sync + 'static {
     async fn generate(&self, req: GenerateRequest) -> Result<GenerationStream, GenerateError>;
     /// Removes every KV block of the conversation wherever it is cached; answers which
     /// nodes acknowledged and which still owe it (unreachable, or away from the cluster).
-    async fn evict_conversation(&self, conversation: &str) -> Result<Eviction, GenerateError>;
+    async fn evict_conversation(&self, conversation: &ConversationId) -> Result<Eviction, GenerateError>;
 }
 
 /// What one eviction attempt achieved.
@@ -49,13 +50,14 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     /// The authenticated user; the owner scope of every KV block the prompt
     /// publishes except the platform-shared prefix.
-    pub owner: String,
+    pub owner: OwnerId,
     /// Leading prompt tokens supplied by the platform (the system prompt).
     pub platform_prefix_len: usize,
-    /// The ring key: the conversation ID, or for a plain OpenAI request a hash
-    /// of the owner, system prompt and first user message. Also tags the
-    /// blocks the request publishes so that deleting the conversation evicts them.
-    pub routing_key: String,
+    /// The ring key (the wire's `routing_key`): the conversation ID, or for a plain
+    /// OpenAI request a hash of the owner, system prompt and first user message.
+    /// Also tags the blocks the request publishes so that deleting the conversation
+    /// evicts them.
+    pub conversation: ConversationId,
     pub sampling: SamplingParams,
 }
 

@@ -24,7 +24,7 @@ use super::store::{prefetch, PrefixStore, Tier};
 use super::wheel::Wheel;
 use super::workload::Trace;
 use crate::error::{invalid, BenchError};
-use crate::ring::{Loads, NodeId, Ring};
+use crate::ring::{Loads, Ring, Slot};
 use crate::rng::Xoshiro256pp;
 
 /// How a turn picks its decode replica.
@@ -249,7 +249,7 @@ pub fn simulate(trace: &Trace, cfg: &FleetConfig) -> Result<FleetStats, BenchErr
     let mut homes: Vec<u32> = Vec::new();
     if uses_ring {
         for n in 0..cfg.replicas {
-            ring.add_node(NodeId(n));
+            ring.add_node(Slot(n));
         }
         homes = vec![NO_HOME; w.conversations as usize];
     }
@@ -284,7 +284,7 @@ pub fn simulate(trace: &Trace, cfg: &FleetConfig) -> Result<FleetStats, BenchErr
         // Completions first, so loads are current when this turn is routed.
         done.release(t, |n| {
             if alive[n as usize] {
-                loads.dec(NodeId(n));
+                loads.dec(Slot(n));
             }
         });
         while next_change < changes.len() && changes[next_change].t <= t {
@@ -294,10 +294,10 @@ pub fn simulate(trace: &Trace, cfg: &FleetConfig) -> Result<FleetStats, BenchErr
                     store.clear_node(n);
                     live.retain(|&x| x != n);
                     if uses_ring {
-                        ring.remove_node(NodeId(n));
+                        ring.remove_node(Slot(n));
                         homes.fill(NO_HOME);
                     }
-                    s.interrupted_turns += loads.clear(NodeId(n));
+                    s.interrupted_turns += loads.clear(Slot(n));
                 }
                 FleetChange::Fail(_) => s.ignored_events += 1,
                 FleetChange::Join => {
@@ -306,7 +306,7 @@ pub fn simulate(trace: &Trace, cfg: &FleetConfig) -> Result<FleetStats, BenchErr
                     s.turns_per_node.push(0);
                     live.push(id);
                     if uses_ring {
-                        ring.add_node(NodeId(id));
+                        ring.add_node(Slot(id));
                         homes.fill(NO_HOME);
                     }
                 }
@@ -329,7 +329,7 @@ pub fn simulate(trace: &Trace, cfg: &FleetConfig) -> Result<FleetStats, BenchErr
                     homes[c as usize] = home;
                 }
                 if cfg.routing == Routing::Bounded
-                    && loads.get(NodeId(home)) >= ring.bound(loads.total())
+                    && loads.get(Slot(home)) >= ring.bound(loads.total())
                 {
                     let (n, spilled) = ring
                         .route_spill(c as u64, &loads)
@@ -376,10 +376,10 @@ pub fn simulate(trace: &Trace, cfg: &FleetConfig) -> Result<FleetStats, BenchErr
             s.local_prefill_tokens += tail as u64;
             t + tail as f64 * per_token_s
         };
-        loads.inc(NodeId(node));
+        loads.inc(Slot(node));
         done.push(prefill_done + decode_s, node);
         s.turns_per_node[node as usize] += 1;
-        s.peak_inflight = s.peak_inflight.max(loads.get(NodeId(node)));
+        s.peak_inflight = s.peak_inflight.max(loads.get(Slot(node)));
         let mean = loads.total() as f64 / live.len() as f64;
         inflight_sum += mean;
         s.peak_mean_inflight_per_node = s.peak_mean_inflight_per_node.max(mean);

@@ -12,7 +12,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use super::ring::{key_of, mix64, NodeId as Slot, Ring, RingError};
+use baton_vocab::ConversationId;
+
+use super::ring::{hash_of, key_of, mix64, Ring, RingError, Slot};
 
 /// Why the decode router chose a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -100,8 +102,8 @@ impl DecodeRouter {
     }
 
     /// The node a conversation is placed on now, if any.
-    pub fn placement(&self, routing_key: &str) -> Option<&str> {
-        let p = self.placements.get(&key_of(routing_key))?;
+    pub fn placement(&self, conversation: &ConversationId) -> Option<&str> {
+        let p = self.placements.get(&key_of(conversation))?;
         self.names.get(&p.slot).map(String::as_str)
     }
 
@@ -112,7 +114,7 @@ impl DecodeRouter {
     /// A ring slot derived from the node's name, so every coordinator replica puts a
     /// node at the same ring points; probes on the (rare) collision.
     fn slot_for(&self, node: &str) -> Slot {
-        let mut s = mix64(key_of(node)) as u32;
+        let mut s = mix64(hash_of(node)) as u32;
         while self.names.contains_key(&Slot(s)) {
             s = s.wrapping_add(1);
         }
@@ -193,8 +195,8 @@ impl DecodeRouter {
     }
 
     /// Forgets one conversation (it was deleted).
-    pub fn forget(&mut self, routing_key: &str) {
-        if let Some(p) = self.placements.remove(&key_of(routing_key)) {
+    pub fn forget(&mut self, conversation: &ConversationId) {
+        if let Some(p) = self.placements.remove(&key_of(conversation)) {
             if let Some(c) = self.counts.get_mut(&p.slot) {
                 *c = c.saturating_sub(1);
             }
@@ -202,10 +204,10 @@ impl DecodeRouter {
         }
     }
 
-    /// Places a turn of `routing_key`, avoiding the nodes in `exclude`. `None` when no
+    /// Places a turn of `conversation`, avoiding the nodes in `exclude`. `None` when no
     /// eligible node is a member.
-    pub fn route(&mut self, routing_key: &str, exclude: &[&str], now: Instant) -> Option<DecodeDecision> {
-        let key = key_of(routing_key);
+    pub fn route(&mut self, conversation: &ConversationId, exclude: &[&str], now: Instant) -> Option<DecodeDecision> {
+        let key = key_of(conversation);
         let excluded: HashSet<Slot> = exclude.iter().filter_map(|n| self.slots.get(*n).copied()).collect();
         let bound = self.ring.bound(self.total);
         let candidates: Vec<DecodeCandidate> = self
@@ -264,6 +266,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn conv(id: &str) -> ConversationId {
+        ConversationId::parse(id).expect("a valid test conversation")
+    }
+
     fn router(nodes: &[&str]) -> DecodeRouter {
         let mut r = DecodeRouter::new(160, 1.25, Duration::from_secs(600)).unwrap();
         r.set_members(nodes.iter().copied());
@@ -275,7 +281,7 @@ mod tests {
         let mut r = router(&["d0", "d1", "d2", "d3"]);
         let now = Instant::now();
         for i in 0..1000 {
-            r.route(&format!("conv-{i}"), &[], now).unwrap();
+            r.route(&conv(&format!("conv-{i}")), &[], now).unwrap();
         }
         let mean = 1000.0 / 4.0;
         let max = ["d0", "d1", "d2", "d3"].iter().map(|n| r.load(n)).max().unwrap();
@@ -287,7 +293,7 @@ mod tests {
     fn adding_a_fifth_node_moves_about_a_fifth_and_only_to_it() {
         let mut r = router(&["d0", "d1", "d2", "d3"]);
         let now = Instant::now();
-        let keys: Vec<String> = (0..1000).map(|i| format!("conv-{i}")).collect();
+        let keys: Vec<ConversationId> = (0..1000).map(|i| conv(&format!("conv-{i}"))).collect();
         let before: Vec<String> = keys.iter().map(|k| r.route(k, &[], now).unwrap().node).collect();
         assert!(r.set_members(["d0", "d1", "d2", "d3", "d4"]));
         let mut moved = 0;
@@ -314,14 +320,14 @@ mod tests {
     fn same_conversation_same_node_and_a_leaving_node_takes_its_conversations_along() {
         let mut r = router(&["a", "b", "c"]);
         let now = Instant::now();
-        let first = r.route("conv", &[], now).unwrap();
+        let first = r.route(&conv("conv"), &[], now).unwrap();
         assert_ne!(first.reason, DecodeReason::Sticky);
-        assert_eq!(r.route("conv", &[], now).unwrap().node, first.node);
-        assert_eq!(r.route("conv", &[], now).unwrap().reason, DecodeReason::Sticky);
+        assert_eq!(r.route(&conv("conv"), &[], now).unwrap().node, first.node);
+        assert_eq!(r.route(&conv("conv"), &[], now).unwrap().reason, DecodeReason::Sticky);
         let rest: Vec<&str> = ["a", "b", "c"].into_iter().filter(|n| *n != first.node).collect();
         r.set_members(rest.iter().copied());
         assert_eq!(r.total(), 0);
-        let again = r.route("conv", &[], now).unwrap();
+        let again = r.route(&conv("conv"), &[], now).unwrap();
         assert!(rest.contains(&again.node.as_str()));
     }
 
@@ -329,12 +335,12 @@ mod tests {
     fn excluded_node_is_avoided_and_the_conversation_moves() {
         let mut r = router(&["a", "b"]);
         let now = Instant::now();
-        let first = r.route("conv", &[], now).unwrap().node;
-        let d = r.route("conv", &[first.as_str()], now).unwrap();
+        let first = r.route(&conv("conv"), &[], now).unwrap().node;
+        let d = r.route(&conv("conv"), &[first.as_str()], now).unwrap();
         assert_ne!(d.node, first);
         assert_eq!(d.reason, DecodeReason::Spilled);
         assert_eq!(r.total(), 1);
-        assert!(r.route("conv", &["a", "b"], now).is_none());
+        assert!(r.route(&conv("conv"), &["a", "b"], now).is_none());
     }
 
     #[test]
@@ -342,20 +348,20 @@ mod tests {
         let mut r = DecodeRouter::new(16, 1.25, Duration::from_secs(60)).unwrap();
         r.set_members(["a"]);
         let t0 = Instant::now();
-        r.route("x", &[], t0).unwrap();
-        r.route("y", &[], t0 + Duration::from_secs(50)).unwrap();
+        r.route(&conv("x"), &[], t0).unwrap();
+        r.route(&conv("y"), &[], t0 + Duration::from_secs(50)).unwrap();
         r.expire(t0 + Duration::from_secs(61));
         assert_eq!(r.total(), 1);
-        assert_eq!(r.placement("x"), None);
-        assert_eq!(r.placement("y"), Some("a"));
-        r.forget("y");
+        assert_eq!(r.placement(&conv("x")), None);
+        assert_eq!(r.placement(&conv("y")), Some("a"));
+        r.forget(&conv("y"));
         assert_eq!(r.total(), 0);
     }
 
     #[test]
     fn empty_router_routes_nowhere() {
         let mut r = router(&[]);
-        assert!(r.route("k", &[], Instant::now()).is_none());
+        assert!(r.route(&conv("k"), &[], Instant::now()).is_none());
     }
 
     proptest! {
@@ -380,7 +386,7 @@ mod tests {
                         r.set_members(live.iter().copied());
                     }
                     _ => {
-                        let d = r.route(&format!("k{x}"), &[], now).unwrap();
+                        let d = r.route(&conv(&format!("k{x}")), &[], now).unwrap();
                         prop_assert!(live.contains(&d.node.as_str()));
                         if d.reason != DecodeReason::Sticky {
                             prop_assert!(r.load(&d.node) <= d.bound, "load {} bound {}", r.load(&d.node), d.bound);

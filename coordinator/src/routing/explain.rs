@@ -1,6 +1,6 @@
 //! The "why this node" log: one record per routing decision, the last `capacity` kept.
 //!
-//! Records are looked up by routing key, but the log stores only the key's hash (the
+//! Records are looked up by conversation, but the log stores only its ring key (the
 //! coordinator keeps no conversation IDs); [`ExplainLog::for_key`] hashes the query.
 
 use std::collections::VecDeque;
@@ -9,6 +9,8 @@ use serde::Serialize;
 
 use super::decode::{DecodeDecision, DecodeReason};
 use super::prefill::{PrefillDecision, PrefillReason};
+use baton_vocab::ConversationId;
+
 use super::ring::key_of;
 
 /// What kind of decision a record explains.
@@ -87,8 +89,9 @@ pub struct ExplainRecord {
     pub seq: u64,
     pub unix_ms: u64,
     pub kind: DecisionKind,
+    /// The conversation's ring key; `None` for a turn outside any conversation.
     #[serde(skip)]
-    pub key_hash: u64,
+    pub key_hash: Option<u64>,
     pub candidates: Vec<CandidateRecord>,
     /// `None` for a local prefill.
     pub chosen: Option<String>,
@@ -101,12 +104,12 @@ pub struct ExplainRecord {
 
 impl ExplainRecord {
     /// A record of a decode decision.
-    pub fn decode(routing_key: &str, d: &DecodeDecision, prompt_tokens: u32, unix_ms: u64) -> Self {
+    pub fn decode(conversation: &ConversationId, d: &DecodeDecision, prompt_tokens: u32, unix_ms: u64) -> Self {
         Self {
             seq: 0,
             unix_ms,
             kind: DecisionKind::Decode,
-            key_hash: key_of(routing_key),
+            key_hash: Some(key_of(conversation)),
             candidates: d
                 .candidates
                 .iter()
@@ -130,7 +133,7 @@ impl ExplainRecord {
 
     /// A record of a prefill decision.
     pub fn prefill(
-        routing_key: &str,
+        conversation: Option<&ConversationId>,
         d: &PrefillDecision,
         prompt_tokens: u32,
         uncached_tokens: u32,
@@ -141,7 +144,7 @@ impl ExplainRecord {
             seq: 0,
             unix_ms,
             kind: DecisionKind::Prefill,
-            key_hash: key_of(routing_key),
+            key_hash: conversation.map(key_of),
             candidates: d
                 .candidates
                 .iter()
@@ -195,9 +198,9 @@ impl ExplainLog {
         self.records.is_empty()
     }
 
-    /// The records for `routing_key`, newest first, at most `limit` (0: all).
-    pub fn for_key(&self, routing_key: &str, limit: usize) -> Vec<ExplainRecord> {
-        let h = key_of(routing_key);
+    /// The records for `conversation`, newest first, at most `limit` (0: all).
+    pub fn for_key(&self, conversation: &ConversationId, limit: usize) -> Vec<ExplainRecord> {
+        let h = Some(key_of(conversation));
         let limit = if limit == 0 { usize::MAX } else { limit };
         self.records.iter().rev().filter(|r| r.key_hash == h).take(limit).cloned().collect()
     }
@@ -216,7 +219,11 @@ mod tests {
             candidates: vec![DecodeCandidate { node: "a".into(), load: 1, eligible: true }],
             previous: None,
         };
-        ExplainRecord::decode(key, &d, 10, 0)
+        ExplainRecord::decode(&conv(key), &d, 10, 0)
+    }
+
+    fn conv(id: &str) -> ConversationId {
+        ConversationId::parse(id).expect("a valid test conversation")
     }
 
     #[test]
@@ -226,10 +233,10 @@ mod tests {
             log.push(rec(k));
         }
         assert_eq!(log.len(), 3);
-        let xs = log.for_key("x", 0);
+        let xs = log.for_key(&conv("x"), 0);
         assert_eq!(xs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4, 3]);
-        assert_eq!(log.for_key("x", 1).len(), 1);
-        assert!(log.for_key("z", 0).is_empty());
+        assert_eq!(log.for_key(&conv("x"), 1).len(), 1);
+        assert!(log.for_key(&conv("z"), 0).is_empty());
         let json = serde_json::to_value(&xs[0]).unwrap();
         assert_eq!(json["reason"], "home");
         assert_eq!(json["candidates"][0]["node"], "a");

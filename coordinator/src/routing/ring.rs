@@ -14,6 +14,8 @@
 //! The coordinator routes decode turns with it; `baton simulate` (crate `bench`) reuses
 //! it so the simulator and the cluster place conversations identically.
 
+use baton_vocab::ConversationId;
+
 /// Why a ring could not be built.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RingError {
@@ -41,20 +43,27 @@ pub fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// A stable 64-bit hash of a routing key (FNV-1a, then mixed): the same on every
-/// process and version, so every replica places a conversation the same way.
-pub fn key_of(routing_key: &str) -> u64 {
+/// A stable 64-bit hash of a string (FNV-1a, then mixed): the same on every process
+/// and version, so every replica places a conversation, and a node, the same way.
+pub fn hash_of(s: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in routing_key.as_bytes() {
+    for b in s.as_bytes() {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     mix64(h)
 }
 
-/// A node's identity on the ring.
+/// The ring key of a conversation (the wire's `routing_key`).
+pub fn key_of(conversation: &ConversationId) -> u64 {
+    hash_of(conversation.as_str())
+}
+
+/// A node's slot on the ring: a number the ring's user assigns to each member (the
+/// decode router derives it from the node's name, the simulator counts), never the
+/// node's name itself (that is a `baton_vocab::NodeId`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct NodeId(pub u32);
+pub struct Slot(pub u32);
 
 /// Current load per node (any unit: in-flight turns, sequences, tokens), with the total
 /// kept alongside so routing is O(walk) rather than O(nodes).
@@ -71,7 +80,7 @@ impl Loads {
 
     /// Load of `node` (0 for a node never seen).
     #[inline]
-    pub fn get(&self, node: NodeId) -> u64 {
+    pub fn get(&self, node: Slot) -> u64 {
         self.per_node.get(node.0 as usize).copied().unwrap_or(0)
     }
 
@@ -83,12 +92,12 @@ impl Loads {
 
     /// Add one unit to `node`.
     #[inline]
-    pub fn inc(&mut self, node: NodeId) {
+    pub fn inc(&mut self, node: Slot) {
         self.add(node, 1);
     }
 
     /// Add `amount` units to `node`.
-    pub fn add(&mut self, node: NodeId, amount: u64) {
+    pub fn add(&mut self, node: Slot, amount: u64) {
         let i = node.0 as usize;
         if i >= self.per_node.len() {
             self.per_node.resize(i + 1, 0);
@@ -99,7 +108,7 @@ impl Loads {
 
     /// Remove one unit from `node` (saturating: a node with no load stays at 0).
     #[inline]
-    pub fn dec(&mut self, node: NodeId) {
+    pub fn dec(&mut self, node: Slot) {
         if let Some(l) = self.per_node.get_mut(node.0 as usize) {
             if *l > 0 {
                 *l -= 1;
@@ -109,7 +118,7 @@ impl Loads {
     }
 
     /// Drop all of `node`'s load (it left the ring) and return what it had.
-    pub fn clear(&mut self, node: NodeId) -> u64 {
+    pub fn clear(&mut self, node: Slot) -> u64 {
         match self.per_node.get_mut(node.0 as usize) {
             Some(l) => {
                 let had = std::mem::take(l);
@@ -126,8 +135,8 @@ impl Loads {
 pub struct Ring {
     vnodes: u32,
     load_factor: f64,
-    points: Vec<(u64, NodeId)>,
-    members: Vec<NodeId>,
+    points: Vec<(u64, Slot)>,
+    members: Vec<Slot>,
 }
 
 const KEY_SALT: u64 = 0x6261_746f_6e2d_6b65; // "baton-ke"
@@ -150,7 +159,7 @@ impl Ring {
     }
 
     /// The members, sorted by id.
-    pub fn nodes(&self) -> &[NodeId] {
+    pub fn nodes(&self) -> &[Slot] {
         &self.members
     }
 
@@ -162,7 +171,7 @@ impl Ring {
         self.members.is_empty()
     }
 
-    pub fn contains(&self, node: NodeId) -> bool {
+    pub fn contains(&self, node: Slot) -> bool {
         self.members.binary_search(&node).is_ok()
     }
 
@@ -170,7 +179,7 @@ impl Ring {
         self.load_factor
     }
 
-    fn point_hash(node: NodeId, replica: u32) -> u64 {
+    fn point_hash(node: Slot, replica: u32) -> u64 {
         mix64(mix64(node.0 as u64 ^ 0x5eed_0000_0000) ^ ((replica as u64) << 32 | 0x9e37))
     }
 
@@ -181,7 +190,7 @@ impl Ring {
     }
 
     /// Add a node with its virtual points. Returns false if it was already a member.
-    pub fn add_node(&mut self, node: NodeId) -> bool {
+    pub fn add_node(&mut self, node: Slot) -> bool {
         match self.members.binary_search(&node) {
             Ok(_) => false,
             Err(at) => {
@@ -195,7 +204,7 @@ impl Ring {
     }
 
     /// Remove a node and its points. Returns false if it was not a member.
-    pub fn remove_node(&mut self, node: NodeId) -> bool {
+    pub fn remove_node(&mut self, node: Slot) -> bool {
         match self.members.binary_search(&node) {
             Ok(at) => {
                 self.members.remove(at);
@@ -219,7 +228,7 @@ impl Ring {
 
     /// The key's home node, ignoring load; `None` on an empty ring.
     #[inline]
-    pub fn home(&self, key: u64) -> Option<NodeId> {
+    pub fn home(&self, key: u64) -> Option<Slot> {
         if self.points.is_empty() {
             return None;
         }
@@ -241,12 +250,12 @@ impl Ring {
     /// node clockwise that is. `None` only on an empty ring. `loads.total()` must count
     /// only members' load for the bound to hold.
     #[inline]
-    pub fn route(&self, key: u64, loads: &Loads) -> Option<NodeId> {
+    pub fn route(&self, key: u64, loads: &Loads) -> Option<Slot> {
         self.route_spill(key, loads).map(|(node, _)| node)
     }
 
     /// Like [`Ring::route`], and also whether the key spilled off its home node.
-    pub fn route_spill(&self, key: u64, loads: &Loads) -> Option<(NodeId, bool)> {
+    pub fn route_spill(&self, key: u64, loads: &Loads) -> Option<(Slot, bool)> {
         self.route_with(key, loads.total(), |n| loads.get(n), |_| true)
     }
 
@@ -258,9 +267,9 @@ impl Ring {
         &self,
         key: u64,
         total: u64,
-        load_of: impl Fn(NodeId) -> u64,
-        eligible: impl Fn(NodeId) -> bool,
-    ) -> Option<(NodeId, bool)> {
+        load_of: impl Fn(Slot) -> u64,
+        eligible: impl Fn(Slot) -> bool,
+    ) -> Option<(Slot, bool)> {
         if self.points.is_empty() {
             return None;
         }
@@ -297,7 +306,7 @@ impl Ring {
 
     /// Distinct members in ring order starting at the key's home: the order in which a
     /// key would spill.
-    pub fn walk(&self, key: u64) -> Vec<NodeId> {
+    pub fn walk(&self, key: u64) -> Vec<Slot> {
         let mut out = Vec::with_capacity(self.members.len());
         if self.points.is_empty() {
             return out;
@@ -326,7 +335,7 @@ mod tests {
     fn ring_of(nodes: &[u32], vnodes: u32) -> Ring {
         let mut r = Ring::new(vnodes, 1.25).unwrap();
         for &n in nodes {
-            assert!(r.add_node(NodeId(n)));
+            assert!(r.add_node(Slot(n)));
         }
         r
     }
@@ -344,13 +353,13 @@ mod tests {
     #[test]
     fn add_and_remove_are_idempotent_and_keep_vnode_count() {
         let mut r = ring_of(&[1, 2, 3], 16);
-        assert!(!r.add_node(NodeId(2)));
+        assert!(!r.add_node(Slot(2)));
         assert_eq!(r.points.len(), 48);
-        assert!(r.remove_node(NodeId(2)));
-        assert!(!r.remove_node(NodeId(2)));
+        assert!(r.remove_node(Slot(2)));
+        assert!(!r.remove_node(Slot(2)));
         assert_eq!(r.points.len(), 32);
-        assert!(r.points.iter().all(|&(_, n)| n != NodeId(2)));
-        assert_eq!(r.nodes(), &[NodeId(1), NodeId(3)]);
+        assert!(r.points.iter().all(|&(_, n)| n != Slot(2)));
+        assert_eq!(r.nodes(), &[Slot(1), Slot(3)]);
     }
 
     #[test]
@@ -369,14 +378,14 @@ mod tests {
     #[test]
     fn loads_bookkeeping() {
         let mut l = Loads::new();
-        l.inc(NodeId(3));
-        l.add(NodeId(1), 5);
-        l.dec(NodeId(3));
-        l.dec(NodeId(3)); // saturates
+        l.inc(Slot(3));
+        l.add(Slot(1), 5);
+        l.dec(Slot(3));
+        l.dec(Slot(3)); // saturates
         assert_eq!(l.total(), 5);
-        assert_eq!(l.clear(NodeId(1)), 5);
+        assert_eq!(l.clear(Slot(1)), 5);
         assert_eq!(l.total(), 0);
-        assert_eq!(l.get(NodeId(99)), 0);
+        assert_eq!(l.get(Slot(99)), 0);
     }
 
     proptest! {
@@ -393,7 +402,7 @@ mod tests {
             let r = ring_of(&nodes, 32);
             let mut loads = Loads::new();
             for &n in &nodes {
-                loads.add(NodeId(n), base); // equal loads: all under ceil(1.25 (m+1)/n)
+                loads.add(Slot(n), base); // equal loads: all under ceil(1.25 (m+1)/n)
             }
             for &k in &keys {
                 let a = r.route(k, &loads).unwrap();
@@ -418,7 +427,7 @@ mod tests {
                 loads.inc(n);
             }
             let mean: f64 = 1000.0 / 4.0;
-            let max = ids.iter().map(|&n| loads.get(NodeId(n))).max().unwrap();
+            let max = ids.iter().map(|&n| loads.get(Slot(n))).max().unwrap();
             prop_assert_eq!(loads.total(), 1000);
             prop_assert!(max as f64 <= (1.25 * mean).ceil(), "max {} mean {}", max, mean);
         }
@@ -433,13 +442,13 @@ mod tests {
             let ids: Vec<u32> = ids.into_iter().collect();
             let mut r = ring_of(&ids[..4], 160);
             let keys: Vec<u64> = (0..1000u64).map(|i| mix64(seed.wrapping_add(i))).collect();
-            let before: Vec<NodeId> = keys.iter().map(|&k| r.home(k).unwrap()).collect();
-            r.add_node(NodeId(ids[4]));
+            let before: Vec<Slot> = keys.iter().map(|&k| r.home(k).unwrap()).collect();
+            r.add_node(Slot(ids[4]));
             let mut moved = 0;
             for (k, b) in keys.iter().zip(&before) {
                 let a = r.home(*k).unwrap();
                 if a != *b {
-                    prop_assert_eq!(a, NodeId(ids[4]));
+                    prop_assert_eq!(a, Slot(ids[4]));
                     moved += 1;
                 }
             }
@@ -455,10 +464,10 @@ mod tests {
         ) {
             let ids: Vec<u32> = ids.into_iter().collect();
             let mut r = ring_of(&ids, 64);
-            let victim = NodeId(ids[victim_ix.index(ids.len())]);
-            let before: Vec<NodeId> = (0..500u64).map(|k| r.home(k).unwrap()).collect();
+            let victim = Slot(ids[victim_ix.index(ids.len())]);
+            let before: Vec<Slot> = (0..500u64).map(|k| r.home(k).unwrap()).collect();
             r.remove_node(victim);
-            let members: BTreeSet<NodeId> = r.nodes().iter().copied().collect();
+            let members: BTreeSet<Slot> = r.nodes().iter().copied().collect();
             for (k, b) in before.iter().enumerate() {
                 let a = r.home(k as u64).unwrap();
                 prop_assert!(members.contains(&a));

@@ -1,7 +1,7 @@
 //! The cache calls of the lookup bench, for the current engine: keys carry
 //! each block's scope and tokens, and every hit compares them.
 
-use baton_engine::kv::{BlockId, BlockStore, HashChain, KvCache, UserId};
+use baton_engine::kv::{BlockId, BlockStore, HashChain, KvCache, OwnerId};
 
 pub const VARIANT: &str = "hash + scope + tokens + parent link compared";
 
@@ -9,7 +9,7 @@ pub const VARIANT: &str = "hash + scope + tokens + parent link compared";
 pub fn publish(cache: &mut KvCache, chain: &HashChain, prompt: &[u32], store: &mut dyn BlockStore) -> Vec<BlockId> {
     let keys = chain.keys(prompt, usize::MAX);
     let ids = cache.allocate(keys.len(), store).expect("allocate");
-    let owner = baton_engine::kv::BlockOwner::User { user: UserId::new("bench-user-0042"), conversation: None };
+    let owner = baton_engine::kv::BlockOwner::User { owner: OwnerId::parse("bench-user-0042").expect("a valid owner"), conversation: None };
     let mut parent = None;
     for (&b, key) in ids.iter().zip(keys) {
         parent = cache.register(b, key, parent, &owner).expect("register").link();

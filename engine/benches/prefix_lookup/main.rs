@@ -13,7 +13,7 @@ mod api;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use baton_engine::kv::{BlockId, BlockStore, HashChain, KvCache, UserId};
+use baton_engine::kv::{BlockId, BlockStore, HashChain, KvCache, OwnerId};
 
 const BLOCK_TOKENS: usize = 16;
 
@@ -51,7 +51,7 @@ fn time(mut f: impl FnMut()) -> Duration {
 }
 
 fn main() {
-    let user = UserId::new("bench-user-0042");
+    let user = OwnerId::parse("bench-user-0042").unwrap();
     println!("prefix lookup, {BLOCK_TOKENS}-token blocks, every block a primary hit ({})", api::VARIANT);
     println!("{:>8} {:>7} {:>12} {:>14} {:>14} {:>14}", "tokens", "blocks", "hash ns", "match ns", "peek ns", "match ns/blk");
     for tokens in [512usize, 2048, 8192] {

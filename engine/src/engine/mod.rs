@@ -13,7 +13,7 @@ mod plan;
 mod scheduler;
 mod sequence;
 
-use crate::kv::{BlockHasher, ConversationId, KvError, KvStats, SeqId, UserId, Xxh64BlockHasher};
+use crate::kv::{BlockHasher, ConversationId, KvError, KvStats, SeqId, OwnerId, Xxh64BlockHasher};
 use crate::model::LoadedModel;
 use baton_kernels::{Backend, KvDtype, KvLayout};
 use baton_text::chat_template::ChatTemplate;
@@ -126,7 +126,7 @@ impl EngineError {
 #[derive(Clone, Debug)]
 pub struct Request {
     pub prompt: Vec<u32>,
-    pub owner: UserId,
+    pub owner: OwnerId,
     /// Leading prompt tokens supplied by the platform (the system prompt):
     /// their full blocks are shared across users.
     pub platform_prefix_len: usize,
@@ -178,7 +178,7 @@ pub(crate) enum Command {
     ExportPrefix { query: PrefixQuery, start_block: usize, reply: mpsc::Sender<KvExport> },
     Cancel(SeqId),
     EvictConversation(ConversationId, mpsc::Sender<usize>),
-    EvictOwner(UserId, mpsc::Sender<usize>),
+    EvictOwner(OwnerId, mpsc::Sender<usize>),
     Shutdown,
 }
 
@@ -210,7 +210,7 @@ pub struct EngineInfo {
 #[derive(Clone, Debug)]
 pub(crate) struct PrefixQuery {
     pub tokens: Vec<u32>,
-    pub owner: UserId,
+    pub owner: OwnerId,
     pub platform_prefix_len: usize,
 }
 
@@ -420,7 +420,7 @@ impl Engine {
     /// Prompt tokens (whole blocks, both tiers) an admission of `prompt` for
     /// `owner` would find in the prefix cache now, leaving at least one token
     /// to compute. Changes nothing.
-    pub fn cached_prefix_tokens(&self, prompt: &[u32], owner: &UserId, platform_prefix_len: usize) -> Result<usize, EngineError> {
+    pub fn cached_prefix_tokens(&self, prompt: &[u32], owner: &OwnerId, platform_prefix_len: usize) -> Result<usize, EngineError> {
         let (tx, rx) = mpsc::channel();
         let query = PrefixQuery { tokens: prompt.to_vec(), owner: owner.clone(), platform_prefix_len };
         self.sender().send(Command::PeekPrefix { query, reply: tx }).map_err(|_| EngineError::Stopped)?;
@@ -430,7 +430,7 @@ impl Engine {
     /// Copies the cached blocks of `prefix` (whole blocks only) from block
     /// `start_block` on out of the cache, for a prefill node that lacks them.
     /// The export stops at the first block not cached (it may be empty).
-    pub fn export_prefix(&self, prefix: &[u32], owner: &UserId, platform_prefix_len: usize, start_block: usize) -> Result<KvExport, EngineError> {
+    pub fn export_prefix(&self, prefix: &[u32], owner: &OwnerId, platform_prefix_len: usize, start_block: usize) -> Result<KvExport, EngineError> {
         let (tx, rx) = mpsc::channel();
         let query = PrefixQuery { tokens: prefix.to_vec(), owner: owner.clone(), platform_prefix_len };
         self.sender().send(Command::ExportPrefix { query, start_block, reply: tx }).map_err(|_| EngineError::Stopped)?;
@@ -445,7 +445,7 @@ impl Engine {
     }
 
     /// Removes every block of one user, from both tiers.
-    pub fn evict_owner(&self, user: UserId) -> Result<usize, EngineError> {
+    pub fn evict_owner(&self, user: OwnerId) -> Result<usize, EngineError> {
         let (tx, rx) = mpsc::channel();
         self.sender().send(Command::EvictOwner(user, tx)).map_err(|_| EngineError::Stopped)?;
         rx.recv().map_err(|_| EngineError::Stopped)

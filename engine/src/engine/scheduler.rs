@@ -679,7 +679,7 @@ fn register_full_blocks(cache: &mut KvCache, bt: usize, seq: &mut Sequence) {
         let owner = if (i + 1) * bt <= seq.request.platform_prefix_len {
             BlockOwner::Platform
         } else {
-            BlockOwner::User { user: seq.request.owner.clone(), conversation: seq.request.conversation.clone() }
+            BlockOwner::User { owner: seq.request.owner.clone(), conversation: seq.request.conversation.clone() }
         };
         let Some(key) = seq.chain.key(&seq.tokens, i) else {
             seq.links.push(None);

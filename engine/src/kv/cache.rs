@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::ids::{BlockHash, BlockId, BlockOwner, ConversationId, UserId};
+use super::ids::{BlockHash, BlockId, BlockOwner, ConversationId, OwnerId};
 use super::key::{BlockKey, ChainLink, Entry};
 use super::owners::Owners;
 use super::pool::{BlockPool, BlockState, Released};
@@ -446,7 +446,7 @@ impl KvCache {
 
     /// Deletes everything a user published, in every conversation (see
     /// [`KvCache::evict_conversation`]).
-    pub fn evict_owner(&mut self, user: &UserId) -> usize {
+    pub fn evict_owner(&mut self, user: &OwnerId) -> usize {
         let hashes = self.owners.take_user(user);
         self.evict_hashes(&hashes)
     }

@@ -3,7 +3,7 @@
 //! A block's hash covers its parent's hash, its owner scope and its token IDs, so a
 //! hash stands for a whole prefix, not just one block: two sequences get the same hash
 //! for block `i` when they agree on every token before it *and* on every scope. Because
-//! a user's blocks hash their [`UserId`], user B does not get user A's hashes from the
+//! a user's blocks hash their [`OwnerId`], user B does not get user A's hashes from the
 //! same tokens, while blocks that lie entirely inside the platform prefix (the system
 //! prompt) hash [`OwnerScope::Platform`] and are shared by everyone.
 //!
@@ -33,7 +33,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::ids::{BlockHash, OwnerScope, UserId};
+use super::ids::{BlockHash, OwnerScope, OwnerId};
 use super::key::BlockKey;
 
 const VERSION: u8 = 1;
@@ -138,7 +138,7 @@ fn encode_block(buf: &mut Vec<u8>, parent: Option<BlockHash>, scope: &OwnerScope
         OwnerScope::Platform => buf.push(0),
         OwnerScope::User(user) => {
             buf.push(1);
-            let bytes = user.0.as_bytes();
+            let bytes = user.as_str().as_bytes();
             // A u32 length is plenty for an ID; saturating keeps the encoding total
             // even for absurd input (the bytes themselves still differ).
             buf.extend_from_slice(&u32::try_from(bytes.len()).unwrap_or(u32::MAX).to_le_bytes());
@@ -202,7 +202,7 @@ pub fn prefix_hashes(
     tokens: &[u32],
     block_tokens: usize,
     platform_len: usize,
-    user: &UserId,
+    user: &OwnerId,
 ) -> Vec<BlockHash> {
     let mut chain = HashChain::new(block_tokens, platform_len, user.clone());
     chain.update(tokens);
@@ -227,12 +227,12 @@ pub struct HashChain {
 impl HashChain {
     /// An empty chain for a sequence of `user` whose first `platform_len` tokens are
     /// the platform-shared prefix, hashed with the canonical [`Xxh64BlockHasher`].
-    pub fn new(block_tokens: usize, platform_len: usize, user: UserId) -> Self {
+    pub fn new(block_tokens: usize, platform_len: usize, user: OwnerId) -> Self {
         Self::with_hasher(block_tokens, platform_len, user, Arc::new(Xxh64BlockHasher))
     }
 
     /// [`HashChain::new`] with another hasher (tests that forge collisions).
-    pub fn with_hasher(block_tokens: usize, platform_len: usize, user: UserId, hasher: Arc<dyn BlockHasher>) -> Self {
+    pub fn with_hasher(block_tokens: usize, platform_len: usize, user: OwnerId, hasher: Arc<dyn BlockHasher>) -> Self {
         Self {
             block_tokens,
             platform_len,
@@ -343,12 +343,16 @@ mod tests {
         }
     }
 
+    fn owner(id: &str) -> OwnerId {
+        OwnerId::parse(id).expect("a valid test owner")
+    }
+
     #[test]
     fn block_hash_is_pinned() {
         // Pinned values (cross-checked by encoding the blocks by hand and hashing them
         // with the `xxhash` Python package): if this test fails, every fleet's cache
         // keys changed. Only update it together with the VERSION byte.
-        let user = OwnerScope::User(UserId::new("u1"));
+        let user = OwnerScope::User(owner("u1"));
         let a = block_hash(None, &OwnerScope::Platform, &[1, 2, 3]);
         let b = block_hash(Some(a), &user, &[4, 5, 6]);
         assert_eq!((a, b), (PINNED_A, PINNED_B));
@@ -360,16 +364,18 @@ mod tests {
     #[test]
     fn scope_bytes_are_length_prefixed() {
         let t = [7u32, 8];
-        let ab = block_hash(None, &OwnerScope::User(UserId::new("ab")), &t);
-        let a = block_hash(None, &OwnerScope::User(UserId::new("a")), &t);
+        let ab = block_hash(None, &OwnerScope::User(owner("ab")), &t);
+        let a = block_hash(None, &OwnerScope::User(owner("a")), &t);
         assert_ne!(ab, a);
-        // The user ID's bytes must not run into the token bytes.
-        let u1 = block_hash(None, &OwnerScope::User(UserId::new("x\u{1}")), &[0]);
-        let u2 = block_hash(None, &OwnerScope::User(UserId::new("x")), &[1, 0]);
+        // The owner ID's bytes must not run into the token bytes. (An owner ID cannot
+        // hold a control character any more, but the encoding must not rely on that.)
+        let u1 = block_hash(None, &OwnerScope::User(owner("x1")), &[0]);
+        let u2 = block_hash(None, &OwnerScope::User(owner("x")), &[1, 0]);
         assert_ne!(u1, u2);
+        // The shortest owner (an empty one cannot be made) is still not the platform.
         assert_ne!(
             block_hash(None, &OwnerScope::Platform, &t),
-            block_hash(None, &OwnerScope::User(UserId::new("")), &t)
+            block_hash(None, &OwnerScope::User(owner("x")), &t)
         );
     }
 
@@ -385,8 +391,8 @@ mod tests {
     #[test]
     fn prefix_hashes_scopes_platform_blocks_and_skips_partial_tail() {
         let tokens: Vec<u32> = (0..10).collect();
-        let alice = UserId::new("alice");
-        let bob = UserId::new("bob");
+        let alice = owner("alice");
+        let bob = owner("bob");
         let a = prefix_hashes(&tokens, 4, 8, &alice);
         let b = prefix_hashes(&tokens, 4, 8, &bob);
         assert_eq!(a.len(), 2, "10 tokens make two full blocks of 4");
@@ -405,7 +411,7 @@ mod tests {
 
     #[test]
     fn hash_chain_updates_incrementally() {
-        let user = UserId::new("u");
+        let user = owner("u");
         let tokens: Vec<u32> = (100..140).collect();
         let mut chain = HashChain::new(16, 16, user.clone());
         assert!(chain.update(&tokens[..15]).is_empty());

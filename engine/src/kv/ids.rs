@@ -1,11 +1,14 @@
 //! Identifier newtypes of the KV layer and the owner scope of a block.
 //!
 //! Every ID is a distinct type so that a block index can never be passed where a
-//! hash is expected, nor a user ID where a conversation ID is (Dynamo does the same
-//! for its block hashes). The string IDs come from the gateway, which takes the user
+//! hash is expected, nor an owner ID where a conversation ID is (Dynamo does the same
+//! for its block hashes). The string IDs ([`OwnerId`], [`ConversationId`]) are the
+//! shared ones of `baton-vocab`, checked where they enter; the gateway takes the owner
 //! from the API key or session, never from a request body.
 
 use std::fmt;
+
+pub use baton_vocab::{ConversationId, OwnerId};
 
 /// Index of a block in the primary (device) KV pool, `0..num_blocks`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -38,38 +41,6 @@ impl fmt::Display for BlockHash {
     }
 }
 
-/// The authenticated user a request runs for.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct UserId(pub String);
-
-impl UserId {
-    /// Builds a user ID from anything string-like.
-    pub fn new(id: impl Into<String>) -> Self {
-        Self(id.into())
-    }
-
-    /// The ID as a string slice.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-/// A conversation (the routing key of the decode ring and the unit of deletion).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ConversationId(pub String);
-
-impl ConversationId {
-    /// Builds a conversation ID from anything string-like.
-    pub fn new(id: impl Into<String>) -> Self {
-        Self(id.into())
-    }
-
-    /// The ID as a string slice.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
 /// A running sequence inside one engine (one turn being prefilled or decoded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SeqId(pub u64);
@@ -83,7 +54,7 @@ pub enum OwnerScope {
     /// Shared by every user: the block lies entirely inside the platform prefix.
     Platform,
     /// Private to one user.
-    User(UserId),
+    User(OwnerId),
 }
 
 /// Who published a block into the prefix index, so that deleting a conversation or
@@ -98,7 +69,7 @@ pub enum BlockOwner {
     /// user).
     User {
         /// The owner of the block's data.
-        user: UserId,
+        owner: OwnerId,
         /// The conversation that produced it.
         conversation: Option<ConversationId>,
     },
@@ -106,9 +77,9 @@ pub enum BlockOwner {
 
 impl BlockOwner {
     /// A user block of a conversation.
-    pub fn conversation(user: UserId, conversation: ConversationId) -> Self {
+    pub fn conversation(owner: OwnerId, conversation: ConversationId) -> Self {
         Self::User {
-            user,
+            owner,
             conversation: Some(conversation),
         }
     }

@@ -37,7 +37,7 @@ mod tests;
 pub use cache::{KvCache, PrefixMatch, PrefixPeek, Registered, SwapHandle};
 pub use hash::{block_hash, prefix_hashes, xxh64, BlockHasher, ConstantHasher, HashChain, Xxh64BlockHasher};
 pub use key::{BlockKey, ChainLink};
-pub use ids::{BlockHash, BlockId, BlockOwner, ConversationId, OwnerScope, SeqId, UserId};
+pub use ids::{BlockHash, BlockId, BlockOwner, ConversationId, OwnerId, OwnerScope, SeqId};
 pub use pool::BlockState;
 
 /// Tokens per block unless configured otherwise (as vLLM): small enough that a

@@ -15,11 +15,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::ids::{BlockHash, BlockOwner, ConversationId, UserId};
+use super::ids::{BlockHash, BlockOwner, ConversationId, OwnerId};
 
 #[derive(Debug)]
 struct Group {
-    user: UserId,
+    user: OwnerId,
     conversation: Option<ConversationId>,
     hashes: HashSet<BlockHash>,
 }
@@ -28,7 +28,7 @@ struct Group {
 pub(crate) struct Owners {
     groups: Vec<Option<Group>>,
     free_ids: Vec<u32>,
-    by_user: HashMap<UserId, HashMap<Option<ConversationId>, u32>>,
+    by_user: HashMap<OwnerId, HashMap<Option<ConversationId>, u32>>,
     by_conversation: HashMap<ConversationId, Vec<u32>>,
     of_hash: HashMap<BlockHash, u32>,
 }
@@ -36,7 +36,7 @@ pub(crate) struct Owners {
 impl Owners {
     /// Records `owner` as the publisher of `hash`, unless it already has one.
     pub(crate) fn record(&mut self, hash: BlockHash, owner: &BlockOwner) {
-        let BlockOwner::User { user, conversation } = owner else {
+        let BlockOwner::User { owner: user, conversation } = owner else {
             return;
         };
         if self.of_hash.contains_key(&hash) {
@@ -53,7 +53,7 @@ impl Owners {
         }
     }
 
-    fn new_group(&mut self, user: &UserId, conversation: &Option<ConversationId>) -> u32 {
+    fn new_group(&mut self, user: &OwnerId, conversation: &Option<ConversationId>) -> u32 {
         let group = Group {
             user: user.clone(),
             conversation: conversation.clone(),
@@ -137,7 +137,7 @@ impl Owners {
     }
 
     /// Removes every group of a user and returns their hashes.
-    pub(crate) fn take_user(&mut self, user: &UserId) -> Vec<BlockHash> {
+    pub(crate) fn take_user(&mut self, user: &OwnerId) -> Vec<BlockHash> {
         let ids: Vec<u32> = self
             .by_user
             .get(user)

@@ -54,12 +54,12 @@ fn content(seed: u64) -> Vec<u8> {
     out
 }
 
-fn user(i: u8) -> UserId {
-    UserId::new(format!("user-{i}"))
+fn user(i: u8) -> OwnerId {
+    OwnerId::parse(format!("user-{i}")).unwrap()
 }
 
 fn conv(i: u8) -> ConversationId {
-    ConversationId::new(format!("conv-{i}"))
+    ConversationId::parse(format!("conv-{i}")).unwrap()
 }
 
 fn owner(u: u8, c: u8) -> BlockOwner {
@@ -100,7 +100,7 @@ fn chain(n: u64) -> Vec<Block> {
 }
 
 /// The blocks of `tokens` for `u` as the engine keys them, hashed by `hasher`.
-fn blocks_of(tokens: &[u32], platform_len: usize, u: &UserId, hasher: Arc<dyn BlockHasher>) -> Vec<Block> {
+fn blocks_of(tokens: &[u32], platform_len: usize, u: &OwnerId, hasher: Arc<dyn BlockHasher>) -> Vec<Block> {
     let mut c = HashChain::with_hasher(BT, platform_len, u.clone(), hasher);
     c.update(tokens);
     c.keys(tokens, usize::MAX)

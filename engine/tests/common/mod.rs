@@ -1,7 +1,7 @@
 //! Shared helpers of the engine's integration tests.
 #![allow(dead_code)]
 
-use baton_engine::kv::UserId;
+use baton_engine::kv::OwnerId;
 use baton_engine::model::{load_gguf, LoadedModel};
 use baton_text::sampling::SamplingParams;
 use baton_engine::{Engine, EngineConfig, Event, Request};
@@ -52,7 +52,7 @@ pub fn greedy(max_tokens: usize) -> baton_text::sampling::ValidSamplingParams {
 }
 
 pub fn request(prompt: Vec<u32>, user: &str, max_tokens: usize) -> Request {
-    Request { prompt, owner: UserId::new(user), platform_prefix_len: 0, conversation: None, sampling: greedy(max_tokens), ignore_eos: true }
+    Request { prompt, owner: OwnerId::parse(user).unwrap(), platform_prefix_len: 0, conversation: None, sampling: greedy(max_tokens), ignore_eos: true }
 }
 
 /// Everything a finished request produced.

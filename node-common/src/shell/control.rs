@@ -16,7 +16,6 @@ use tokio::sync::Mutex;
 use tonic::{Request, Response, Status};
 
 use super::{blocking, Node};
-use crate::convert;
 use crate::in_flight::{stop_taking_work, InFlight};
 
 /// What a role adds to `NodeControl`.
@@ -75,7 +74,7 @@ impl Control {
 #[tonic::async_trait]
 impl NodeControl for Control {
     async fn evict(&self, request: Request<pb::EvictRequest>) -> Result<Response<pb::EvictResponse>, Status> {
-        let conversation = convert::conversation(request.into_inner().conversation)?;
+        let conversation = baton_proto::ids::conversation(request.into_inner().conversation)?;
         self.hooks.evicting(&conversation);
         let engine = self.engine.clone();
         let freed = blocking(move || engine.evict_conversation(conversation)).await?.map_err(|e| baton_proto::status(&e))?;

@@ -14,6 +14,7 @@
 pub mod chat_template;
 pub mod gguf;
 pub mod output;
+pub mod rng;
 pub mod sampling;
 pub mod spm_tokenizer;
 pub mod tokenizer;

@@ -138,3 +138,37 @@ pub fn pearson(a: &[f32], b: &[f32]) -> f64 {
     }
     sab / (saa.sqrt() * sbb.sqrt())
 }
+
+/// What a prefill engine hands over: the first token and the tail's blocks.
+pub struct Prefilled {
+    pub first: baton_engine::ImportedToken,
+    pub export: baton_engine::KvExport,
+}
+
+impl Prefilled {
+    /// The import a decode node builds from the handover.
+    pub fn into_import(self) -> baton_engine::KvImport {
+        baton_engine::KvImport { start_block: self.export.start_block, blocks: self.export.blocks, first_token: Some(self.first) }
+    }
+}
+
+/// Prefills `req` (one token) on `engine`, optionally over a `pulled` prefix, and
+/// exports its blocks from `from_block`: what a prefill node does for a turn.
+pub fn prefill(engine: &Engine, mut req: Request, from_block: usize, pulled: Option<baton_engine::KvImport>) -> Prefilled {
+    use baton_engine::{ImportedToken, SubmitOptions};
+    let mut p = req.sampling.clone().into_inner();
+    p.max_tokens = 1;
+    req.sampling = p.validate().unwrap();
+    let sub = engine.submit_with(req, SubmitOptions { import: pulled, export_from_block: Some(from_block) }).unwrap();
+    let mut stream = sub.stream;
+    let mut first = None;
+    loop {
+        match stream.blocking_next().expect("final event") {
+            Event::Token(t) => first = Some(ImportedToken { id: t.id, logprob: t.logprob.unwrap_or(0.0), top_logprobs: t.top_logprobs }),
+            Event::Finished { .. } => break,
+            Event::Failed(e) => panic!("prefill failed: {e}"),
+        }
+    }
+    let export = sub.export.unwrap().blocking_recv().expect("export sent");
+    Prefilled { first: first.expect("a first token"), export }
+}

@@ -30,12 +30,7 @@ pub fn model_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("BATON_MODEL") {
         return Some(PathBuf::from(p));
     }
-    let cache = std::env::var_os("BATON_MODEL_CACHE").map(PathBuf::from).or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(|x| PathBuf::from(x).join("baton/models"))
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/baton/models")))
-    })?;
-    let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = baton_text::model_cache::model_cache_dir()?.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if p.exists() {
         Some(p)
     } else {

@@ -13,6 +13,7 @@
 
 pub mod chat_template;
 pub mod gguf;
+pub mod model_cache;
 pub mod output;
 pub mod rng;
 pub mod sampling;

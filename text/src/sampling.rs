@@ -197,9 +197,13 @@ impl Rng {
         Self(Xoshiro256::seed_from_u64(seed))
     }
 
+    fn next_u64(&mut self) -> u64 {
+        self.0.next_star_star()
+    }
+
     /// Uniform in `[0, 1)` with 53 random bits.
     fn next_f64(&mut self) -> f64 {
-        unit_f64(self.0.next_star_star())
+        unit_f64(self.next_u64())
     }
 }
 

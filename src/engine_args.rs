@@ -72,12 +72,8 @@ fn default_threads() -> usize {
 
 /// The default model's path: the cache folder of scripts/fetch-model.sh.
 pub fn default_model_path() -> PathBuf {
-    let cache = std::env::var_os("BATON_MODEL_CACHE").map(PathBuf::from).unwrap_or_else(|| {
-        let base = std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
-        base.join("baton/models")
-    });
+    // With none of the cache's variables set: `.cache/baton/models` below the working folder.
+    let cache = baton_text::model_cache::model_cache_dir().unwrap_or_else(|| PathBuf::from(".cache/baton/models"));
     cache.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 

@@ -10,7 +10,7 @@
 mod cluster_support;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
@@ -40,16 +40,7 @@ fn baton(args: &[&str]) -> String {
 
 fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str) -> (Gateway, String) {
     let addr = format!("127.0.0.1:{}", free_port());
-    let child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["gateway", "--listen", &addr, "--coordinator", coordinator, "--certs-dir", certs_dir])
-        .arg("--db")
-        .arg(db)
-        .arg("--model")
-        .arg(model)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let child = gateway_command(&["--listen", &addr], coordinator, certs_dir, db, model).spawn().unwrap();
     let g = Gateway(child);
     wait_healthy(&addr, Duration::from_secs(60));
     (g, addr)
@@ -81,25 +72,11 @@ fn compose_topology_keeps_a_conversation_warm_across_a_rolling_restart() {
 
     let dir = tempfile::tempdir().unwrap();
     certs(dir.path(), "prefill-0,prefill-1,decode-0,decode-1");
-    let coordinator = spawn(&[
-        "coordinator",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--membership",
-        "etcd",
-        "--etcd-endpoints",
-        &etcd.endpoint(),
-        "--etcd-prefix",
-        "/topology/",
-        "--lease-ttl",
-        "2s",
-        "--local-prefill-threshold",
-        &THRESHOLD.to_string(),
-        "--certs-dir",
+    let (endpoint, threshold) = (etcd.endpoint(), THRESHOLD.to_string());
+    let coordinator = spawn_coordinator(
         dir.path().to_str().unwrap(),
-    ]);
+        &["--membership", "etcd", "--etcd-endpoints", &endpoint, "--etcd-prefix", "/topology/", "--lease-ttl", "2s", "--local-prefill-threshold", &threshold],
+    );
     let cluster = Cluster { dir, model: model.clone(), coordinator };
     let url = cluster.url();
     let _p0 = cluster.node("prefill", "prefill-0", &[]);

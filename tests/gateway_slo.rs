@@ -6,7 +6,7 @@
 mod cluster_support;
 
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -65,16 +65,8 @@ async fn start_gateway(
             "--slo-itl",
             itl,
         ])
-        .args([
-            "--threads",
-            "1",
-            "--kv-memory-mib",
-            "64",
-            "--kv-tier2-mib",
-            "0",
-            "--max-context",
-            "2048",
-        ])
+        .args(["--threads", "1"])
+        .args(cluster_support::TEST_ENGINE)
         .arg("--db")
         .arg(db)
         .arg("--model")
@@ -103,14 +95,7 @@ async fn start_gateway(
 
 /// `[met, missed_ttft, missed_itl]` from the gateway's /metrics.
 async fn slo_counts(http: &reqwest::Client, admin: &str) -> [f64; 3] {
-    let text = http
-        .get(format!("http://{admin}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = cluster_support::text_of(http.get(format!("http://{admin}/metrics"))).await;
     ["met", "missed_ttft", "missed_itl"].map(|outcome| {
         let prefix = format!("baton_gateway_turns_slo_total{{outcome=\"{outcome}\"}} ");
         let line = text
@@ -119,6 +104,26 @@ async fn slo_counts(http: &reqwest::Client, admin: &str) -> [f64; 3] {
             .unwrap_or_else(|| panic!("no {prefix} in\n{text}"));
         line[prefix.len()..].trim().parse().unwrap()
     })
+}
+
+/// What each test starts from: the default model, a fresh database with alice's key,
+/// and an HTTP client.
+struct Setup {
+    model: PathBuf,
+    _dir: tempfile::TempDir,
+    db: PathBuf,
+    key: String,
+    http: reqwest::Client,
+}
+
+/// `None` (the test is skipped) without the default model.
+fn setup() -> Option<Setup> {
+    let model = cluster_support::model_path()?;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("gateway.db");
+    let key = create_key(&db);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    Some(Setup { model, _dir: dir, db, key, http })
 }
 
 /// One streamed greedy turn; returns its completion tokens.
@@ -150,16 +155,7 @@ async fn turn(http: &reqwest::Client, api: &str, key: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_that_misses_its_itl_target_is_counted_as_missed_itl() {
-    let Some(model) = cluster_support::model_path() else {
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("gateway.db");
-    let key = create_key(&db);
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()
-        .unwrap();
+    let Some(Setup { model, _dir, db, key, http }) = setup() else { return };
 
     // Every gap between two real tokens is longer than 1 µs; the first token is well
     // within 10 minutes.
@@ -194,16 +190,7 @@ async fn a_turn_that_misses_its_itl_target_is_counted_as_missed_itl() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_token_later_than_the_ttft_target_is_counted_once_as_missed_ttft() {
-    let Some(model) = cluster_support::model_path() else {
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("gateway.db");
-    let key = create_key(&db);
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()
-        .unwrap();
+    let Some(Setup { model, _dir, db, key, http }) = setup() else { return };
     // Both targets at 1 µs: the turn misses both halves and counts once, as missed_ttft.
     let (_gw, api, admin) = start_gateway(&http, &db, &model, "1us", "1us").await;
     let tokens = turn(&http, &api, &key).await;

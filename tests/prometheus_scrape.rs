@@ -11,7 +11,7 @@ mod cluster_support;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 const KEY: &str = "prom-test-key-0123456789";
@@ -61,17 +61,10 @@ fn start_up(dir: &Path) -> (Killed, Targets) {
         decode: format!("127.0.0.1:{}", free_port()),
         prefill: format!("127.0.0.1:{}", free_port()),
     };
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["up", "--listen", &t.api, "--admin-listen", &t.gateway, "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", &t.coordinator])
+    let listeners = ["--listen", &t.api, "--admin-listen", &t.gateway, "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", &t.coordinator];
+    let mut child = cluster_support::up_command(&listeners, &dir.join("gateway.db"), KEY)
         .args(["--decode-http-listen", &t.decode, "--prefill-http-listen", &t.prefill])
-        .args(["--local-prefill-threshold", "64", "--threads", "1", "--kv-memory-mib", "64", "--kv-tier2-mib", "0", "--max-context", "2048"])
-        .arg("--db")
-        .arg(dir.join("gateway.db"))
-        .arg("--model")
-        .arg(cluster_support::model_path().expect("the default model (scripts/fetch-model.sh)"))
-        .env("BATON_API_KEY", KEY)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .args(["--local-prefill-threshold", "64", "--threads", "1"])
         .spawn()
         .expect("start baton up");
     // Drain the banner so the child never blocks on a full pipe.

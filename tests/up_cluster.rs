@@ -8,7 +8,7 @@
 mod cluster_support;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// The running cluster; killed if the test fails before stopping it.
@@ -33,17 +33,10 @@ const KEY: &str = "up-test-key-0123456789";
 
 fn start() -> Up {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["up", "--listen", "127.0.0.1:0", "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", "127.0.0.1:0"])
+    let listeners = ["--listen", "127.0.0.1:0", "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", "127.0.0.1:0"];
+    let mut child = cluster_support::up_command(&listeners, &dir.path().join("gateway.db"), KEY)
         .args(["--decode-http-listen", "127.0.0.1:0", "--prefill-http-listen", "127.0.0.1:0"])
-        .args(["--local-prefill-threshold", "64", "--threads", "1", "--kv-memory-mib", "64", "--kv-tier2-mib", "0", "--max-context", "2048"])
-        .arg("--db")
-        .arg(dir.path().join("gateway.db"))
-        .arg("--model")
-        .arg(cluster_support::model_path().expect("the default model (scripts/fetch-model.sh)"))
-        .env("BATON_API_KEY", KEY)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .args(["--local-prefill-threshold", "64", "--threads", "1"])
         .spawn()
         .expect("start baton up");
     let stdout = child.stdout.take().unwrap();

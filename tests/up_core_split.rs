@@ -5,7 +5,7 @@
 mod cluster_support;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 struct Killed(Child);
@@ -19,41 +19,13 @@ impl Drop for Killed {
 
 /// Starts `baton up` with `extra` flags; returns it and its banner's `engines` line.
 fn start(dir: &std::path::Path, extra: &[&str]) -> (Killed, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args([
-            "up",
-            "--listen",
-            "127.0.0.1:0",
-            "--coordinator-listen",
-            "127.0.0.1:0",
-            "--coordinator-http-listen",
-            "127.0.0.1:0",
-        ])
-        .args([
-            "--decode-http-listen",
-            "127.0.0.1:0",
-            "--prefill-http-listen",
-            "127.0.0.1:0",
-        ])
-        .args([
-            "--kv-memory-mib",
-            "64",
-            "--kv-tier2-mib",
-            "0",
-            "--max-context",
-            "2048",
-        ])
+    let listeners = ["--listen", "127.0.0.1:0", "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", "127.0.0.1:0"];
+    let mut child = cluster_support::up_command(&listeners, &dir.join("gateway.db"), "core-split-test-key-0123")
+        .args(["--decode-http-listen", "127.0.0.1:0", "--prefill-http-listen", "127.0.0.1:0"])
         .args(extra)
-        .arg("--db")
-        .arg(dir.join("gateway.db"))
-        .arg("--model")
-        .arg(cluster_support::model_path().expect("the default model (scripts/fetch-model.sh)"))
-        .env("BATON_API_KEY", "core-split-test-key-0123")
         .env_remove("BATON_THREADS")
         .env_remove("BATON_DECODE_THREADS")
         .env_remove("BATON_PREFILL_THREADS")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
         .spawn()
         .expect("start baton up");
     let stdout = child.stdout.take().unwrap();

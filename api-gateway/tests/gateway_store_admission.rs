@@ -7,40 +7,16 @@
 mod pg;
 
 use baton_api_gateway::store::{
-    now_unix, BeginTurn, Conversation, ConversationStore, LogEntry, PostgresStore, Turn, TurnEnd,
+    conformance, now_unix, BeginTurn, Conversation, ConversationStore, LogEntry, PostgresStore, Turn, TurnEnd,
     TurnState,
 };
 
 fn conv(id: &str) -> Conversation {
-    Conversation {
-        id: id.into(),
-        owner: "alice".into(),
-        title: "t".into(),
-        system_prompt_version: 1,
-        created_at: now_unix(),
-        updated_at: now_unix(),
-        summary: None,
-    }
+    conformance::conv(id, "alice", now_unix())
 }
 
 fn turn(conv: &str, id: &str, seq: i64) -> Turn {
-    Turn {
-        conversation: conv.into(),
-        turn_id: id.into(),
-        seq,
-        request_hash: "h".into(),
-        user_text: "hi".into(),
-        reply_text: String::new(),
-        prompt_ids: vec![1, 2, 3],
-        output_ids: vec![],
-        system_prompt_version: 1,
-        state: TurnState::Streaming,
-        finish_reason: None,
-        prompt_tokens: 0,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        created_at: now_unix(),
-    }
+    Turn { seq, ..conformance::streaming_turn(conv, id) }
 }
 
 fn done(text: &str) -> TurnEnd {

@@ -9,41 +9,13 @@ mod pg;
 use baton_api_gateway::error::ApiError;
 use baton_api_gateway::store::postgres::MIGRATIONS;
 use baton_api_gateway::store::{
-    conformance, now_unix, BeginTurn, Conversation, ConversationStore, PostgresStore, StoreError, Turn, TurnState,
+    conformance, now_unix, BeginTurn, Conversation, ConversationStore, PostgresStore, StoreError, TurnState,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn conv(id: &str) -> Conversation {
-    Conversation {
-        id: id.into(),
-        owner: "alice".into(),
-        title: "t".into(),
-        system_prompt_version: 1,
-        created_at: now_unix(),
-        updated_at: now_unix(),
-        summary: None,
-    }
-}
-
-fn turn(conv: &str, id: &str) -> Turn {
-    Turn {
-        conversation: conv.into(),
-        turn_id: id.into(),
-        seq: 0,
-        request_hash: "h".into(),
-        user_text: "hi".into(),
-        reply_text: String::new(),
-        prompt_ids: vec![1, 2, 3],
-        output_ids: vec![],
-        system_prompt_version: 1,
-        state: TurnState::Streaming,
-        finish_reason: None,
-        prompt_tokens: 0,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        created_at: now_unix(),
-    }
+    conformance::conv(id, "alice", now_unix())
 }
 
 async fn raw(url: &str) -> tokio_postgres::Client {
@@ -93,7 +65,7 @@ async fn concurrent_replicas_create_a_turn_once() {
     let tasks: Vec<_> = (0..20)
         .map(|i| {
             let s = if i % 2 == 0 { a.clone() } else { b.clone() };
-            tokio::spawn(async move { s.begin_turn(&turn("c1", "t1")).await.unwrap() })
+            tokio::spawn(async move { s.begin_turn(&conformance::streaming_turn("c1", "t1")).await.unwrap() })
         })
         .collect();
     let mut created = 0;
@@ -113,7 +85,7 @@ async fn a_restarting_replica_spares_a_live_replicas_turns() {
     let Some(pg) = pg::TempPostgres::start() else { return };
     let live = PostgresStore::connect(&pg.url()).await.unwrap();
     live.create_conversation(&conv("c1")).await.unwrap();
-    live.begin_turn(&turn("c1", "t1")).await.unwrap();
+    live.begin_turn(&conformance::streaming_turn("c1", "t1")).await.unwrap();
     let restarted = PostgresStore::connect(&pg.url()).await.unwrap();
     assert_eq!(restarted.fail_streaming_turns().await.unwrap(), 0, "another live replica's streaming turn must be left alone");
     assert_eq!(live.get_turn("c1", "t1").await.unwrap().unwrap().state, TurnState::Streaming);

@@ -1,59 +1,32 @@
 //! Small deterministic pseudo-random numbers: splitmix64 for seeding and stateless
-//! hashing, xoshiro256++ for streams. No dependency, identical on every platform, so a
-//! simulation with a given seed prints the same table everywhere.
+//! hashing (`mix64` hashes ring keys and virtual-node points), xoshiro256++ for streams,
+//! both from `baton_text::rng`. Identical on every platform, so a simulation with a given
+//! seed prints the same table everywhere.
 
-/// One splitmix64 step: advances `state` and returns a well-mixed 64-bit value.
-pub fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    mix64(*state)
-}
+pub use baton_text::rng::{mix64, splitmix64};
+use baton_text::rng::{unit_f64, Xoshiro256};
 
-/// The splitmix64 finalizer: a bijective, avalanche-quality mix of one word. Used as the
-/// stateless hash of ring keys and virtual-node points.
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// xoshiro256++ (Blackman and Vigna), seeded through splitmix64.
+/// xoshiro256++ (Blackman and Vigna), seeded through splitmix64: the text crate's
+/// xoshiro256 state read with the `++` output function.
 #[derive(Debug, Clone)]
-pub struct Xoshiro256pp {
-    s: [u64; 4],
-}
+pub struct Xoshiro256pp(Xoshiro256);
 
 impl Xoshiro256pp {
     /// A generator whose whole state is derived from `seed`.
     pub fn seed_from_u64(seed: u64) -> Self {
-        let mut sm = seed;
-        let s = [
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-        ];
-        Self { s }
+        Self(Xoshiro256::seed_from_u64(seed))
     }
 
     /// The next 64 random bits.
     #[inline]
     pub fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[0].wrapping_add(s[3]).rotate_left(23).wrapping_add(s[0]);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
+        self.0.next_plus_plus()
     }
 
     /// Uniform in `[0, 1)` with 53 bits of precision.
     #[inline]
     pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        unit_f64(self.next_u64())
     }
 
     /// Uniform in `[lo, hi)`.

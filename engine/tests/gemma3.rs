@@ -11,24 +11,9 @@
 use baton_text::gguf::GgufFile;
 use baton_engine::model::{config_from_gguf, load_gguf_weights, Model, Scratch, StepInput};
 use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
-use std::path::PathBuf;
 
-fn gemma_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("BATON_GEMMA_MODEL") {
-        return Some(PathBuf::from(p));
-    }
-    let p = PathBuf::from(std::env::var_os("HOME")?)
-        .join(".cache/baton/models/gemma-3-270m-q4_k_m.gguf");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!(
-            "skipped: Gemma 3 not found at {}; run scripts/fetch-model.sh gemma3",
-            p.display()
-        );
-        None
-    }
-}
+mod common;
+use common::gemma_path;
 
 /// Token IDs of `text` by greedy longest match over the vocabulary (spaces
 /// as `▁`): not SentencePiece's exact segmentation, but valid pieces the

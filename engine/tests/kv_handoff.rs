@@ -7,7 +7,7 @@
 mod common;
 
 use baton_text::sampling::SamplingParams;
-use baton_engine::{Engine, EngineConfig, Event, ImportedToken, KvExport, KvImport, Request, SubmitOptions};
+use baton_engine::{Engine, EngineConfig, ImportedToken, KvImport, Request, SubmitOptions};
 use common::*;
 
 const SYSTEM: &str = "You are a careful assistant for a science museum. Answer in two or three sentences, with concrete facts and no filler.";
@@ -16,35 +16,8 @@ fn config() -> EngineConfig {
     EngineConfig { step_token_budget: 64, kv_memory_bytes: 64 << 20, max_context: Some(2048), tier2_bytes: 0, ..EngineConfig::default() }
 }
 
-/// What a prefill engine hands over: the first token and the tail's blocks.
-struct Prefilled {
-    first: ImportedToken,
-    export: KvExport,
-}
-
-/// Prefills `req` on `engine` (optionally with a pulled prefix) and exports
-/// its blocks from `from_block`.
-fn prefill(engine: &Engine, mut req: Request, from_block: usize, pulled: Option<KvImport>) -> Prefilled {
-    let mut p = req.sampling.clone().into_inner();
-    p.max_tokens = 1;
-    req.sampling = p.validate().unwrap();
-    let sub = engine.submit_with(req, SubmitOptions { import: pulled, export_from_block: Some(from_block) }).unwrap();
-    let mut stream = sub.stream;
-    let mut first = None;
-    loop {
-        match stream.blocking_next().expect("final event") {
-            Event::Token(t) => first = Some(ImportedToken { id: t.id, logprob: t.logprob.unwrap_or(0.0), top_logprobs: t.top_logprobs }),
-            Event::Finished { .. } => break,
-            Event::Failed(e) => panic!("prefill failed: {e}"),
-        }
-    }
-    let export = sub.export.unwrap().blocking_recv().expect("export sent");
-    Prefilled { first: first.expect("a first token"), export }
-}
-
 fn decode_imported(engine: &Engine, req: Request, p: Prefilled) -> Outcome {
-    let import = KvImport { start_block: p.export.start_block, blocks: p.export.blocks, first_token: Some(p.first) };
-    collect(engine.submit_with(req, SubmitOptions { import: Some(import), export_from_block: None }).unwrap().stream)
+    collect(engine.submit_with(req, SubmitOptions { import: Some(p.into_import()), export_from_block: None }).unwrap().stream)
 }
 
 fn seeded(prompt: Vec<u32>, max_tokens: usize) -> Request {

@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use baton_engine::kv::{ConstantHasher, OwnerId};
-use baton_engine::{Engine, EngineConfig, Event, ImportedToken, KvImport, Request, SubmitOptions};
+use baton_engine::{Engine, EngineConfig, KvImport, Request, SubmitOptions};
 use common::*;
 
 fn config() -> EngineConfig {
@@ -24,22 +24,8 @@ fn colliding() -> Option<Engine> {
 
 /// Prefills `req` (one token) on `engine` and returns the import a decode node
 /// would receive: every prompt block and the first token.
-fn prefilled(engine: &Engine, mut req: Request) -> KvImport {
-    let mut p = req.sampling.clone().into_inner();
-    p.max_tokens = 1;
-    req.sampling = p.validate().unwrap();
-    let sub = engine.submit_with(req, SubmitOptions { import: None, export_from_block: Some(0) }).unwrap();
-    let mut stream = sub.stream;
-    let mut first = None;
-    loop {
-        match stream.blocking_next().expect("final event") {
-            Event::Token(t) => first = Some(ImportedToken { id: t.id, logprob: t.logprob.unwrap_or(0.0), top_logprobs: t.top_logprobs }),
-            Event::Finished { .. } => break,
-            Event::Failed(e) => panic!("prefill failed: {e}"),
-        }
-    }
-    let export = sub.export.unwrap().blocking_recv().expect("export sent");
-    KvImport { start_block: export.start_block, blocks: export.blocks, first_token: first }
+fn prefilled(engine: &Engine, req: Request) -> KvImport {
+    prefill(engine, req, 0, None).into_import()
 }
 
 #[test]

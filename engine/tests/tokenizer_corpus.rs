@@ -32,32 +32,6 @@ fn fixture() -> &'static Value {
     })
 }
 
-/// Gemma 3 270M: `BATON_GEMMA_MODEL`, else the model cache (as
-/// scripts/fetch-model.sh gemma3 leaves it); `None` (skipped) when absent.
-fn gemma_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("BATON_GEMMA_MODEL") {
-        return Some(PathBuf::from(p));
-    }
-    let cache = std::env::var_os("BATON_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("baton/models"))
-        })
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/baton/models"))
-        })?;
-    let p = cache.join("gemma-3-270m-q4_k_m.gguf");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!(
-            "skipped: Gemma 3 not found at {}; run scripts/fetch-model.sh gemma3",
-            p.display()
-        );
-        None
-    }
-}
-
 fn load(path: Option<PathBuf>) -> Option<Arc<Tokenizer>> {
     let path = path?;
     let t0 = std::time::Instant::now();
@@ -81,7 +55,7 @@ fn smollm2() -> Option<&'static Arc<Tokenizer>> {
 
 fn gemma3() -> Option<&'static Arc<Tokenizer>> {
     static T: OnceLock<Option<Arc<Tokenizer>>> = OnceLock::new();
-    T.get_or_init(|| load(gemma_path())).as_ref()
+    T.get_or_init(|| load(common::gemma_path())).as_ref()
 }
 
 fn ids(v: &Value) -> Vec<u32> {

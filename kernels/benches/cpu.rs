@@ -141,19 +141,7 @@ fn main() {
     let single = CpuBackend::new(1).expect("a thread");
     let cpu_clock = thread_cpu_ns().is_some();
     println!("{}; on-CPU column: {}", backend.describe(), if cpu_clock { single.describe() } else { "unavailable".into() });
-    let formats = [
-        WeightFormat::Q4_0,
-        WeightFormat::Q4_1,
-        WeightFormat::Q8_0,
-        WeightFormat::Q5_0,
-        WeightFormat::Q5_1,
-        WeightFormat::IQ4_NL,
-        WeightFormat::Q2_K,
-        WeightFormat::Q3_K,
-        WeightFormat::Q4_K,
-        WeightFormat::Q5_K,
-        WeightFormat::Q6_K,
-    ];
+    let formats = WeightFormat::INTEGER_KERNEL;
     // (name, n outputs, k inputs): K formats need k a multiple of 256.
     let shapes = [("ffn_down 576x1536", 576, 1536), ("ffn_up 1536x576", 1536, 576), ("8B-sized 4096x4096", 4096, 4096)];
     println!(

@@ -108,6 +108,18 @@ pub struct KBlock {
     pub q: [u8; QK_K],
 }
 
+/// Element `e`'s 4-bit quant in the nibble layout of Q4_K and Q5_K starting at `qs`:
+/// each 64 elements read 32 bytes, low nibbles first, then high.
+#[inline]
+fn k4_nibble(qs: &[u8], e: usize) -> u8 {
+    let byte = qs[32 * (e / 64) + e % 32];
+    if e % 64 < 32 {
+        byte & 0x0f
+    } else {
+        byte >> 4
+    }
+}
+
 impl KBlock {
     fn new(d: u16, dmin: u16, subs: usize) -> KBlock {
         KBlock { d, dmin, subs, sc: [0; 16], mn: [0; 16], q: [0; QK_K] }
@@ -143,32 +155,30 @@ impl KBlock {
     }
 
     pub fn q4_k(b: &[u8]) -> KBlock {
-        let mut k = KBlock::new(f16_bits(b, 0), f16_bits(b, 2), 8);
-        for j in 0..8 {
-            let (sc, m) = scale_min_k4(j, &b[4..16]);
-            k.sc[j] = sc as i8;
-            k.mn[j] = m as i16;
-        }
-        // Each 64 elements read 32 bytes: low nibbles first, then high.
+        let mut k = Self::k4_scales(b);
         for e in 0..QK_K {
-            let byte = b[16 + 32 * (e / 64) + e % 32];
-            k.q[e] = if e % 64 < 32 { byte & 0x0f } else { byte >> 4 };
+            k.q[e] = k4_nibble(&b[16..], e);
         }
         k
     }
 
     /// Q5_K: Q4_K's nibbles plus a fifth bit, bit `e / 32` of `qh[e % 32]`.
     pub fn q5_k(b: &[u8]) -> KBlock {
+        let mut k = Self::k4_scales(b);
+        for e in 0..QK_K {
+            k.q[e] = k4_nibble(&b[48..], e) | (((b[16 + e % 32] >> (e / 32)) & 1) << 4);
+        }
+        k
+    }
+
+    /// What Q4_K and Q5_K share ahead of their quants: `d`, `dmin`, and eight 6-bit
+    /// scale/min pairs packed in bytes 4..16.
+    fn k4_scales(b: &[u8]) -> KBlock {
         let mut k = KBlock::new(f16_bits(b, 0), f16_bits(b, 2), 8);
         for j in 0..8 {
             let (sc, m) = scale_min_k4(j, &b[4..16]);
             k.sc[j] = sc as i8;
             k.mn[j] = m as i16;
-        }
-        for e in 0..QK_K {
-            let byte = b[48 + 32 * (e / 64) + e % 32];
-            let nib = if e % 64 < 32 { byte & 0x0f } else { byte >> 4 };
-            k.q[e] = nib | (((b[16 + e % 32] >> (e / 32)) & 1) << 4);
         }
         k
     }

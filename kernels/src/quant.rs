@@ -63,6 +63,23 @@ impl WeightFormat {
         WeightFormat::IQ4_XS,
     ];
 
+    /// The formats with an integer dot-product kernel on every ISA path; the others
+    /// (F32, F16, BF16, Q8_K, IQ4_XS) are dequantized to f32 when a matrix is prepared
+    /// (`matmul` says why). Tests and benchmarks of the integer kernels run over these.
+    pub const INTEGER_KERNEL: [WeightFormat; 11] = [
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Q8_0,
+        WeightFormat::IQ4_NL,
+        WeightFormat::Q2_K,
+        WeightFormat::Q3_K,
+        WeightFormat::Q4_K,
+        WeightFormat::Q5_K,
+        WeightFormat::Q6_K,
+    ];
+
     /// Elements per block.
     pub fn block_len(self) -> usize {
         use WeightFormat::*;

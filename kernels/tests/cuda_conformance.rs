@@ -16,7 +16,7 @@
 use std::io::Write;
 
 use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout, RopeTable};
-use support::{rel_err, scattered_tables, slots_of, values};
+use support::{rel_err, scattered_tables, sequence_kv, values};
 
 mod support;
 
@@ -204,9 +204,7 @@ fn kv_and_attention_match_the_cpu_for_every_dtype() {
         let all: Vec<u32> = tables.iter().flatten().copied().collect();
         let te = layout.token_elems();
         for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
-            let k = values(len * te, 100 + s as u64);
-            let v = values(len * te, 200 + s as u64);
-            let slots = slots_of(table, len);
+            let (k, v, slots) = sequence_kv(s, len, table, te);
             c.kv_write(&mut kc, layer, &k, &v, &slots);
             g.kv_write(&mut kg, layer, &g.upload(&k), &g.upload(&v), &slots);
         }

@@ -13,7 +13,7 @@
 use baton_kernels::cuda::plan::{self, AttentionPlan, ROW_THREADS, TOKEN_THREADS};
 use baton_kernels::emu::{self, Launch};
 use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
-use support::{rel_err, scattered_tables, slots_of, values};
+use support::{rel_err, scattered_tables, sequence_kv, values};
 
 mod support;
 
@@ -204,9 +204,7 @@ fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
         let tables = scattered_tables(&lens, blocks, 5);
         let te = layout.token_elems();
         for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
-            let k = values(len * te, 100 + s as u64);
-            let v = values(len * te, 200 + s as u64);
-            let slots = slots_of(table, len);
+            let (k, v, slots) = sequence_kv(s, len, table, te);
             c.kv_write(&mut kc, layer, &k, &v, &slots);
             emu_kv_write(&mut arena, layout, layer, &k, &v, &slots);
             // Layer 0 (not attended below): values past e4m3's 448 and in f16's

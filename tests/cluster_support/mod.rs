@@ -114,6 +114,57 @@ pub fn metrics(http: &str) -> String {
     resp
 }
 
+/// The engine size of every test process: 64 MiB of KV, no second tier, 2,048 tokens
+/// of context (the reference engine's settings).
+pub const TEST_ENGINE: [&str; 6] = ["--kv-memory-mib", "64", "--kv-tier2-mib", "0", "--max-context", "2048"];
+
+/// `baton up` over the gateway database `db` and the default model, with the test engine
+/// size and `BATON_API_KEY` = `key`; stdout piped (the banner), stderr passed through.
+/// `flags` are the test's listeners and settings. Not yet spawned.
+pub fn up_command(flags: &[&str], db: &Path, key: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_baton"));
+    c.arg("up")
+        .args(flags)
+        .args(TEST_ENGINE)
+        .arg("--db")
+        .arg(db)
+        .arg("--model")
+        .arg(model_path().expect("the default model (scripts/fetch-model.sh)"))
+        .env("BATON_API_KEY", key)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    c
+}
+
+/// `baton gateway` in front of the cluster at `coordinator`, over the database `db` and the
+/// model file `model`, stdout dropped; `flags` add its listeners. Not yet spawned.
+pub fn gateway_command(flags: &[&str], coordinator: &str, certs_dir: &str, db: &Path, model: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_baton"));
+    c.arg("gateway")
+        .args(flags)
+        .args(["--coordinator", coordinator, "--certs-dir", certs_dir])
+        .arg("--db")
+        .arg(db)
+        .arg("--model")
+        .arg(model)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    c
+}
+
+/// A coordinator on loopback (gRPC and HTTP on port 0) with the certificates in
+/// `certs_dir`; `flags` add its policy and membership settings.
+pub fn spawn_coordinator(certs_dir: &str, flags: &[&str]) -> Proc {
+    let mut args = vec!["coordinator", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--certs-dir", certs_dir];
+    args.extend_from_slice(flags);
+    spawn(&args)
+}
+
+/// The body of a response to `request`, as text.
+pub async fn text_of(request: reqwest::RequestBuilder) -> String {
+    request.send().await.unwrap().text().await.unwrap()
+}
+
 /// Development certificates for the named nodes, plus `coordinator`, `gateway` and
 /// `operator` (the identities the tests' own clients use), in a temporary folder.
 pub fn certs(dir: &Path, nodes: &str) {
@@ -138,19 +189,9 @@ impl Cluster {
         let model = model_path()?;
         let dir = tempfile::tempdir().unwrap();
         certs(dir.path(), nodes);
-        let coordinator = spawn(&[
-            "coordinator",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--local-prefill-threshold",
-            &threshold.to_string(),
-            "--lease-ttl",
-            "2s",
-            "--certs-dir",
-            dir.path().to_str().unwrap(),
-        ]);
+        let threshold = threshold.to_string();
+        let coordinator =
+            spawn_coordinator(dir.path().to_str().unwrap(), &["--local-prefill-threshold", &threshold, "--lease-ttl", "2s"]);
         Some(Cluster { dir, model, coordinator })
     }
 

@@ -7,12 +7,16 @@ use baton_api_gateway::client::Client;
 use baton::local_generator::LocalGenerator;
 use baton_api_gateway::generator::Generator;
 use baton_api_gateway::state::App;
-use baton_api_gateway::store::SqliteStore;
+use baton_api_gateway::store::{ConversationStore, SqliteStore};
 use baton_api_gateway::{auth, build_app, Args, Config};
 use baton_engine::model::load_gguf;
 use baton_engine::{Engine, EngineConfig};
 use baton_kernels::CpuBackend;
+
+use crate::pg;
 use clap::Parser;
+use std::ffi::OsString;
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -30,12 +34,7 @@ pub fn model_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("BATON_MODEL") {
         return Some(PathBuf::from(p));
     }
-    let cache = std::env::var_os("BATON_MODEL_CACHE").map(PathBuf::from).or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(|x| PathBuf::from(x).join("baton/models"))
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/baton/models")))
-    })?;
-    let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = baton_text::model_cache::model_cache_dir()?.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if p.exists() {
         Some(p)
     } else {
@@ -99,29 +98,58 @@ pub async fn start_wrapped(
         argv.extend(["--resume-grace-seconds".to_string(), "2".to_string()]);
     }
     argv.extend(flags.iter().map(|s| s.to_string()));
-    let config = Config::try_from(Wrap::parse_from(argv).args).unwrap();
+    let config = config(argv);
     let engine = engine(&model);
     let store = SqliteStore::open(&db).unwrap();
     let key = auth::create_key(&store, "alice", "test").await.unwrap();
     let key2 = auth::create_key(&store, "bob", "test").await.unwrap();
-    let app = build_app(
-        config,
-        wrap(Arc::new(LocalGenerator::new(engine.clone()))),
-        Arc::new(store.clone()),
-        engine.tokenizer.clone(),
-        engine.template.clone(),
-        "smollm2".into(),
-    )
-    .unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let generator = wrap(Arc::new(LocalGenerator::new(engine.clone())));
+    let (app, base) = serve_local(config, generator, Arc::new(store.clone()), &engine, async move {
+        let _ = rx.await;
+    })
+    .await;
+    Some(Server { base, app, engine, store, key, key2, shutdown: Some(tx), _dir: dir })
+}
+
+/// The gateway's validated config from its command line (`argv[0]` is the program name).
+pub fn config<I, T>(argv: I) -> Config
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    Config::try_from(Wrap::parse_from(argv).args).unwrap()
+}
+
+/// Builds the gateway app for the default model (`engine`'s tokenizer and template) and
+/// serves it on 127.0.0.1:0 in a task of the current runtime until `shutdown` resolves;
+/// returns the app and its base URL. Every gateway these tests start is wired this way.
+pub async fn serve_local(
+    config: Config,
+    generator: Arc<dyn Generator>,
+    store: Arc<dyn ConversationStore>,
+    engine: &Engine,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> (Arc<App>, String) {
+    let app = build_app(config, generator, store, engine.tokenizer.clone(), engine.template.clone(), "smollm2".into()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let a = app.clone();
+    let served = app.clone();
     tokio::spawn(async move {
-        let _ = baton_api_gateway::server::serve(listener, a, async move {
-            let _ = rx.await;
-        })
-        .await;
+        let _ = baton_api_gateway::server::serve(listener, served, shutdown).await;
     });
-    Some(Server { base, app, engine, store, key, key2, shutdown: Some(tx), _dir: dir })
+    (app, base)
+}
+
+/// The body of a response to `request`, as text.
+pub async fn text_of(request: reqwest::RequestBuilder) -> String {
+    request.send().await.unwrap().text().await.unwrap()
+}
+
+/// The engine over the default model and a throwaway PostgreSQL server, or `None` when
+/// either is unavailable (the test is then skipped, as each says).
+pub fn engine_and_postgres() -> Option<(Arc<Engine>, pg::TempPostgres)> {
+    let model = model_path()?;
+    let pg = pg::TempPostgres::start()?;
+    Some((engine(&model), pg))
 }

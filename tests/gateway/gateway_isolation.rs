@@ -48,13 +48,8 @@ async fn bob_turns(base: &str, key: &str, tag: &str, n: usize) {
             .post(format!("{base}/v1/conversations"))
             .bearer_auth(key)
             .header("content-type", "application/json")
-            .body(r#"{"title":"bob"}"#)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+            .body(r#"{"title":"bob"}"#);
+        let created = crate::common::text_of(created).await;
         let created: serde_json::Value = serde_json::from_str(&created).unwrap();
         let conv = created["id"].as_str().unwrap();
         let body = serde_json::json!({"message": format!("Name a colour, please ({tag}{i})."), "max_tokens": 4, "temperature": 0, "stream": false});

@@ -5,45 +5,25 @@
 //! 503 (not a panic or a 500) while the database is down.
 
 use crate::common;
-use crate::pg;
 
 use baton_api_gateway::client::{Client, Method, StatusCode};
 use baton::local_generator::LocalGenerator;
 use baton_api_gateway::store::ConversationStore;
-use baton_api_gateway::{auth, build_app, Args, Config};
+use baton_api_gateway::auth;
 use baton_engine::Engine;
-use clap::Parser;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-#[derive(Parser)]
-struct Wrap {
-    #[command(flatten)]
-    args: Args,
-}
-
 /// A gateway replica on 127.0.0.1:0 over the store at `db`; returns its base URL.
 async fn replica(db: &str, engine: &Arc<Engine>) -> (String, tokio::sync::oneshot::Sender<()>) {
-    let config = Config::try_from(Wrap::parse_from(["gateway", "--db", db]).args).unwrap();
+    let config = common::config(["gateway", "--db", db]);
     let store = baton_api_gateway::open_store(&config).await.unwrap();
-    let app = build_app(
-        config,
-        Arc::new(LocalGenerator::new(engine.clone())),
-        store,
-        engine.tokenizer.clone(),
-        engine.template.clone(),
-        "smollm2".into(),
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = baton_api_gateway::server::serve(listener, app, async move {
-            let _ = rx.await;
-        })
-        .await;
-    });
+    let generator = Arc::new(LocalGenerator::new(engine.clone()));
+    let (_, base) = common::serve_local(config, generator, store, engine, async move {
+        let _ = rx.await;
+    })
+    .await;
     (base, tx)
 }
 
@@ -56,9 +36,7 @@ async fn turn(c: &Client, conv: &str, id: &str, message: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn multi_turn_conversation_over_postgres() {
-    let Some(model) = common::model_path() else { return };
-    let Some(mut pg) = pg::TempPostgres::start() else { return };
-    let engine = common::engine(&model);
+    let Some((engine, mut pg)) = common::engine_and_postgres() else { return };
     let url = pg.url();
     let (base, _stop) = replica(&url, &engine).await;
     let (base2, _stop2) = replica(&url, &engine).await;

@@ -15,18 +15,16 @@
 //! Each replica runs on its own Tokio runtime, so killing one stops every task it
 //! had (server, turn runner, heartbeat) at once, as a crash does.
 
-use crate::common::{engine, model_path};
-use crate::pg;
+use crate::common;
 
-use baton_api_gateway::client::{Client, Method, StatusCode};
+use baton_api_gateway::client::{Client, Method, Response, StatusCode};
 use baton::local_generator::LocalGenerator;
 use baton_api_gateway::generator::{
     Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator,
 };
 use baton_api_gateway::store::{ConversationStore, LogEntry, PostgresStore, TurnState};
-use baton_api_gateway::{auth, build_app, Args, Config};
+use baton_api_gateway::auth;
 use baton_engine::Engine;
-use clap::Parser;
 use serde_json::{json, Value};
 use std::future::Future;
 use std::pin::Pin;
@@ -139,12 +137,6 @@ impl Generator for Gated {
     }
 }
 
-#[derive(Parser)]
-struct Wrap {
-    #[command(flatten)]
-    args: Args,
-}
-
 /// One gateway replica on its own runtime; [`Replica::kill`] stops all of it at once.
 struct Replica {
     base: String,
@@ -155,7 +147,7 @@ impl Replica {
     async fn start(db: &str, engine: &Arc<Engine>, gate: Gate, flags: &[&str]) -> Replica {
         let mut argv = vec!["gateway", "--db", db, "--resume-grace-seconds", "30"];
         argv.extend_from_slice(flags);
-        let config = Config::try_from(Wrap::parse_from(argv).args).unwrap();
+        let config = common::config(argv);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -169,23 +161,7 @@ impl Replica {
                     inner: Arc::new(LocalGenerator::new(engine.clone())),
                     gate,
                 });
-                let app = build_app(
-                    config,
-                    generator,
-                    store,
-                    engine.tokenizer.clone(),
-                    engine.template.clone(),
-                    "smollm2".into(),
-                )
-                .unwrap();
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                let base = format!("http://{}", listener.local_addr().unwrap());
-                tokio::spawn(baton_api_gateway::server::serve(
-                    listener,
-                    app,
-                    std::future::pending(),
-                ));
-                base
+                common::serve_local(config, generator, store, &engine, std::future::pending()).await.1
             })
             .await
             .unwrap();
@@ -233,28 +209,35 @@ async fn events(
     conv: &str,
     body: &Value,
 ) -> (StatusCode, Vec<(String, String, Value)>) {
-    let mut r = c
-        .send(
-            Method::POST,
-            &format!("/v1/conversations/{conv}/turns"),
-            Some(body.to_string().into_bytes()),
-            &[],
-        )
-        .await
-        .unwrap();
+    let mut r = post_turn(c, &format!("/v1/conversations/{conv}/turns"), body, &[]).await;
     let status = r.status;
-    let mut out = Vec::new();
     if status != StatusCode::OK {
-        return (status, out);
+        return (status, Vec::new());
     }
+    (status, read_events(&mut r).await)
+}
+
+/// Every SSE event left in `r` as (id, event, data); every event's data must be JSON.
+async fn read_events(r: &mut Response) -> Vec<(String, String, Value)> {
+    let mut out = Vec::new();
     while let Some(ev) = r.next_event().await.unwrap() {
         out.push((
             ev.id.unwrap_or_default(),
             ev.event.unwrap_or_default(),
-            serde_json::from_str(&ev.data).unwrap_or(Value::Null),
+            serde_json::from_str::<Value>(&ev.data).unwrap(),
         ));
     }
-    (status, out)
+    out
+}
+
+/// Posts a turn `body` to `path`, returning the response as it starts (status and headers read).
+async fn post_turn(c: &Client, path: &str, body: &Value, headers: &[(&str, &str)]) -> Response {
+    c.send(Method::POST, path, Some(body.to_string().into_bytes()), headers).await.unwrap()
+}
+
+/// Posts a JSON `body` to `path` and returns the status and JSON reply.
+async fn post_json(c: &Client, path: &str, body: &Value) -> (StatusCode, Value) {
+    c.json(Method::POST, path, Some(body)).await.unwrap()
 }
 
 /// The stored token log of a turn, through a separate store instance.
@@ -277,11 +260,7 @@ fn assert_stored_once(log: &[LogEntry], reply: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_turns_through_two_replicas_admit_one() {
-    let Some(model) = model_path() else { return };
-    let Some(pg) = pg::TempPostgres::start() else {
-        return;
-    };
-    let engine = engine(&model);
+    let Some((engine, pg)) = common::engine_and_postgres() else { return };
     let url = pg.url();
     let (g1, g2) = (Gate::new(false, true, 0), Gate::new(false, true, 0));
     let r1 = Replica::start(&url, &engine, g1.clone(), &[]).await;
@@ -294,24 +273,8 @@ async fn concurrent_turns_through_two_replicas_admit_one() {
     let path = format!("/v1/conversations/{conv}/turns");
     let (c1, c2) = (r1.client(&key), r2.client(&key));
     let (p1, p2) = (path.clone(), path.clone());
-    let a = tokio::spawn(async move {
-        c1.json(
-            Method::POST,
-            &p1,
-            Some(&turn_body("t-a", "Hi! Who are you?", 8, false)),
-        )
-        .await
-        .unwrap()
-    });
-    let b = tokio::spawn(async move {
-        c2.json(
-            Method::POST,
-            &p2,
-            Some(&turn_body("t-b", "What is 2+2?", 8, false)),
-        )
-        .await
-        .unwrap()
-    });
+    let a = tokio::spawn(async move { post_json(&c1, &p1, &turn_body("t-a", "Hi! Who are you?", 8, false)).await });
+    let b = tokio::spawn(async move { post_json(&c2, &p2, &turn_body("t-b", "What is 2+2?", 8, false)).await });
     g1.wait_arrived(1).await;
     g2.wait_arrived(1).await;
     g1.start.send_replace(true);
@@ -338,30 +301,9 @@ async fn concurrent_turns_through_two_replicas_admit_one() {
     // A new turn while another replica's turn is in progress is a 409 too (the one
     // before it finished, so the conversation is free again).
     g1.tokens.send_replace(false);
-    let held = r1
-        .client(&key)
-        .send(
-            Method::POST,
-            &path,
-            Some(
-                turn_body("t-c", "Tell me a story.", 16, true)
-                    .to_string()
-                    .into_bytes(),
-            ),
-            &[],
-        )
-        .await
-        .unwrap();
+    let held = post_turn(&r1.client(&key), &path, &turn_body("t-c", "Tell me a story.", 16, true), &[]).await;
     assert_eq!(held.status, StatusCode::OK);
-    let (st, v) = r2
-        .client(&key)
-        .json(
-            Method::POST,
-            &path,
-            Some(&turn_body("t-d", "And then?", 8, false)),
-        )
-        .await
-        .unwrap();
+    let (st, v) = post_json(&r2.client(&key), &path, &turn_body("t-d", "And then?", 8, false)).await;
     assert_eq!(st, StatusCode::CONFLICT, "{v}");
     assert_eq!(v["error"]["type"], "conflict_error", "{v}");
     g1.tokens.send_replace(true);
@@ -388,11 +330,7 @@ async fn concurrent_turns_through_two_replicas_admit_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_retry_through_the_other_replica_attaches_then_replays() {
-    let Some(model) = model_path() else { return };
-    let Some(pg) = pg::TempPostgres::start() else {
-        return;
-    };
-    let engine = engine(&model);
+    let Some((engine, pg)) = common::engine_and_postgres() else { return };
     let url = pg.url();
     let g1 = Gate::new(true, false, 0);
     let r1 = Replica::start(&url, &engine, g1.clone(), &[]).await;
@@ -405,38 +343,16 @@ async fn a_retry_through_the_other_replica_attaches_then_replays() {
     let body = turn_body("a1", "Hi! Who are you?", 24, true);
 
     // The turn runs on replica 1 (held before its first token); its retry reaches replica 2.
-    let mut first = r1
-        .client(&key)
-        .send(
-            Method::POST,
-            &path,
-            Some(body.to_string().into_bytes()),
-            &[],
-        )
-        .await
-        .unwrap();
+    let mut first = post_turn(&r1.client(&key), &path, &body, &[]).await;
     assert_eq!(first.status, StatusCode::OK);
-    let mut retry = r2
-        .client(&key)
-        .send(
-            Method::POST,
-            &path,
-            Some(body.to_string().into_bytes()),
-            &[],
-        )
-        .await
-        .unwrap();
+    let mut retry = post_turn(&r2.client(&key), &path, &body, &[]).await;
     assert_eq!(
         retry.status,
         StatusCode::OK,
         "a retry while the turn runs elsewhere attaches"
     );
     // Another user cannot follow it, by retry or by its events.
-    let (st, v) = r2
-        .client(&bob)
-        .json(Method::POST, &path, Some(&body))
-        .await
-        .unwrap();
+    let (st, v) = post_json(&r2.client(&bob), &path, &body).await;
     assert_eq!(st, StatusCode::NOT_FOUND, "{v}");
     let (st, _) = r2
         .client(&bob)
@@ -445,22 +361,8 @@ async fn a_retry_through_the_other_replica_attaches_then_replays() {
         .unwrap();
     assert_eq!(st, StatusCode::NOT_FOUND);
     g1.tokens.send_replace(true);
-    let mut original = Vec::new();
-    while let Some(ev) = first.next_event().await.unwrap() {
-        original.push((
-            ev.id.unwrap_or_default(),
-            ev.event.unwrap_or_default(),
-            serde_json::from_str::<Value>(&ev.data).unwrap(),
-        ));
-    }
-    let mut attached = Vec::new();
-    while let Some(ev) = retry.next_event().await.unwrap() {
-        attached.push((
-            ev.id.unwrap_or_default(),
-            ev.event.unwrap_or_default(),
-            serde_json::from_str::<Value>(&ev.data).unwrap(),
-        ));
-    }
+    let original = read_events(&mut first).await;
+    let attached = read_events(&mut retry).await;
     let end = &original.last().unwrap().2;
     assert!(
         original.len() > 2 && (end["state"] == "done" || end["state"] == "stopped"),
@@ -475,45 +377,17 @@ async fn a_retry_through_the_other_replica_attaches_then_replays() {
     let (st, replayed) = events(&r2.client(&key), &conv, &body).await;
     assert_eq!(st, StatusCode::OK);
     assert_eq!(replayed, original, "the replay must send the same events");
-    let mut resumed = r2
-        .client(&key)
-        .send(
-            Method::POST,
-            &path,
-            Some(body.to_string().into_bytes()),
-            &[("last-event-id", "1")],
-        )
-        .await
-        .unwrap();
-    let mut tail = Vec::new();
-    while let Some(ev) = resumed.next_event().await.unwrap() {
-        tail.push((
-            ev.id.unwrap_or_default(),
-            ev.event.unwrap_or_default(),
-            serde_json::from_str::<Value>(&ev.data).unwrap(),
-        ));
-    }
+    let mut resumed = post_turn(&r2.client(&key), &path, &body, &[("last-event-id", "1")]).await;
+    let tail = read_events(&mut resumed).await;
     assert_eq!(
         tail,
         original[2..].to_vec(),
         "resuming after event 1 sends the rest"
     );
-    let (st, v) = r2
-        .client(&key)
-        .json(
-            Method::POST,
-            &path,
-            Some(&turn_body("a1", "Hi! Who are you?", 24, false)),
-        )
-        .await
-        .unwrap();
+    let (st, v) = post_json(&r2.client(&key), &path, &turn_body("a1", "Hi! Who are you?", 24, false)).await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["reply"], end["reply"]);
-    let (st, v) = r2
-        .client(&bob)
-        .json(Method::POST, &path, Some(&body))
-        .await
-        .unwrap();
+    let (st, v) = post_json(&r2.client(&bob), &path, &body).await;
     assert_eq!(
         st,
         StatusCode::NOT_FOUND,
@@ -530,11 +404,7 @@ async fn a_retry_through_the_other_replica_attaches_then_replays() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_replicas_turn_is_taken_over_by_the_retry() {
-    let Some(model) = model_path() else { return };
-    let Some(pg) = pg::TempPostgres::start() else {
-        return;
-    };
-    let engine = engine(&model);
+    let Some((engine, pg)) = common::engine_and_postgres() else { return };
     let url = pg.url();
     let stale = ["--replica-dead-after", "3s"];
     // Replica 1 streams 40 tokens of the turn, then is held until it is killed.
@@ -545,16 +415,7 @@ async fn a_dead_replicas_turn_is_taken_over_by_the_retry() {
     let conv = new_conversation(&r1.client(&key)).await;
     let path = format!("/v1/conversations/{conv}/turns");
     let body = turn_body("a1", "Write a long poem about the sea.", 96, true);
-    let first = r1
-        .client(&key)
-        .send(
-            Method::POST,
-            &path,
-            Some(body.to_string().into_bytes()),
-            &[],
-        )
-        .await
-        .unwrap();
+    let first = post_turn(&r1.client(&key), &path, &body, &[]).await;
     assert_eq!(first.status, StatusCode::OK);
     // Wait until part of the reply is in the token log, then kill replica 1 mid-turn.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -576,11 +437,7 @@ async fn a_dead_replicas_turn_is_taken_over_by_the_retry() {
     let mut interrupted = 0;
     let result = loop {
         assert!(Instant::now() < deadline, "the turn was never taken over");
-        let (st, v) = r2
-            .client(&key)
-            .json(Method::POST, &path, Some(&retry))
-            .await
-            .unwrap();
+        let (st, v) = post_json(&r2.client(&key), &path, &retry).await;
         assert_eq!(st, StatusCode::OK, "{v}");
         match v["state"].as_str() {
             Some("failed") => {
@@ -600,15 +457,7 @@ async fn a_dead_replicas_turn_is_taken_over_by_the_retry() {
     assert_eq!(turns[0].reply_text, result["reply"].as_str().unwrap());
     assert_stored_once(&log_of(&store, &conv, "a1").await, &turns[0].reply_text);
     // And the conversation goes on through replica 2.
-    let (st, v) = r2
-        .client(&key)
-        .json(
-            Method::POST,
-            &path,
-            Some(&turn_body("a2", "Thanks!", 8, false)),
-        )
-        .await
-        .unwrap();
+    let (st, v) = post_json(&r2.client(&key), &path, &turn_body("a2", "Thanks!", 8, false)).await;
     assert_eq!(st, StatusCode::OK, "{v}");
     let turns = store.list_turns(&conv).await.unwrap();
     let mut expect = turns[0].prompt_ids.clone();

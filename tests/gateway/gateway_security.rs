@@ -117,15 +117,7 @@ async fn two_thousand_half_open_connections_do_not_stop_a_real_request() {
     let took = started.elapsed();
     assert_eq!(r.status(), 200);
     assert!(took < Duration::from_secs(1), "a real request took {took:?} behind 2,000 half-open connections");
-    let metrics = reqwest::Client::new()
-        .get(format!("{}/metrics", server.base))
-        .bearer_auth(ADMIN_KEY)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = crate::common::text_of(reqwest::Client::new().get(format!("{}/metrics", server.base)).bearer_auth(ADMIN_KEY)).await;
     let refused = metrics
         .lines()
         .find(|l| l.starts_with("baton_gateway_connections_refused_total{reason=\"max_per_address\"}"))

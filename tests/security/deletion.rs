@@ -10,7 +10,7 @@
 //! before the coordinator admits it again.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use baton_proto::coordinator as cpb;
@@ -43,17 +43,10 @@ pub(crate) fn baton(args: &[&str]) -> String {
 pub(crate) fn start_gateway(db: &Path, model: &Path, coordinator: &str, certs_dir: &str, extra: &[&str]) -> (Gateway, String, String) {
     let free = || format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
     let (addr, admin) = (free(), free());
-    let child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["gateway", "--listen", &addr, "--admin-listen", &admin, "--coordinator", coordinator, "--certs-dir", certs_dir])
+    let child = gateway_command(&["--listen", &addr, "--admin-listen", &admin], coordinator, certs_dir, db, model)
         .args(["--evict-retry-min", "200ms", "--evict-retry-max", "1s"])
         .args(extra)
-        .arg("--db")
-        .arg(db)
-        .arg("--model")
-        .arg(model)
         .env("BATON_LOG", std::env::var("BATON_LOG").unwrap_or_else(|_| "warn".into()))
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
     let g = Gateway(child);

@@ -16,7 +16,9 @@
 pub mod chat_template;
 pub mod error;
 pub mod gguf;
+pub mod model_cache;
 pub mod output;
+pub mod rng;
 pub mod sampling;
 pub mod spm_tokenizer;
 pub mod tokenizer;

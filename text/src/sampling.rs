@@ -18,6 +18,8 @@ use std::ops::Deref;
 
 use serde::{Deserialize, Serialize};
 
+use crate::rng::{unit_f64, Xoshiro256};
+
 /// Largest accepted temperature (as OpenAI).
 pub const MAX_TEMPERATURE: f32 = 2.0;
 /// Largest accepted `top_logprobs` (as OpenAI).
@@ -188,47 +190,20 @@ impl ValidSamplingParams {
 /// xoshiro256** seeded through splitmix64: small, fast, statistically strong, and
 /// fully specified, so a seed means the same stream on every platform and release.
 #[derive(Debug, Clone)]
-struct Rng {
-    s: [u64; 4],
-}
-
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+struct Rng(Xoshiro256);
 
 impl Rng {
     fn new(seed: u64) -> Self {
-        let mut st = seed;
-        Self {
-            s: [
-                splitmix64(&mut st),
-                splitmix64(&mut st),
-                splitmix64(&mut st),
-                splitmix64(&mut st),
-            ],
-        }
+        Self(Xoshiro256::seed_from_u64(seed))
     }
 
     fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
+        self.0.next_star_star()
     }
 
     /// Uniform in `[0, 1)` with 53 random bits.
     fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        unit_f64(self.next_u64())
     }
 }
 

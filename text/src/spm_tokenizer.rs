@@ -29,7 +29,7 @@ use std::collections::BinaryHeap;
 use aho_corasick::{AhoCorasick, AhoCorasickKind};
 
 use crate::gguf::GgufFile;
-use crate::tokenizer::TokenizerError;
+use crate::tokenizer::{special_token_id, TokenizerError};
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
 const TYPE_NORMAL: i32 = 1;
@@ -356,30 +356,13 @@ pub(crate) fn from_gguf(f: &GgufFile) -> Result<SpmParts, TokenizerError> {
             control[i] = true;
         }
     }
-    let id = |key: &'static str, default: Option<u32>| -> Result<Option<u32>, TokenizerError> {
-        match f.get(key) {
-            // llama.cpp drops a default that is outside the vocabulary.
-            None => Ok(default.filter(|&d| (d as usize) < n)),
-            Some(_) => {
-                let id = f.get_u32(key)?;
-                if id as usize >= n {
-                    return Err(TokenizerError::TokenIdOutOfRange {
-                        what: key,
-                        id,
-                        vocab_size: n,
-                    });
-                }
-                Ok(Some(id))
-            }
-        }
-    };
-    let bos = id("tokenizer.ggml.bos_token_id", Some(1))?;
-    let eos = id("tokenizer.ggml.eos_token_id", Some(2))?;
+    let bos = special_token_id(f, "tokenizer.ggml.bos_token_id", n, Some(1))?;
+    let eos = special_token_id(f, "tokenizer.ggml.eos_token_id", n, Some(2))?;
     let mut eog: Vec<u32> = (0..n as u32)
         .filter(|&i| EOG_TEXTS.contains(&tokens[i as usize].as_str()))
         .collect();
     for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
-        eog.extend(id(key, None)?);
+        eog.extend(special_token_id(f, key, n, None)?);
     }
     eog.extend(eos);
     eog.sort_unstable();

@@ -138,10 +138,9 @@ enum Encoder {
     Spm(SpmVocab),
 }
 
-/// A byte-level BPE or SentencePiece tokenizer. Cheap to share behind an
-/// `Arc`; all methods take `&self`.
-pub struct Tokenizer {
-    encoder: Encoder,
+/// What every vocabulary kind gives the [`Tokenizer`], whichever file it came from:
+/// per-ID spelling, bytes and special flag, and the BOS/EOS settings.
+struct Vocabulary {
     /// Vocabulary spelling per ID ("" for IDs with no token).
     tokens: Vec<String>,
     /// Bytes each ID decodes to.
@@ -150,6 +149,13 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+}
+
+/// A byte-level BPE or SentencePiece tokenizer. Cheap to share behind an
+/// `Arc`; all methods take `&self`.
+pub struct Tokenizer {
+    encoder: Encoder,
+    vocab: Vocabulary,
     pre: String,
     /// Tokens that end a generation (sorted): EOS, and for SentencePiece
     /// vocabularies also llama.cpp's other end-of-generation tokens.
@@ -162,11 +168,11 @@ pub struct Tokenizer {
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tokenizer")
-            .field("vocab_size", &self.tokens.len())
+            .field("vocab_size", &self.vocab.tokens.len())
             .field("pre", &self.pre)
-            .field("bos", &self.bos)
-            .field("eos", &self.eos)
-            .field("add_bos", &self.add_bos)
+            .field("bos", &self.vocab.bos)
+            .field("eos", &self.vocab.eos)
+            .field("add_bos", &self.vocab.add_bos)
             .field("model", &self.model())
             .finish()
     }
@@ -252,6 +258,25 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
     })
 }
 
+/// The token ID stored under `key` (BOS, EOS, ...), checked against the vocabulary's
+/// `vocab_size`; when the key is absent, `default` if it is inside the vocabulary (as
+/// llama.cpp drops a default outside it). Both vocabulary kinds read their IDs here.
+pub(crate) fn special_token_id(
+    f: &GgufFile,
+    key: &'static str,
+    vocab_size: usize,
+    default: Option<u32>,
+) -> Result<Option<u32>, TokenizerError> {
+    if f.get(key).is_none() {
+        return Ok(default.filter(|&d| (d as usize) < vocab_size));
+    }
+    let id = f.get_u32(key)?;
+    if id as usize >= vocab_size {
+        return Err(TokenizerError::TokenIdOutOfRange { what: key, id, vocab_size });
+    }
+    Ok(Some(id))
+}
+
 impl Tokenizer {
     /// Builds the tokenizer from `tokenizer.ggml.*` metadata.
     pub fn from_gguf(f: &GgufFile) -> Result<Self, TokenizerError> {
@@ -297,24 +322,8 @@ impl Tokenizer {
                 }),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let id = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
-            match f.get(key) {
-                None => Ok(None),
-                Some(_) => {
-                    let id = f.get_u32(key)?;
-                    if id as usize >= n {
-                        return Err(TokenizerError::TokenIdOutOfRange {
-                            what: key,
-                            id,
-                            vocab_size: n,
-                        });
-                    }
-                    Ok(Some(id))
-                }
-            }
-        };
-        let bos = id("tokenizer.ggml.bos_token_id")?;
-        let eos = id("tokenizer.ggml.eos_token_id")?;
+        let bos = special_token_id(f, "tokenizer.ggml.bos_token_id", n, None)?;
+        let eos = special_token_id(f, "tokenizer.ggml.eos_token_id", n, None)?;
         let add_bos = match f.get("tokenizer.ggml.add_bos_token") {
             Some(_) => f.get_bool("tokenizer.ggml.add_bos_token")?,
             None => false,
@@ -361,29 +370,11 @@ impl Tokenizer {
             .collect();
         let special = types.iter().map(|&t| is_special(t)).collect();
         let tokens = tokens.into_iter().map(str::to_string).collect();
-        Ok(Self::assemble(
-            inner,
-            tokens,
-            pieces,
-            special,
-            bos,
-            eos,
-            add_bos,
-            pre.to_string(),
-        ))
+        let vocab = Vocabulary { tokens, pieces, special, bos, eos, add_bos };
+        Ok(Self::assemble(inner, vocab, pre.to_string()))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn assemble(
-        inner: tokenizers::Tokenizer,
-        tokens: Vec<String>,
-        pieces: Vec<Vec<u8>>,
-        special: Vec<bool>,
-        bos: Option<u32>,
-        eos: Option<u32>,
-        add_bos: bool,
-        pre: String,
-    ) -> Self {
+    fn assemble(inner: tokenizers::Tokenizer, vocab: Vocabulary, pre: String) -> Self {
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
         let mut with_special = inner;
@@ -393,14 +384,9 @@ impl Tokenizer {
                 with_special,
                 plain,
             },
-            tokens,
-            pieces,
-            special,
-            bos,
-            eos,
-            add_bos,
+            eog: vocab.eos.into_iter().collect(),
+            vocab,
             pre,
-            eog: eos.into_iter().collect(),
             strip_first_space: false,
         }
     }
@@ -409,12 +395,14 @@ impl Tokenizer {
         Tokenizer {
             strip_first_space: p.vocab.add_space_prefix(),
             encoder: Encoder::Spm(p.vocab),
-            tokens: p.tokens,
-            pieces: p.pieces,
-            special: p.special,
-            bos: p.bos,
-            eos: p.eos,
-            add_bos: p.add_bos,
+            vocab: Vocabulary {
+                tokens: p.tokens,
+                pieces: p.pieces,
+                special: p.special,
+                bos: p.bos,
+                eos: p.eos,
+                add_bos: p.add_bos,
+            },
             eog: p.eog,
             // llama.cpp ignores `tokenizer.ggml.pre` for SentencePiece.
             pre: "spm".into(),
@@ -499,16 +487,8 @@ impl Tokenizer {
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false);
         }
-        Ok(Self::assemble(
-            inner,
-            tokens,
-            pieces,
-            special,
-            bos,
-            eos,
-            add_bos,
-            "tokenizer.json".into(),
-        ))
+        let vocab = Vocabulary { tokens, pieces, special, bos, eos, add_bos };
+        Ok(Self::assemble(inner, vocab, "tokenizer.json".into()))
     }
 
     /// The tokenizer as a Hugging Face `tokenizer.json` document.
@@ -567,10 +547,10 @@ impl Tokenizer {
 
     fn piece(&self, id: u32, with_special: bool) -> Option<&[u8]> {
         let i = id as usize;
-        if !with_special && self.special.get(i).copied().unwrap_or(false) {
+        if !with_special && self.vocab.special.get(i).copied().unwrap_or(false) {
             return None;
         }
-        self.pieces.get(i).map(Vec::as_slice)
+        self.vocab.pieces.get(i).map(Vec::as_slice)
     }
 
     /// The bytes `id` decodes to (a special token's text), `None` if out of range.
@@ -580,13 +560,13 @@ impl Tokenizer {
 
     /// Borrowed form of [`Self::token_bytes`].
     pub fn token_piece(&self, id: u32) -> Option<&[u8]> {
-        self.pieces.get(id as usize).map(Vec::as_slice)
+        self.vocab.pieces.get(id as usize).map(Vec::as_slice)
     }
 
     /// The vocabulary's spelling of `id` (byte-level, e.g. `"Ġthe"`, or a
     /// special token's text), `None` if out of range.
     pub fn token_text(&self, id: u32) -> Option<&str> {
-        self.tokens.get(id as usize).map(String::as_str)
+        self.vocab.tokens.get(id as usize).map(String::as_str)
     }
 
     /// The ID whose vocabulary spelling is `token` (e.g. `"<|im_end|>"`, `"Ġthe"`).
@@ -608,17 +588,17 @@ impl Tokenizer {
 
     /// Number of token IDs (including special tokens).
     pub fn vocab_size(&self) -> usize {
-        self.tokens.len()
+        self.vocab.tokens.len()
     }
 
     /// Beginning-of-sequence token, if the model has one.
     pub fn bos_id(&self) -> Option<u32> {
-        self.bos
+        self.vocab.bos
     }
 
     /// End-of-sequence token, if the model has one.
     pub fn eos_id(&self) -> Option<u32> {
-        self.eos
+        self.vocab.eos
     }
 
     /// Whether generating `id` ends the reply: EOS, or (SentencePiece) any
@@ -629,12 +609,12 @@ impl Tokenizer {
 
     /// Whether prompts should start with BOS (`tokenizer.ggml.add_bos_token`).
     pub fn add_bos(&self) -> bool {
-        self.add_bos
+        self.vocab.add_bos
     }
 
     /// Whether `id` is a special (control) token, skipped in chat output.
     pub fn is_special(&self, id: u32) -> bool {
-        self.special.get(id as usize).copied().unwrap_or(false)
+        self.vocab.special.get(id as usize).copied().unwrap_or(false)
     }
 
     /// The pre-tokenizer name this tokenizer was built for (`"spm"` for a

@@ -4,15 +4,17 @@
 
 use super::*;
 
-fn turn(conv: &str, id: &str, seq: i64, hash: &str) -> Turn {
+/// A turn streaming at place 0 of `conv`: the fixture every store test starts from
+/// (this suite's turns and the PostgreSQL tests' turns), changed with struct update.
+pub fn streaming_turn(conv: &str, id: &str) -> Turn {
     Turn {
         conversation: conv.into(),
         turn_id: id.into(),
-        seq,
-        request_hash: hash.into(),
-        user_text: format!("message {seq}"),
+        seq: 0,
+        request_hash: "h".into(),
+        user_text: "hi".into(),
         reply_text: String::new(),
-        prompt_ids: vec![1, 2, 3, seq as u32],
+        prompt_ids: vec![1, 2, 3],
         output_ids: vec![],
         system_prompt_version: 1,
         state: TurnState::Streaming,
@@ -24,8 +26,32 @@ fn turn(conv: &str, id: &str, seq: i64, hash: &str) -> Turn {
     }
 }
 
-fn conv(id: &str, owner: &str, at: i64) -> Conversation {
+fn turn(conv: &str, id: &str, seq: i64, hash: &str) -> Turn {
+    Turn {
+        seq,
+        request_hash: hash.into(),
+        user_text: format!("message {seq}"),
+        prompt_ids: vec![1, 2, 3, seq as u32],
+        ..streaming_turn(conv, id)
+    }
+}
+
+/// A conversation of `owner`, created and last updated at `at` (Unix seconds).
+pub fn conv(id: &str, owner: &str, at: i64) -> Conversation {
     Conversation { id: id.into(), owner: owner.into(), title: "t".into(), system_prompt_version: 1, created_at: at, updated_at: at, summary: None }
+}
+
+/// How the suite ends a turn it no longer needs streaming: done, one token.
+fn done() -> TurnEnd {
+    TurnEnd {
+        state: TurnState::Done,
+        reply_text: "r".into(),
+        output_ids: vec![1],
+        finish_reason: "stop".into(),
+        prompt_tokens: 1,
+        cached_tokens: 0,
+        completion_tokens: 1,
+    }
 }
 
 /// Runs every check against a fresh (empty) store.
@@ -153,15 +179,7 @@ async fn one_turn_admitted_at_a_time(s: &dyn ConversationStore) {
     assert!(matches!(s.begin_turn(&turn("c-adm", "t2", 1, "h")).await.unwrap(), BeginTurn::Busy));
     // Another conversation is not affected.
     assert!(matches!(s.begin_turn(&turn("c-adm2", "t2", 0, "h")).await.unwrap(), BeginTurn::Created));
-    let done = TurnEnd {
-        state: TurnState::Done,
-        reply_text: "r".into(),
-        output_ids: vec![1],
-        finish_reason: "stop".into(),
-        prompt_tokens: 1,
-        cached_tokens: 0,
-        completion_tokens: 1,
-    };
+    let done = done();
     s.finish_turn("c-adm", "t1", &done).await.unwrap();
     // Built on a view from before t1 (the same place): refused, never a fork.
     assert!(matches!(s.begin_turn(&turn("c-adm", "t2", 0, "h")).await.unwrap(), BeginTurn::Busy));
@@ -182,15 +200,7 @@ async fn delete_leaves_no_row(s: &dyn ConversationStore) {
     assert!(s.list_turns("c-del").await.unwrap().is_empty(), "turns must go with the conversation");
     assert!(s.read_log("c-del", "t1", 0).await.unwrap().is_empty(), "the token log must go with the conversation");
     // Finishing a turn of a deleted conversation stores nothing.
-    let end = TurnEnd {
-        state: TurnState::Done,
-        reply_text: "r".into(),
-        output_ids: vec![1],
-        finish_reason: "stop".into(),
-        prompt_tokens: 1,
-        cached_tokens: 0,
-        completion_tokens: 1,
-    };
+    let end = done();
     s.finish_turn("c-del", "t1", &end).await.unwrap();
     assert!(s.get_turn("c-del", "t1").await.unwrap().is_none());
 }

@@ -15,22 +15,28 @@ use std::path::PathBuf;
 /// does: `BATON_MODEL` (used as given), else `BATON_MODEL_CACHE`, `XDG_CACHE_HOME/baton/models`
 /// or `~/.cache/baton/models`.
 pub fn model_path() -> Option<PathBuf> {
-    // A model named explicitly must exist: a wrong path fails the test.
-    if let Some(p) = std::env::var_os("BATON_MODEL") {
+    cached_model("BATON_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf", "model", "scripts/fetch-model.sh")
+}
+
+/// Gemma 3 270M: `BATON_GEMMA_MODEL`, else the model cache (as
+/// scripts/fetch-model.sh gemma3 leaves it); `None` (skipped) when absent.
+pub fn gemma_path() -> Option<PathBuf> {
+    cached_model("BATON_GEMMA_MODEL", "gemma-3-270m-q4_k_m.gguf", "Gemma 3", "scripts/fetch-model.sh gemma3")
+}
+
+/// A model file: the path in `env_var` (used as given: a wrong path fails the test),
+/// else `file` in the model cache, found as scripts/fetch-model.sh puts it
+/// (`BATON_MODEL_CACHE`, `XDG_CACHE_HOME/baton/models` or `~/.cache/baton/models`).
+/// `None` when absent, saying that `what` is skipped and that `fetch` fetches it.
+fn cached_model(env_var: &str, file: &str, what: &str, fetch: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var) {
         return Some(PathBuf::from(p));
     }
-    let p = None.or_else(|| {
-        let cache = std::env::var_os("BATON_MODEL_CACHE").map(PathBuf::from).or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME")
-                .map(|x| PathBuf::from(x).join("baton/models"))
-                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/baton/models")))
-        })?;
-        Some(cache.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
-    })?;
+    let p = baton_text::model_cache::model_cache_dir()?.join(file);
     if p.exists() {
         Some(p)
     } else {
-        eprintln!("skipped: model not found at {}; run scripts/fetch-model.sh", p.display());
+        eprintln!("skipped: {what} not found at {}; run {fetch}", p.display());
         None
     }
 }
@@ -137,4 +143,38 @@ pub fn pearson(a: &[f32], b: &[f32]) -> f64 {
         sbb += dy * dy;
     }
     sab / (saa.sqrt() * sbb.sqrt())
+}
+
+/// What a prefill engine hands over: the first token and the tail's blocks.
+pub struct Prefilled {
+    pub first: baton_engine::ImportedToken,
+    pub export: baton_engine::KvExport,
+}
+
+impl Prefilled {
+    /// The import a decode node builds from the handover.
+    pub fn into_import(self) -> baton_engine::KvImport {
+        baton_engine::KvImport { start_block: self.export.start_block, blocks: self.export.blocks, first_token: Some(self.first) }
+    }
+}
+
+/// Prefills `req` (one token) on `engine`, optionally over a `pulled` prefix, and
+/// exports its blocks from `from_block`: what a prefill node does for a turn.
+pub fn prefill(engine: &Engine, mut req: Request, from_block: usize, pulled: Option<baton_engine::KvImport>) -> Prefilled {
+    use baton_engine::{ImportedToken, SubmitOptions};
+    let mut p = req.sampling.clone().into_inner();
+    p.max_tokens = 1;
+    req.sampling = p.validate().unwrap();
+    let sub = engine.submit_with(req, SubmitOptions { import: pulled, export_from_block: Some(from_block) }).unwrap();
+    let mut stream = sub.stream;
+    let mut first = None;
+    loop {
+        match stream.blocking_next().expect("final event") {
+            Event::Token(t) => first = Some(ImportedToken { id: t.id, logprob: t.logprob.unwrap_or(0.0), top_logprobs: t.top_logprobs }),
+            Event::Finished { .. } => break,
+            Event::Failed(e) => panic!("prefill failed: {e}"),
+        }
+    }
+    let export = sub.export.unwrap().blocking_recv().expect("export sent");
+    Prefilled { first: first.expect("a first token"), export }
 }

@@ -13,19 +13,7 @@ fn byte(seed: &mut u64) -> u8 {
 }
 
 /// The formats with an integer kernel (every ISA path).
-const KERNEL_FORMATS: [WeightFormat; 11] = [
-    WeightFormat::Q4_0,
-    WeightFormat::Q4_1,
-    WeightFormat::Q5_0,
-    WeightFormat::Q5_1,
-    WeightFormat::Q8_0,
-    WeightFormat::IQ4_NL,
-    WeightFormat::Q2_K,
-    WeightFormat::Q3_K,
-    WeightFormat::Q4_K,
-    WeightFormat::Q5_K,
-    WeightFormat::Q6_K,
-];
+const KERNEL_FORMATS: [WeightFormat; 11] = WeightFormat::INTEGER_KERNEL;
 
 /// Offsets of a block's f16 factors (`d`, then `dmin` or `m`) per format.
 fn f16_fields(format: WeightFormat) -> &'static [usize] {

@@ -31,3 +31,9 @@ pub fn scattered_tables(lens: &[usize], blocks: usize, stride: u32) -> Vec<Vec<u
 pub fn slots_of(table: &[u32], len: usize) -> Vec<(u32, u32)> {
     (0..len).map(|p| (table[p / 16], (p % 16) as u32)).collect()
 }
+
+/// Keys, values and slots of sequence `s` of `len` tokens over `table`: the data every
+/// suite writes into a KV arena (keys from seed `100 + s`, values from `200 + s`).
+pub fn sequence_kv(s: usize, len: usize, table: &[u32], token_elems: usize) -> (Vec<f32>, Vec<f32>, Vec<(u32, u32)>) {
+    (values(len * token_elems, 100 + s as u64), values(len * token_elems, 200 + s as u64), slots_of(table, len))
+}

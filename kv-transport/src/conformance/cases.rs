@@ -3,14 +3,18 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 use super::{Kind, Rig};
 use crate::error::{Error, Side};
-use crate::pool::BlockSink;
+use crate::handoff::{Grant, KvSender, Reservation, Transfer};
+use crate::pool::{ArenaPool, BlockSink};
+use crate::transport::Peer;
 use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
 use crate::transport::Link;
-use crate::types::{Epoch, KvDtype, KvLayout, ReservationId};
+use crate::types::{BlockId, Epoch, KvDtype, KvLayout, ReservationId};
 
 /// 1 KiB per block-layer: many blocks per frame, several frames per layer.
 const SMALL: KvLayout = KvLayout {
@@ -36,6 +40,37 @@ fn kind_of<T: std::fmt::Debug>(r: crate::Result<T>) -> &'static str {
         Ok(v) => panic!("expected an error, got {v:?}"),
         Err(e) => e.label(),
     }
+}
+
+/// Opens a transfer of `src` into `res` over the rig's link (no layer sent yet).
+async fn start(rig: &Rig, res: &Reservation, src: &[BlockId]) -> Transfer {
+    rig.sender
+        .start(&rig.peer, res.grant(), rig.src.clone(), src.to_vec())
+        .await
+        .unwrap()
+}
+
+/// Sends layer 0 and waits until the receiver has installed it, so the transfer is
+/// known to be under way when a case then breaks it.
+async fn first_layer_landed(t: &mut Transfer, res: &mut Reservation) {
+    t.send_layer(0).await.unwrap();
+    within(Duration::from_secs(5), res.wait_ready_layers(1))
+        .await
+        .unwrap();
+}
+
+/// Sends every layer after the first and finishes: the rest of a transfer that
+/// [`first_layer_landed`] began.
+async fn send_rest(mut t: Transfer) -> crate::Result<()> {
+    for layer in 1..SMALL.layers {
+        t.send_layer(layer).await?;
+    }
+    t.finish().await
+}
+
+/// Owned copies of what [`KvSender::start`] takes, for a transfer run in its own task.
+fn owned_send_parts(rig: &Rig, res: &Reservation, src: &[BlockId]) -> (KvSender, Peer, Grant, Arc<ArenaPool>, Vec<BlockId>) {
+    (rig.sender.clone(), rig.peer.clone(), res.grant().clone(), rig.src.clone(), src.to_vec())
 }
 
 pub async fn round_trip_bit_exact(kind: Kind) {
@@ -81,11 +116,7 @@ pub async fn layer_by_layer_arrival(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let src = rig.source_blocks(70, 1);
     let mut res = rig.receiver.reserve(70, LONG).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
     for layer in 0..SMALL.layers {
         assert_eq!(res.ready_layers(), layer);
         t.send_layer(layer).await.unwrap();
@@ -105,11 +136,7 @@ pub async fn partial_layer_range(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let src = rig.source_blocks(5, 2);
     let mut res = rig.receiver.reserve_layers(5, 1..3, LONG).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
     assert_eq!(kind_of(t.send_layer(0).await), "out_of_range");
     t.send_layer(2).await.unwrap();
     t.send_layer(1).await.unwrap();
@@ -134,11 +161,7 @@ pub async fn corrupted_payload_is_detected_and_not_installed(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let src = rig.source_blocks(8, 3);
     let mut res = rig.receiver.reserve(8, LONG).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
     t.send_layer(0).await.unwrap();
     within(Duration::from_secs(10), res.wait_ready_layers(1))
         .await
@@ -221,11 +244,7 @@ pub async fn silent_sender_is_released_at_deadline(kind: Kind) {
     let deadline = Duration::from_millis(500);
     let res = rig.receiver.reserve(6, Some(deadline)).unwrap();
     let started = Instant::now();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
     t.send_layer(0).await.unwrap();
     // The sender now stalls (a hung prefill node): the receiver's timer must act.
     let r = within(deadline + SLACK, res.finished()).await;
@@ -244,15 +263,8 @@ pub async fn sender_dropped_mid_transfer_releases(kind: Kind) {
     let src = rig.source_blocks(6, 7);
     let deadline = Duration::from_secs(10);
     let mut res = rig.receiver.reserve(6, Some(deadline)).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
-    t.send_layer(0).await.unwrap();
-    within(Duration::from_secs(5), res.wait_ready_layers(1))
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
+    first_layer_landed(&mut t, &mut res).await;
     let dropped = Instant::now();
     drop(t);
     let r = within(deadline, res.finished()).await;
@@ -267,13 +279,7 @@ pub async fn sender_task_aborted_mid_transfer_releases(kind: Kind) {
     let src = rig.source_blocks(6, 8);
     let deadline = Duration::from_secs(3);
     let mut res = rig.receiver.reserve(6, Some(deadline)).unwrap();
-    let (sender, peer, grant, source, blocks) = (
-        rig.sender.clone(),
-        rig.peer.clone(),
-        res.grant().clone(),
-        rig.src.clone(),
-        src.clone(),
-    );
+    let (sender, peer, grant, source, blocks) = owned_send_parts(&rig, &res, &src);
     let task = tokio::spawn(async move {
         let mut t = sender.start(&peer, &grant, source, blocks).await.unwrap();
         t.send_layer(0).await.unwrap();
@@ -294,26 +300,13 @@ pub async fn receiver_gone_sender_fails_within_deadline(kind: Kind) {
     let deadline = Duration::from_secs(2);
     let mut res = rig.receiver.reserve(6, Some(deadline)).unwrap();
     let started = Instant::now();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
-    t.send_layer(0).await.unwrap();
-    within(Duration::from_secs(5), res.wait_ready_layers(1))
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
+    first_layer_landed(&mut t, &mut res).await;
     rig.listener.shutdown();
     // The receiver's side of the link dies with the listener and releases the reservation
     // (listener shutdown is asynchronous for some transports: wait for it to land).
     assert!(within(deadline + SLACK, res.finished()).await.is_err());
-    let r = within(deadline + SLACK, async {
-        for layer in 1..SMALL.layers {
-            t.send_layer(layer).await?;
-        }
-        t.finish().await
-    })
-    .await;
+    let r = within(deadline + SLACK, send_rest(t)).await;
     assert!(r.is_err(), "{r:?}");
     assert!(started.elapsed() < deadline + SLACK);
     rig.finish(&src, &[]);
@@ -342,25 +335,12 @@ pub async fn cancel_from_receiver(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let src = rig.source_blocks(6, 11);
     let mut res = rig.receiver.reserve(6, LONG).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
-    t.send_layer(0).await.unwrap();
-    within(Duration::from_secs(5), res.wait_ready_layers(1))
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
+    first_layer_landed(&mut t, &mut res).await;
     res.cancel();
     // Released at once, not when the sender notices.
     rig.assert_receiver_restored();
-    let r = within(Duration::from_secs(5), async {
-        for layer in 1..SMALL.layers {
-            t.send_layer(layer).await?;
-        }
-        t.finish().await
-    })
-    .await;
+    let r = within(Duration::from_secs(5), send_rest(t)).await;
     assert!(
         matches!(r, Err(Error::Cancelled { by: Side::Receiver, .. })),
         "{r:?}"
@@ -372,15 +352,8 @@ pub async fn cancel_from_sender(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let src = rig.source_blocks(6, 12);
     let mut res = rig.receiver.reserve(6, LONG).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
-    t.send_layer(0).await.unwrap();
-    within(Duration::from_secs(5), res.wait_ready_layers(1))
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
+    first_layer_landed(&mut t, &mut res).await;
     t.cancel().await;
     let r = within(Duration::from_secs(5), res.finished()).await;
     assert!(
@@ -394,11 +367,7 @@ pub async fn incomplete_transfer_is_rejected(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let src = rig.source_blocks(3, 13);
     let res = rig.receiver.reserve(3, LONG).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
+    let mut t = start(&rig, &res, &src).await;
     t.send_layer(0).await.unwrap();
     assert_eq!(kind_of(t.finish().await), "incomplete");
     assert_eq!(kind_of(res.finished().await), "incomplete");
@@ -479,23 +448,12 @@ pub async fn hostile_frames_are_rejected(kind: Kind) {
 
     // A second link for a reservation that already has one is refused, the first goes on.
     let src = rig.source_blocks(4, 14);
-    let res = rig.receiver.reserve(4, LONG).unwrap();
-    let mut t = rig
-        .sender
-        .start(&rig.peer, res.grant(), rig.src.clone(), src.clone())
-        .await
-        .unwrap();
-    t.send_layer(0).await.unwrap();
-    let mut res = res;
-    within(Duration::from_secs(5), res.wait_ready_layers(1))
-        .await
-        .unwrap();
+    let mut res = rig.receiver.reserve(4, LONG).unwrap();
+    let mut t = start(&rig, &res, &src).await;
+    first_layer_landed(&mut t, &mut res).await;
     let reply = raw_exchange(&rig, vec![open(&res), data(&res, 1, 0, 1, bl)]).await;
     assert_eq!(failure_kind(reply), "already_attached");
-    for layer in 1..SMALL.layers {
-        t.send_layer(layer).await.unwrap();
-    }
-    t.finish().await.unwrap();
+    send_rest(t).await.unwrap();
     let dst = res.finished().await.unwrap();
     rig.assert_same(&src, &dst);
     rig.finish(&src, &dst);
@@ -508,13 +466,7 @@ pub async fn concurrent_transfers_are_isolated(kind: Kind) {
     for (i, &n) in sizes.iter().enumerate() {
         let src = rig.source_blocks(n, 100 + i as u64);
         let res = rig.receiver.reserve(n, LONG).unwrap();
-        let (sender, peer, grant, source, blocks) = (
-            rig.sender.clone(),
-            rig.peer.clone(),
-            res.grant().clone(),
-            rig.src.clone(),
-            src.clone(),
-        );
+        let (sender, peer, grant, source, blocks) = owned_send_parts(&rig, &res, &src);
         let job = tokio::spawn(async move { sender.send(&peer, &grant, source, blocks).await });
         jobs.push((src, res, job));
     }

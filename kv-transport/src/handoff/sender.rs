@@ -99,85 +99,79 @@ impl KvSender {
         source: Arc<dyn BlockSource>,
         src_blocks: Vec<BlockId>,
     ) -> Result<Transfer> {
-        let r = self.start_inner(peer, grant, source, src_blocks).await;
-        if let Err(e) = &r {
+        // One place records why a start failed, whichever step failed.
+        let opened: Result<Transfer> = async {
+            let reservation = grant.reservation;
+            if source.layout() != grant.layout {
+                return Err(Error::LayoutMismatch {
+                    reservation,
+                    what: "source layout",
+                });
+            }
+            if src_blocks.len() != grant.blocks.len() {
+                return Err(Error::LayoutMismatch {
+                    reservation,
+                    what: "block count",
+                });
+            }
+            let started = Instant::now();
+            let deadline = tokio::time::Instant::from_std(grant.deadline_at());
+            let link = match tokio::time::timeout_at(deadline, self.connector.open(peer)).await {
+                Ok(link) => link?,
+                Err(_) => {
+                    return Err(Error::DeadlineExceeded {
+                        reservation,
+                        deadline: grant.deadline,
+                        during: "connecting",
+                    })
+                }
+            };
+            let (remote_tx, remote_rx) = watch::channel(Remote::Pending);
+            let mut rx = link.rx;
+            let reader = tokio::spawn(async move {
+                let state = match rx.recv().await {
+                    Ok(Some(f)) if f.verify() => match f.header.kind {
+                        FrameKind::Completed => Remote::Completed,
+                        FrameKind::Failed => Remote::Failed(f.failure()),
+                        _ => Remote::Gone,
+                    },
+                    Ok(Some(_)) | Ok(None) | Err(_) => Remote::Gone,
+                };
+                let _ = remote_tx.send(state);
+                // Keep the receive half open until the transfer ends, so the peer's last
+                // frames are not answered with a reset.
+                while let Ok(Some(_)) = rx.recv().await {}
+            });
+            let bl = grant.layout.bytes_per_block_layer();
+            let mut t = Transfer {
+                grant: grant.clone(),
+                src_blocks,
+                source,
+                tx: link.tx,
+                remote: remote_rx,
+                reader,
+                stats: self.stats.clone(),
+                frame_blocks: (self.config.frame_bytes / bl).max(1),
+                sent_layers: vec![false; grant.layout.layers as usize],
+                started,
+                #[cfg(test)]
+                corrupt_layer: None,
+            };
+            let open = Frame::open(
+                reservation,
+                grant.epoch,
+                &grant.layout,
+                grant.layers.clone(),
+                grant.blocks.len() as u32,
+            );
+            t.send_frame(open, "opening").await?;
+            Ok(t)
+        }
+        .await;
+        if let Err(e) = &opened {
             self.stats.record_failure(e);
         }
-        r
-    }
-
-    async fn start_inner(
-        &self,
-        peer: &Peer,
-        grant: &Grant,
-        source: Arc<dyn BlockSource>,
-        src_blocks: Vec<BlockId>,
-    ) -> Result<Transfer> {
-        let reservation = grant.reservation;
-        if source.layout() != grant.layout {
-            return Err(Error::LayoutMismatch {
-                reservation,
-                what: "source layout",
-            });
-        }
-        if src_blocks.len() != grant.blocks.len() {
-            return Err(Error::LayoutMismatch {
-                reservation,
-                what: "block count",
-            });
-        }
-        let started = Instant::now();
-        let deadline = tokio::time::Instant::from_std(grant.deadline_at());
-        let link = match tokio::time::timeout_at(deadline, self.connector.open(peer)).await {
-            Ok(link) => link?,
-            Err(_) => {
-                return Err(Error::DeadlineExceeded {
-                    reservation,
-                    deadline: grant.deadline,
-                    during: "connecting",
-                })
-            }
-        };
-        let (remote_tx, remote_rx) = watch::channel(Remote::Pending);
-        let mut rx = link.rx;
-        let reader = tokio::spawn(async move {
-            let state = match rx.recv().await {
-                Ok(Some(f)) if f.verify() => match f.header.kind {
-                    FrameKind::Completed => Remote::Completed,
-                    FrameKind::Failed => Remote::Failed(f.failure()),
-                    _ => Remote::Gone,
-                },
-                Ok(Some(_)) | Ok(None) | Err(_) => Remote::Gone,
-            };
-            let _ = remote_tx.send(state);
-            // Keep the receive half open until the transfer ends, so the peer's last
-            // frames are not answered with a reset.
-            while let Ok(Some(_)) = rx.recv().await {}
-        });
-        let bl = grant.layout.bytes_per_block_layer();
-        let mut t = Transfer {
-            grant: grant.clone(),
-            src_blocks,
-            source,
-            tx: link.tx,
-            remote: remote_rx,
-            reader,
-            stats: self.stats.clone(),
-            frame_blocks: (self.config.frame_bytes / bl).max(1),
-            sent_layers: vec![false; grant.layout.layers as usize],
-            started,
-            #[cfg(test)]
-            corrupt_layer: None,
-        };
-        let open = Frame::open(
-            reservation,
-            grant.epoch,
-            &grant.layout,
-            grant.layers.clone(),
-            grant.blocks.len() as u32,
-        );
-        t.send_frame(open, "opening").await?;
-        Ok(t)
+        opened
     }
 
     /// Ships every layer of `grant` and waits for the receiver to confirm.

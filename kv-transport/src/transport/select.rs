@@ -82,6 +82,19 @@ impl NodeTransport {
     pub fn transport(&self) -> &'static str {
         self.listener.transport()
     }
+
+    fn bound(local_addr: SocketAddr, listener: impl Listener + 'static, connector: impl Connector + 'static, fallback: Option<String>) -> Self {
+        NodeTransport { local_addr, connector: Arc::new(connector), listener: Box::new(listener), fallback }
+    }
+}
+
+/// Where and as whom a node's KV listener binds and its connector dials: what every
+/// transport is bound with.
+struct Endpoint<'a> {
+    listen: SocketAddr,
+    server_name: &'a str,
+    tls: &'a NodeTls,
+    tuning: &'a QuicTuning,
 }
 
 /// Binds the listener and creates the connector for `choice`, falling back to QUIC when
@@ -94,10 +107,11 @@ pub fn bind_node_transport(
     tuning: &QuicTuning,
     receiver: KvReceiver,
 ) -> Result<NodeTransport> {
+    let at = Endpoint { listen, server_name, tls, tuning };
     let fallback = match choice {
         TransportChoice::Quic => None,
         TransportChoice::Rdma(config) => {
-            match bind_rdma(config, listen, server_name, tls, tuning, receiver.clone()) {
+            match bind_rdma(config, &at, receiver.clone()) {
                 Ok(t) => return Ok(t),
                 Err(Error::RdmaUnavailable { reason }) => {
                     tracing::warn!(%reason, "RDMA transport unavailable, falling back to QUIC");
@@ -107,47 +121,23 @@ pub fn bind_node_transport(
             }
         }
     };
-    let listener = QuicListener::bind(listen, server_name, tls, tuning, receiver)?;
-    let connector = QuicConnector::new(tls, tuning)?;
-    Ok(NodeTransport {
-        local_addr: listener.local_addr(),
-        connector: Arc::new(connector),
-        listener: Box::new(listener),
-        fallback,
-    })
+    let listener = QuicListener::bind(at.listen, at.server_name, at.tls, at.tuning, receiver)?;
+    let connector = QuicConnector::new(at.tls, at.tuning)?;
+    Ok(NodeTransport::bound(listener.local_addr(), listener, connector, fallback))
 }
 
 #[cfg(feature = "rdma")]
-fn bind_rdma(
-    config: &RdmaConfig,
-    listen: SocketAddr,
-    server_name: &str,
-    tls: &NodeTls,
-    tuning: &QuicTuning,
-    receiver: KvReceiver,
-) -> Result<NodeTransport> {
+fn bind_rdma(config: &RdmaConfig, at: &Endpoint<'_>, receiver: KvReceiver) -> Result<NodeTransport> {
     use crate::transport::rdma::{RdmaConnector, RdmaListener};
     // The connector first: it opens the device, so a machine without one fails before any
     // socket is bound.
-    let connector = RdmaConnector::new(config, tls, tuning)?;
-    let listener = RdmaListener::bind(listen, server_name, tls, tuning, config, receiver)?;
-    Ok(NodeTransport {
-        local_addr: listener.local_addr(),
-        connector: Arc::new(connector),
-        listener: Box::new(listener),
-        fallback: None,
-    })
+    let connector = RdmaConnector::new(config, at.tls, at.tuning)?;
+    let listener = RdmaListener::bind(at.listen, at.server_name, at.tls, at.tuning, config, receiver)?;
+    Ok(NodeTransport::bound(listener.local_addr(), listener, connector, None))
 }
 
 #[cfg(not(feature = "rdma"))]
-fn bind_rdma(
-    _config: &RdmaConfig,
-    _listen: SocketAddr,
-    _server_name: &str,
-    _tls: &NodeTls,
-    _tuning: &QuicTuning,
-    _receiver: KvReceiver,
-) -> Result<NodeTransport> {
+fn bind_rdma(_config: &RdmaConfig, _at: &Endpoint<'_>, _receiver: KvReceiver) -> Result<NodeTransport> {
     Err(Error::RdmaUnavailable {
         reason: "this build has no RDMA support (cargo feature `rdma` is off)".into(),
     })

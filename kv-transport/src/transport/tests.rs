@@ -32,6 +32,27 @@ fn impostor(cluster_ca_pem: &str) -> NodeTls {
     NodeTls::from_pem(cluster_ca_pem, &n.cert_pem, &n.key_pem).unwrap()
 }
 
+/// A decode node listening on both TLS transports with `server`'s certificate: its
+/// receiver over an 8-block pool, and an 8-block pool for the sending side.
+struct Node {
+    dst: Arc<ArenaPool>,
+    src: Arc<ArenaPool>,
+    receiver: KvReceiver,
+    tuning: QuicTuning,
+    quic: QuicListener,
+    tcp: TlsTcpListener,
+}
+
+async fn node(server: &NodeTls) -> Node {
+    let dst = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
+    let src = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
+    let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).unwrap();
+    let tuning = QuicTuning::default();
+    let quic = QuicListener::bind(loopback(), "decode-0", server, &tuning, receiver.clone()).unwrap();
+    let tcp = TlsTcpListener::bind(loopback(), "decode-0", server, receiver.clone()).await.unwrap();
+    Node { dst, src, receiver, tuning, quic, tcp }
+}
+
 async fn attempt(connector: Arc<dyn Connector>, listener: &dyn Listener, receiver: &KvReceiver, src: Arc<ArenaPool>) -> crate::Result<()> {
     let res = receiver.reserve(2, Some(Duration::from_secs(3))).unwrap();
     let blocks = src.reserve(2).unwrap();
@@ -55,13 +76,7 @@ async fn mutual_tls_refuses_clients_outside_the_cluster() {
     let server = certs.node_tls("decode-0").unwrap();
     let bad_client = impostor(&certs.ca_cert_pem);
     let untrusting = generate_dev_certs("other", &["prefill-0"]).unwrap().node_tls("prefill-0").unwrap();
-    let dst = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
-    let src = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
-    let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).unwrap();
-
-    let tuning = QuicTuning::default();
-    let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
-    let tcp = TlsTcpListener::bind(loopback(), "decode-0", &server, receiver.clone()).await.unwrap();
+    let Node { dst, src, receiver, tuning, quic, tcp } = node(&server).await;
     for client in [&bad_client, &untrusting] {
         let qc: Arc<dyn Connector> = Arc::new(QuicConnector::new(client, &tuning).unwrap());
         assert!(attempt(qc, &quic, &receiver, src.clone()).await.is_err());
@@ -115,12 +130,7 @@ async fn a_grant_is_filled_only_by_the_node_it_was_issued_to() {
     use baton_identity::{Expect, Role};
     let certs = generate_dev_certs("test", &["decode-0", "prefill-0", "prefill-1"]).unwrap();
     let server = certs.node_tls("decode-0").unwrap();
-    let dst = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
-    let src = Arc::new(ArenaPool::new(LAYOUT, 8).unwrap());
-    let receiver = KvReceiver::new(dst.clone(), ReceiverConfig::default()).unwrap();
-    let tuning = QuicTuning::default();
-    let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
-    let tcp = TlsTcpListener::bind(loopback(), "decode-0", &server, receiver.clone()).await.unwrap();
+    let Node { dst, src, receiver, tuning, quic, tcp } = node(&server).await;
     let listeners: [&dyn Listener; 2] = [&quic, &tcp];
     for listener in listeners {
         let connector = |name: &str| -> Arc<dyn Connector> {

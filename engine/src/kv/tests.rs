@@ -203,6 +203,17 @@ impl BlockHasher for FourValues {
 }
 
 impl Harness {
+    /// Applies `ops` to a fresh pool of `num_blocks` with `tier2` second-tier slots,
+    /// checking every invariant after each.
+    fn run(num_blocks: u32, tier2: usize, hasher: Arc<dyn BlockHasher>, ops: Vec<Op>) -> Self {
+        let mut h = Harness { cache: KvCache::new(num_blocks, tier2), store: FakeStore::new(num_blocks as usize), seqs: Vec::new(), partial: 0, hasher };
+        for op in ops {
+            h.apply(op);
+            h.check();
+        }
+        h
+    }
+
     fn check(&self) {
         self.cache.assert_consistent();
         let s = self.cache.stats();
@@ -376,17 +387,7 @@ proptest! {
         tier2 in prop_oneof![1 => Just(0usize), 3 => 1usize..32],
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        let mut h = Harness {
-            cache: KvCache::new(num_blocks, tier2),
-            store: FakeStore::new(num_blocks as usize),
-            seqs: Vec::new(),
-            partial: 0,
-            hasher: Arc::new(Xxh64BlockHasher),
-        };
-        for op in ops {
-            h.apply(op);
-            h.check();
-        }
+        let h = Harness::run(num_blocks, tier2, Arc::new(Xxh64BlockHasher), ops);
         h.drain();
     }
 
@@ -398,17 +399,7 @@ proptest! {
         tier2 in prop_oneof![1 => Just(0usize), 3 => 1usize..32],
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        let mut h = Harness {
-            cache: KvCache::new(num_blocks, tier2),
-            store: FakeStore::new(num_blocks as usize),
-            seqs: Vec::new(),
-            partial: 0,
-            hasher: Arc::new(FourValues),
-        };
-        for op in ops {
-            h.apply(op);
-            h.check();
-        }
+        let h = Harness::run(num_blocks, tier2, Arc::new(FourValues), ops);
         h.drain();
     }
 

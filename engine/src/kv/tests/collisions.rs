@@ -9,6 +9,18 @@ fn forged(tokens: &[u32], u: u8) -> Vec<Block> {
     blocks_of(tokens, 0, &user(u), Arc::new(ConstantHasher(42)))
 }
 
+/// A one-block pool with a second tier, holding alice's released block of `tokens`
+/// (keyed by the forged hash): the set-up of the second-tier collision tests.
+fn alice_cached_in_a_one_block_pool() -> (FakeStore, KvCache, [u32; 4], Vec<Block>) {
+    let mut store = FakeStore::new(1);
+    let mut cache = KvCache::new(1, 4);
+    let tokens = [5, 6, 7, 8];
+    let alice = forged(&tokens, 0);
+    let a = publish(&mut cache, &mut store, &alice, &owner(0, 0));
+    cache.release(&a).expect("release");
+    (store, cache, tokens, alice)
+}
+
 #[test]
 fn a_forged_hash_collision_is_not_a_hit_across_owners() {
     let mut store = FakeStore::new(8);
@@ -88,12 +100,7 @@ fn a_forged_chain_cannot_splice_onto_another_parent() {
 
 #[test]
 fn a_forged_hash_collision_is_not_promoted_from_the_second_tier() {
-    let mut store = FakeStore::new(1);
-    let mut cache = KvCache::new(1, 4);
-    let tokens = [5, 6, 7, 8];
-    let alice = forged(&tokens, 0);
-    let a = publish(&mut cache, &mut store, &alice, &owner(0, 0));
-    cache.release(&a).expect("release");
+    let (mut store, mut cache, tokens, alice) = alice_cached_in_a_one_block_pool();
     // Evict alice's block to the second tier.
     let filler = cache.allocate(1, &mut store).expect("allocate");
     store.write(filler[0], &[0xAA; BLOCK_BYTES]);
@@ -115,12 +122,7 @@ fn a_forged_hash_collision_is_not_promoted_from_the_second_tier() {
 
 #[test]
 fn a_colliding_block_replaces_a_spilled_one_without_inheriting_its_owner() {
-    let mut store = FakeStore::new(1);
-    let mut cache = KvCache::new(1, 4);
-    let tokens = [5, 6, 7, 8];
-    let alice = forged(&tokens, 0);
-    let a = publish(&mut cache, &mut store, &alice, &owner(0, 0));
-    cache.release(&a).expect("release");
+    let (mut store, mut cache, tokens, alice) = alice_cached_in_a_one_block_pool();
     // Bob computes his own block with the same hash while alice's is spilled.
     let bob = forged(&tokens, 1);
     let b = publish(&mut cache, &mut store, &bob, &owner(1, 0));

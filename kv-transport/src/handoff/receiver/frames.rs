@@ -99,13 +99,7 @@ impl Inner {
             );
         }
         if h.reservation != entry.id || h.epoch != self.epoch {
-            return self.reject(
-                entry,
-                Error::UnexpectedFrame {
-                    reservation: entry.id,
-                    what: "frame naming another reservation",
-                },
-            );
+            return self.unexpected(entry, "frame naming another reservation");
         }
         match h.kind {
             FrameKind::Data => {
@@ -126,14 +120,13 @@ impl Inner {
                 );
                 Step::CancelledBySender
             }
-            other => self.reject(
-                entry,
-                Error::UnexpectedFrame {
-                    reservation: entry.id,
-                    what: other.name(),
-                },
-            ),
+            other => self.unexpected(entry, other.name()),
         }
+    }
+
+    /// Rejects a frame of a kind this reservation cannot take now.
+    fn unexpected(&self, entry: &Entry, what: &'static str) -> Step {
+        self.reject(entry, Error::UnexpectedFrame { reservation: entry.id, what })
     }
 
     fn reject(&self, entry: &Entry, e: Error) -> Step {
@@ -153,13 +146,7 @@ impl Inner {
             }
             Status::Completed | Status::Taken => {
                 drop(st);
-                return self.reject(
-                    entry,
-                    Error::UnexpectedFrame {
-                        reservation: entry.id,
-                        what: "data after done",
-                    },
-                );
+                return self.unexpected(entry, "data after done");
             }
         }
         if let Err(e) = st.progress.admit(entry.id, h.layer, h.first_block, h.block_count) {
@@ -203,13 +190,7 @@ impl Inner {
             Status::Ended(w) => return Step::Failed(w),
             Status::Completed | Status::Taken => {
                 drop(st);
-                return self.reject(
-                    entry,
-                    Error::UnexpectedFrame {
-                        reservation: entry.id,
-                        what: "second done",
-                    },
-                );
+                return self.unexpected(entry, "second done");
             }
         }
         let missing = st.progress.missing();

@@ -10,7 +10,7 @@ use crate::generator::Generator;
 use crate::limits::Limiter;
 use crate::store::ConversationStore;
 use crate::turns::Registry;
-use crate::{conversations, metrics, openai, Config};
+use crate::{completions, conversations, metrics, openai, Config};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -104,6 +104,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(public_metrics))
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get).delete(conversations::delete))
         .route("/v1/conversations/{id}/turns", post(conversations::add_turn))

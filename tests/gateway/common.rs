@@ -91,7 +91,15 @@ pub async fn start_wrapped(
     flags: &[&str],
     wrap: impl FnOnce(Arc<dyn Generator>) -> Arc<dyn Generator>,
 ) -> Option<Server> {
-    let model = model_path()?;
+    Some(start_model(&model_path()?, flags, wrap).await)
+}
+
+/// [`start_wrapped`] on another model file (e.g. `BATON_GEMMA_MODEL`).
+pub async fn start_model(
+    model: &Path,
+    flags: &[&str],
+    wrap: impl FnOnce(Arc<dyn Generator>) -> Arc<dyn Generator>,
+) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("gw.db");
     let mut argv = vec!["gateway".to_string(), "--db".into(), db.display().to_string()];
@@ -100,7 +108,7 @@ pub async fn start_wrapped(
     }
     argv.extend(flags.iter().map(|s| s.to_string()));
     let config = Config::try_from(Wrap::parse_from(argv).args).unwrap();
-    let engine = engine(&model);
+    let engine = engine(model);
     let store = SqliteStore::open(&db).unwrap();
     let key = auth::create_key(&store, "alice", "test").await.unwrap();
     let key2 = auth::create_key(&store, "bob", "test").await.unwrap();
@@ -123,5 +131,5 @@ pub async fn start_wrapped(
         })
         .await;
     });
-    Some(Server { base, app, engine, store, key, key2, shutdown: Some(tx), _dir: dir })
+    Server { base, app, engine, store, key, key2, shutdown: Some(tx), _dir: dir }
 }

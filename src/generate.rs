@@ -14,7 +14,7 @@ use std::path::PathBuf;
 pub struct GenerateArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Raw prompt text, tokenized as is (no chat template).
+    /// Raw prompt text, tokenized as is (no chat template), after BOS when the model asks for it.
     #[arg(long, conflicts_with_all = ["user", "messages"])]
     pub prompt: Option<String>,
     /// A user message, rendered with the model's chat template.
@@ -51,8 +51,10 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let engine = a.engine.start()?;
-    let (text, platform_len) = if let Some(p) = &a.prompt {
-        (p.clone(), 0)
+    // A raw prompt is tokenized as `/v1/completions` does (BOS by the model's rule);
+    // a rendered chat template carries its own BOS.
+    let prompt = if let Some(p) = &a.prompt {
+        engine.tokenizer.encode_prompt(p)?
     } else {
         let messages: Vec<ChatMessage> = if let Some(path) = &a.messages {
             let raw = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -67,9 +69,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         } else {
             bail!("give --prompt, --user or --messages");
         };
-        (engine.template.render(&messages, true)?, 0)
+        engine.tokenizer.encode(&engine.template.render(&messages, true)?, true)?
     };
-    let prompt = engine.tokenizer.encode(&text, true)?;
     let sampling = SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -85,7 +86,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let mut stream = engine.submit(Request {
         prompt: prompt.clone(),
         owner: OwnerId::parse("local")?,
-        platform_prefix_len: platform_len,
+        platform_prefix_len: 0,
         conversation: None,
         sampling,
         ignore_eos: false,

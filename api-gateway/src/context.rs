@@ -237,8 +237,8 @@ impl ContextBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use baton_text::gguf::writer::write_gguf;
-    use baton_text::gguf::{GgufFile, MetaValue};
+    use baton_text::gguf::writer::{byte_spm_vocab, write_gguf};
+    use baton_text::gguf::GgufFile;
 
     /// A model with a SentencePiece vocabulary and no chat template: the
     /// builder starts, and every chat prompt is refused with a clear error.
@@ -246,16 +246,7 @@ mod tests {
     fn a_model_without_a_template_refuses_chat_prompts() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("notemplate.gguf");
-        let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
-        tokens.extend((0..256).map(|b| format!("<0x{b:02X}>")));
-        let mut types = vec![MetaValue::I32(2), MetaValue::I32(3), MetaValue::I32(3)];
-        types.extend((0..256).map(|_| MetaValue::I32(6)));
-        let meta = vec![
-            ("tokenizer.ggml.model", MetaValue::String("llama".into())),
-            ("tokenizer.ggml.tokens", MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect())),
-            ("tokenizer.ggml.token_type", MetaValue::Array(types)),
-        ];
-        write_gguf(&path, &meta, &[]).unwrap();
+        write_gguf(&path, &byte_spm_vocab(), &[]).unwrap();
         let f = GgufFile::open(&path).unwrap();
         let tok = Arc::new(Tokenizer::from_gguf(&f).unwrap());
         let tmpl = Arc::new(ChatTemplate::from_gguf(&f).unwrap());

@@ -12,6 +12,7 @@ pub mod admission;
 pub mod auth;
 pub mod checks;
 pub mod client;
+pub mod completions;
 pub mod context;
 pub mod conversations;
 pub mod error;

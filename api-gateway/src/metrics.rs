@@ -115,7 +115,7 @@ fn build() -> Metrics {
     for outcome in SloOutcome::ALL {
         let _ = slo_counter(&m.recorder, outcome);
     }
-    for route in ["chat_completions", "models"] {
+    for route in ["chat_completions", "completions", "models"] {
         let _ = request_counter(&m.recorder, route);
     }
     for when in ["delete", "retry"] {

@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use baton_text::chat_template::ChatMessage;
 use baton_text::sampling::SamplingParams;
-use baton_vocab::ConversationId;
+use baton_vocab::{ConversationId, OwnerId};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -63,35 +63,65 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// The fields chat and legacy completions share, flattened into both bodies.
+#[derive(Deserialize, Debug, Default)]
+#[serde(default)]
+pub struct CommonFields {
+    /// Ignored: one model is served.
+    pub model: Option<String>,
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub n: Option<u32>,
+}
+
+/// What [`CommonFields::into_sampling`] makes of a body.
+#[derive(Debug)]
+pub struct CommonParams {
+    pub sampling: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl CommonFields {
+    /// Refuses `n` other than 1, applies OpenAI's defaults and validates the sampling
+    /// parameters. `max_tokens` is the endpoint's (chat also reads `max_completion_tokens`).
+    pub fn into_sampling(self, max_tokens: usize, logprobs: bool, top_logprobs: usize) -> Result<CommonParams, ApiError> {
+        if self.n.unwrap_or(1) != 1 {
+            return Err(ApiError::bad_param("n", "only n = 1 is supported"));
+        }
+        let sampling = SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            seed: self.seed,
+            max_tokens,
+            stop_strings: Stop::into_strings(self.stop),
+            logprobs,
+            top_logprobs,
+            ..SamplingParams::default()
+        };
+        let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
+        Ok(CommonParams { sampling, stream: self.stream, include_usage: self.stream_options.is_some_and(|o| o.include_usage) })
+    }
+}
+
 /// The request body, as parsed (unknown fields are ignored, as OpenAI's
 /// clients send some this server does not use).
 #[derive(Deserialize, Debug)]
 pub struct ChatRequest {
-    #[serde(default)]
-    pub model: Option<String>,
     pub messages: Vec<Message>,
-    #[serde(default)]
-    pub stream: bool,
-    #[serde(default)]
-    pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    pub max_tokens: Option<u32>,
+    #[serde(flatten)]
+    pub common: CommonFields,
     #[serde(default)]
     pub max_completion_tokens: Option<u32>,
-    #[serde(default)]
-    pub temperature: Option<f32>,
-    #[serde(default)]
-    pub top_p: Option<f32>,
-    #[serde(default)]
-    pub seed: Option<u64>,
-    #[serde(default)]
-    pub stop: Option<Stop>,
     #[serde(default)]
     pub logprobs: Option<bool>,
     #[serde(default)]
     pub top_logprobs: Option<u32>,
-    #[serde(default)]
-    pub n: Option<u32>,
 }
 
 /// A request that passed validation.
@@ -108,9 +138,6 @@ pub fn parse_chat(body: &[u8], default_max_tokens: usize) -> Result<ValidChat, A
     let req: ChatRequest = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_param("messages", "messages must not be empty"));
-    }
-    if req.n.unwrap_or(1) != 1 {
-        return Err(ApiError::bad_param("n", "only n = 1 is supported"));
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     for m in req.messages {
@@ -139,24 +166,9 @@ pub fn parse_chat(body: &[u8], default_max_tokens: usize) -> Result<ValidChat, A
     if !messages.iter().any(|m| m.role == "user") {
         return Err(ApiError::bad_param("messages", "at least one user message is required"));
     }
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens).map(|v| v as usize).unwrap_or(default_max_tokens);
-    let logprobs = req.logprobs.unwrap_or(false);
-    let sampling = SamplingParams {
-        temperature: req.temperature.unwrap_or(1.0),
-        top_p: req.top_p.unwrap_or(1.0),
-        seed: req.seed,
-        max_tokens,
-        stop_strings: match req.stop {
-            None => vec![],
-            Some(Stop::One(s)) => vec![s],
-            Some(Stop::Many(v)) => v,
-        },
-        logprobs,
-        top_logprobs: req.top_logprobs.unwrap_or(0) as usize,
-        ..SamplingParams::default()
-    };
-    let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
-    Ok(ValidChat { messages, sampling, stream: req.stream, include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false) })
+    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens).map(|v| v as usize).unwrap_or(default_max_tokens);
+    let p = req.common.into_sampling(max_tokens, req.logprobs.unwrap_or(false), req.top_logprobs.unwrap_or(0) as usize)?;
+    Ok(ValidChat { messages, sampling: p.sampling, stream: p.stream, include_usage: p.include_usage })
 }
 
 /// The input check on every message of a request: the client wrote all of
@@ -203,28 +215,86 @@ pub async fn chat_completions(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    metrics::request("chat_completions");
-    let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
-    let chat = parse_chat(&body, app.config.default_max_tokens)?;
-    check_max_tokens(chat.sampling.max_tokens, app.config.max_tokens_ceiling)?;
+    let chat = read_request(&app, "chat_completions", body, |b| parse_chat(b, app.config.default_max_tokens), |c| c.sampling.max_tokens).await?;
     check_messages(app.checks.as_ref(), &chat.messages)?;
     let prompt = app.context.encode_messages(&chat.messages).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let key = match headers.get(CONVERSATION_HEADER).and_then(|v| v.to_str().ok()) {
-        Some(c) if !c.is_empty() && c.len() <= 128 => format!("{user}/{c}"),
-        Some(_) => return Err(ApiError::bad_request("X-Baton-Conversation must be 1 to 128 characters")),
-        None => routing_key(user.as_str(), &chat.messages),
-    };
-    // The one place this handler's conversation becomes an ID (a header may still hold
-    // a character no ID may).
-    let conversation = ConversationId::parse(key).map_err(|e| ApiError::bad_request(format!("X-Baton-Conversation: {e}")))?;
-    let id = format!("chatcmpl-{}", request_id());
-    tracing::info!(request = %id, user = %crate::auth::user_log_id(user.as_str()), prompt_tokens = prompt.ids.len(), "chat completion");
-    let reply = app.start_reply(&user, &api_key, prompt, conversation, chat.sampling.clone()).await?;
-    let created = crate::store::now_unix();
+    let key = routing_key_for(&headers, &user, || routing_key(user.as_str(), &chat.messages))?;
+    let envelope = Envelope::new(&app, "chatcmpl", "chat.completion");
+    tracing::info!(request = %envelope.id, user = %crate::auth::user_log_id(user.as_str()), prompt_tokens = prompt.ids.len(), "chat completion");
+    let mut reply = app.start_reply(&user, &api_key, prompt, key, chat.sampling.clone()).await?;
+    let format = ChatChunks { app: app.clone() };
     if chat.stream {
-        Ok(stream_response(app, reply, id, created, chat).into_response())
-    } else {
-        Ok(collect_response(app, reply, id, created, chat.sampling.logprobs).await?.into_response())
+        return Ok(sse_response(reply, envelope.chunks("chat.completion.chunk"), chat.include_usage, format).into_response());
+    }
+    let (content, tokens, end) = collect_reply(&mut reply).await?;
+    let logprobs = chat.sampling.logprobs.then(|| json!({"content": tokens.iter().filter_map(|t| logprob_entry(&app, t)).collect::<Vec<_>>()}));
+    let choice = json!({
+        "index": 0,
+        "message": {"role": "assistant", "content": content},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(&end),
+    });
+    Ok(Json(envelope.body(json!([choice]), Some(usage_json(&end)))).into_response())
+}
+
+/// What every stateless endpoint does first: count the request (`route` is its metric
+/// label), read the body within the size and time limits, parse it, and refuse a
+/// `max_tokens` above the operator's ceiling.
+pub async fn read_request<T>(
+    app: &App,
+    route: &'static str,
+    body: Body,
+    parse: impl FnOnce(&[u8]) -> Result<T, ApiError>,
+    max_tokens: impl FnOnce(&T) -> usize,
+) -> Result<T, ApiError> {
+    metrics::request(route);
+    let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
+    let parsed = parse(&body)?;
+    check_max_tokens(max_tokens(&parsed), app.config.max_tokens_ceiling)?;
+    Ok(parsed)
+}
+
+/// The routing key of a stateless request: the `X-Baton-Conversation` header, scoped to
+/// the owner, when the client sends one; else `derived()`.
+/// The one place a stateless request's conversation becomes an ID (a header may still
+/// hold a character no ID may).
+pub fn routing_key_for(headers: &HeaderMap, owner: &OwnerId, derived: impl FnOnce() -> String) -> Result<ConversationId, ApiError> {
+    let key = match headers.get(CONVERSATION_HEADER).and_then(|v| v.to_str().ok()) {
+        Some(c) if !c.is_empty() && c.len() <= 128 => format!("{owner}/{c}"),
+        Some(_) => return Err(ApiError::bad_request("X-Baton-Conversation must be 1 to 128 characters")),
+        None => derived(),
+    };
+    ConversationId::parse(key).map_err(|e| ApiError::bad_request(format!("X-Baton-Conversation: {e}")))
+}
+
+/// The fields every response object and stream chunk of one request shares.
+#[derive(Clone, Debug)]
+pub struct Envelope {
+    /// `chatcmpl-…` or `cmpl-…`.
+    pub id: String,
+    /// `chat.completion`, `chat.completion.chunk` or `text_completion`.
+    pub object: &'static str,
+    pub created: i64,
+    pub model: String,
+}
+
+impl Envelope {
+    pub fn new(app: &App, id_prefix: &str, object: &'static str) -> Self {
+        Envelope { id: format!("{id_prefix}-{}", request_id()), object, created: crate::store::now_unix(), model: app.model_id.clone() }
+    }
+
+    /// The same request's stream chunks, whose object type may differ.
+    pub fn chunks(self, object: &'static str) -> Self {
+        Envelope { object, ..self }
+    }
+
+    /// A response object or chunk holding `choices` (and `usage` when given).
+    pub fn body(&self, choices: Value, usage: Option<Value>) -> Value {
+        let mut v = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v
     }
 }
 
@@ -240,7 +310,7 @@ fn logprob_entry(app: &App, t: &TokenInfo) -> Option<Value> {
     Some(v)
 }
 
-fn usage_json(end: &End) -> Value {
+pub fn usage_json(end: &End) -> Value {
     let u = end.usage;
     json!({
         "prompt_tokens": u.prompt_tokens,
@@ -250,23 +320,22 @@ fn usage_json(end: &End) -> Value {
     })
 }
 
-fn finish_reason(end: &End) -> &'static str {
+pub fn finish_reason(end: &End) -> &'static str {
     match end.finish_reason {
         "cancelled" => "stop",
         other => other,
     }
 }
 
-async fn collect_response(app: Arc<App>, mut reply: Reply, id: String, created: i64, logprobs: bool) -> Result<Json<Value>, ApiError> {
-    let mut content = String::new();
-    let mut lps = Vec::new();
+/// Reads a whole reply: its text, its tokens and how it ended; a failed reply is the error.
+pub async fn collect_reply(reply: &mut Reply) -> Result<(String, Vec<TokenInfo>, End), ApiError> {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
     let end = loop {
         match reply.next().await {
-            Some(Piece::Delta { text, token }) => {
-                content.push_str(&text);
-                if let Some(v) = token.as_ref().and_then(|t| logprob_entry(&app, t)) {
-                    lps.push(v);
-                }
+            Some(Piece::Delta { text: t, token }) => {
+                text.push_str(&t);
+                tokens.extend(token);
             }
             Some(Piece::End(end)) => break end,
             None => return Err(ApiError::internal()),
@@ -277,58 +346,64 @@ async fn collect_response(app: Arc<App>, mut reply: Reply, id: String, created: 
         return Err(e.into());
     }
     metrics::turn("completed");
-    Ok(Json(json!({
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": app.model_id,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": content},
-            "logprobs": if logprobs { json!({"content": lps}) } else { Value::Null },
-            "finish_reason": finish_reason(&end),
-        }],
-        "usage": usage_json(&end),
-    })))
+    Ok((text, tokens, end))
 }
 
-struct StreamState {
+/// How one endpoint spells the `choices[0]` of its stream chunks; [`sse_response`] does the rest.
+pub trait ChunkFormat: Send + 'static {
+    /// The choice of a chunk sent before any text (chat: the assistant role).
+    fn opening(&mut self) -> Option<Value> {
+        None
+    }
+    /// The choice of a chunk carrying `text` and the token it came from; `None` sends nothing.
+    fn delta(&mut self, text: String, token: Option<&TokenInfo>) -> Option<Value>;
+    /// The choice of the last chunk, which carries the finish reason.
+    fn finish(&mut self, end: &End) -> Value;
+}
+
+/// Chat's chunks: a role delta first, then content deltas with `logprobs.content`.
+struct ChatChunks {
     app: Arc<App>,
+}
+
+impl ChunkFormat for ChatChunks {
+    fn opening(&mut self) -> Option<Value> {
+        Some(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}))
+    }
+
+    fn delta(&mut self, text: String, token: Option<&TokenInfo>) -> Option<Value> {
+        let lp = token.and_then(|t| logprob_entry(&self.app, t));
+        if text.is_empty() && lp.is_none() {
+            return None;
+        }
+        let mut choice = json!({"index": 0, "delta": {"content": text}, "finish_reason": null});
+        if let Some(l) = lp {
+            choice["logprobs"] = json!({"content": [l]});
+        }
+        Some(choice)
+    }
+
+    fn finish(&mut self, end: &End) -> Value {
+        json!({"index": 0, "delta": {}, "finish_reason": finish_reason(end)})
+    }
+}
+
+struct StreamState<F> {
     reply: Reply,
-    id: String,
-    created: i64,
+    envelope: Envelope,
+    format: F,
     include_usage: bool,
-    sent_role: bool,
+    opened: bool,
     /// Events to send before reading the reply again.
     queue: std::collections::VecDeque<Event>,
     done: bool,
 }
 
-impl StreamState {
-    fn chunk(&self, delta: Value, logprobs: Option<Value>, finish: Option<&str>) -> Event {
-        let mut choice = json!({"index": 0, "delta": delta, "finish_reason": finish});
-        if let Some(l) = logprobs {
-            choice["logprobs"] = json!({"content": [l]});
-        }
-        let v = json!({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.app.model_id, "choices": [choice]
-        });
-        Event::default().data(v.to_string())
-    }
-}
-
-fn stream_response(app: Arc<App>, reply: Reply, id: String, created: i64, chat: ValidChat) -> impl IntoResponse {
-    let state = StreamState {
-        app,
-        reply,
-        id,
-        created,
-        include_usage: chat.include_usage,
-        sent_role: false,
-        queue: Default::default(),
-        done: false,
-    };
+/// A reply as OpenAI's server-sent events: `format`'s chunks in `envelope`, the usage
+/// chunk (`choices: []`) when asked for, an error object if the reply failed, then
+/// `data: [DONE]`.
+pub fn sse_response(reply: Reply, envelope: Envelope, include_usage: bool, format: impl ChunkFormat) -> impl IntoResponse {
+    let state = StreamState { reply, envelope, format, include_usage, opened: false, queue: Default::default(), done: false };
     let stream = futures::stream::unfold(state, |mut s| async move {
         loop {
             if let Some(ev) = s.queue.pop_front() {
@@ -337,20 +412,18 @@ fn stream_response(app: Arc<App>, reply: Reply, id: String, created: i64, chat: 
             if s.done {
                 return None;
             }
-            if !s.sent_role {
-                s.sent_role = true;
-                let ev = s.chunk(json!({"role": "assistant", "content": ""}), None, None);
-                s.queue.push_back(ev);
+            if !s.opened {
+                s.opened = true;
+                if let Some(choice) = s.format.opening() {
+                    s.queue.push_back(Event::default().data(s.envelope.body(json!([choice]), None).to_string()));
+                }
                 continue;
             }
             match s.reply.next().await {
                 Some(Piece::Delta { text, token }) => {
-                    let lp = token.as_ref().and_then(|t| logprob_entry(&s.app, t));
-                    if text.is_empty() && lp.is_none() {
-                        continue;
+                    if let Some(choice) = s.format.delta(text, token.as_ref()) {
+                        s.queue.push_back(Event::default().data(s.envelope.body(json!([choice]), None).to_string()));
                     }
-                    let ev = s.chunk(json!({"content": text}), lp, None);
-                    s.queue.push_back(ev);
                 }
                 Some(Piece::End(end)) => {
                     s.done = true;
@@ -360,13 +433,10 @@ fn stream_response(app: Arc<App>, reply: Reply, id: String, created: i64, chat: 
                         s.queue.push_back(Event::default().data(err.body().to_string()));
                     } else {
                         metrics::turn("completed");
-                        let ev = s.chunk(json!({}), None, Some(finish_reason(&end)));
-                        s.queue.push_back(ev);
+                        let choice = s.format.finish(&end);
+                        s.queue.push_back(Event::default().data(s.envelope.body(json!([choice]), None).to_string()));
                         if s.include_usage {
-                            let v = json!({
-                                "id": s.id, "object": "chat.completion.chunk", "created": s.created,
-                                "model": s.app.model_id, "choices": [], "usage": usage_json(&end)
-                            });
+                            let v = s.envelope.body(json!([]), Some(usage_json(&end)));
                             s.queue.push_back(Event::default().data(v.to_string()));
                         }
                     }

@@ -12,6 +12,17 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
+impl Stop {
+    /// The stop strings, however the body spelled them.
+    pub fn into_strings(stop: Option<Stop>) -> Vec<String> {
+        match stop {
+            None => vec![],
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        }
+    }
+}
+
 /// The operator's ceiling on one reply's length (`--max-tokens-ceiling`): a clear 400 above it.
 pub fn check_max_tokens(max_tokens: usize, ceiling: usize) -> Result<(), ApiError> {
     if max_tokens > ceiling {

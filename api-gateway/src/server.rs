@@ -6,7 +6,7 @@
 use crate::error::ApiError;
 use baton_vocab::ErrorKind;
 use crate::state::App;
-use crate::{conversations, metrics, openai};
+use crate::{completions, conversations, metrics, openai};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
@@ -58,6 +58,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(public_metrics))
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get).delete(conversations::delete))
         .route("/v1/conversations/{id}/turns", post(conversations::add_turn))

@@ -90,7 +90,15 @@ pub async fn start_wrapped(
     flags: &[&str],
     wrap: impl FnOnce(Arc<dyn Generator>) -> Arc<dyn Generator>,
 ) -> Option<Server> {
-    let model = model_path()?;
+    Some(start_model(&model_path()?, flags, wrap).await)
+}
+
+/// [`start_wrapped`] on another model file (e.g. `BATON_GEMMA_MODEL`).
+pub async fn start_model(
+    model: &Path,
+    flags: &[&str],
+    wrap: impl FnOnce(Arc<dyn Generator>) -> Arc<dyn Generator>,
+) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("gw.db");
     let mut argv = vec!["gateway".to_string(), "--db".into(), db.display().to_string()];
@@ -99,7 +107,7 @@ pub async fn start_wrapped(
     }
     argv.extend(flags.iter().map(|s| s.to_string()));
     let config = config(argv);
-    let engine = engine(&model);
+    let engine = engine(model);
     let store = SqliteStore::open(&db).unwrap();
     let key = auth::create_key(&store, "alice", "test").await.unwrap();
     let key2 = auth::create_key(&store, "bob", "test").await.unwrap();
@@ -109,7 +117,7 @@ pub async fn start_wrapped(
         let _ = rx.await;
     })
     .await;
-    Some(Server { base, app, engine, store, key, key2, shutdown: Some(tx), _dir: dir })
+    Server { base, app, engine, store, key, key2, shutdown: Some(tx), _dir: dir }
 }
 
 /// The gateway's validated config from its command line (`argv[0]` is the program name).

@@ -12,6 +12,7 @@ mod pg;
 mod gateway_api;
 mod gateway_browser;
 mod gateway_checks;
+mod gateway_completions;
 mod gateway_isolation;
 mod gateway_postgres;
 mod gateway_python;

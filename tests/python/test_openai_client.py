@@ -1,4 +1,5 @@
-"""The official `openai` Python client against a running Baton gateway.
+"""The official `openai` Python client against a running Baton gateway: chat and
+legacy completions.
 
 Usage: BATON_URL=http://127.0.0.1:PORT BATON_API_KEY=bk-... python3 test_openai_client.py
 Exits 0 when every check passes; prints what failed otherwise. Run by
@@ -52,6 +53,33 @@ assert usage is not None and usage.prompt_tokens_details.cached_tokens > 0, usag
 try:
     client.chat.completions.create(model=model, messages=[], max_tokens=1)
     raise AssertionError("empty messages accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400
+
+# Legacy completions: a raw prompt, non-streaming and streaming give the same text.
+prompt = "The three primary colors are"
+cmpl = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+assert cmpl.object == "text_completion", cmpl.object
+ctext = cmpl.choices[0].text
+assert ctext, "empty completion"
+assert cmpl.choices[0].finish_reason in ("stop", "length"), cmpl.choices[0].finish_reason
+clp = cmpl.choices[0].logprobs
+assert len(clp.tokens) == len(clp.token_logprobs) == len(clp.top_logprobs) == len(clp.text_offset) == cmpl.usage.completion_tokens
+assert all(lp <= 0 for lp in clp.token_logprobs)
+cparts = []
+cusage = None
+for chunk in client.completions.create(
+    model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+):
+    if chunk.usage is not None:
+        cusage = chunk.usage
+    for choice in chunk.choices:
+        cparts.append(choice.text)
+assert "".join(cparts) == ctext, (cparts, ctext)
+assert cusage is not None and cusage.completion_tokens == cmpl.usage.completion_tokens, cusage
+try:
+    client.completions.create(model=model, prompt=prompt, max_tokens=4, n=2)
+    raise AssertionError("n=2 accepted")
 except openai.BadRequestError as e:
     assert e.status_code == 400
 

@@ -516,6 +516,20 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token IDs of a raw prompt (no chat template): `text` with special-token
+    /// text parsed, behind BOS when the model asks for it ([`Tokenizer::add_bos`]:
+    /// `tokenizer.ggml.add_bos_token`, or llama.cpp's default when absent, true for
+    /// SentencePiece and false for BPE). `baton generate --prompt` and
+    /// `/v1/completions` both call this, so one prompt text is the same IDs everywhere.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+        if let (true, Some(bos)) = (self.vocab.add_bos, self.vocab.bos) {
+            ids.push(bos);
+        }
+        ids.extend(self.encode(text, true)?);
+        Ok(ids)
+    }
+
     /// Text of `ids`, skipping special tokens; invalid UTF-8 becomes U+FFFD.
     /// Unknown IDs are skipped.
     pub fn decode(&self, ids: &[u32]) -> String {
@@ -739,6 +753,36 @@ mod tests {
         seen.sort_unstable();
         seen.dedup();
         assert_eq!(seen.len(), 256);
+    }
+
+    /// A SentencePiece vocabulary of BOS, EOS and the byte tokens, with `add_bos_token` as given.
+    fn spm_with_add_bos(add_bos: Option<bool>) -> Tokenizer {
+        use crate::gguf::writer::{byte_spm_vocab, write_gguf};
+        use crate::gguf::MetaValue;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spm.gguf");
+        let mut meta = byte_spm_vocab();
+        if let Some(b) = add_bos {
+            meta.push(("tokenizer.ggml.add_bos_token", MetaValue::Bool(b)));
+        }
+        write_gguf(&path, &meta, &[]).unwrap();
+        Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
+    }
+
+    /// llama.cpp's rule: BOS when the file says so, and for SentencePiece when it is silent.
+    #[test]
+    fn raw_prompts_start_with_bos_as_llama_cpp_decides() {
+        for (flag, want_bos) in [(None, true), (Some(true), true), (Some(false), false)] {
+            let t = spm_with_add_bos(flag);
+            let ids = t.encode_prompt("hi").unwrap();
+            let plain = t.encode("hi", true).unwrap();
+            if want_bos {
+                assert_eq!(ids[0], 1, "{flag:?}");
+                assert_eq!(&ids[1..], plain.as_slice(), "{flag:?}");
+            } else {
+                assert_eq!(ids, plain, "{flag:?}");
+            }
+        }
     }
 
     #[test]

@@ -36,6 +36,20 @@ impl TensorSpec {
     }
 }
 
+/// Tokenizer metadata of the smallest SentencePiece vocabulary: `<unk>`, `<s>` (BOS),
+/// `</s>` (EOS) and the 256 byte tokens; no chat template, no `add_bos_token` (fixtures
+/// of tests that need a tokenizer, not a model).
+pub fn byte_spm_vocab() -> Vec<(&'static str, MetaValue)> {
+    let specials = [("<unk>", 2), ("<s>", 3), ("</s>", 3)];
+    let bytes = (0..256).map(|b| (format!("<0x{b:02X}>"), 6));
+    let vocab: Vec<(String, i32)> = specials.iter().map(|&(t, k)| (t.to_string(), k)).chain(bytes).collect();
+    vec![
+        ("tokenizer.ggml.model", MetaValue::String("llama".into())),
+        ("tokenizer.ggml.tokens", MetaValue::Array(vocab.iter().map(|(t, _)| MetaValue::String(t.clone())).collect())),
+        ("tokenizer.ggml.token_type", MetaValue::Array(vocab.iter().map(|&(_, k)| MetaValue::I32(k)).collect())),
+    ]
+}
+
 /// Writes a GGUF v3 file at `path` (alignment: `general.alignment` if it is
 /// in `metadata`, else 32).
 pub fn write_gguf<K: AsRef<str>>(

@@ -16,7 +16,7 @@
 use crate::auth::AuthUser;
 use crate::context::Prompt;
 use crate::error::ApiError;
-use crate::openai::{
+use crate::openai_common::{
     collect_reply, finish_reason, read_request, routing_key_for, sse_response, usage_json, ChunkFormat, CommonFields, Envelope,
 };
 use crate::pipeline::{End, TokenInfo};

@@ -23,6 +23,7 @@ pub mod listen;
 pub mod markdown;
 pub mod metrics;
 pub mod openai;
+pub mod openai_common;
 pub mod params;
 pub mod pipeline;
 pub mod polled;

@@ -208,12 +208,13 @@ impl Task<'_> {
             for k in 0..nq {
                 let s = &mut scores[(ri * nq + k) * max_ctx + first..(ri * nq + k) * max_ctx + ctx];
                 let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let mut sum = 0f32;
+                // Two loops, the same sum in the same order: with the add in
+                // the exp loop, the running sum was spilled around every call
+                // to `exp` and the loop ran ~9% slower in prefill.
                 for v in s.iter_mut() {
                     *v = (*v - max).exp();
-                    sum += *v;
                 }
-                sums[ri * nq + k] = sum;
+                sums[ri * nq + k] = s.iter().fold(0f32, |a, &v| a + v);
             }
         }
         let mut acc = vec![0f32; nr * nq * hd];

@@ -1,7 +1,7 @@
 //! `POST /v1/completions`: OpenAI's legacy completions, so that base models (no chat
 //! template, e.g. Gemma 3 270M) are servable through the same path as chat: the same
 //! keys, limits, input and output checks, prefix cache, metering and SSE framing
-//! (the shared parts live in [`crate::openai`]).
+//! (the shared parts live in [`crate::openai_common`]).
 //!
 //! The prompt is one string, tokenized raw by [`Tokenizer::encode_prompt`] (exactly as
 //! `baton generate --prompt` does), or one array of token IDs, checked against the

@@ -19,7 +19,8 @@ use crate::listen::read_body;
 use crate::polled::{self, stored_events};
 use crate::state::App;
 use crate::store::{BeginTurn, Conversation, Turn, TurnState};
-use crate::turns::{self, LiveTurn, TurnEvent};
+use crate::live::{LiveTurn, TurnEvent};
+use crate::turns;
 use crate::{metrics, request_id};
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -124,13 +125,13 @@ pub async fn get(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(
 /// (the gateway retries until it acknowledges; `kv_evicted` says which).
 pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Response, ApiError> {
     metrics::request("conversations_delete");
-    owned(&app, &user, &id).await?;
+    let (conversation, _) = owned(&app, &user, &id).await?;
     let _admission = app.admission.lock(&id).await;
     // Stop a turn in progress and wait until it is stored, so that nothing
     // is written or cached for the conversation after the delete.
-    if let Some(live) = app.live.get(&id) {
+    if let Some(live) = app.live.get(&conversation) {
         live.stop();
-        let mut events = Box::pin(live.follow(app.clone(), 0));
+        let mut events = Box::pin(live.follow(app.config.resume_grace, 0));
         while let Some((_, ev)) = events.next().await {
             if matches!(ev, TurnEvent::End(_)) {
                 break;
@@ -216,7 +217,7 @@ pub async fn add_turn(
         (None, Some(Err(_))) => return Err(ApiError::bad_request("Idempotency-Key must be ASCII")),
         (None, None) => format!("turn-{}", request_id()),
     };
-    let turn_id = parse_turn_id(&turn_id)?.into_string();
+    let turn_id = parse_turn_id(&turn_id)?;
     let from = last_event_id(&headers)?.map(|n| n + 1).unwrap_or(0);
     let stream = body.stream.unwrap_or(true);
     let hash = request_hash(&body);
@@ -233,7 +234,7 @@ pub async fn add_turn(
     sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
 
     let admission = app.admission.lock(&id).await;
-    if let Some(live) = app.live.get(&id) {
+    if let Some(live) = app.live.get(&conversation) {
         if live.turn_id != turn_id {
             return Err(busy());
         }
@@ -246,7 +247,7 @@ pub async fn add_turn(
         return Ok(respond_live(app, live, from, stream, Some(slot)).await);
     }
     let turns = app.store.list_turns(&id).await?;
-    if let Some(t) = turns.iter().find(|t| t.turn_id == turn_id) {
+    if let Some(t) = turns.iter().find(|t| t.turn_id == turn_id.as_str()) {
         if t.request_hash != hash {
             return Err(ApiError::conflict("this turn ID was used with a different request body"));
         }
@@ -255,9 +256,9 @@ pub async fn add_turn(
             // Not this replica's (those are in `app.live`): follow it where it runs;
             // if its replica died, take it over below.
             TurnState::Streaming => {
-                if app.store.turn_runs_elsewhere(&id, &turn_id).await? {
+                if app.store.turn_runs_elsewhere(&id, turn_id.as_str()).await? {
                     drop(admission);
-                    return attach_stored(app, &user, id, turn_id, from, stream).await;
+                    return attach_stored(app, &user, conversation, turn_id, from, stream).await;
                 }
             }
             TurnState::Done | TurnState::Stopped => {
@@ -269,13 +270,13 @@ pub async fn add_turn(
     }
     // Another replica's turn in progress: refused before the model is asked (the
     // store would refuse it too); a dead replica's turn does not block.
-    for other in turns.iter().filter(|t| t.state == TurnState::Streaming && t.turn_id != turn_id) {
+    for other in turns.iter().filter(|t| t.state == TurnState::Streaming && t.turn_id != turn_id.as_str()) {
         if app.store.turn_runs_elsewhere(&id, &other.turn_id).await? {
             return Err(busy());
         }
     }
     app.checks.check_input(&body.message).map_err(|r| ApiError::refused(r.reason))?;
-    let prev = turns.iter().rev().find(|t| t.state.in_context() && t.turn_id != turn_id);
+    let prev = turns.iter().rev().find(|t| t.state.in_context() && t.turn_id != turn_id.as_str());
     let threshold = app.config.summary_threshold_tokens;
     let mut new_summary = None;
     let prompt = match prev {
@@ -287,7 +288,7 @@ pub async fn add_turn(
             // turn tries again.
             match summarize(&app, &user, &conversation, p).await? {
                 Some(summary) => {
-                    let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id).collect();
+                    let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id.as_str()).collect();
                     let keep = app.config.summary_keep_turns.min(in_context.len());
                     let recent: Vec<(&str, &[u32])> =
                         in_context[in_context.len() - keep..].iter().map(|t| (t.user_text.as_str(), t.output_ids.as_slice())).collect();
@@ -306,7 +307,7 @@ pub async fn add_turn(
     let seq = turns.iter().map(|t| t.seq + 1).max().unwrap_or(0);
     let row = Turn {
         conversation: id.clone(),
-        turn_id: turn_id.clone(),
+        turn_id: turn_id.as_str().to_string(),
         seq,
         request_hash: hash.clone(),
         user_text: body.message.clone(),
@@ -321,13 +322,13 @@ pub async fn add_turn(
         completion_tokens: 0,
         created_at: crate::store::now_unix(),
     };
-    let reply = app.start_reply(&user, &key, prompt, conversation, sampling).await?;
+    let reply = app.start_reply(&user, &key, prompt, conversation.clone(), sampling).await?;
     match app.store.begin_turn(&row).await? {
         BeginTurn::Created => {}
         // Another replica began (or took over) this very turn since we looked: follow it.
         BeginTurn::Existing(t) if t.request_hash == hash && t.state == TurnState::Streaming => {
             drop((reply, admission));
-            return attach_stored(app, &user, id, turn_id, from, stream).await;
+            return attach_stored(app, &user, conversation, turn_id, from, stream).await;
         }
         BeginTurn::Existing(_) => return Err(ApiError::conflict("this turn ID is already in use")),
         BeginTurn::Busy => return Err(busy()),
@@ -337,7 +338,7 @@ pub async fn add_turn(
         app.store.set_summary(&id, &summary).await?;
     }
     tracing::info!(conversation = %id, turn = %turn_id, prompt_tokens = row.prompt_ids.len(), "turn started");
-    let live = turns::spawn(app.clone(), id, turn_id, hash, reply);
+    let live = turns::spawn(app.clone(), conversation, turn_id, hash, reply);
     drop(admission);
     metrics::turn("started");
     Ok(respond_live(app, live, from, stream, None).await)
@@ -349,10 +350,10 @@ fn busy() -> ApiError {
 }
 
 /// Follows a turn that another gateway replica runs, through the store.
-async fn attach_stored(app: Arc<App>, owner: &OwnerId, id: String, turn_id: String, from: usize, stream: bool) -> Result<Response, ApiError> {
+async fn attach_stored(app: Arc<App>, owner: &OwnerId, id: ConversationId, turn_id: TurnId, from: usize, stream: bool) -> Result<Response, ApiError> {
     let slot = follower_slot(&app, owner)?;
     metrics::turn("attached");
-    let events = polled::follow(app, id, turn_id, from);
+    let events = polled::follow(app, id.into_string(), turn_id.into_string(), from);
     Ok(respond_events(events, stream, Some(slot)).await)
 }
 
@@ -415,7 +416,7 @@ fn sse_event(pos: usize, ev: &TurnEvent) -> Event {
 /// Answers with a live turn's events; `slot`, a follower's open-stream slot, is held
 /// until the response ends.
 async fn respond_live(app: Arc<App>, live: Arc<LiveTurn>, from: usize, stream: bool, slot: Option<crate::limits::Permit>) -> Response {
-    respond_events(live.follow(app, from), stream, slot).await
+    respond_events(live.follow(app.config.resume_grace, from), stream, slot).await
 }
 
 /// Answers with a turn's events: as SSE, or the end event's result as JSON.
@@ -464,14 +465,14 @@ pub async fn events(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     metrics::request("turns_events");
-    owned(&app, &user, &id).await?;
-    parse_turn_id(&turn_id)?;
+    let (id, _) = owned(&app, &user, &id).await?;
+    let turn_id = parse_turn_id(&turn_id)?;
     let from = last_event_id(&headers)?.or(q.after).map(|n| n + 1).unwrap_or(0);
     if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
         let slot = follower_slot(&app, &user)?;
         return Ok(respond_live(app, live, from, true, Some(slot)).await);
     }
-    let t = app.store.get_turn(&id, &turn_id).await?.ok_or_else(|| ApiError::not_found("turn"))?;
+    let t = app.store.get_turn(id.as_str(), turn_id.as_str()).await?.ok_or_else(|| ApiError::not_found("turn"))?;
     if t.state == TurnState::Streaming {
         // Another replica runs it (or ran it until it died: the stream then says so).
         return attach_stored(app, &user, id, turn_id, from, true).await;
@@ -487,17 +488,17 @@ pub async fn stop(
     Path((id, turn_id)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     metrics::request("turns_stop");
-    owned(&app, &user, &id).await?;
-    parse_turn_id(&turn_id)?;
+    let (id, _) = owned(&app, &user, &id).await?;
+    let turn_id = parse_turn_id(&turn_id)?;
     if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
         live.stop();
-        let mut events = Box::pin(live.follow(app.clone(), 0));
+        let mut events = Box::pin(live.follow(app.config.resume_grace, 0));
         while let Some((_, ev)) = events.next().await {
             if let TurnEvent::End(r) = ev {
                 return Ok(Json(serde_json::to_value(r).unwrap_or_default()));
             }
         }
     }
-    let t = app.store.get_turn(&id, &turn_id).await?.ok_or_else(|| ApiError::not_found("turn"))?;
+    let t = app.store.get_turn(id.as_str(), turn_id.as_str()).await?.ok_or_else(|| ApiError::not_found("turn"))?;
     Ok(Json(serde_json::to_value(polled::stored_result(&t)).unwrap_or_default()))
 }

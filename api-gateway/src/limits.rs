@@ -244,6 +244,14 @@ impl Limiter {
     }
 }
 
+/// Whose limit overrides a cache entry holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum LimitSubject {
+    User(String),
+    /// The stored hash of an API key.
+    Key(String),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,8 +9,8 @@ use crate::checks::{Filtered, OutputFilter};
 use crate::context::Prompt;
 use crate::error::ApiError;
 use crate::generator::{GenEvent, GenerateError, GenerateRequest, GenerationStream};
-use crate::auth::KeyHash;
-use crate::limits::{LimitOverrides, Permit};
+use crate::key_cache::KeyHash;
+use crate::limits::{LimitOverrides, LimitSubject, Permit};
 use crate::metrics;
 use crate::state::App;
 use crate::slo::TurnClock;
@@ -113,13 +113,6 @@ impl App {
     }
 }
 
-/// Whose limit overrides a cache entry holds.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum LimitSubject {
-    User(String),
-    Key(KeyHash),
-}
-
 impl App {
     /// The buckets a request is charged to and the overrides they run under:
     /// the user's overrides with its key's on top. A key with overrides of
@@ -128,7 +121,7 @@ impl App {
     /// keys; every other key of a user shares the user's buckets.
     async fn limits_for(&self, user: &str, key: &KeyHash) -> Result<(String, Option<LimitOverrides>), ApiError> {
         let of_user = self.cached_overrides(LimitSubject::User(user.to_string())).await?;
-        match self.cached_overrides(LimitSubject::Key(key.clone())).await? {
+        match self.cached_overrides(LimitSubject::Key(key.0.clone())).await? {
             None => Ok((user.to_string(), of_user)),
             Some(k) => Ok((format!("{user}\u{0}{}", key.0), Some(of_user.unwrap_or_default().under(&k)))),
         }
@@ -145,7 +138,7 @@ impl App {
         }
         let o = match &subject {
             LimitSubject::User(u) => self.store.user_limits(u).await?,
-            LimitSubject::Key(k) => self.store.key_limits(&k.0).await?,
+            LimitSubject::Key(k) => self.store.key_limits(&k).await?,
         };
         let mut cache = self.overrides_cache.lock().unwrap_or_else(|p| p.into_inner());
         if cache.len() > 100_000 {

@@ -10,7 +10,7 @@
 
 use crate::state::App;
 use crate::store::{StoreResult, Turn, TurnState};
-use crate::turns::{TurnEvent, TurnResult, UsageJson};
+use crate::live::{TurnEvent, TurnResult, UsageJson};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;

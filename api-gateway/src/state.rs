@@ -1,19 +1,21 @@
 //! The gateway's shared state: [`App`], which every request handler reads through
-//! `State<Arc<App>>` (`openai`, `conversations`, and the request plumbing they share:
-//! `auth`, `pipeline`, `turns`, `polled`), and [`build_app`], which builds it from a
-//! config, a generator, a store and the model's tokenizer and template.
+//! `State<Arc<App>>` (`openai`, `completions`, `conversations`, and the request plumbing
+//! they share: `auth`, `pipeline`, `turns`, `polled`), and [`build_app`], which builds it
+//! from a config, a generator, a store and the model's tokenizer and template.
 //!
-//! This module imports no handler module and not `server`: handlers import the state,
-//! `server` imports handlers and routes to them, so the dependency runs one way.
+//! This module imports no handler module, none of that plumbing, and not `server`: its
+//! parts are plain data modules (`key_cache`, `live`, `limits`, `admission`, ...) that
+//! import no state back. Handlers import the state, `server` imports handlers and
+//! routes to them, so every dependency runs one way.
 
-use crate::auth::KeyCache;
+use crate::key_cache::KeyCache;
 use crate::checks::{self, ContentCheck, LinkPolicy};
 use crate::context::ContextBuilder;
 use crate::generator::Generator;
 use crate::limits::Limiter;
 use crate::store::ConversationStore;
-use crate::turns::Registry;
-use crate::{auth, evictions, Config};
+use crate::live::Registry;
+use crate::{evictions, Config};
 use anyhow::Result;
 use baton_text::chat_template::ChatTemplate;
 use baton_text::tokenizer::Tokenizer;
@@ -41,7 +43,7 @@ pub struct App {
     pub model_id: String,
     /// Users' and keys' limit overrides with when they were read.
     pub overrides_cache: std::sync::Mutex<
-        std::collections::HashMap<crate::pipeline::LimitSubject, (Option<crate::limits::LimitOverrides>, std::time::Instant)>,
+        std::collections::HashMap<crate::limits::LimitSubject, (Option<crate::limits::LimitOverrides>, std::time::Instant)>,
     >,
 }
 
@@ -65,7 +67,7 @@ pub fn build_app(
         checks,
         check_window,
         context,
-        key_cache: auth::KeyCache::new(Duration::from_secs(10)),
+        key_cache: KeyCache::new(Duration::from_secs(10)),
         live: Default::default(),
         admission: Default::default(),
         model_id,

@@ -226,7 +226,7 @@ async fn an_address_guessing_keys_is_slowed_down() {
     for i in 0..25 {
         codes.push(models(format!("bk-guess-{i}")).await.unwrap().status().as_u16());
     }
-    let allowed = baton_api_gateway::auth::FAILED_LOOKUPS_PER_MINUTE as usize;
+    let allowed = baton_api_gateway::key_cache::FAILED_LOOKUPS_PER_MINUTE as usize;
     assert!(codes[..allowed].iter().all(|&c| c == 401), "{codes:?}");
     assert!(codes[allowed..].iter().all(|&c| c == 429), "{codes:?}");
     let r = models("bk-guess-again".into()).await.unwrap();

@@ -24,7 +24,7 @@ pub mod warm;
 
 use std::sync::Arc;
 
-use anyhow::Result;
+use baton_node_common::Result;
 use baton_node_common::engine_metrics::MetricsSpec;
 use baton_node_common::shell::{Node, NodeRole, RoleParts};
 use baton_proto::node::decode_node_server::DecodeNodeServer;
@@ -60,7 +60,7 @@ impl NodeRole for Decode {
 
     fn validate(&self) -> Result<()> {
         if self.warm_conversations == 0 {
-            anyhow::bail!("--warm-conversations must be positive");
+            return Err(baton_node_common::Error::Config("--warm-conversations must be positive".into()));
         }
         Ok(())
     }

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use crate::error::{Error, Result};
 use baton_engine::{model, Engine, EngineConfig};
 use baton_kernels::{Backend, CpuBackend};
 
@@ -59,10 +59,10 @@ pub struct EngineSetup {
 }
 
 impl TryFrom<NodeEngineArgs> for EngineSetup {
-    type Error = anyhow::Error;
+    type Error = Error;
     fn try_from(a: NodeEngineArgs) -> Result<Self> {
         if a.threads == 0 {
-            anyhow::bail!("--threads must be at least 1");
+            return Err(Error::config("--threads must be at least 1"));
         }
         let config = EngineConfig {
             kv_memory_bytes: a.kv_memory_mib << 20,
@@ -87,7 +87,7 @@ impl EngineSetup {
 /// not CUDA).
 pub fn start_engine(choice: BackendChoice, gpu: usize, threads: usize, path: &Path, config: EngineConfig) -> Result<Engine> {
     if !path.exists() {
-        anyhow::bail!("model {} not found; run scripts/fetch-model.sh or pass --model", path.display());
+        return Err(Error::ModelMissing(path.to_path_buf()));
     }
     let engine = match choice {
         BackendChoice::Cpu => start_on(CpuBackend::new(threads)?, path, config)?,
@@ -112,12 +112,12 @@ fn cuda_backend(gpu: usize) -> Result<baton_kernels::CudaBackend> {
 /// Without the feature this is never constructed; the type only has to be a backend.
 #[cfg(not(feature = "cuda"))]
 fn cuda_backend(_gpu: usize) -> Result<CpuBackend> {
-    Err(baton_kernels::cuda_unavailable().into())
+    Err(Error::Backend(baton_kernels::cuda_unavailable()))
 }
 
 /// Loads `path` on `backend` and starts the engine.
 pub fn start_on<B: Backend + 'static>(backend: B, path: &Path, config: EngineConfig) -> Result<Engine> {
     let loaded = if path.is_dir() { model::load_hf_dir(&backend, path) } else { model::load_gguf(&backend, path) }
-        .with_context(|| format!("loading {}", path.display()))?;
-    Ok(Engine::start(backend, loaded, config)?)
+        .map_err(|e| Error::Model { path: path.to_path_buf(), source: e.into() })?;
+    Ok(Engine::start(backend, loaded, config).map_err(baton_engine::Error::from)?)
 }

@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use crate::error::{Error, Result};
 use baton_engine::EngineInfo;
 use baton_kv_transport::transport::quic::QuicTuning;
 use baton_kv_transport::transport::select::{bind_node_transport, RdmaConfig, TransportChoice};
@@ -60,16 +60,16 @@ pub struct KvTransportArgs {
 }
 
 impl TryFrom<KvTransportArgs> for TransportChoice {
-    type Error = anyhow::Error;
+    type Error = Error;
     fn try_from(a: KvTransportArgs) -> Result<Self> {
         if a.rdma_port == 0 {
-            bail!("--rdma-port counts from 1");
+            return Err(Error::config("--rdma-port counts from 1"));
         }
         if a.rdma_slots == 0 || a.rdma_rings == 0 {
-            bail!("--rdma-slots and --rdma-rings must be positive");
+            return Err(Error::config("--rdma-slots and --rdma-rings must be positive"));
         }
         if a.rdma_device.as_deref() == Some("") {
-            bail!("--rdma-device must not be empty (leave it out for the first device)");
+            return Err(Error::config("--rdma-device must not be empty (leave it out for the first device)"));
         }
         Ok(match a.kv_transport {
             KvTransportKind::Quic => TransportChoice::Quic,
@@ -93,18 +93,18 @@ pub fn transport_layout(info: &EngineInfo) -> Result<KvLayout> {
         "bf16" => KvDtype::Bf16,
         "f32" => KvDtype::F32,
         "f8e4m3" => KvDtype::F8E4M3,
-        other => bail!("KV dtype {other} cannot be transported"),
+        other => return Err(Error::config(format!("KV dtype {other} cannot be transported"))),
     };
     let layout = KvLayout { layers: l.layers as u32, block_tokens: l.block_tokens as u32, kv_heads: l.kv_heads as u32, head_dim: l.head_dim as u32, dtype };
     if layout.bytes_per_block() != l.block_bytes() {
-        bail!("transport block of {} bytes differs from the engine's {}", layout.bytes_per_block(), l.block_bytes());
+        return Err(Error::config(format!("transport block of {} bytes differs from the engine's {}", layout.bytes_per_block(), l.block_bytes())));
     }
     Ok(layout)
 }
 
 /// Loads `ca.pem`, `<name>.pem` and `<name>.key` from `dir` (as `baton certs` writes them).
 pub fn load_tls(dir: &Path, name: &str) -> Result<NodeTls> {
-    NodeTls::from_dir(dir, name).context("loading the node's TLS identity")
+    Ok(NodeTls::from_dir(dir, name)?)
 }
 
 /// `name@host:port`, the form nodes advertise their KV endpoint in.
@@ -114,8 +114,8 @@ pub fn endpoint_string(name: &str, addr: SocketAddr) -> String {
 
 /// Parses an advertised KV endpoint.
 pub fn parse_endpoint(s: &str) -> Result<Peer> {
-    let (name, addr) = s.split_once('@').with_context(|| format!("KV endpoint {s:?} is not name@host:port"))?;
-    let addr: SocketAddr = addr.parse().with_context(|| format!("KV endpoint address {addr:?}"))?;
+    let (name, addr) = s.split_once('@').ok_or_else(|| Error::config(format!("KV endpoint {s:?} is not name@host:port")))?;
+    let addr: SocketAddr = addr.parse().map_err(|e| Error::config(format!("KV endpoint address {addr:?}: {e}")))?;
     Ok(Peer::Net { addr, server_name: name.to_string() })
 }
 
@@ -147,12 +147,12 @@ impl KvNode {
     /// from RDMA to QUIC (with a warning naming the reason) where RDMA cannot be used.
     /// Logs the transport it runs. Needs a Tokio runtime.
     pub fn start(name: &str, listen: SocketAddr, tls: &NodeTls, choice: &TransportChoice, layout: KvLayout, staging_blocks: usize) -> Result<KvNode> {
-        let staging = Arc::new(ArenaPool::new(layout, staging_blocks).context("staging pool")?);
-        let receiver = KvReceiver::new(staging.clone(), ReceiverConfig::default()).context("KV receiver")?;
+        let staging = Arc::new(ArenaPool::new(layout, staging_blocks).map_err(Error::transport("staging pool"))?);
+        let receiver = KvReceiver::new(staging.clone(), ReceiverConfig::default()).map_err(Error::transport("KV receiver"))?;
         let tuning = if listen.ip().is_loopback() { QuicTuning::loopback() } else { QuicTuning::default() };
         let requested = choice.name();
         let t = bind_node_transport(choice, listen, name, tls, &tuning, receiver.clone())
-            .with_context(|| format!("starting the KV transport ({requested}) on {listen}"))?;
+            .map_err(Error::transport(format!("starting the KV transport ({requested}) on {listen}")))?;
         let transport = t.transport();
         let endpoint = endpoint_string(name, t.local_addr);
         match &t.fallback {
@@ -241,7 +241,7 @@ mod tests {
     }
 
     fn choice(args: &[&str]) -> Result<TransportChoice> {
-        let flags = Flags::try_parse_from(std::iter::once("node").chain(args.iter().copied()))?;
+        let flags = Flags::try_parse_from(std::iter::once("node").chain(args.iter().copied())).map_err(|e| Error::Config(e.to_string()))?;
         flags.kv.try_into()
     }
 

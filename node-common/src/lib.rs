@@ -9,11 +9,14 @@
 pub mod convert;
 pub mod engine_args;
 pub mod engine_metrics;
+pub mod error;
 pub mod http;
 pub mod in_flight;
 pub mod kv;
 pub mod prefix_pull;
 pub mod shell;
+
+pub use error::{Error, Result};
 
 /// Declares what a role crate exports besides its role type:
 /// `node_role!(Decode, "decode", "DECODE", "72")` makes `Args` and `Config` (the

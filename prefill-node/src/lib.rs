@@ -16,7 +16,7 @@ mod service;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Result;
+use baton_node_common::Result;
 use baton_node_common::engine_metrics::MetricsSpec;
 use baton_node_common::shell::{parse_duration, ControlHooks, Node, NodeRole, RoleParts};
 use baton_proto::node::prefill_node_server::PrefillNodeServer;

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Result;
+use crate::error::{Error, Result};
 use baton_kv_transport::transport::select::TransportChoice;
 
 use super::NodeRole;
@@ -101,7 +101,7 @@ pub struct Config<R> {
 }
 
 impl<R: NodeRole + clap::Args + clap::FromArgMatches + Clone + std::fmt::Debug> TryFrom<Args<R>> for Config<R> {
-    type Error = anyhow::Error;
+    type Error = Error;
     fn try_from(a: Args<R>) -> Result<Self> {
         a.role.validate()?;
         Ok(Config { node: a.node.try_into()?, role: a.role })
@@ -129,19 +129,19 @@ pub struct NodeConfig {
 }
 
 impl<D: RoleDefaults> TryFrom<NodeArgs<D>> for NodeConfig {
-    type Error = anyhow::Error;
+    type Error = Error;
     fn try_from(a: NodeArgs<D>) -> Result<Self> {
         if a.name.is_empty() || a.name.contains('@') {
-            anyhow::bail!("--name must be non-empty and without '@'");
+            return Err(Error::config("--name must be non-empty and without '@'"));
         }
         if a.kv_deadline.is_zero() || a.kv_deadline > Duration::from_secs(600) {
-            anyhow::bail!("--kv-deadline must be in (0, 600s]");
+            return Err(Error::config("--kv-deadline must be in (0, 600s]"));
         }
         if a.kv_staging_mib == 0 {
-            anyhow::bail!("--kv-staging-mib must be positive");
+            return Err(Error::config("--kv-staging-mib must be positive"));
         }
         if a.drain_timeout.is_zero() || a.drain_timeout > Duration::from_secs(3600) {
-            anyhow::bail!("--drain-timeout must be in (0, 1h]");
+            return Err(Error::config("--drain-timeout must be in (0, 1h]"));
         }
         Ok(NodeConfig {
             name: a.name,
@@ -209,7 +209,7 @@ mod tests {
 
     fn config(flags: &[&str]) -> Result<NodeConfig> {
         let args = ["node", "--model", "m.gguf"].iter().chain(flags);
-        Cli::try_parse_from(args)?.node.try_into()
+        Cli::try_parse_from(args).map_err(|e| Error::Config(e.to_string()))?.node.try_into()
     }
 
     #[test]

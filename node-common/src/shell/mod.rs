@@ -19,7 +19,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use crate::error::{Error, Result};
 use baton_engine::Engine;
 use baton_kv_transport::NodeTls;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
@@ -142,10 +142,10 @@ pub struct Bound {
 pub async fn run<R: NodeRole>(config: Config<R>, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
     let Config { node: config, role } = config;
     let setup = config.engine.clone();
-    let engine = tokio::task::spawn_blocking(move || setup.start()).await.context("engine start")??;
+    let engine = tokio::task::spawn_blocking(move || setup.start()).await.map_err(|e| Error::Server { what: "engine start", reason: e.to_string() })??;
     let tls = kv::load_tls(&config.certs_dir, &config.name)?;
-    let grpc = TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
-    let http = TcpListener::bind(config.http_listen).await.with_context(|| format!("binding {}", config.http_listen))?;
+    let grpc = TcpListener::bind(config.listen).await.map_err(Error::io(format!("binding {}", config.listen)))?;
+    let http = TcpListener::bind(config.http_listen).await.map_err(Error::io(format!("binding {}", config.http_listen)))?;
     let print = |b: &Bound| println!("{} grpc={} http={} kv={}", R::ROLE.as_str(), b.grpc, b.http, b.kv_endpoint);
     let r = serve(Config { node: config, role }, Parts { engine: engine.clone(), tls, grpc, http }, print, shutdown).await;
     engine.shutdown();
@@ -165,11 +165,11 @@ pub async fn serve<R: NodeRole>(
     let layout = kv::transport_layout(&engine.info)?;
     let staging_blocks = (config.kv_staging_bytes / layout.bytes_per_block()).max(1);
     let kv = Arc::new(KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?);
-    let grpc_local = grpc.local_addr()?;
+    let grpc_local = grpc.local_addr().map_err(Error::io("the gRPC listener's address"))?;
     let host = config.advertise_host.clone().unwrap_or_else(|| advertise_ip(grpc_local));
     let grpc_addr = format!("{host}:{}", grpc_local.port());
     let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.local_addr.ip()), kv.local_addr.port()));
-    let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
+    let bound = Bound { grpc: grpc_local, http: http.local_addr().map_err(Error::io("the HTTP listener's address"))?, kv_endpoint: kv_endpoint.clone() };
     // The node's one plane: its certificate must name this role and this node.
     let plane = Plane::for_node(&tls, &config.name, R::ROLE, config.insecure_plaintext_internal)?;
     let coordinator = match &config.coordinator {
@@ -213,8 +213,8 @@ pub async fn serve<R: NodeRole>(
         m.shutdown().await;
     }
     kv.receiver.shutdown();
-    g.context("gRPC server")?;
-    h.context("HTTP server")?;
+    g.map_err(|e| Error::Server { what: "gRPC server", reason: e.to_string() })?;
+    h.map_err(Error::io("HTTP server"))?;
     Ok(())
 }
 

@@ -696,11 +696,10 @@ fn register_full_blocks(cache: &mut KvCache, bt: usize, seq: &mut Sequence) {
             seq.links.push(None);
             continue;
         };
-        let registered = if i < seq.local_layers_absent_below {
-            cache.register_without_local_layers(seq.blocks[i], key, parent, &owner)
-        } else {
-            cache.register(seq.blocks[i], key, parent, &owner)
-        };
+        let registered = cache.register(seq.blocks[i], key, parent, &owner);
+        if i < seq.local_layers_absent_below && matches!(registered, Ok(Registered::Published(_))) {
+            cache.mark_without_local_layers(seq.blocks[i]);
+        }
         let link = match registered {
             Ok(r @ Registered::Collision { .. }) => {
                 tracing::warn!(seq = seq.id.0, block = i, "block hash collision: the block stays private");

@@ -155,8 +155,8 @@ impl KvCache {
         }
     }
 
-    /// Sets the model's sliding windows: matches over blocks published with
-    /// [`KvCache::register_without_local_layers`] are cut by [`WindowRule::usable_prefix`].
+    /// Sets the model's sliding windows: matches over blocks marked by
+    /// [`KvCache::mark_without_local_layers`] are cut by [`WindowRule::usable_prefix`].
     pub fn set_window_rule(&mut self, rule: WindowRule) {
         self.window = Some(rule);
     }
@@ -401,29 +401,6 @@ impl KvCache {
         parent: Option<ChainLink>,
         owner: &BlockOwner,
     ) -> Result<Registered, KvError> {
-        self.publish(block, key, parent, owner, false)
-    }
-
-    /// [`KvCache::register`] for a block whose sliding-window layers were not received
-    /// (zeros there): matches use it only where the window rule lets them skip it.
-    pub fn register_without_local_layers(
-        &mut self,
-        block: BlockId,
-        key: BlockKey<'_>,
-        parent: Option<ChainLink>,
-        owner: &BlockOwner,
-    ) -> Result<Registered, KvError> {
-        self.publish(block, key, parent, owner, true)
-    }
-
-    fn publish(
-        &mut self,
-        block: BlockId,
-        key: BlockKey<'_>,
-        parent: Option<ChainLink>,
-        owner: &BlockOwner,
-        local_layers_absent: bool,
-    ) -> Result<Registered, KvError> {
         let hash = key.hash;
         match self.pool.state(block) {
             None => return Err(self.unknown(block)),
@@ -452,12 +429,22 @@ impl KvCache {
             }
         }
         let entry = Entry::new(&key, parent);
-        let entry = if local_layers_absent { entry.without_local_layers() } else { entry };
         let link = entry.link();
         self.pool.set_hash(block, hash);
         self.index.insert(hash, Indexed { block, entry });
         self.owners.record(hash, owner);
         Ok(Registered::Published(link))
+    }
+
+    /// Marks a block this sequence just published ([`Registered::Published`]) as lacking
+    /// its sliding-window layers (they were not received; zeros there): matches then use
+    /// it only where the window rule lets them skip it. A block not published is left as
+    /// it is (a duplicate's holder has its own layers).
+    pub fn mark_without_local_layers(&mut self, block: BlockId) {
+        let Some(hash) = self.pool.hash(block) else { return };
+        if let Some(ix) = self.index.get_mut(&hash).filter(|ix| ix.block == block) {
+            ix.entry.mark_without_local_layers();
+        }
     }
 
     fn unknown(&self, block: BlockId) -> KvError {

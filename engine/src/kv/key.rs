@@ -66,9 +66,9 @@ impl Entry {
         Self { link: ChainLink::fresh(), parent, scope: key.scope.clone(), tokens: key.tokens.into(), local_layers_absent: false }
     }
 
-    /// The same entry, marked as lacking its sliding-window layers.
-    pub(crate) fn without_local_layers(self) -> Self {
-        Self { local_layers_absent: true, ..self }
+    /// Marks the entry (same link) as lacking its sliding-window layers.
+    pub(crate) fn mark_without_local_layers(&mut self) {
+        self.local_layers_absent = true;
     }
 
     pub(crate) fn local_layers_absent(&self) -> bool {

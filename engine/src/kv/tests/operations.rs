@@ -289,12 +289,10 @@ fn blocks_lacking_local_layers_serve_only_matches_that_skip_them() {
     let mut parent = None;
     for (i, (&b, k)) in ids.iter().zip(&hs).enumerate() {
         store.write(b, &content(k.hash.0));
-        let r = if i < 2 {
-            cache.register_without_local_layers(b, k.key(), parent, &owner(0, 0))
-        } else {
-            cache.register(b, k.key(), parent, &owner(0, 0))
-        };
-        parent = r.expect("register").link();
+        parent = cache.register(b, k.key(), parent, &owner(0, 0)).expect("register").link();
+        if i < 2 {
+            cache.mark_without_local_layers(b);
+        }
     }
     cache.release(&ids).expect("release");
     for tier in [1, 2] {
@@ -331,7 +329,8 @@ fn blocks_lacking_local_layers_serve_only_matches_that_skip_them() {
     // Without a window rule a block lacking layers is never matched.
     let mut plain = KvCache::new(2, 0);
     let b = plain.allocate(1, &mut store).expect("allocate");
-    plain.register_without_local_layers(b[0], hs[0].key(), None, &owner(0, 0)).expect("register");
+    plain.register(b[0], hs[0].key(), None, &owner(0, 0)).expect("register");
+    plain.mark_without_local_layers(b[0]);
     plain.release(&b).expect("release");
     assert_eq!(plain.match_prefix(&keys(&hs[..2]), &mut store).blocks.len(), 0);
     plain.assert_consistent();

@@ -10,7 +10,7 @@
 //! Needs Gemma 3 270M (`scripts/fetch-model.sh gemma3`, or `BATON_GEMMA_MODEL`); says it
 //! is skipped otherwise.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,7 +35,7 @@ fn gemma_path() -> Option<PathBuf> {
     None
 }
 
-fn engine(path: &PathBuf) -> Engine {
+fn engine(path: &Path) -> Engine {
     let backend = CpuBackend::new(2).expect("threads");
     let loaded = load_gguf(&backend, path).expect("load Gemma 3");
     let config = EngineConfig { step_token_budget: 256, kv_memory_bytes: 96 << 20, max_context: Some(2048), tier2_bytes: 0, ..EngineConfig::default() };

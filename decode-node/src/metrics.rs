@@ -15,8 +15,11 @@ use baton_node_common::engine_metrics::NodeRecorder;
 
 /// Latency buckets (seconds) around the 50 ms ITL target.
 pub const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+/// Byte buckets of the KV a remote prefill left off the wire (64 KiB to 256 MiB).
+pub const SKIPPED_BYTES_BUCKETS: &[f64] = &[0.0, 65_536.0, 262_144.0, 1_048_576.0, 4_194_304.0, 16_777_216.0, 67_108_864.0, 268_435_456.0];
 /// Buckets of this role's histograms besides TTFT (the shell's), by name under the prefix.
-pub const BUCKETS: &[(&str, &[f64])] = &[("inter_token_latency_seconds", ITL_BUCKETS)];
+pub const BUCKETS: &[(&str, &[f64])] =
+    &[("inter_token_latency_seconds", ITL_BUCKETS), ("kv_window_skipped_bytes", SKIPPED_BYTES_BUCKETS)];
 
 /// Handles to the decode node's own series.
 pub struct Metrics {
@@ -35,6 +38,9 @@ pub struct Metrics {
     pub ttft: Histogram,
     /// `inter_token_latency_seconds`: engine time between consecutive tokens of one reply.
     pub itl: Histogram,
+    /// `kv_window_skipped_bytes`: per remote prefill (one turn), KV bytes not shipped
+    /// because they lay before every later row's sliding window.
+    pub window_skipped_bytes: Histogram,
     /// `drain_migrated_blocks_total`: KV blocks migrated away by a drain.
     drain_blocks: Counter,
     /// `adopted_prefixes_total`: prefixes adopted from a draining node.
@@ -55,6 +61,10 @@ impl Metrics {
             generated: n.counter("generated_tokens_total", "Tokens streamed", &[]),
             ttft: n.histogram("time_to_first_token_seconds", "Engine time from submission to the first token"),
             itl: n.histogram("inter_token_latency_seconds", "Engine time between consecutive tokens of one reply"),
+            window_skipped_bytes: n.histogram(
+                "kv_window_skipped_bytes",
+                "KV bytes a remote prefill did not ship, per turn: sliding-window layers' blocks before every later row's window",
+            ),
             drain_blocks: n.counter("drain_migrated_blocks_total", "KV blocks migrated to other decode nodes by a drain", &[]),
             adopted_prefixes: n.counter("adopted_prefixes_total", "Warm prefixes adopted from a draining decode node", &[]),
             adopted_blocks: n.counter("adopted_blocks_total", "KV blocks adopted from a draining decode node", &[]),
@@ -149,6 +159,7 @@ mod tests {
         m.migration("moved", 7);
         m.migration("failed", 0);
         m.adopted(3);
+        m.window_skipped_bytes.record(3_000_000.0);
         let text = node.render_own();
         assert_eq!(value(&text, "baton_decode_inter_token_latency_seconds_count"), Some(2.0), "{text}");
         assert_eq!(value(&text, "baton_decode_inter_token_latency_seconds_bucket{le=\"0.02\"}"), Some(1.0), "{text}");
@@ -158,5 +169,7 @@ mod tests {
         assert_eq!(value(&text, "baton_decode_drain_migrated_blocks_total"), Some(7.0), "{text}");
         assert_eq!(value(&text, "baton_decode_adopted_prefixes_total"), Some(1.0), "{text}");
         assert_eq!(value(&text, "baton_decode_adopted_blocks_total"), Some(3.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_kv_window_skipped_bytes_sum"), Some(3_000_000.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_kv_window_skipped_bytes_bucket{le=\"4194304\"}"), Some(1.0), "{text}");
     }
 }

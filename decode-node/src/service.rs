@@ -91,8 +91,9 @@ impl DecodeNode for DecodeService {
         let mut import = None;
         if let Route::Remote { addr, node } = self.router.route(&req, cached).await {
             match remote_prefill(&self.kv, &self.plane, &req, cached, (&addr, node.as_deref()), &self.grpc_addr, self.kv_deadline).await {
-                Ok(i) => {
-                    import = Some(i);
+                Ok(p) => {
+                    import = Some(p.import);
+                    self.metrics.window_skipped_bytes.record(p.window_skipped_bytes as f64);
                     path = pb::PrefillPath::Remote;
                     self.metrics.remote_prefills.inc();
                     self.metrics.imported(req.prompt.len().saturating_sub(cached) as u64);

@@ -18,10 +18,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use baton_engine::kv::WindowRule;
 use baton_engine::EngineInfo;
 use baton_kv_transport::transport::quic::QuicTuning;
 use baton_kv_transport::transport::select::{bind_node_transport, RdmaConfig, TransportChoice};
-use baton_kv_transport::{ArenaPool, BlockId, BlockSink, BlockSource, KvDtype, KvLayout, KvReceiver, KvSender, Listener, NodeTls, Peer, ReceiverConfig};
+use baton_kv_transport::{ArenaPool, BlockId, BlockSink, BlockSource, KvDtype, KvLayout, KvReceiver, KvSender, Listener, NodeTls, Peer, ReceiverConfig, Reservation};
 
 /// The KV transport a node asks for (`--kv-transport`).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -140,6 +141,9 @@ pub struct KvNode {
     pub transport: &'static str,
     /// Why RDMA was asked for and QUIC runs instead.
     pub fallback: Option<String>,
+    /// The engine's sliding windows: what a reservation asks senders not to ship
+    /// ([`KvNode::reserve_tail`]). Every layer global unless [`KvNode::with_windows`] said.
+    pub window: WindowRule,
 }
 
 impl KvNode {
@@ -170,7 +174,26 @@ impl KvNode {
             requested,
             transport,
             fallback: t.fallback,
+            window: WindowRule::new(layout.block_tokens as usize, vec![None; layout.layers as usize]),
         })
+    }
+
+    /// The same node, reserving by the engine's per-layer sliding windows
+    /// (`EngineInfo::layer_windows`).
+    pub fn with_windows(self, windows: Vec<Option<usize>>) -> Self {
+        KvNode { window: WindowRule::new(self.layout.block_tokens as usize, windows), ..self }
+    }
+
+    /// Reserves staging blocks for blocks `start_block..start_block + blocks` of a sequence
+    /// whose engine continues at position `next_pos`: each sliding-window layer skips the
+    /// leading blocks no row from `next_pos` on reads ([`WindowRule::unread_blocks`], the
+    /// rule the engine marks imported blocks by), so they are never shipped.
+    pub fn reserve_tail(&self, start_block: usize, blocks: usize, next_pos: usize, deadline: std::time::Duration) -> baton_kv_transport::Result<Reservation> {
+        let unread = self.window.unread_blocks(next_pos);
+        let skip = (0..self.layout.layers as usize)
+            .map(|l| unread.get(l).copied().unwrap_or(0).saturating_sub(start_block).min(blocks) as u32)
+            .collect();
+        self.receiver.reserve_skipping(blocks, 0..self.layout.layers, skip, Some(deadline))
     }
 
     /// Appends `baton_kv_transport_info` (Prometheus text): which transport runs, and

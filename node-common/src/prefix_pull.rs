@@ -44,7 +44,8 @@ pub async fn pull_prefix(
 ) -> Result<KvImport, Status> {
     let bt = kv.layout.block_tokens as usize;
     let blocks = prefix.len() / bt - start_block;
-    let reservation = kv.receiver.reserve(blocks, Some(deadline)).map_err(|e| Status::resource_exhausted(e.to_string()))?;
+    // The puller's engine computes on from the end of the pulled blocks.
+    let reservation = kv.reserve_tail(start_block, blocks, (start_block + blocks) * bt, deadline).map_err(|e| Status::resource_exhausted(e.to_string()))?;
     // The holder is a decode node; a KV link from any other role's certificate is refused.
     reservation.only_from(Expect::Role(Role::Decode));
     let ask = pb::ExportPrefixRequest {

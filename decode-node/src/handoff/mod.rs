@@ -85,6 +85,16 @@ impl Router {
     }
 }
 
+/// What a remote prefill brought.
+#[derive(Debug)]
+pub struct Prefilled {
+    /// The tail's blocks and first token, for the engine.
+    pub import: KvImport,
+    /// KV bytes the prefill node did not ship: sliding-window layers' blocks that no row
+    /// this node computes reads (the grant skipped them).
+    pub window_skipped_bytes: u64,
+}
+
 /// Has the prefill node at `addr` compute `req`'s tail past `cached` tokens
 /// and ship it into staging blocks here; returns the engine import.
 pub async fn remote_prefill(
@@ -95,12 +105,15 @@ pub async fn remote_prefill(
     (addr, node): (&str, Option<&str>),
     self_grpc: &str,
     deadline: Duration,
-) -> Result<KvImport, HandoffError> {
+) -> Result<Prefilled, HandoffError> {
     let bt = kv.layout.block_tokens as usize;
     let start_block = cached / bt;
     let end = req.prompt.len().div_ceil(bt);
     let started = Instant::now();
-    let reservation: Reservation = kv.receiver.reserve(end - start_block, Some(deadline)).map_err(HandoffError::Reserve)?;
+    // The engine continues at the prompt's end (the imported first token): local layers'
+    // blocks before that row's window are not shipped.
+    let reservation: Reservation = kv.reserve_tail(start_block, end - start_block, req.prompt.len(), deadline).map_err(HandoffError::Reserve)?;
+    let window_skipped_bytes = reservation.grant().skipped_bytes();
     // Only the prefill node asked may fill it: the grant travels inside the request, and a
     // KV link from any other certificate is refused.
     let expect = match node {
@@ -132,7 +145,7 @@ pub async fn remote_prefill(
     let blocks =
         tokio::time::timeout(left, reservation.finished()).await.map_err(|_| HandoffError::Deadline(deadline))?.map_err(HandoffError::Transfer)?;
     let bytes = kv.take_blocks(&blocks).map_err(HandoffError::Transfer)?;
-    Ok(KvImport {
+    let import = KvImport {
         start_block,
         blocks: bytes,
         first_token: Some(ImportedToken {
@@ -140,5 +153,6 @@ pub async fn remote_prefill(
             logprob: first.logprob.unwrap_or(0.0),
             top_logprobs: first.top_logprobs.iter().map(|t| (t.id, t.logprob)).collect(),
         }),
-    })
+    };
+    Ok(Prefilled { import, window_skipped_bytes })
 }

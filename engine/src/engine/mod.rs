@@ -197,8 +197,9 @@ pub struct EngineInfo {
     pub max_context: usize,
     pub kv_layout: KvLayout,
     /// Sliding window of each of the layout's layers (`None`: global). Local
-    /// layers still keep every position (attention masks the rest); this is
-    /// what reclaiming and not shipping out-of-window blocks will read.
+    /// layers still keep every position in the arena (attention skips the
+    /// rest); nodes reserve transfers by these windows, so out-of-window
+    /// blocks of local layers are not shipped (`crate::kv::WindowRule`).
     pub layer_windows: Vec<Option<usize>>,
     pub kv_blocks: usize,
     pub tier2_blocks: usize,

@@ -17,7 +17,7 @@ use super::sequence::{Parked, Sequence};
 use super::handoff::{plan_import, ImportPlan};
 use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
 use super::{Command, EngineConfig, EngineError, Event, FinishReason, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
-use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId};
+use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId, WindowRule};
 use crate::model::{Model, Scratch, StepInput};
 use baton_kernels::{AttnRow, Backend, KvLayout};
 use baton_text::sampling::{Sampled, Sampler, StopMatcher};
@@ -71,6 +71,8 @@ pub(crate) struct Worker<B: Backend> {
     kv: B::Kv,
     layout: KvLayout,
     cache: KvCache,
+    /// The model's sliding windows: which imported blocks lack their local layers.
+    window: WindowRule,
     /// Hashes every block chain (the canonical XXH64 outside collision tests).
     hasher: Arc<dyn BlockHasher>,
     config: EngineConfig,
@@ -101,12 +103,16 @@ impl<B: Backend> Worker<B> {
         rx: mpsc::Receiver<Command>,
     ) -> Self {
         let scratch = Scratch::new(&backend);
+        let window = WindowRule::new(layout.block_tokens, model.config.windows());
+        let mut cache = KvCache::new(blocks as u32, tier2_blocks);
+        cache.set_window_rule(window.clone());
         let mut worker = Worker {
             backend,
             model,
             kv,
             layout,
-            cache: KvCache::new(blocks as u32, tier2_blocks),
+            cache,
+            window,
             hasher,
             config,
             max_context,
@@ -287,6 +293,7 @@ impl<B: Backend> Worker<B> {
             parked: None,
             import,
             imported_first: None,
+            local_layers_absent_below: 0,
             export,
             request: Request { sampling, ..request },
         };
@@ -433,6 +440,7 @@ impl<B: Backend> Worker<B> {
     /// sequence's tokens. All or nothing.
     fn start_fresh(&mut self, seq: &mut Sequence) -> bool {
         let bt = self.layout.block_tokens;
+        seq.local_layers_absent_below = 0;
         // At least one token must be computed to get logits.
         let matchable = (seq.tokens.len() - 1) / bt;
         seq.chain.update(&seq.tokens[..matchable * bt]);
@@ -460,6 +468,9 @@ impl<B: Backend> Worker<B> {
                             let ids: Vec<usize> = seq.blocks[first..end].iter().map(|b| b.index()).collect();
                             let data: Vec<&[u8]> = import.blocks[first - import.start_block..end - import.start_block].iter().map(Vec::as_slice).collect();
                             store.backend.kv_blocks_in(store.kv, &ids, &data);
+                            // The sender may have left these blocks' local layers out (the
+                            // receiver skipped them by the same rule, continuing at `computed`).
+                            seq.local_layers_absent_below = self.window.partial_blocks(computed).min(end);
                             seq.computed = computed;
                             seq.imported_first = import.first_token;
                         }
@@ -685,7 +696,11 @@ fn register_full_blocks(cache: &mut KvCache, bt: usize, seq: &mut Sequence) {
             seq.links.push(None);
             continue;
         };
-        let link = match cache.register(seq.blocks[i], key, parent, &owner) {
+        let registered = cache.register(seq.blocks[i], key, parent, &owner);
+        if i < seq.local_layers_absent_below && matches!(registered, Ok(Registered::Published(_))) {
+            cache.mark_without_local_layers(seq.blocks[i]);
+        }
+        let link = match registered {
             Ok(r @ Registered::Collision { .. }) => {
                 tracing::warn!(seq = seq.id.0, block = i, "block hash collision: the block stays private");
                 r.link()

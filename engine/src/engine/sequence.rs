@@ -45,6 +45,9 @@ pub(crate) struct Sequence {
     pub import: Option<Box<KvImport>>,
     /// The imported first token, accepted right after admission.
     pub imported_first: Option<ImportedToken>,
+    /// Blocks below this index came in an import that may lack their sliding-window
+    /// layers: they are published as such (see `crate::kv::WindowRule`).
+    pub local_layers_absent_below: usize,
     /// Where to send the prompt's blocks (from the given block) at the first token.
     pub export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
 }

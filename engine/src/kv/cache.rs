@@ -25,6 +25,7 @@ use super::key::{BlockKey, ChainLink, Entry};
 use super::owners::Owners;
 use super::pool::{BlockPool, BlockState, Released};
 use super::tier::Tier2;
+use super::window::WindowRule;
 use super::{BlockStore, KvError, KvStats};
 
 /// Swap IDs are unique in the process, so a handle from another cache is detected
@@ -134,6 +135,9 @@ pub struct KvCache {
     stats: KvStats,
     /// Scratch for hashes the second tier dropped (reused to avoid allocating).
     dropped: Vec<BlockHash>,
+    /// The model's sliding windows, which decide how much of a match whose blocks lack
+    /// their local layers may be used; `None`: no block ever lacks them.
+    window: Option<WindowRule>,
 }
 
 impl KvCache {
@@ -147,6 +151,23 @@ impl KvCache {
             owners: Owners::default(),
             stats: KvStats::default(),
             dropped: Vec::new(),
+            window: None,
+        }
+    }
+
+    /// Sets the model's sliding windows: matches over blocks marked by
+    /// [`KvCache::mark_without_local_layers`] are cut by [`WindowRule::usable_prefix`].
+    pub fn set_window_rule(&mut self, rule: WindowRule) {
+        self.window = Some(rule);
+    }
+
+    /// How many of `n` matched blocks, `partial` of them lacking their local layers, a
+    /// sequence may use (all of them unless a window rule says otherwise).
+    fn usable(&self, partial: &[bool]) -> usize {
+        match &self.window {
+            Some(rule) if partial.iter().any(|&p| p) => rule.usable_prefix(partial),
+            _ if partial.iter().any(|&p| p) => 0,
+            _ => partial.len(),
         }
     }
 
@@ -194,23 +215,27 @@ impl KvCache {
     /// Cheap enough for admission and routing decisions. Decided exactly like
     /// [`KvCache::match_prefix`].
     pub fn peek_prefix(&self, keys: &[BlockKey<'_>]) -> PrefixPeek {
-        let mut peek = PrefixPeek::default();
         let mut parent = None;
+        // Per matched block: (from the second tier, lacks its local layers).
+        let mut found: Vec<(bool, bool)> = Vec::new();
         for key in keys {
             if let Some(ix) = self.index.get(&key.hash) {
                 if !ix.entry.is(key, parent) {
                     break;
                 }
                 parent = Some(ix.entry.link());
-                peek.primary += 1;
+                found.push((false, ix.entry.local_layers_absent()));
             } else if let Some(entry) = self.tier2.entry(key.hash).filter(|e| e.is(key, parent)) {
                 parent = Some(entry.link());
-                peek.tier2 += 1;
+                found.push((true, entry.local_layers_absent()));
             } else {
                 break;
             }
         }
-        peek
+        let partial: Vec<bool> = found.iter().map(|&(_, p)| p).collect();
+        let usable = &found[..self.usable(&partial)];
+        let tier2 = usable.iter().filter(|&&(t, _)| t).count();
+        PrefixPeek { primary: usable.len() - tier2, tier2 }
     }
 
     /// Pins the blocks of the longest run of leading `keys` that is cached.
@@ -224,9 +249,16 @@ impl KvCache {
     /// block in use). A second-tier hit is promoted into a freshly allocated primary
     /// block with `copy_in`; if no primary block can be had (everything pinned) the
     /// match stops there.
+    ///
+    /// A match over blocks that lack their sliding-window layers is then cut where the
+    /// window rule says (see [`KvCache::set_window_rule`]); the blocks past the cut are
+    /// released again (a promoted one stays in the primary pool, cached).
     pub fn match_prefix(&mut self, keys: &[BlockKey<'_>], store: &mut dyn BlockStore) -> PrefixMatch {
         let mut out = PrefixMatch::default();
         let mut parent = None;
+        // Per matched block: lacks its local layers.
+        let mut partial: Vec<bool> = Vec::new();
+        let mut from_tier2: Vec<bool> = Vec::new();
         for key in keys {
             let h = key.hash;
             if let Some(ix) = self.index.get(&h) {
@@ -238,6 +270,8 @@ impl KvCache {
                 if !self.pool.acquire(b) {
                     break; // unreachable while the invariants hold
                 }
+                partial.push(ix.entry.local_layers_absent());
+                from_tier2.push(false);
                 out.blocks.push(b);
                 out.links.push(link);
                 out.primary_hits += 1;
@@ -269,12 +303,22 @@ impl KvCache {
             };
             store.copy_in(b, &data);
             let link = entry.link();
+            partial.push(entry.local_layers_absent());
+            from_tier2.push(true);
             self.pool.set_hash(b, h);
             self.index.insert(h, Indexed { block: b, entry });
             out.blocks.push(b);
             out.links.push(link);
             out.tier2_hits += 1;
             parent = Some(link);
+        }
+        let usable = self.usable(&partial);
+        if usable < out.blocks.len() {
+            self.release_unchecked(&out.blocks[usable..]);
+            out.blocks.truncate(usable);
+            out.links.truncate(usable);
+            out.tier2_hits = from_tier2[..usable].iter().filter(|&&t| t).count();
+            out.primary_hits = usable - out.tier2_hits;
         }
         self.stats.primary_hits += out.primary_hits as u64;
         self.stats.tier2_hits += out.tier2_hits as u64;
@@ -390,6 +434,17 @@ impl KvCache {
         self.index.insert(hash, Indexed { block, entry });
         self.owners.record(hash, owner);
         Ok(Registered::Published(link))
+    }
+
+    /// Marks a block this sequence just published ([`Registered::Published`]) as lacking
+    /// its sliding-window layers (they were not received; zeros there): matches then use
+    /// it only where the window rule lets them skip it. A block not published is left as
+    /// it is (a duplicate's holder has its own layers).
+    pub fn mark_without_local_layers(&mut self, block: BlockId) {
+        let Some(hash) = self.pool.hash(block) else { return };
+        if let Some(ix) = self.index.get_mut(&hash).filter(|ix| ix.block == block) {
+            ix.entry.mark_without_local_layers();
+        }
     }
 
     fn unknown(&self, block: BlockId) -> KvError {

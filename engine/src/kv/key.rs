@@ -54,12 +54,25 @@ pub(crate) struct Entry {
     parent: Option<ChainLink>,
     scope: OwnerScope,
     tokens: Box<[u32]>,
+    /// The block's sliding-window layers were not received (see [`super::window`]): it
+    /// serves only matches that the window rule lets skip it. Not compared by [`Entry::is`]:
+    /// it says how the block may be used, not which block it is.
+    local_layers_absent: bool,
 }
 
 impl Entry {
     /// A new entry for a block published as `key` after `parent`, with a fresh link.
     pub(crate) fn new(key: &BlockKey<'_>, parent: Option<ChainLink>) -> Self {
-        Self { link: ChainLink::fresh(), parent, scope: key.scope.clone(), tokens: key.tokens.into() }
+        Self { link: ChainLink::fresh(), parent, scope: key.scope.clone(), tokens: key.tokens.into(), local_layers_absent: false }
+    }
+
+    /// Marks the entry (same link) as lacking its sliding-window layers.
+    pub(crate) fn mark_without_local_layers(&mut self) {
+        self.local_layers_absent = true;
+    }
+
+    pub(crate) fn local_layers_absent(&self) -> bool {
+        self.local_layers_absent
     }
 
     pub(crate) fn link(&self) -> ChainLink {

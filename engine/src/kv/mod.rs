@@ -18,6 +18,9 @@
 //!   recently used first). Evicted blocks spill to the second tier (host memory) and
 //!   are promoted back on a match; preempted sequences swap out to the same tier.
 //!   Deleting a conversation or a user removes their blocks from both tiers.
+//! - [`WindowRule`]: a block whose sliding-window layers were left off the wire (they lie
+//!   before every later row's window) is published as lacking them, and a match is cut
+//!   where a row computed after it could read such a block.
 //!
 //! Invariant: `free + used + cached == total` at every step, and every operation that
 //! fails changes nothing.
@@ -30,6 +33,7 @@ mod lru;
 mod owners;
 mod pool;
 mod tier;
+mod window;
 
 #[cfg(test)]
 mod tests;
@@ -39,6 +43,7 @@ pub use hash::{block_hash, prefix_hashes, xxh64, BlockHasher, ConstantHasher, Ha
 pub use key::{BlockKey, ChainLink};
 pub use ids::{BlockHash, BlockId, BlockOwner, ConversationId, OwnerId, OwnerScope, SeqId};
 pub use pool::BlockState;
+pub use window::WindowRule;
 
 /// Tokens per block unless configured otherwise (as vLLM): small enough that a
 /// partially filled last block wastes little, large enough that per-block

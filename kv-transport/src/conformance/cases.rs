@@ -157,6 +157,57 @@ pub async fn partial_layer_range(kind: Kind) {
     rig.finish(&src, &dst);
 }
 
+/// A sliding-window receiver skips leading blocks of some layers: the sender leaves them off
+/// the wire, the wanted block-layers land bit-exact, the skipped ones read as zeros (never
+/// an earlier reservation's bytes), and a sender that ships a skipped block is refused.
+pub async fn skipped_block_layers_stay_off_the_wire(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let n = 9;
+    let src = rig.source_blocks(n, 7);
+    // Fill the receiver's blocks once, so a later reservation reuses dirty blocks.
+    let res = rig.receiver.reserve(n, LONG).unwrap();
+    rig.sender.send(&rig.peer, res.grant(), rig.src.clone(), src.clone()).await.unwrap();
+    let dirty = res.finished().await.unwrap();
+    rig.dst.release(&dirty);
+    let sent_before = rig.sender.stats().snapshot().bytes;
+
+    let skip = vec![5, 0, 9, 2];
+    let res = rig.receiver.reserve_skipping(n, 0..SMALL.layers, skip.clone(), LONG).unwrap();
+    assert_eq!(res.grant().skipped_block_layers(), 16);
+    within(Duration::from_secs(20), rig.sender.send(&rig.peer, res.grant(), rig.src.clone(), src.clone())).await.unwrap();
+    let dst = res.finished().await.unwrap();
+    let bl = SMALL.bytes_per_block_layer();
+    for layer in 0..SMALL.layers {
+        for (i, (s, d)) in src.iter().zip(&dst).enumerate() {
+            let (mut a, mut b) = (vec![0; bl], vec![0; bl]);
+            crate::pool::BlockSource::read_layer(&*rig.src, *s, layer, &mut a).unwrap();
+            crate::pool::BlockSource::read_layer(&*rig.dst, *d, layer, &mut b).unwrap();
+            if i < skip[layer as usize] as usize {
+                assert!(b.iter().all(|&x| x == 0), "skipped block {i} of layer {layer} is not zero");
+            } else {
+                assert_eq!(a, b, "block {i} of layer {layer}");
+            }
+        }
+    }
+    let wanted = (n * SMALL.layers as usize - 16) as u64;
+    assert_eq!(rig.sender.stats().snapshot().block_layers, (n * SMALL.layers as usize) as u64 + wanted);
+    let sent = rig.sender.stats().snapshot().bytes - sent_before;
+    assert!(sent >= wanted * bl as u64 && sent < (wanted + 1) * bl as u64 + 64 * 1024, "sent {sent} bytes for {wanted} block-layers");
+
+    // A sender that ignores the skip (ships layer 0 from block 0) is refused.
+    let res = rig.receiver.reserve_skipping(n, 0..SMALL.layers, skip, LONG).unwrap();
+    let mut greedy = res.grant().clone();
+    greedy.skip = vec![0; SMALL.layers as usize];
+    let mut t = rig.sender.start(&rig.peer, &greedy, rig.src.clone(), src.clone()).await.unwrap();
+    let r = t.send_layer(0).await.and(t.finish().await);
+    assert_eq!(kind_of(r), "out_of_range");
+    assert_eq!(kind_of(res.finished().await), "out_of_range");
+    // Skips must be one per layer and at most the block count.
+    assert!(rig.receiver.reserve_skipping(n, 0..SMALL.layers, vec![1], LONG).is_err());
+    assert!(rig.receiver.reserve_skipping(n, 0..SMALL.layers, vec![0, 0, 10, 0], LONG).is_err());
+    rig.finish(&src, &dst);
+}
+
 pub async fn corrupted_payload_is_detected_and_not_installed(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let src = rig.source_blocks(8, 3);

@@ -300,6 +300,7 @@ suite!(
     round_trip_bit_exact,
     layer_by_layer_arrival,
     partial_layer_range,
+    skipped_block_layers_stay_off_the_wire,
     corrupted_payload_is_detected_and_not_installed,
     unknown_or_stale_reservation_is_rejected,
     expired_reservation_is_released_once_and_rejects_late_frames,

@@ -3,8 +3,14 @@
 //! Owns: [`Grant`] and its byte encoding, which the node services carry inside their own
 //! RPCs (the transport does not care how a grant travels).
 //! Invariants: a decoded grant has a valid layout, a non-empty layer range inside it, at most
-//! [`MAX_GRANT_BLOCKS`] blocks (checked before allocating), and a deadline measured from the
-//! moment it was decoded on this node, so clocks of different nodes never need to agree.
+//! [`MAX_GRANT_BLOCKS`] blocks (checked before allocating), one skip count per layer of the
+//! range, none above the block count, and a deadline measured from the moment it was decoded
+//! on this node, so clocks of different nodes never need to agree.
+//!
+//! Skips are how a sliding-window layer's blocks that no later row will read stay off the
+//! wire: the receiver, which knows the position its engine continues from, names for each
+//! layer how many leading blocks it does not want; the sender sends the rest, and the
+//! receiver refuses the skipped ones like any block outside the grant.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -16,7 +22,8 @@ use crate::types::{BlockId, Epoch, KvDtype, KvLayout, ReservationId};
 pub const MAX_GRANT_BLOCKS: usize = 1 << 20;
 
 const GRANT_MAGIC: [u8; 4] = *b"BKVG";
-const GRANT_VERSION: u8 = 1;
+/// Version 2 added the per-layer skip counts after the block list.
+const GRANT_VERSION: u8 = 2;
 const GRANT_FIXED_LEN: usize = 4 + 1 + 8 + 8 + 4 * 4 + 1 + 4 + 4 + 8 + 4;
 
 /// Permission to fill one reservation on one receiver.
@@ -29,6 +36,10 @@ pub struct Grant {
     pub layers: Range<u32>,
     /// The receiver's blocks, in the order the sender's blocks map onto them.
     pub blocks: Vec<BlockId>,
+    /// For each layer of `layers`, in order, how many leading `blocks` the receiver does not
+    /// want (a sliding-window layer's blocks that fall before every later row's window); the
+    /// sender ships blocks `skip[i]..` of layer `layers.start + i`. All zero: every block.
+    pub skip: Vec<u32>,
     /// How long the reservation lives, measured from `issued_at`.
     pub deadline: Duration,
     /// When this node created or decoded the grant.
@@ -48,12 +59,31 @@ impl Grant {
 
     /// Block-layers a complete transfer delivers.
     pub fn block_layers(&self) -> u64 {
-        self.blocks.len() as u64 * u64::from(self.layers.end - self.layers.start)
+        self.blocks.len() as u64 * u64::from(self.layers.end - self.layers.start) - self.skipped_block_layers()
+    }
+
+    /// Block-layers the receiver does not want (see [`Grant::skip`]).
+    pub fn skipped_block_layers(&self) -> u64 {
+        self.skip.iter().map(|&s| u64::from(s)).sum()
+    }
+
+    /// Bytes a complete transfer leaves off the wire because of [`Grant::skip`].
+    pub fn skipped_bytes(&self) -> u64 {
+        self.skipped_block_layers() * self.layout.bytes_per_block_layer() as u64
+    }
+
+    /// The first grant block index shipped for `layer` (0 for a layer outside the range).
+    pub fn first_block(&self, layer: u32) -> u32 {
+        layer
+            .checked_sub(self.layers.start)
+            .and_then(|i| self.skip.get(i as usize))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Encodes the grant; the deadline written is the time remaining now.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(GRANT_FIXED_LEN + 4 * self.blocks.len());
+        let mut b = Vec::with_capacity(GRANT_FIXED_LEN + 4 * (self.blocks.len() + self.skip.len()));
         b.extend_from_slice(&GRANT_MAGIC);
         b.push(GRANT_VERSION);
         b.extend_from_slice(&self.reservation.0.to_le_bytes());
@@ -74,6 +104,9 @@ impl Grant {
         b.extend_from_slice(&(self.blocks.len() as u32).to_le_bytes());
         for blk in &self.blocks {
             b.extend_from_slice(&blk.0.to_le_bytes());
+        }
+        for s in &self.skip {
+            b.extend_from_slice(&s.to_le_bytes());
         }
         b
     }
@@ -130,19 +163,24 @@ impl Grant {
                 max: MAX_GRANT_BLOCKS as u64,
             });
         }
-        if b.len() != GRANT_FIXED_LEN + 4 * n {
-            return Err(bad("grant length does not match its block count"));
+        // One skip count per layer of the range follows the blocks.
+        let n_layers = (end - start) as usize;
+        if b.len() != GRANT_FIXED_LEN + 4 * (n + n_layers) {
+            return Err(bad("grant length does not match its block and layer counts"));
         }
-        let blocks = b[GRANT_FIXED_LEN..]
-            .chunks_exact(4)
-            .map(|c| BlockId(u32_of(c)))
-            .collect();
+        let (block_bytes, skip_bytes) = b[GRANT_FIXED_LEN..].split_at(4 * n);
+        let blocks = block_bytes.chunks_exact(4).map(|c| BlockId(u32_of(c))).collect();
+        let skip: Vec<u32> = skip_bytes.chunks_exact(4).map(u32_of).collect();
+        if skip.iter().any(|&s| s as usize > n) {
+            return Err(bad("grant skips more blocks of a layer than it names"));
+        }
         Ok(Grant {
             reservation,
             epoch,
             layout,
             layers: start..end,
             blocks,
+            skip,
             deadline,
             issued_at: Instant::now(),
         })
@@ -160,6 +198,7 @@ mod tests {
             epoch: Epoch(0xdead_beef),
             layout: KvLayout::smollm2_135m(KvDtype::F16),
             layers: 0..30,
+            skip: (0..30).map(|l| (l % 3 == 0) as u32 * blocks.len().min(2) as u32).collect(),
             blocks,
             deadline: Duration::from_secs(30),
             issued_at: Instant::now(),
@@ -177,6 +216,30 @@ mod tests {
         assert_eq!(Grant::from_bytes(&b).unwrap_err().label(), "frame_too_large");
     }
 
+    #[test]
+    fn skips_are_one_per_layer_and_never_above_the_block_count() {
+        let g = grant(vec![BlockId(1), BlockId(2), BlockId(3)]);
+        assert_eq!(g.skipped_block_layers(), 10 * 2);
+        assert_eq!(g.block_layers(), 30 * 3 - 20);
+        assert_eq!((g.first_block(0), g.first_block(1), g.first_block(30)), (2, 0, 0));
+        assert_eq!(g.skipped_bytes(), 20 * g.layout.bytes_per_block_layer() as u64);
+        // A skip count that names more blocks than the grant has.
+        let mut b = g.to_bytes();
+        let at = b.len() - 4;
+        b[at..].copy_from_slice(&4u32.to_le_bytes());
+        assert_eq!(Grant::from_bytes(&b).unwrap_err().to_string(), Error::FrameMalformed { what: "grant skips more blocks of a layer than it names" }.to_string());
+        // Skip counts missing (a version-1 body under a version-2 header) or one too many.
+        let b = g.to_bytes();
+        assert!(Grant::from_bytes(&b[..b.len() - 4 * 30]).is_err());
+        let mut longer = g.to_bytes();
+        longer.extend_from_slice(&0u32.to_le_bytes());
+        assert!(Grant::from_bytes(&longer).is_err());
+        // A version-1 grant is refused by its version, not misread.
+        let mut v1 = g.to_bytes();
+        v1[4] = 1;
+        assert_eq!(Grant::from_bytes(&v1).unwrap_err().label(), "unsupported_version");
+    }
+
     proptest! {
         #[test]
         fn round_trip(ids in prop::collection::vec(any::<u32>(), 0..300)) {
@@ -187,6 +250,7 @@ mod tests {
             prop_assert_eq!(back.layout, g.layout);
             prop_assert_eq!(&back.layers, &g.layers);
             prop_assert_eq!(&back.blocks, &g.blocks);
+            prop_assert_eq!(&back.skip, &g.skip);
             prop_assert!(back.deadline <= g.deadline);
             prop_assert!(back.deadline > Duration::from_secs(29));
         }

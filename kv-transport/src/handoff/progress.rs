@@ -2,8 +2,9 @@
 //!
 //! Owns: [`Progress`], a bitmap over (layer, block index) plus per-layer counts.
 //! Invariants: a (layer, block) pair is admitted at most once and only inside the
-//! reservation; `ready_layers` counts the complete layers from the first one without a gap;
-//! `missing() == 0` exactly when every pair was recorded.
+//! reservation and at or after its layer's skip (see [`crate::Grant::skip`]); `ready_layers`
+//! counts the complete layers from the first one without a gap; `missing() == 0` exactly
+//! when every wanted pair was recorded.
 
 use std::ops::Range;
 
@@ -14,6 +15,8 @@ use crate::types::ReservationId;
 pub struct Progress {
     blocks: u32,
     layers: Range<u32>,
+    /// Per layer of the range: leading blocks not wanted.
+    skip: Vec<u32>,
     installed: Vec<u64>,
     per_layer: Vec<u32>,
     ready_layers: u32,
@@ -21,17 +24,29 @@ pub struct Progress {
 }
 
 impl Progress {
-    pub fn new(blocks: u32, layers: Range<u32>) -> Self {
+    /// Progress over `blocks` blocks of `layers`, of which layer `layers.start + i` wants
+    /// blocks `skip[i]..` only (a missing or larger entry: see [`Progress::skip_of`]).
+    pub fn new(blocks: u32, layers: Range<u32>, skip: &[u32]) -> Self {
         let n_layers = layers.end.saturating_sub(layers.start);
         let bits = u64::from(blocks) * u64::from(n_layers);
-        Progress {
+        let skip: Vec<u32> = (0..n_layers as usize).map(|i| skip.get(i).copied().unwrap_or(0).min(blocks)).collect();
+        let skipped: u64 = skip.iter().map(|&s| u64::from(s)).sum();
+        let mut p = Progress {
             blocks,
             layers,
+            per_layer: skip.clone(),
+            skip,
             installed: vec![0; bits.div_ceil(64) as usize],
-            per_layer: vec![0; n_layers as usize],
             ready_layers: 0,
-            missing: bits,
-        }
+            missing: bits - skipped,
+        };
+        p.advance_ready();
+        p
+    }
+
+    /// Leading blocks layer `layer` (inside the range) does not want.
+    fn skip_of(&self, layer: u32) -> u32 {
+        self.skip[(layer - self.layers.start) as usize]
     }
 
     fn bit(&self, layer: u32, block: u32) -> usize {
@@ -60,6 +75,10 @@ impl Progress {
                 block: first.max(self.blocks),
             });
         }
+        if first < self.skip_of(layer) {
+            // Before the layer's window: the receiver asked not to get it.
+            return Err(Error::OutOfRange { reservation, layer, block: first });
+        }
         for b in first..first + count {
             let i = self.bit(layer, b);
             if self.installed[i / 64] & (1 << (i % 64)) != 0 {
@@ -81,6 +100,10 @@ impl Progress {
         }
         self.per_layer[(layer - self.layers.start) as usize] += count;
         self.missing -= u64::from(count);
+        self.advance_ready();
+    }
+
+    fn advance_ready(&mut self) {
         while (self.ready_layers as usize) < self.per_layer.len()
             && self.per_layer[self.ready_layers as usize] == self.blocks
         {
@@ -112,14 +135,20 @@ mod tests {
             start in 0u32..3,
             n_layers in 1u32..5,
             frames in prop::collection::vec((0u32..9, 0u32..24, 0u32..6), 0..80),
+            skips in prop::collection::vec(0u32..24, 0..5),
         ) {
             let layers = start..start + n_layers;
-            let mut p = Progress::new(blocks, layers.clone());
-            let mut model: HashSet<(u32, u32)> = HashSet::new();
+            let mut p = Progress::new(blocks, layers.clone(), &skips);
+            let skip = |layer: u32| skips.get((layer - start) as usize).copied().unwrap_or(0).min(blocks);
+            // The model: skipped pairs count as present from the start.
+            let mut model: HashSet<(u32, u32)> =
+                layers.clone().flat_map(|l| (0..skip(l)).map(move |b| (l, b))).collect();
+            let skipped = model.len() as u64;
             for (layer, first, count) in frames {
                 let ok = layers.contains(&layer)
                     && count > 0
                     && first + count <= blocks
+                    && first >= skip(layer)
                     && (first..first + count).all(|b| !model.contains(&(layer, b)));
                 let r = p.admit(ReservationId(1), layer, first, count);
                 prop_assert_eq!(r.is_ok(), ok);
@@ -129,6 +158,7 @@ mod tests {
                 }
                 let total = u64::from(blocks) * u64::from(n_layers);
                 prop_assert_eq!(p.missing(), total - model.len() as u64);
+                prop_assert!(model.len() as u64 >= skipped);
                 let ready = (0..n_layers)
                     .take_while(|l| (0..blocks).all(|b| model.contains(&(start + l, b))))
                     .count() as u32;

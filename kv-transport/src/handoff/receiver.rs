@@ -242,6 +242,19 @@ impl KvReceiver {
         layers: Range<u32>,
         deadline: Option<Duration>,
     ) -> Result<Reservation> {
+        self.reserve_skipping(blocks, layers, Vec::new(), deadline)
+    }
+
+    /// Reserves `blocks` blocks for `layers`, of which layer `layers.start + i` is filled from
+    /// block `skip[i]` on (see [`Grant::skip`]; an empty `skip` wants every block). The
+    /// skipped block-layers are zeroed here, so they hold nothing of an earlier reservation.
+    pub fn reserve_skipping(
+        &self,
+        blocks: usize,
+        layers: Range<u32>,
+        skip: Vec<u32>,
+        deadline: Option<Duration>,
+    ) -> Result<Reservation> {
         let inner = &self.inner;
         let deadline = deadline.unwrap_or(inner.config.default_deadline);
         if deadline.is_zero() || deadline > inner.config.max_deadline {
@@ -259,10 +272,20 @@ impl KvReceiver {
                 what: "layer range is empty or outside the layout",
             });
         }
+        let skip = if skip.is_empty() { vec![0; (layers.end - layers.start) as usize] } else { skip };
+        if skip.len() != (layers.end - layers.start) as usize || skip.iter().any(|&s| s as usize > blocks) {
+            return Err(Error::InvalidArgument {
+                what: "skip counts must be one per layer, none above the block count",
+            });
+        }
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::InvalidArgument {
             what: "reserve must be called inside a Tokio runtime",
         })?;
         let block_ids = inner.sink.reserve(blocks)?;
+        if let Err(e) = zero_skipped(&*inner.sink, &block_ids, &layers, &skip) {
+            inner.sink.release(&block_ids);
+            return Err(e);
+        }
         // Random, not sequential: knowing one's own grant says nothing about another's.
         let id = {
             let table = inner.table();
@@ -285,7 +308,7 @@ impl KvReceiver {
             created,
             state: Mutex::new(EntryState {
                 status: Status::Open,
-                progress: Progress::new(blocks as u32, layers.clone()),
+                progress: Progress::new(blocks as u32, layers.clone(), &skip),
                 attached: false,
             }),
             phase: phase_tx,
@@ -315,6 +338,7 @@ impl KvReceiver {
                 layout: inner.layout,
                 layers,
                 blocks: block_ids,
+                skip,
                 deadline,
                 issued_at: created,
             },
@@ -411,6 +435,21 @@ impl KvReceiver {
             Step::CancelledBySender | Step::Continue => {}
         }
     }
+}
+
+/// Zeroes the block-layers a reservation does not want, so a block never carries bytes of
+/// an earlier reservation (perhaps another owner's) into the engine.
+fn zero_skipped(sink: &dyn BlockSink, blocks: &[BlockId], layers: &Range<u32>, skip: &[u32]) -> Result<()> {
+    if skip.iter().all(|&s| s == 0) {
+        return Ok(());
+    }
+    let zeros = vec![0u8; sink.layout().bytes_per_block_layer()];
+    for (layer, &n) in layers.clone().zip(skip) {
+        for &block in &blocks[..n as usize] {
+            sink.write_layer(block, layer, &zeros)?;
+        }
+    }
+    Ok(())
 }
 
 async fn send_bounded(tx: &mut dyn crate::transport::LinkTx, frame: Frame) -> Result<()> {

@@ -213,7 +213,8 @@ impl Transfer {
         self.sent_layers[layer as usize] = true;
         let bl = self.grant.layout.bytes_per_block_layer();
         let n = self.src_blocks.len();
-        let mut first = 0;
+        // Blocks before the receiver's skip are never read there: they stay here.
+        let mut first = (self.grant.first_block(layer) as usize).min(n);
         while first < n {
             let count = self.frame_blocks.min(n - first);
             let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);

@@ -164,7 +164,7 @@ pub async fn serve<R: NodeRole>(
     let Parts { engine, tls, grpc, http } = parts;
     let layout = kv::transport_layout(&engine.info)?;
     let staging_blocks = (config.kv_staging_bytes / layout.bytes_per_block()).max(1);
-    let kv = Arc::new(KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?);
+    let kv = Arc::new(KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?.with_windows(engine.info.layer_windows.clone()));
     let grpc_local = grpc.local_addr().map_err(Error::io("the gRPC listener's address"))?;
     let host = config.advertise_host.clone().unwrap_or_else(|| advertise_ip(grpc_local));
     let grpc_addr = format!("{host}:{}", grpc_local.port());

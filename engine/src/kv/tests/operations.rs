@@ -274,3 +274,64 @@ fn release_order_makes_the_tail_least_recently_used() {
     cache.allocate(1, &mut store).expect("allocate");
     assert_eq!(cache.peek_prefix(&keys(&hs)).primary, 2, "the last block went first");
 }
+
+/// Blocks published as lacking their sliding-window layers serve a match only when the
+/// first row computed after it lies past every local window that reaches them, in either
+/// tier; matches that would read them are cut and their blocks released.
+#[test]
+fn blocks_lacking_local_layers_serve_only_matches_that_skip_them() {
+    let mut store = FakeStore::new(5);
+    let mut cache = KvCache::new(5, 5);
+    // One local layer whose window makes a row at m * BT read blocks m - 2 and later.
+    cache.set_window_rule(WindowRule::new(BT, vec![Some(2 * BT + 1), None]));
+    let hs = chain(5);
+    let ids = cache.allocate(5, &mut store).expect("allocate");
+    let mut parent = None;
+    for (i, (&b, k)) in ids.iter().zip(&hs).enumerate() {
+        store.write(b, &content(k.hash.0));
+        parent = cache.register(b, k.key(), parent, &owner(0, 0)).expect("register").link();
+        if i < 2 {
+            cache.mark_without_local_layers(b);
+        }
+    }
+    cache.release(&ids).expect("release");
+    for tier in [1, 2] {
+        // Five blocks: a row at 5 * BT reads from block 3 on, past both partial blocks.
+        let m = cache.match_prefix(&keys(&hs), &mut store);
+        assert_eq!(m.blocks.len(), 5, "tier {tier}");
+        assert_eq!((m.primary_hits, m.tier2_hits), if tier == 1 { (5, 0) } else { (0, 5) });
+        for (&b, k) in m.blocks.iter().zip(&hs) {
+            assert_eq!(store.read(b), content(k.hash.0));
+        }
+        cache.release(&m.blocks).expect("release");
+        // Three or four blocks: a row at 3 * BT would read block 1, at 4 * BT block 2
+        // (complete) and on, so four are usable and three are not at all.
+        assert_eq!(cache.peek_prefix(&keys(&hs[..4])).primary, 4);
+        let m = cache.match_prefix(&keys(&hs[..4]), &mut store);
+        assert_eq!(m.blocks.len(), 4);
+        cache.release(&m.blocks).expect("release");
+        assert_eq!(cache.peek_prefix(&keys(&hs[..3])), PrefixPeek::default());
+        let before = cache.stats();
+        let m = cache.match_prefix(&keys(&hs[..3]), &mut store);
+        assert_eq!(m, PrefixMatch::default());
+        let after = cache.stats();
+        assert_eq!((after.used, after.cached), (before.used, before.cached), "a cut match pins nothing");
+        cache.assert_consistent();
+        if tier == 1 {
+            // Spill every block to the second tier: the mark travels with the entry.
+            let b = cache.allocate(5, &mut store).expect("allocate");
+            assert_eq!(cache.stats().tier2_blocks, 5);
+            cache.release(&b).expect("release");
+            assert_eq!(cache.peek_prefix(&keys(&hs[..3])), PrefixPeek::default());
+            assert_eq!(cache.peek_prefix(&keys(&hs)), PrefixPeek { primary: 0, tier2: 5 });
+        }
+    }
+    // Without a window rule a block lacking layers is never matched.
+    let mut plain = KvCache::new(2, 0);
+    let b = plain.allocate(1, &mut store).expect("allocate");
+    plain.register(b[0], hs[0].key(), None, &owner(0, 0)).expect("register");
+    plain.mark_without_local_layers(b[0]);
+    plain.release(&b).expect("release");
+    assert_eq!(plain.match_prefix(&keys(&hs[..2]), &mut store).blocks.len(), 0);
+    plain.assert_consistent();
+}

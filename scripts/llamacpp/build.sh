@@ -4,12 +4,13 @@
 #
 #   (a) venv at .cache/llamacpp/venv with llama-cpp-python compiled from the
 #       PyPI sdist (CPU only), plus jinja2/numpy for scripts/llamacpp/golden.py
-#   (b) llama-bench and llama-server built with cmake from the llama.cpp source
-#       vendored in that same sdist, installed to .cache/llamacpp/bin/
+#   (b) llama-bench, llama-quantize and llama-server built with cmake from the
+#       llama.cpp source vendored in that same sdist, installed to .cache/llamacpp/bin/
+#       (llama-quantize makes the K-quant test models, scripts/llamacpp/requantize.sh)
 #
 # Usage: bash scripts/llamacpp/build.sh
 # Env:   LLAMACPP_PY_VERSION (default below), JOBS (default 2),
-#        LLAMACPP_SKIP_SERVER=1 to build llama-bench only.
+#        LLAMACPP_SKIP_SERVER=1 to build llama-bench and llama-quantize only.
 set -euo pipefail
 
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
@@ -89,8 +90,8 @@ else
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check jinja2 numpy
 
-# --- (b) llama-bench / llama-server -----------------------------------------
-targets=(llama-bench)
+# --- (b) llama-bench / llama-quantize / llama-server ------------------------
+targets=(llama-bench llama-quantize)
 [ "${LLAMACPP_SKIP_SERVER:-0}" = "1" ] || targets+=(llama-server)
 missing=0
 for t in "${targets[@]}"; do [ -x "$BIN/$t" ] || missing=1; done

@@ -266,8 +266,8 @@ def teacher_forced_rows(llm, prompt, tokens):
     return rows
 
 
-def model_doc(name, path, template_file):
-    common = dict(n_ctx=N_CTX, n_threads=2, logits_all=False, seed=0, verbose=False)
+def model_doc(name, path, template_file, threads):
+    common = dict(n_ctx=N_CTX, n_threads=threads, logits_all=False, seed=0, verbose=False)
     llm = Llama(model_path=path, **common)
     md = llm.metadata
     if template_file:
@@ -343,7 +343,7 @@ def model_doc(name, path, template_file):
         "eos_text": eos_text,
         "llama_cpp_python_version": llama_cpp.__version__,
         "llama_cpp_commit": llama_cpp_commit(),
-        "llama_params": {"n_ctx": N_CTX, "n_threads": 2, "type_k": "f16", "type_v": "f16", "flash_attn": False},
+        "llama_params": {"n_ctx": N_CTX, "n_threads": threads, "type_k": "f16", "type_v": "f16", "flash_attn": False},
         "system_info": llama_cpp.llama_print_system_info().decode("utf-8", errors="replace"),
         "cases": cases,
     }
@@ -353,6 +353,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", action="append", choices=sorted(MODELS), help="only this model (repeatable)")
     ap.add_argument("--model", action="append", default=[], metavar="NAME=PATH", help="the file of model NAME")
+    # Each output element is one thread's dot product in ggml, so the thread count does not
+    # change the logits; 1 thread is much faster than 2 on a machine loaded by other work.
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     paths = {}
     for name, (file, env, _) in MODELS.items():
@@ -366,7 +369,7 @@ def main():
             hint = "scripts/fetch-model.sh gemma3" if name.startswith("gemma") else "scripts/llamacpp/requantize.sh"
             print(f"skipped {name}: {path} not found (run {hint})", file=sys.stderr)
             continue
-        doc = model_doc(name, path, MODELS[name][2])
+        doc = model_doc(name, path, MODELS[name][2], args.threads)
         out = os.path.join(GOLDEN_DIR, f"llamacpp_{name}.json")
         with open(out, "w", encoding="utf-8") as f:
             # Indented, with each list of numbers on one line: diffable and small.

@@ -19,7 +19,8 @@
 mod common;
 use common::pearson;
 
-use baton_kernels::KvDtype;
+use baton_engine::model::LoadedModel;
+use baton_kernels::{CpuBackend, KvDtype};
 use baton_text::chat_template::{ChatMessage, ChatTemplate};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -87,6 +88,34 @@ fn golden() -> Golden {
     read_json("llamacpp.json")
 }
 
+/// A golden prompt as llama.cpp rendered and tokenized it.
+struct Prompt<'a> {
+    name: &'a str,
+    messages: &'a [ChatMessage],
+    text: &'a str,
+    tokens: &'a [u32],
+}
+
+/// Asserts that Baton renders and tokenizes `prompt` as llama.cpp did, then returns the
+/// prompt's length and the logits after it and after each of `greedy` but the last, the
+/// greedy tokens fed in (teacher-forced) so that both implementations see the same context.
+fn teacher_forced(
+    backend: &CpuBackend,
+    loaded: &LoadedModel<CpuBackend>,
+    template: &ChatTemplate,
+    prompt: &Prompt,
+    greedy: &[u32],
+) -> (usize, Vec<Vec<f32>>) {
+    assert_eq!(template.render(prompt.messages, true).unwrap(), prompt.text, "{}: template", prompt.name);
+    let ids = loaded.tokenizer.encode(prompt.text, true).unwrap();
+    assert_eq!(ids, prompt.tokens, "{}: token IDs", prompt.name);
+    let n = ids.len();
+    let mut seq = ids;
+    seq.extend(greedy);
+    let rows: Vec<usize> = (n - 1..n - 1 + greedy.len()).collect();
+    (n, common::logits_at(backend, &loaded.model, &seq[..seq.len() - 1], &rows, KvDtype::F16))
+}
+
 /// The index of the largest logit and its lead over the second largest.
 fn top1_and_margin(row: &[f32]) -> (usize, f32) {
     let mut idx: Vec<usize> = (0..row.len()).collect();
@@ -145,17 +174,8 @@ fn matches_llamacpp_on_every_golden_case() {
     let mut worst = 1.0f64;
     let mut pearsons = Vec::new();
     for case in &g.cases {
-        let rendered = loaded.template.render(&case.messages, true).unwrap();
-        assert_eq!(rendered, case.prompt_text, "{}: template", case.name);
-        let ids = loaded.tokenizer.encode(&case.prompt_text, true).unwrap();
-        assert_eq!(ids, case.prompt_tokens, "{}: token IDs", case.name);
-
-        let mut seq = ids.clone();
-        seq.extend(&case.greedy_tokens);
-        let n = ids.len();
-        // Logits after the prompt and after each teacher-forced token but the last.
-        let rows: Vec<usize> = (n - 1..n - 1 + case.greedy_tokens.len()).collect();
-        let logits = common::logits_at(&backend, &loaded.model, &seq[..seq.len() - 1], &rows, KvDtype::F16);
+        let prompt = Prompt { name: &case.name, messages: &case.messages, text: &case.prompt_text, tokens: &case.prompt_tokens };
+        let (n, logits) = teacher_forced(&backend, &loaded, &loaded.template, &prompt, &case.greedy_tokens);
 
         let reference = b64_f32(&case.first_logits_f32_b64);
         assert_eq!(reference.len(), logits[0].len(), "{}: vocabulary", case.name);
@@ -217,14 +237,8 @@ fn agrees_with_llamacpp(golden_file: &str, model: Option<PathBuf>) {
     };
     let (mut worst, mut sum, mut count, mut worst_self) = (0.0f64, 0.0f64, 0usize, 0.0f64);
     for case in &g.cases {
-        assert_eq!(template.render(&case.messages, true).unwrap(), case.prompt_text, "{}: template", case.name);
-        let ids = loaded.tokenizer.encode(&case.prompt_text, true).unwrap();
-        assert_eq!(ids, case.prompt_tokens, "{}: token IDs", case.name);
-        let mut seq = ids.clone();
-        seq.extend(&case.greedy_tokens);
-        let n = ids.len();
-        let rows: Vec<usize> = (n - 1..n - 1 + case.greedy_tokens.len()).collect();
-        let logits = common::logits_at(&backend, &loaded.model, &seq[..seq.len() - 1], &rows, KvDtype::F16);
+        let prompt = Prompt { name: &case.name, messages: &case.messages, text: &case.prompt_text, tokens: &case.prompt_tokens };
+        let (n, logits) = teacher_forced(&backend, &loaded, template, &prompt, &case.greedy_tokens);
 
         let mut case_worst = 0.0f64;
         let mut fragile = 0;

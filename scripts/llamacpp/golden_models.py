@@ -371,13 +371,15 @@ def main():
             continue
         doc = model_doc(name, path, MODELS[name][2], args.threads)
         out = os.path.join(GOLDEN_DIR, f"llamacpp_{name}.json")
-        with open(out, "w", encoding="utf-8") as f:
+        # Written beside and renamed, so a failed write (a full disk) leaves no truncated golden.
+        with open(out + ".tmp", "w", encoding="utf-8") as f:
             # Indented, with each list of numbers on one line: diffable and small.
             text = json.dumps(doc, ensure_ascii=False, indent=1)
             text = re.sub(r"\[(\s*-?[\d.e-]+(?:,\s*-?[\d.e-]+)*\s*)\]",
                           lambda m: "[" + "".join(m.group(1).split()) + "]", text)
             f.write(text)
             f.write("\n")
+        os.replace(out + ".tmp", out)
         n = [c["n_prompt_tokens"] for c in doc["cases"]]
         print(f"wrote {out}: {len(n)} cases, prompts {min(n)}-{max(n)} tokens, "
               f"{sum(x > 512 for x in n)} past 512")

@@ -66,6 +66,9 @@ export BATON_MODEL
 # tests (engine/tests/gemma3.rs, tokenizer_corpus.rs) run rather than skip.
 BATON_GEMMA_MODEL="$(bash scripts/fetch-model.sh gemma3 | tail -n 1)"
 export BATON_GEMMA_MODEL
+# The SmolLM2 Q4_K_M / Q6_K goldens (engine/tests/golden_llamacpp.rs) need files made by
+# llama.cpp's llama-quantize (scripts/llamacpp/requantize.sh), whose build takes longer than
+# the whole test run: not made here, so those two tests say they are skipped.
 # NVRTC (from PyPI): kernels/tests/cuda_ptx.rs compiles every CUDA kernel to PTX
 # with it, no GPU needed, so it must not skip here.
 current="scripts/fetch-nvrtc.sh"

@@ -4,12 +4,13 @@
 #
 #   (a) venv at .cache/llamacpp/venv with llama-cpp-python compiled from the
 #       PyPI sdist (CPU only), plus jinja2/numpy for scripts/llamacpp/golden.py
-#   (b) llama-bench and llama-server built with cmake from the llama.cpp source
-#       vendored in that same sdist, installed to .cache/llamacpp/bin/
+#   (b) llama-bench, llama-quantize and llama-server built with cmake from the
+#       llama.cpp source vendored in that same sdist, installed to .cache/llamacpp/bin/
+#       (llama-quantize makes the K-quant test models, scripts/llamacpp/requantize.sh)
 #
 # Usage: bash scripts/llamacpp/build.sh
 # Env:   LLAMACPP_PY_VERSION (default below), JOBS (default 2),
-#        LLAMACPP_SKIP_SERVER=1 to build llama-bench only.
+#        LLAMACPP_SKIP_SERVER=1 to build llama-bench and llama-quantize only.
 set -euo pipefail
 
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
@@ -29,10 +30,19 @@ log() { echo "[llamacpp/build] $*" >&2; }
 # ggml_backend_amx_mul_mat, seen in llama-bench on SmolLM2 Q4_1 and in the Python build
 # on Gemma 3); without it ggml uses its AVX-512 VNNI kernels, the ISA Baton's CPU
 # backend uses too, so the comparison stays like for like.
+# GGML_AMX_*=OFF alone does not do it: with GGML_NATIVE=ON ggml compiles with
+# -march=native and ignores those options, and -march=native defines __AMX_INT8__ on
+# such a CPU, which is all ggml checks. So the compiler is told too (CFLAGS/CXXFLAGS,
+# which cmake and the pip build both read; an explicit -mno-* wins over -march=native).
 GGML_FLAGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF"
+if [ "$(uname -m)" = x86_64 ]; then
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
+fi
 # Builds made with other options are rebuilt.
 STAMP="$CACHE/ggml-flags"
-if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$GGML_FLAGS" ]; then
+STAMP_TEXT="$GGML_FLAGS CFLAGS=${CFLAGS:-} CXXFLAGS=${CXXFLAGS:-}"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$STAMP_TEXT" ]; then
     rm -rf "$BIN"/llama-* "$BUILD"
     mkdir -p "$BIN"
     REBUILD_PY=1
@@ -88,9 +98,14 @@ else
     log "llama-cpp-python $VERSION already installed"
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check jinja2 numpy
+# ggml reports what it was compiled with: AMX must not be in it (see GGML_FLAGS above).
+if "$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())' | grep -q "AMX_INT8 = 1"; then
+    echo "error: llama-cpp-python was built with AMX (its matrix product crashes); CFLAGS did not reach the build" >&2
+    exit 1
+fi
 
-# --- (b) llama-bench / llama-server -----------------------------------------
-targets=(llama-bench)
+# --- (b) llama-bench / llama-quantize / llama-server ------------------------
+targets=(llama-bench llama-quantize)
 [ "${LLAMACPP_SKIP_SERVER:-0}" = "1" ] || targets+=(llama-server)
 missing=0
 for t in "${targets[@]}"; do [ -x "$BIN/$t" ] || missing=1; done
@@ -113,7 +128,7 @@ else
     log "binaries already in $BIN"
 fi
 
-echo "$GGML_FLAGS" >"$STAMP"
+echo "$STAMP_TEXT" >"$STAMP"
 
 # --- report -----------------------------------------------------------------
 echo "llama-cpp-python $VERSION (sdist: $SDIST)"

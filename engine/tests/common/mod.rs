@@ -24,6 +24,18 @@ pub fn gemma_path() -> Option<PathBuf> {
     cached_model("BATON_GEMMA_MODEL", "gemma-3-270m-q4_k_m.gguf", "Gemma 3", "scripts/fetch-model.sh gemma3")
 }
 
+/// SmolLM2 requantized by llama.cpp to `kind` (`Q4_K_M` or `Q6_K`): `BATON_SMOLLM2_<kind>_MODEL`,
+/// else the model cache, where scripts/llamacpp/requantize.sh puts it (it needs a llama.cpp
+/// build, so CI does not make these files and their tests skip there).
+pub fn smollm2_requantized_path(kind: &str) -> Option<PathBuf> {
+    cached_model(
+        &format!("BATON_SMOLLM2_{kind}_MODEL"),
+        &format!("SmolLM2-135M-Instruct.{kind}.gguf"),
+        &format!("SmolLM2 {kind}"),
+        "scripts/llamacpp/build.sh, then scripts/llamacpp/requantize.sh",
+    )
+}
+
 /// A model file: the path in `env_var` (used as given: a wrong path fails the test),
 /// else `file` in the model cache, found as scripts/fetch-model.sh puts it
 /// (`BATON_MODEL_CACHE`, `XDG_CACHE_HOME/baton/models` or `~/.cache/baton/models`).
@@ -42,10 +54,14 @@ fn cached_model(env_var: &str, file: &str, what: &str, fetch: &str) -> Option<Pa
 }
 
 pub fn load(threads: usize) -> Option<(CpuBackend, LoadedModel<CpuBackend>)> {
-    let path = model_path()?;
+    Some(load_file(&model_path()?, threads))
+}
+
+/// The model at `path` on a CPU backend of `threads` threads.
+pub fn load_file(path: &std::path::Path, threads: usize) -> (CpuBackend, LoadedModel<CpuBackend>) {
     let backend = CpuBackend::new(threads).expect("threads");
-    let loaded = load_gguf(&backend, &path).expect("load model");
-    Some((backend, loaded))
+    let loaded = load_gguf(&backend, path).expect("load model");
+    (backend, loaded)
 }
 
 pub fn engine(config: EngineConfig) -> Option<Engine> {

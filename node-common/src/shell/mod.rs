@@ -172,9 +172,10 @@ pub async fn serve<R: NodeRole>(
     let bound = Bound { grpc: grpc_local, http: http.local_addr()?, kv_endpoint: kv_endpoint.clone() };
     // The node's one plane: its certificate must name this role and this node.
     let plane = Plane::for_node(&tls, &config.name, R::ROLE, config.insecure_plaintext_internal)?;
-    let coordinator = match config.coordinators.is_empty() {
-        true => None,
-        false => Some(Arc::new(Coordinators::connect_lazy(&config.coordinators, &plane, Duration::from_secs(2), None)?)),
+    let coordinator = if config.coordinators.is_empty() {
+        None
+    } else {
+        Some(Arc::new(Coordinators::connect_lazy(&config.coordinators, &plane, Duration::from_secs(2), None)?))
     };
     let node = Node {
         config,

@@ -37,7 +37,9 @@ pub struct LastKnown {
     cap: usize,
 }
 
-/// A stable 64-bit FNV-1a hash (rendezvous scores must not change between processes).
+/// A stable 64-bit hash (rendezvous scores must not change between processes): FNV-1a,
+/// then a finalizer (murmur3's fmix64) so that names differing only in their last bytes
+/// still differ in the high bits the scores are compared by.
 fn fnv(parts: &[&str]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for part in parts {
@@ -46,7 +48,11 @@ fn fnv(parts: &[&str]) -> u64 {
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
     }
-    h
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
 }
 
 fn node_id(n: &NodeInfo) -> &str {

@@ -21,10 +21,16 @@ pub struct GatewayArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub gateway: baton_api_gateway::Args,
-    /// Serve the cluster behind this coordinator (e.g. http://10.0.0.2:7100) instead
-    /// of an in-process engine; the model file then only supplies the tokenizer.
-    #[arg(long, env = "BATON_COORDINATOR")]
-    pub coordinator: Option<String>,
+    /// Serve the cluster behind this coordinator (e.g. http://10.0.0.2:7100), or behind
+    /// every replica given comma-separated (a turn fails over between them), instead of
+    /// an in-process engine; the model file then only supplies the tokenizer.
+    #[arg(long, env = "BATON_COORDINATOR", value_delimiter = ',')]
+    pub coordinator: Vec<String>,
+    /// With --coordinator: when no coordinator answers, route turns on the last known
+    /// membership for at most this long after the last answer (then fail them as
+    /// unavailable). /healthz and baton_gateway_routing_degraded report the state.
+    #[arg(long, env = "BATON_DEGRADED_ROUTING_FOR", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub degraded_routing_for: std::time::Duration,
     /// With --coordinator: folder with ca.pem and the gateway's certificate and key
     /// (`baton certs`), for the internal plane's mutual TLS.
     #[arg(long, env = "BATON_CERTS_DIR", default_value = "certs")]
@@ -42,13 +48,15 @@ pub struct GatewayArgs {
 pub fn run_gateway(a: GatewayArgs) -> Result<()> {
     let config = Config::try_from(a.gateway)?;
     let model = a.engine.model_path();
-    if let Some(url) = &a.coordinator {
+    let coordinators: Vec<String> = a.coordinator.iter().map(|u| u.trim().to_string()).filter(|u| !u.is_empty()).collect();
+    if !coordinators.is_empty() {
         let plane = Plane::from_flags(&a.certs_dir, &a.tls_name, Role::Gateway, a.insecure_plaintext_internal)?;
         // The cluster client's lazy channels need the runtime when they are created.
         let rt = runtime()?;
         let generator = {
             let _in_runtime = rt.enter();
-            Arc::new(ClusterGenerator::new(url, ClusterConfig::default(), plane).map_err(|e| anyhow::anyhow!("{e}"))?)
+            let cluster = ClusterConfig { degraded_for: a.degraded_routing_for, ..ClusterConfig::default() };
+            Arc::new(ClusterGenerator::new(&coordinators, cluster, plane).map_err(|e| anyhow::anyhow!("{e}"))?)
         };
         return rt.block_on(baton_api_gateway::run(config, generator, &model, shutdown_signal()));
     }

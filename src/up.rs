@@ -285,7 +285,7 @@ async fn serve(
     let model_id = gateway_config.served_model_name.clone().unwrap_or_else(|| {
         model.file_stem().map_or_else(|| "baton".to_string(), |s| s.to_string_lossy().into_owned())
     });
-    let generator = Arc::new(ClusterGenerator::new(&coordinator_url, ClusterConfig::default(), gateway_plane).map_err(|e| anyhow::anyhow!("{e}"))?);
+    let generator = Arc::new(ClusterGenerator::new(std::slice::from_ref(&coordinator_url), ClusterConfig::default(), gateway_plane).map_err(|e| anyhow::anyhow!("{e}"))?);
     let tls = gateway_config.tls.is_some();
     let app = baton_api_gateway::build_app(gateway_config, generator, store, tokenizer, template, model_id)?;
     let gateway_addr = gateway_listener.local_addr()?;

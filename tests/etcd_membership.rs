@@ -15,7 +15,7 @@ use baton_coordinator::membership::conformance;
 use baton_coordinator::{Config, Coordinator, EtcdMembership, MembershipConfig};
 use baton_proto::common::{NodeId, NodeInfo, Role};
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
-use baton_proto::coordinator::ListNodesRequest;
+use baton_proto::coordinator::{ListNodesRequest, RouteDecodeRequest};
 use baton_proto::MembershipClient;
 use cluster_support::etcd::Etcd;
 
@@ -111,4 +111,81 @@ async fn etcd_join_lease_expiry_and_reregistration_after_etcd_restart() {
     wait_nodes(&mut client, &[], Duration::from_secs(5)).await;
     let _ = stop_tx.send(());
     server.await.unwrap().unwrap();
+}
+
+/// Routes one turn of `conversation` through `client`, avoiding `exclude`; the node's ID.
+async fn route(client: &mut CoordinatorClient<tonic::transport::Channel>, conversation: &str, exclude: &[&str]) -> String {
+    let ask = RouteDecodeRequest {
+        routing_key: conversation.to_string(),
+        owner: "alice".into(),
+        prompt_tokens: 64,
+        exclude: exclude.iter().map(|id| NodeId { id: id.to_string() }).collect(),
+    };
+    client.route_decode(ask).await.unwrap().into_inner().node.unwrap().node_id.unwrap().id
+}
+
+/// Two coordinator replicas over one etcd answer the same decode node for a conversation,
+/// whichever placed it, even where a replica's own view would place it elsewhere: a
+/// conversation moved off its ring home (its node failed a turn) stays where it moved when
+/// the next turn asks the other replica. Before placements were shared, the other replica
+/// answered the ring home.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_coordinators_over_one_etcd_route_a_conversation_to_the_same_decode_node() {
+    let Some(etcd) = Etcd::start() else { return };
+    etcd.ready().await;
+    let mut urls = Vec::new();
+    let mut stops = Vec::new();
+    for _ in 0..2 {
+        let config = Config {
+            membership: MembershipConfig::Etcd { endpoints: vec![etcd.endpoint()], prefix: "/baton-replicas/".into() },
+            lease_ttl: Duration::from_secs(2),
+            ..Config::with_defaults(plane("coordinator"))
+        };
+        let coordinator = Coordinator::bind(config).await.unwrap();
+        urls.push(format!("http://{}", coordinator.grpc_addr()));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        stops.push((stop_tx, tokio::spawn(coordinator.serve(async move {
+            let _ = stop_rx.await;
+        }))));
+    }
+    let gateway = plane("gateway");
+    let mut clients = Vec::new();
+    for url in &urls {
+        clients.push(CoordinatorClient::new(gateway.connect(&gateway.endpoint(url).unwrap(), Expect::Role(IdRole::Coordinator)).await.unwrap()));
+    }
+    // The nodes know both replicas: they join through one and renew with each.
+    let d1 = MembershipClient::replicas(urls.clone(), node("d1", Role::Decode), plane("d1")).spawn();
+    let d2 = MembershipClient::replicas(urls.clone(), node("d2", Role::Decode), plane("d2")).spawn();
+    d1.wait_registered(1).await;
+    d2.wait_registered(1).await;
+    for c in clients.iter_mut() {
+        wait_nodes(c, &["d1", "d2"], Duration::from_secs(5)).await;
+    }
+
+    for i in 0..12 {
+        let conversation = format!("conv-{i}");
+        let (first, second) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
+        let home = route(&mut clients[first], &conversation, &[]).await;
+        assert_eq!(route(&mut clients[second], &conversation, &[]).await, home, "{conversation}: the other replica agrees on a new placement");
+        // Its node fails a turn: the gateway excludes it and the conversation moves.
+        let moved = route(&mut clients[first], &conversation, &[home.as_str()]).await;
+        assert_ne!(moved, home);
+        // The other replica follows as soon as its watch delivers the record (milliseconds).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while route(&mut clients[second], &conversation, &[]).await != moved {
+            assert!(tokio::time::Instant::now() < deadline, "{conversation}: the other replica does not follow the move to {moved}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for _ in 0..2 {
+            assert_eq!(route(&mut clients[second], &conversation, &[]).await, moved, "{conversation}: the other replica stays with the move");
+            assert_eq!(route(&mut clients[first], &conversation, &[]).await, moved, "{conversation}: and so does the first");
+        }
+    }
+
+    d1.shutdown().await;
+    d2.shutdown().await;
+    for (stop, server) in stops {
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
 }

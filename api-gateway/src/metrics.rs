@@ -66,6 +66,12 @@ pub const TURNS_SLO_TOTAL: &str = "baton_gateway_turns_slo_total";
 /// Counter: conversation summaries the input check refused (not stored, not used).
 pub const SUMMARIES_REFUSED_TOTAL: &str = "baton_gateway_summaries_refused_total";
 
+/// Gauge: 1 while no coordinator answers and turns are routed on the last known
+/// membership (degraded routing), else 0.
+pub const ROUTING_DEGRADED: &str = "baton_gateway_routing_degraded";
+/// Counter: turns routed on the last known membership because no coordinator answered.
+pub const DEGRADED_TURNS_TOTAL: &str = "baton_gateway_degraded_turns_total";
+
 /// The window of [`ACTIVE_USERS`].
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(300);
 
@@ -125,7 +131,27 @@ fn build() -> Metrics {
     }
     let _ = counter(&m.recorder, EVICTION_ACKS_TOTAL, "Node acknowledgements of evictions", &[]);
     gauge(&m.recorder, EVICTION_TOMBSTONES, "Deleted conversations whose KV some node may still hold").set(0.0);
+    set_routing_degraded(&m.recorder, false);
+    let _ = degraded_turns(&m.recorder);
     m
+}
+
+fn set_routing_degraded(r: &PrometheusRecorder, degraded: bool) {
+    gauge(r, ROUTING_DEGRADED, "1 while no coordinator answers and turns route on the last known membership").set(if degraded { 1.0 } else { 0.0 });
+}
+
+fn degraded_turns(r: &PrometheusRecorder) -> Counter {
+    counter(r, DEGRADED_TURNS_TOTAL, "Turns routed on the last known membership because no coordinator answered", &[])
+}
+
+/// Whether turns are being routed without a coordinator.
+pub fn routing_degraded(degraded: bool) {
+    set_routing_degraded(&get().recorder, degraded);
+}
+
+/// A turn was routed on the last known membership.
+pub fn degraded_turn() {
+    degraded_turns(&get().recorder).increment(1);
 }
 
 /// The process's gateway metrics.

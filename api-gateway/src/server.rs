@@ -5,6 +5,7 @@
 
 use crate::error::ApiError;
 use baton_vocab::ErrorKind;
+use crate::generator::Generator;
 use crate::state::App;
 use crate::{completions, conversations, metrics, openai};
 use axum::extract::State;
@@ -38,12 +39,21 @@ async fn public_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Resp
 }
 
 /// The operators' listener: metrics and health, no key (bind it to a private address).
-pub fn admin_router() -> Router {
-    Router::new().route("/metrics", get(metrics_text)).route("/healthz", get(health)).fallback(fallback)
+pub fn admin_router(generator: Arc<dyn Generator>) -> Router {
+    Router::new().route("/metrics", get(metrics_text)).route("/healthz", get(admin_health)).fallback(fallback).with_state(generator)
 }
 
-async fn health() -> &'static str {
-    "ok"
+/// `ok`, or why the gateway serves degraded (still 200: it serves).
+fn health_text(generator: &dyn Generator) -> String {
+    generator.degraded().unwrap_or_else(|| "ok".to_string())
+}
+
+async fn admin_health(State(generator): State<Arc<dyn Generator>>) -> String {
+    health_text(generator.as_ref())
+}
+
+async fn health(State(app): State<Arc<App>>) -> String {
+    health_text(app.generator.as_ref())
 }
 
 async fn fallback() -> ApiError {
@@ -124,7 +134,7 @@ pub async fn serve_with_admin(
     let admin = match admin {
         Some(l) => {
             tracing::info!(addr = %l.local_addr()?, "gateway admin listener (/metrics, /healthz)");
-            Some(tokio::spawn(crate::listen::serve(l, admin_router(), None, limits, stopped())))
+            Some(tokio::spawn(crate::listen::serve(l, admin_router(app.generator.clone()), None, limits, stopped())))
         }
         None => None,
     };

@@ -19,6 +19,7 @@ pub mod evict;
 mod http;
 pub mod membership;
 pub mod metrics;
+pub mod placements;
 pub mod routing;
 mod service;
 pub mod tombstones;
@@ -266,18 +267,20 @@ impl Coordinator {
         http: TcpListener,
         evictor: Arc<dyn NodeEvictor>,
     ) -> Result<Self> {
-        let membership: Arc<dyn Membership> = match &config.membership {
-            MembershipConfig::Memory => MemoryMembership::new(config.lease_ttl),
+        let (membership, shared): (Arc<dyn Membership>, Option<Arc<dyn placements::SharedPlacements>>) = match &config.membership {
+            MembershipConfig::Memory => (MemoryMembership::new(config.lease_ttl), None),
             #[cfg(not(feature = "etcd"))]
             MembershipConfig::Etcd { .. } => {
                 return Err(Error::Config { field: "membership", why: "this build has no etcd membership".into() });
             }
             #[cfg(feature = "etcd")]
             MembershipConfig::Etcd { endpoints, prefix } => {
-                EtcdMembership::connect(endpoints, prefix, config.lease_ttl).await?
+                let membership = EtcdMembership::connect(endpoints, prefix, config.lease_ttl).await?;
+                let shared = placements::EtcdPlacements::start(membership.client(), prefix, config.conversation_idle_ttl).await?;
+                (membership, Some(shared))
             }
         };
-        let state = Arc::new(service::State::new(&config, membership, evictor)?);
+        let state = Arc::new(service::State::new(&config, membership, shared, evictor)?);
         Ok(Self { grpc, http, state, plane: config.plane, admin_key: config.admin_key })
     }
 

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::evict::NodeEvictor;
 use crate::membership::{node_id_of, Member, Membership};
 use crate::metrics::Metrics;
+use crate::placements::{Claim, SharedPlacement, SharedPlacements};
 use crate::routing::decode::DecodeRouter;
 use crate::routing::explain::{DecisionKind, ExplainLog, ExplainRecord, Reason};
 use crate::routing::prefill::{choose_prefill, PrefillCandidate, PrefillPolicy};
@@ -77,6 +78,9 @@ pub struct State {
     policy: PrefillPolicy,
     evict_timeout: Duration,
     routing: Mutex<Routing>,
+    /// Decode placements every replica follows (etcd membership); `None`: this is the
+    /// only replica and its own placements are the truth.
+    placements: Option<Arc<dyn SharedPlacements>>,
     loads: Mutex<HashMap<String, LoadReport>>,
     /// Tombstoned conversations and the nodes that may still hold their KV.
     ledger: Mutex<Ledger>,
@@ -109,7 +113,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl State {
-    pub(crate) fn new(config: &Config, membership: Arc<dyn Membership>, evictor: Arc<dyn NodeEvictor>) -> Result<Self> {
+    pub(crate) fn new(
+        config: &Config,
+        membership: Arc<dyn Membership>,
+        placements: Option<Arc<dyn SharedPlacements>>,
+        evictor: Arc<dyn NodeEvictor>,
+    ) -> Result<Self> {
         let decode = DecodeRouter::new(config.vnodes, config.load_factor, config.conversation_idle_ttl)
             .map_err(|e| Error::Config { field: "load_factor/vnodes", why: e.to_string() })?;
         Ok(Self {
@@ -127,6 +136,7 @@ impl State {
                 affinity: Affinity::new(config.explain_capacity.max(1024) * 16),
                 explain: ExplainLog::new(config.explain_capacity),
             }),
+            placements,
             loads: Mutex::new(HashMap::new()),
             ledger: Mutex::new(Ledger::new(config.evict_departed_window)),
         })
@@ -161,13 +171,27 @@ impl State {
         let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Decode).collect();
         let started = Instant::now();
         let exclude: Vec<&str> = req.exclude.iter().map(|n| n.id.as_str()).collect();
+        let shared = self.placements.as_ref().and_then(|p| p.get(key_of(conversation)));
+        let mut decision = {
+            let mut routing = lock(&self.routing);
+            routing.decode.set_members(members.iter().map(Member::id));
+            routing.decode.expire(started);
+            if let Some(s) = &shared {
+                routing.decode.adopt(conversation, &s.node, s.revision, started);
+            }
+            routing.decode.route(conversation, &exclude, started).ok_or(Error::NoNodes { role: "decode" })?
+        };
+        // A new placement or a move is written down for the other replicas (outside the lock).
+        if let Some(store) = &self.placements {
+            if shared.as_ref().is_none_or(|s| s.node != decision.node) {
+                if let Some(node) = self.claim(store.as_ref(), conversation, &decision.node, shared.as_ref(), &exclude).await {
+                    decision.node = node;
+                    decision.reason = crate::routing::decode::DecodeReason::Sticky;
+                    decision.previous = None;
+                }
+            }
+        }
         let mut routing = lock(&self.routing);
-        routing.decode.set_members(members.iter().map(Member::id));
-        routing.decode.expire(started);
-        let decision = routing
-            .decode
-            .route(conversation, &exclude, started)
-            .ok_or(Error::NoNodes { role: "decode" })?;
         self.metrics.conversations(routing.decode.total());
         let rec = ExplainRecord::decode(conversation, &decision, req.prompt_tokens, unix_ms());
         let mut explanation = to_pb(&rec, Some(conversation));
@@ -177,6 +201,36 @@ impl State {
         let node = info_of(&decision.node);
         let previous = decision.previous.as_deref().and_then(info_of);
         Ok(pb::RouteDecodeResponse { node, explanation: Some(explanation), previous })
+    }
+
+    /// Records a new placement or move in the shared store. Another replica may have
+    /// placed the conversation first: then its node is followed (returned) when it is a
+    /// member this turn may use. A store that cannot be reached is logged, not fatal: the
+    /// decision stands for this replica and is claimed again on the next turn.
+    async fn claim(
+        &self,
+        store: &dyn SharedPlacements,
+        conversation: &ConversationId,
+        node: &str,
+        shared: Option<&SharedPlacement>,
+        exclude: &[&str],
+    ) -> Option<String> {
+        let key = key_of(conversation);
+        match store.claim(key, node, shared.map_or(0, |s| s.revision)).await {
+            Ok(Claim::Won(revision)) => {
+                lock(&self.routing).decode.set_revision(conversation, revision);
+                None
+            }
+            Ok(Claim::Lost(Some(theirs))) if !exclude.contains(&theirs.node.as_str()) => {
+                let mut routing = lock(&self.routing);
+                routing.decode.adopt(conversation, &theirs.node, theirs.revision, Instant::now()).then_some(theirs.node)
+            }
+            Ok(Claim::Lost(_)) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot record a placement in the shared store");
+                None
+            }
+        }
     }
 
     pub(crate) async fn route_prefill(&self, conversation: Option<&ConversationId>, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {
@@ -237,6 +291,11 @@ impl State {
             let mut routing = lock(&self.routing);
             routing.decode.forget(conversation);
             routing.affinity.forget(key_of(conversation));
+        }
+        if let Some(store) = &self.placements {
+            if let Err(e) = store.forget(key_of(conversation)).await {
+                tracing::warn!(error = %e, "cannot remove a deleted conversation's placement from the shared store");
+            }
         }
         // Before the member list is read: a node that registers from here on either
         // evicts this tombstone while joining or is reported pending below.

@@ -18,11 +18,10 @@ use baton_engine::kv::ConversationId;
 use baton_engine::Engine;
 use baton_node_common::shell::{ControlHooks, Node};
 use baton_proto::common::NodeId;
-use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::Coordinators;
 use baton_proto::coordinator::RouteDecodeRequest;
 use baton_proto::node as pb;
 use futures::StreamExt;
-use tonic::transport::Channel;
 use tonic::Status;
 
 use crate::metrics::Metrics;
@@ -35,7 +34,7 @@ const PARALLEL_MOVES: usize = 4;
 pub struct Drainer {
     engine: Arc<Engine>,
     warm: Arc<WarmTable>,
-    coordinator: Option<CoordinatorClient<Channel>>,
+    coordinator: Option<Arc<Coordinators>>,
     /// How the drain reaches the conversations' new owners.
     plane: baton_proto::plane::Plane,
     node_id: String,
@@ -110,7 +109,7 @@ impl ControlHooks for Drainer {
 
 impl Drainer {
     /// Moves one conversation; `None` when nothing of it is cached any more.
-    async fn move_one(&self, mut coordinator: CoordinatorClient<Channel>, w: WarmConversation) -> Result<Option<u64>, Status> {
+    async fn move_one(&self, coordinator: Arc<Coordinators>, w: WarmConversation) -> Result<Option<u64>, Status> {
         let engine = self.engine.clone();
         let (tokens, owner, platform) = (w.tokens.clone(), w.owner.clone(), w.platform_prefix_len.min(w.tokens.len()));
         let cached = baton_node_common::shell::blocking(move || engine.cached_prefix_tokens(&tokens, &owner, platform))
@@ -125,7 +124,13 @@ impl Drainer {
             prompt_tokens: (cached + 1) as u32,
             exclude: vec![NodeId { id: self.node_id.clone() }],
         };
-        let target = coordinator.route_decode(ask).await?.into_inner().node.ok_or_else(|| Status::unavailable("no decode node to move to"))?;
+        let routed = coordinator
+            .call(|mut c| {
+                let ask = ask.clone();
+                async move { c.route_decode(ask).await }
+            })
+            .await?;
+        let target = routed.node.ok_or_else(|| Status::unavailable("no decode node to move to"))?;
         if target.node_id.as_ref().is_some_and(|n| n.id == self.node_id) {
             return Err(Status::failed_precondition("the coordinator routed the conversation back to the draining node"));
         }

@@ -5,18 +5,22 @@
 //! the lease is unknown (it expired, the coordinator restarted, or etcd lost it). A
 //! coordinator that cannot be reached is retried with a capped backoff; the loop never
 //! gives up until it is told to stop.
+//!
+//! With several coordinator replicas (active-active over etcd) the node registers through
+//! whichever answers ([`Coordinators::call`]) and renews with *every* replica, so each
+//! one holds the node's latest load report (loads are not kept in etcd) and the lease
+//! lives on while any replica is up.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
-use tonic::transport::Channel;
+use tokio::task::{JoinHandle, JoinSet};
 
-use crate::plane::{Expect, Plane, Role};
+use crate::coordinators::Coordinators;
+use crate::plane::Plane;
 
 use crate::common::{LoadReport, NodeInfo};
-use crate::coordinator::coordinator_client::CoordinatorClient;
 use crate::coordinator::{DeregisterRequest, KeepAliveRequest, KeepAliveStatus, RegisterRequest};
 
 /// Where the membership loop stands, as seen by the node.
@@ -31,7 +35,7 @@ pub struct MembershipState {
 
 /// Builds and starts a node's membership loop.
 pub struct MembershipClient {
-    coordinator_url: String,
+    coordinator_urls: Vec<String>,
     plane: Plane,
     node: NodeInfo,
     load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
@@ -41,7 +45,7 @@ pub struct MembershipClient {
 impl std::fmt::Debug for MembershipClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MembershipClient")
-            .field("coordinator_url", &self.coordinator_url)
+            .field("coordinator_urls", &self.coordinator_urls)
             .field("node", &self.node)
             .finish()
     }
@@ -52,8 +56,13 @@ impl MembershipClient {
     /// must hold a coordinator identity); `node` is what gets registered (its `load`
     /// field is replaced by the load callback's answer on each renewal).
     pub fn new(coordinator_url: impl Into<String>, node: NodeInfo, plane: Plane) -> Self {
+        Self::replicas(vec![coordinator_url.into()], node, plane)
+    }
+
+    /// As [`MembershipClient::new`], with every coordinator replica's URL.
+    pub fn replicas(coordinator_urls: Vec<String>, node: NodeInfo, plane: Plane) -> Self {
         Self {
-            coordinator_url: coordinator_url.into(),
+            coordinator_urls,
             plane,
             node,
             load: Arc::new(LoadReport::default),
@@ -82,34 +91,33 @@ impl MembershipClient {
     }
 
     async fn run(self, state: watch::Sender<MembershipState>, mut stop: watch::Receiver<bool>) {
+        let coordinators = match Coordinators::connect_lazy(&self.coordinator_urls, &self.plane, Duration::from_secs(2), Some(Duration::from_secs(5))) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, urls = ?self.coordinator_urls, "bad coordinator URL; this node cannot join");
+                let _ = stop.wait_for(|s| *s).await;
+                return;
+            }
+        };
         let mut backoff = Duration::from_millis(50);
-        let mut client: Option<CoordinatorClient<Channel>> = None;
         let mut lease: Option<(u64, Duration)> = None;
         loop {
             if *stop.borrow() {
                 break;
             }
-            let c = match &mut client {
-                Some(c) => c,
-                None => match connect(&self.plane, &self.coordinator_url).await {
-                    Ok(c) => client.insert(c),
-                    Err(e) => {
-                        tracing::debug!(error = %e, url = %self.coordinator_url, "coordinator unreachable");
-                        if sleep_or_stop(backoff, &mut stop).await {
-                            break;
-                        }
-                        backoff = (backoff * 2).min(self.max_backoff);
-                        continue;
-                    }
-                },
-            };
             let step = match lease {
                 None => {
                     let mut node = self.node.clone();
                     node.load = Some((self.load)());
-                    match c.register(RegisterRequest { node: Some(node) }).await {
+                    let node = Some(node);
+                    let registered = coordinators
+                        .call(|mut c| {
+                            let node = node.clone();
+                            async move { c.register(RegisterRequest { node }).await }
+                        })
+                        .await;
+                    match registered {
                         Ok(r) => {
-                            let r = r.into_inner();
                             let ttl = Duration::from_millis(u64::from(r.ttl_ms.max(30)));
                             lease = Some((r.lease_id, ttl));
                             state.send_modify(|s| {
@@ -124,18 +132,14 @@ impl MembershipClient {
                             );
                             Ok(ttl / 3)
                         }
-                        Err(e) => Err(e),
+                        Err(e) => Err(e.status),
                     }
                 }
                 Some((id, ttl)) => {
-                    let req = KeepAliveRequest {
-                        lease_id: id,
-                        node_id: self.node.node_id.clone(),
-                        load: Some((self.load)()),
-                    };
-                    match c.keep_alive(req).await {
-                        Ok(r) if r.get_ref().status() == KeepAliveStatus::Ok => Ok(ttl / 3),
-                        Ok(_) => {
+                    let req = KeepAliveRequest { lease_id: id, node_id: self.node.node_id.clone(), load: Some((self.load)()) };
+                    match keep_alive_everywhere(&coordinators, req).await {
+                        Ok(true) => Ok(ttl / 3),
+                        Ok(false) => {
                             tracing::warn!(lease_id = id, "lease unknown to the coordinator; registering again");
                             lease = None;
                             state.send_modify(|s| s.lease_id = None);
@@ -154,9 +158,6 @@ impl MembershipClient {
                 }
                 Err(status) => {
                     tracing::debug!(code = ?status.code(), "coordinator call failed; retrying");
-                    if status.code() == tonic::Code::Unavailable {
-                        client = None;
-                    }
                     if sleep_or_stop(backoff, &mut stop).await {
                         break;
                     }
@@ -165,18 +166,41 @@ impl MembershipClient {
             }
         }
         // Leaving on purpose: tell the coordinator, best effort and bounded in time.
-        if let (Some((id, _)), Some(c)) = (lease, client.as_mut()) {
+        if let Some((id, _)) = lease {
             let req = DeregisterRequest { lease_id: id, node_id: self.node.node_id.clone() };
-            let _ = tokio::time::timeout(Duration::from_secs(2), c.deregister(req)).await;
+            let leave = coordinators.call(|mut c| {
+                let req = req.clone();
+                async move { c.deregister(req).await }
+            });
+            let _ = tokio::time::timeout(Duration::from_secs(2), leave).await;
         }
         state.send_modify(|s| s.lease_id = None);
     }
 }
 
-async fn connect(plane: &Plane, url: &str) -> Result<CoordinatorClient<Channel>, String> {
-    let endpoint = plane.endpoint(url).map_err(|e| e.to_string())?.connect_timeout(Duration::from_secs(2)).timeout(Duration::from_secs(5));
-    let ch = plane.connect(&endpoint, Expect::Role(Role::Coordinator)).await.map_err(|e| format!("{e}: {:?}", std::error::Error::source(&e)))?;
-    Ok(CoordinatorClient::new(ch))
+/// Renews the lease with every replica at once (each keeps the load report). `Ok(true)`:
+/// some replica renewed it; `Ok(false)`: none did and one said the lease is unknown
+/// (register again); `Err`: no replica could be asked.
+async fn keep_alive_everywhere(coordinators: &Coordinators, req: KeepAliveRequest) -> Result<bool, tonic::Status> {
+    let mut calls = JoinSet::new();
+    for (_, mut c) in coordinators.each() {
+        let req = req.clone();
+        calls.spawn(async move { c.keep_alive(req).await });
+    }
+    let (mut renewed, mut unknown, mut last_error) = (false, false, None);
+    while let Some(joined) = calls.join_next().await {
+        match joined {
+            Ok(Ok(r)) if r.get_ref().status() == KeepAliveStatus::Ok => renewed = true,
+            Ok(Ok(_)) => unknown = true,
+            Ok(Err(status)) => last_error = Some(status),
+            Err(e) => last_error = Some(tonic::Status::internal(format!("keep-alive task: {e}"))),
+        }
+    }
+    match (renewed, unknown) {
+        (true, _) => Ok(true),
+        (false, true) => Ok(false),
+        (false, false) => Err(last_error.unwrap_or_else(|| tonic::Status::unavailable("no coordinator is configured"))),
+    }
 }
 
 /// Sleeps `d`; true if told to stop meanwhile.

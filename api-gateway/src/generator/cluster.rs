@@ -2,6 +2,11 @@
 //! the coordinator which decode node serves the conversation (`RouteDecode`)
 //! and streams `DecodeNode.Generate` from it.
 //!
+//! The gateway knows every coordinator replica and fails over between them within the
+//! turn ([`Coordinators::call`]). When none answers, the turn is routed on the last
+//! known membership ([`LastKnown`], refreshed in the background) for at most
+//! [`ClusterConfig::degraded_for`]; `/healthz` and `baton_gateway_routing_degraded` say so.
+//!
 //! A decode node that cannot be reached, or whose stream breaks, is
 //! remembered for a short while and excluded from the next routing, so the
 //! caller's retry lands on another node. HTTP/2 keep-alives bound how long a
@@ -10,14 +15,16 @@
 //! stream resets the gRPC stream, which cancels the sequence on the node.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use baton_text::{FinishReason, TokenOut, Usage};
 use baton_proto::common::NodeId as WireNodeId;
 use baton_proto::ids;
-use baton_proto::coordinator::coordinator_client::CoordinatorClient;
-use baton_proto::coordinator::{EvictConversationRequest, RouteDecodeRequest};
+use baton_proto::common::{NodeInfo, Role as WireRole};
+use baton_proto::coordinator::{EvictConversationRequest, ListNodesRequest, RouteDecodeRequest};
+use baton_proto::Coordinators;
 use baton_proto::node as pb;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
 use futures::StreamExt;
@@ -26,6 +33,7 @@ use baton_vocab::{ConversationId, NodeId};
 use tonic::transport::Channel;
 use baton_vocab::ErrorKind;
 
+use super::fallback::{LastKnown, NoFallback};
 use super::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 
 /// How long a failed decode node stays excluded from routing.
@@ -42,6 +50,11 @@ pub struct ClusterConfig {
     /// that does not answer within `keepalive_timeout` fails the stream.
     pub keepalive_interval: Duration,
     pub keepalive_timeout: Duration,
+    /// How long after the last coordinator answer turns may still be routed on the last
+    /// known membership (`--degraded-routing-for`).
+    pub degraded_for: Duration,
+    /// How often the decode nodes are listed in the background, for that membership.
+    pub membership_refresh: Duration,
 }
 
 impl Default for ClusterConfig {
@@ -51,13 +64,21 @@ impl Default for ClusterConfig {
             request_timeout: Duration::from_secs(10),
             keepalive_interval: Duration::from_secs(1),
             keepalive_timeout: Duration::from_secs(2),
+            degraded_for: Duration::from_secs(60),
+            membership_refresh: Duration::from_secs(2),
         }
     }
 }
 
 /// A [`Generator`] over the cluster: coordinator routing plus decode-node streams.
 pub struct ClusterGenerator {
-    coordinator: CoordinatorClient<Channel>,
+    coordinators: Arc<Coordinators>,
+    /// The membership and placements to route on when no coordinator answers.
+    last_known: Arc<Mutex<LastKnown>>,
+    /// True while no coordinator answers.
+    degraded: Arc<AtomicBool>,
+    /// The background membership refresh; stopped when the generator is dropped.
+    refresher: Option<tokio::task::JoinHandle<()>>,
     config: ClusterConfig,
     plane: Plane,
     /// Decode nodes that failed recently, by node ID.
@@ -69,17 +90,46 @@ pub struct ClusterGenerator {
 }
 
 impl ClusterGenerator {
-    /// `coordinator_url` like `http://127.0.0.1:7100`, reached over `plane` (the server
-    /// must hold a coordinator identity; decode nodes the identity they registered as).
-    /// Connects lazily.
-    pub fn new(coordinator_url: &str, config: ClusterConfig, plane: Plane) -> Result<Self, GenerateError> {
-        let endpoint = plane
-            .endpoint(coordinator_url)
-            .map_err(|e| GenerateError::Internal(format!("bad coordinator URL: {e}")))?
-            .connect_timeout(config.connect_timeout)
-            .timeout(config.request_timeout);
-        let channel = plane.connect_lazy(&endpoint, Expect::Role(Role::Coordinator)).map_err(|e| GenerateError::Internal(e.to_string()))?;
-        Ok(ClusterGenerator { coordinator: CoordinatorClient::new(channel), config, plane, failed: Arc::default(), channels: Mutex::default() })
+    /// Every coordinator replica's URL, like `http://127.0.0.1:7100`, reached over
+    /// `plane` (the servers must hold a coordinator identity; decode nodes the identity
+    /// they registered as). Connects lazily; inside a tokio runtime, starts listing the
+    /// decode nodes in the background.
+    pub fn new(coordinator_urls: &[String], config: ClusterConfig, plane: Plane) -> Result<Self, GenerateError> {
+        let coordinators = Coordinators::connect_lazy(coordinator_urls, &plane, config.connect_timeout, Some(config.request_timeout))
+            .map_err(|e| GenerateError::Internal(format!("bad coordinator URL: {e}")))?;
+        if coordinators.is_empty() {
+            return Err(GenerateError::Internal("no coordinator URL".into()));
+        }
+        let coordinators = Arc::new(coordinators);
+        let last_known = Arc::new(Mutex::new(LastKnown::new(1 << 20)));
+        let degraded = Arc::new(AtomicBool::new(false));
+        let refresher = tokio::runtime::Handle::try_current().ok().map(|rt| {
+            rt.spawn(refresh_membership(coordinators.clone(), Arc::downgrade(&last_known), degraded.clone(), config.membership_refresh))
+        });
+        Ok(ClusterGenerator { coordinators, last_known, degraded, refresher, config, plane, failed: Arc::default(), channels: Mutex::default() })
+    }
+
+    fn last_known(&self) -> std::sync::MutexGuard<'_, LastKnown> {
+        self.last_known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A turn's node when no coordinator answers: see [`LastKnown::route`].
+    fn route_without_coordinator(&self, req: &GenerateRequest, exclude: &[WireNodeId]) -> Result<NodeInfo, GenerateError> {
+        let exclude: Vec<String> = exclude.iter().map(|n| n.id.clone()).collect();
+        let window = self.config.degraded_for;
+        let chosen = self.last_known().route(req.conversation.as_str(), &exclude, Instant::now(), window);
+        set_degraded(&self.degraded, true);
+        match chosen {
+            Ok(node) => {
+                crate::metrics::degraded_turn();
+                tracing::warn!(node = ?node.node_id.as_ref().map(|n| &n.id), "no coordinator answers; routing on the last known membership");
+                Ok(node)
+            }
+            Err(NoFallback::Stale) => Err(GenerateError::Unavailable(format!(
+                "no coordinator answers, and the last known membership is older than {window:?}"
+            ))),
+            Err(NoFallback::NoNode) => Err(GenerateError::Unavailable("no coordinator answers, and no last known decode node is usable".into())),
+        }
     }
 
     /// The cached connection to decode node `id` at `addr`, or a new one.
@@ -125,12 +175,31 @@ impl ClusterGenerator {
             prompt_tokens: req.prompt.len() as u32,
             exclude: self.excluded(),
         };
-        let r = self.coordinator.clone().route_decode(ask).await.map_err(status_error)?.into_inner();
-        let node = r.node.ok_or_else(|| GenerateError::Unavailable("no decode node".into()))?;
+        let exclude = ask.exclude.clone();
+        let routed = self
+            .coordinators
+            .call(|mut c| {
+                let ask = ask.clone();
+                async move { c.route_decode(ask).await }
+            })
+            .await;
+        let (node, previous) = match routed {
+            Ok(r) => {
+                let node = r.node.ok_or_else(|| GenerateError::Unavailable("no decode node".into()))?;
+                let mut known = self.last_known();
+                known.heard(Instant::now());
+                known.placed(req.conversation.as_str(), node.node_id.as_ref().map_or("", |n| n.id.as_str()));
+                drop(known);
+                set_degraded(&self.degraded, false);
+                (node, r.previous)
+            }
+            Err(e) if e.unanswered => (self.route_without_coordinator(req, &exclude)?, None),
+            Err(e) => return Err(status_error(e.status)),
+        };
         // A coordinator that names no valid node is not the client's fault: unavailable.
         let id = ids::node(node.node_id.map(|n| n.id).unwrap_or_default())
             .map_err(|e| GenerateError::Unavailable(format!("the coordinator named no valid decode node: {}", e.message())))?;
-        let previous = r.previous.map(|p| p.grpc_addr).unwrap_or_default();
+        let previous = previous.map(|p| p.grpc_addr).unwrap_or_default();
         Ok((id, node.grpc_addr, previous))
     }
 
@@ -255,7 +324,14 @@ impl Generator for ClusterGenerator {
 
     async fn evict_conversation(&self, conversation: &ConversationId) -> Result<Eviction, GenerateError> {
         let ask = EvictConversationRequest { routing_key: conversation.as_str().to_string(), owner: String::new() };
-        let r = self.coordinator.clone().evict_conversation(ask).await.map_err(status_error)?.into_inner();
+        let r = self
+            .coordinators
+            .call(|mut c| {
+                let ask = ask.clone();
+                async move { c.evict_conversation(ask).await }
+            })
+            .await
+            .map_err(|e| status_error(e.status))?;
         let id = |n: Option<WireNodeId>| n.map(|n| n.id).unwrap_or_default();
         let mut out = Eviction::default();
         for a in r.acks {
@@ -268,6 +344,68 @@ impl Generator for ClusterGenerator {
         }
         out.owed.extend(r.pending.into_iter().map(|n| n.id));
         Ok(out)
+    }
+
+    fn degraded(&self) -> Option<String> {
+        if !self.degraded.load(Ordering::Relaxed) {
+            return None;
+        }
+        let window = self.config.degraded_for;
+        Some(match self.last_known().silent_for(Instant::now()) {
+            Some(silent) if silent <= window => format!(
+                "degraded: no coordinator answers; routing on the membership of {}s ago for at most {}s",
+                silent.as_secs(),
+                window.as_secs()
+            ),
+            _ => "degraded: no coordinator answers and the last known membership is too old to route on".to_string(),
+        })
+    }
+}
+
+impl Drop for ClusterGenerator {
+    fn drop(&mut self) {
+        if let Some(t) = self.refresher.take() {
+            t.abort();
+        }
+    }
+}
+
+/// Flips the degraded state, and its gauge when it changes.
+fn set_degraded(flag: &AtomicBool, degraded: bool) {
+    if flag.swap(degraded, Ordering::Relaxed) != degraded {
+        crate::metrics::routing_degraded(degraded);
+        if degraded {
+            tracing::warn!("no coordinator answers: routing on the last known membership");
+        } else {
+            tracing::info!("a coordinator answers again: routing through the coordinators");
+        }
+    }
+}
+
+/// Lists the decode nodes every `every` (one call in the background, never one per turn)
+/// into `last_known`, until the generator is dropped.
+async fn refresh_membership(coordinators: Arc<Coordinators>, last_known: Weak<Mutex<LastKnown>>, degraded: Arc<AtomicBool>, every: Duration) {
+    loop {
+        let listed = coordinators
+            .call(|mut c| async move { c.list_nodes(ListNodesRequest { role: WireRole::Decode as i32 }).await })
+            .await;
+        let Some(known) = last_known.upgrade() else { return };
+        {
+            let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+            match listed {
+                Ok(r) => {
+                    known.set_decode_nodes(r.nodes, Instant::now());
+                    set_degraded(&degraded, false);
+                }
+                Err(e) if e.unanswered => set_degraded(&degraded, true),
+                Err(e) => {
+                    known.heard(Instant::now());
+                    tracing::warn!(code = ?e.status.code(), "listing the decode nodes failed");
+                }
+            }
+        }
+        drop(known);
+        tokio::time::sleep(every).await;
     }
 }
 

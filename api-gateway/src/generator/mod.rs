@@ -10,6 +10,7 @@
 //! with none owed left no block of it anywhere).
 
 pub mod cluster;
+pub mod fallback;
 
 use baton_text::sampling::SamplingParams;
 use baton_vocab::{ConversationId, OwnerId};
@@ -25,6 +26,10 @@ pub trait Generator: Send + Sync + 'static {
     /// Removes every KV block of the conversation wherever it is cached; answers which
     /// nodes acknowledged and which still owe it (unreachable, or away from the cluster).
     async fn evict_conversation(&self, conversation: &ConversationId) -> Result<Eviction, GenerateError>;
+    /// Why the generator serves in a degraded way right now (for `/healthz`), if it does.
+    fn degraded(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What one eviction attempt achieved.

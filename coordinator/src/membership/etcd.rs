@@ -58,6 +58,11 @@ impl EtcdMembership {
         Ok(me)
     }
 
+    /// The etcd client, shared with the placements every replica follows.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
     fn nodes_prefix(&self) -> String {
         format!("{}nodes/", self.prefix)
     }

@@ -56,6 +56,9 @@ struct Placement {
     last_used: Instant,
     /// Set when a joining node became the conversation's home; taken by the next turn.
     moved_from: Option<Slot>,
+    /// The shared store's revision of the record this placement follows or wrote (0:
+    /// none; see `crate::placements`): a record with a larger one is a later decision.
+    revision: i64,
 }
 
 /// The decode router's state: ring, node names, and conversation placements.
@@ -105,6 +108,46 @@ impl DecodeRouter {
     pub fn placement(&self, conversation: &ConversationId) -> Option<&str> {
         let p = self.placements.get(&key_of(conversation))?;
         self.names.get(&p.slot).map(String::as_str)
+    }
+
+    /// The shared-store revision the conversation's placement follows (0: none).
+    pub fn revision(&self, conversation: &ConversationId) -> i64 {
+        self.placements.get(&key_of(conversation)).map_or(0, |p| p.revision)
+    }
+
+    /// Notes that the conversation's placement is recorded in the shared store at `revision`.
+    pub fn set_revision(&mut self, conversation: &ConversationId, revision: i64) {
+        if let Some(p) = self.placements.get_mut(&key_of(conversation)) {
+            p.revision = revision;
+        }
+    }
+
+    /// Follows a placement another replica decided (recorded at `revision`), unless this
+    /// router already follows that decision or a later one, or `node` is not a member.
+    /// Returns true if the conversation now sits on `node` at `revision`.
+    pub fn adopt(&mut self, conversation: &ConversationId, node: &str, revision: i64, now: Instant) -> bool {
+        let Some(&slot) = self.slots.get(node) else { return false };
+        let key = key_of(conversation);
+        match self.placements.get_mut(&key) {
+            Some(p) if p.revision >= revision => return p.slot == slot,
+            Some(p) => {
+                if p.slot != slot {
+                    if let Some(c) = self.counts.get_mut(&p.slot) {
+                        *c = c.saturating_sub(1);
+                    }
+                    *self.counts.entry(slot).or_insert(0) += 1;
+                    p.slot = slot;
+                    p.moved_from = None;
+                }
+                p.revision = revision;
+            }
+            None => {
+                self.placements.insert(key, Placement { slot, last_used: now, moved_from: None, revision });
+                *self.counts.entry(slot).or_insert(0) += 1;
+                self.total += 1;
+            }
+        }
+        true
     }
 
     fn count(&self, slot: Slot) -> u64 {
@@ -247,7 +290,7 @@ impl DecodeRouter {
             |s| counts.get(&s).copied().unwrap_or(0),
             |s| !excluded.contains(&s),
         )?;
-        self.placements.insert(key, Placement { slot, last_used: now, moved_from: None });
+        self.placements.insert(key, Placement { slot, last_used: now, moved_from: None, revision: 0 });
         *self.counts.entry(slot).or_insert(0) += 1;
         self.total += 1;
         let _ = bound;
@@ -356,6 +399,28 @@ mod tests {
         assert_eq!(r.placement(&conv("y")), Some("a"));
         r.forget(&conv("y"));
         assert_eq!(r.total(), 0);
+    }
+
+    /// Two replicas over the same members: the second follows what the first recorded
+    /// (even a spill its own loads would not make), and only a later record moves it.
+    #[test]
+    fn a_replica_adopts_a_recorded_placement_and_only_a_later_one() {
+        let mut first = router(&["a", "b", "c"]);
+        let mut second = router(&["a", "b", "c"]);
+        let now = Instant::now();
+        let home = first.route(&conv("conv"), &[], now).unwrap().node;
+        let spilled = first.route(&conv("conv"), &[home.as_str()], now).unwrap().node;
+        assert_ne!(spilled, home);
+        assert!(second.adopt(&conv("conv"), &spilled, 7, now));
+        let d = second.route(&conv("conv"), &[], now).unwrap();
+        assert_eq!((d.node.as_str(), d.reason), (spilled.as_str(), DecodeReason::Sticky));
+        assert_eq!((second.total(), second.load(&spilled)), (1, 1));
+        assert!(!second.adopt(&conv("conv"), &home, 5, now), "an older record is not followed");
+        assert_eq!(second.placement(&conv("conv")), Some(spilled.as_str()));
+        assert!(second.adopt(&conv("conv"), &home, 9, now));
+        assert_eq!((second.placement(&conv("conv")), second.revision(&conv("conv"))), (Some(home.as_str()), 9));
+        assert_eq!((second.total(), second.load(&spilled), second.load(&home)), (1, 0, 1));
+        assert!(!second.adopt(&conv("other"), "gone", 10, now), "a non-member is not followed");
     }
 
     #[test]

@@ -9,16 +9,16 @@
 pub mod adopt;
 
 use baton_proto::plane::{Expect, Plane, Role as IdRole};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_engine::{ImportedToken, KvImport, Request};
 use baton_kv_transport::Reservation;
-use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::route_prefill_response::Choice;
 use baton_proto::coordinator::RoutePrefillRequest;
+use baton_proto::Coordinators;
 use baton_proto::node::prefill_node_client::PrefillNodeClient;
 use baton_proto::node::{PrefillRequest, Turn};
-use tonic::transport::Channel;
 
 use baton_node_common::convert;
 use baton_node_common::kv::KvNode;
@@ -40,9 +40,10 @@ pub enum Route {
 /// Where the node learns whether to prefill locally or remotely.
 #[derive(Clone, Debug)]
 pub struct Router {
-    /// The coordinator, asked `RoutePrefill` for every tail: the one place the
-    /// local-prefill policy (the short-tail threshold, a saturated pool) is decided.
-    pub coordinator: Option<CoordinatorClient<Channel>>,
+    /// The coordinator replicas, asked `RoutePrefill` for every tail (with failover): the
+    /// one place the local-prefill policy (the short-tail threshold, a saturated pool) is
+    /// decided. With none answering, the tail is prefilled here.
+    pub coordinator: Option<Arc<Coordinators>>,
     /// Without a coordinator: this prefill node takes every tail.
     pub static_prefill: Option<String>,
     /// This node's ID, for the coordinator.
@@ -65,14 +66,17 @@ impl Router {
                 uncached_tokens: tail as u32,
                 decode_node: Some(baton_proto::common::NodeId { id: self.node_id.clone() }),
             };
-            let mut c = c.clone();
-            return match tokio::time::timeout(Duration::from_secs(2), c.route_prefill(ask)).await {
-                Ok(Ok(r)) => match r.into_inner().choice {
+            let asked = c.call(|mut c| {
+                let ask = ask.clone();
+                async move { c.route_prefill(ask).await }
+            });
+            return match tokio::time::timeout(Duration::from_secs(2), asked).await {
+                Ok(Ok(r)) => match r.choice {
                     Some(Choice::Remote(info)) => Route::Remote { node: info.node_id.map(|n| n.id), addr: info.grpc_addr },
                     _ => Route::Local,
                 },
                 Ok(Err(e)) => {
-                    tracing::warn!(code = ?e.code(), "RoutePrefill failed; prefilling locally");
+                    tracing::warn!(code = ?e.status.code(), no_coordinator = e.unanswered, "RoutePrefill failed; prefilling locally");
                     Route::Local
                 }
                 Err(_) => Route::Local,

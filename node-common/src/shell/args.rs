@@ -54,9 +54,11 @@ pub struct NodeArgs<D: RoleDefaults> {
     /// Host other nodes reach this one at (default: the listen address's).
     #[arg(long, env = "BATON_ADVERTISE_HOST")]
     pub advertise_host: Option<String>,
-    /// The coordinator's gRPC URL, e.g. http://127.0.0.1:7100 (none: serve alone).
-    #[arg(long, env = "BATON_COORDINATOR")]
-    pub coordinator: Option<String>,
+    /// The coordinator's gRPC URL, e.g. http://127.0.0.1:7100, or every replica's,
+    /// comma-separated (none: serve alone). The node registers through any replica and
+    /// renews its lease, with its load, with each.
+    #[arg(long, env = "BATON_COORDINATOR", value_delimiter = ',')]
+    pub coordinator: Vec<String>,
     /// How long a KV transfer between nodes may take (a remote prefill with its compute,
     /// a prefix pull) before its reservation is released and the work is done here.
     #[arg(long, env = "BATON_KV_DEADLINE", default_value = "30s", value_parser = parse_duration)]
@@ -116,7 +118,8 @@ pub struct NodeConfig {
     pub http_listen: SocketAddr,
     pub kv_listen: SocketAddr,
     pub advertise_host: Option<String>,
-    pub coordinator: Option<String>,
+    /// Every coordinator replica's URL; empty: the node serves alone.
+    pub coordinators: Vec<String>,
     pub kv_deadline: Duration,
     pub kv_staging_bytes: usize,
     pub drain_timeout: Duration,
@@ -149,7 +152,7 @@ impl<D: RoleDefaults> TryFrom<NodeArgs<D>> for NodeConfig {
             http_listen: a.http_listen,
             kv_listen: a.kv_listen,
             advertise_host: a.advertise_host,
-            coordinator: a.coordinator,
+            coordinators: a.coordinator.into_iter().map(|u| u.trim().to_string()).filter(|u| !u.is_empty()).collect(),
             kv_deadline: a.kv_deadline,
             kv_staging_bytes: a.kv_staging_mib << 20,
             drain_timeout: a.drain_timeout,
@@ -172,7 +175,7 @@ impl NodeConfig {
             http_listen: any_port,
             kv_listen: any_port,
             advertise_host: None,
-            coordinator,
+            coordinators: coordinator.into_iter().collect(),
             kv_deadline: Duration::from_secs(30),
             kv_staging_bytes: 256 << 20,
             drain_timeout: Duration::from_secs(60),

@@ -22,15 +22,14 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use baton_engine::Engine;
 use baton_kv_transport::NodeTls;
-use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::Coordinators;
 use baton_proto::node::node_control_server::NodeControlServer;
 use baton_proto::node::NodeStats;
-use baton_proto::plane::{Expect, Plane, Role as IdRole};
+use baton_proto::plane::{Plane, Role as IdRole};
 use tokio::net::TcpListener;
 use tonic::codegen::{http, Service};
 use tonic::server::NamedService;
 use tonic::service::Routes;
-use tonic::transport::Channel;
 use tonic::Status;
 
 pub use args::{parse_duration, Args, Config, NodeArgs, NodeConfig, RoleDefaults};
@@ -72,8 +71,9 @@ pub struct Node {
     pub kv: Arc<KvNode>,
     /// How this node calls other nodes.
     pub plane: Plane,
-    /// The coordinator (`--coordinator`), over the plane; `None` when serving alone.
-    pub coordinator: Option<CoordinatorClient<Channel>>,
+    /// Every coordinator replica (`--coordinator`), over the plane, called with
+    /// failover; `None` when serving alone.
+    pub coordinator: Option<Arc<Coordinators>>,
     /// This node's gRPC address as others reach it.
     pub grpc_addr: String,
     /// Set by the first drain: the role refuses new work from then on.
@@ -172,12 +172,10 @@ pub async fn serve<R: NodeRole>(
     let bound = Bound { grpc: grpc_local, http: http.local_addr().map_err(Error::io("the HTTP listener's address"))?, kv_endpoint: kv_endpoint.clone() };
     // The node's one plane: its certificate must name this role and this node.
     let plane = Plane::for_node(&tls, &config.name, R::ROLE, config.insecure_plaintext_internal)?;
-    let coordinator = match &config.coordinator {
-        Some(url) => {
-            let endpoint = plane.endpoint(url)?.connect_timeout(Duration::from_secs(2));
-            Some(CoordinatorClient::new(plane.connect_lazy(&endpoint, Expect::Role(IdRole::Coordinator))?))
-        }
-        None => None,
+    let coordinator = if config.coordinators.is_empty() {
+        None
+    } else {
+        Some(Arc::new(Coordinators::connect_lazy(&config.coordinators, &plane, Duration::from_secs(2), None)?))
     };
     let node = Node {
         config,
@@ -191,7 +189,7 @@ pub async fn serve<R: NodeRole>(
         metrics: Arc::new(NodeRecorder::new(&R::METRICS)),
     };
     let RoleParts { routes, hooks } = role.build(&node)?;
-    let ready = Arc::new(AtomicBool::new(node.config.coordinator.is_none()));
+    let ready = Arc::new(AtomicBool::new(node.config.coordinators.is_empty()));
     let membership = Arc::new(tokio::sync::Mutex::new(None));
     let control = control::Control::new(&node, hooks, ready.clone(), membership.clone());
     on_bound(&bound);

@@ -14,7 +14,9 @@ use super::Node;
 /// Registers the node when it has a coordinator; it is ready while registered
 /// and not draining.
 pub(super) fn register(node: &Node, role: IdRole, kv_endpoint: &str, ready: &Arc<AtomicBool>) -> Option<MembershipHandle> {
-    let url = node.config.coordinator.as_ref()?;
+    if node.config.coordinators.is_empty() {
+        return None;
+    }
     let role = match role {
         IdRole::Decode => Role::Decode,
         IdRole::Prefill => Role::Prefill,
@@ -30,7 +32,7 @@ pub(super) fn register(node: &Node, role: IdRole, kv_endpoint: &str, ready: &Arc
         load: None,
     };
     let e = node.engine.clone();
-    let handle = MembershipClient::new(url.clone(), info, node.plane.clone()).with_load(move || load_report(&e)).spawn();
+    let handle = MembershipClient::replicas(node.config.coordinators.clone(), info, node.plane.clone()).with_load(move || load_report(&e)).spawn();
     let mut watch = handle.watch();
     let (ready, draining) = (ready.clone(), node.draining.clone());
     tokio::spawn(async move {

@@ -106,6 +106,6 @@ impl EngineArgs {
 
     /// Loads the model and starts an engine on the chosen backend.
     pub fn start(&self) -> Result<Engine> {
-        baton_node_common::engine_args::start_engine(self.backend, self.gpu, self.threads, &self.model_path(), self.engine_config())
+        Ok(baton_node_common::engine_args::start_engine(self.backend, self.gpu, self.threads, &self.model_path(), self.engine_config())?)
     }
 }

@@ -161,3 +161,18 @@ fn contradicting_metadata_is_refused_naming_it() {
         assert!(e.to_string().contains(want), "want {want:?} in {e}");
     }
 }
+
+/// Found by fuzzing the GGUF reader (issue #21): a structurally valid file whose `block_count` is huge
+/// must be refused with a message, before a per-layer table of that size is allocated.
+#[test]
+fn huge_block_count_is_refused_before_allocating() {
+    let mut m = meta("llama", &[]);
+    for (k, v) in &mut m {
+        if k == "llama.block_count" {
+            *v = MetaValue::U32(u32::MAX);
+        }
+    }
+    let (_dir, f) = open(&m);
+    let e = config_from_gguf(&f).err().expect("a huge block_count is refused");
+    assert!(e.to_string().contains("block_count 4294967295"), "{e}");
+}

@@ -82,6 +82,9 @@ pub fn load_gguf<B: Backend>(backend: &B, path: &Path) -> Result<LoadedModel<B>,
 }
 
 /// The configuration a GGUF file's metadata (and `rope_freqs.weight`) describes.
+/// Most layers a GGUF's `block_count` may declare (see [`config_from_gguf`]).
+pub const MAX_LAYERS: usize = 4096;
+
 pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
     let path = f.path.as_path();
     let cfg_err = |reason: ConfigError| ModelError::Config { path: path.into(), reason };
@@ -125,6 +128,11 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
     }
     let global = RopeSpec { base: f.opt_f32(&key("rope.freq_base")).unwrap_or(10000.0), freq_scale };
     let n_layers = g("block_count")?;
+    // The per-layer table below is allocated from this count: a nonsense one (u32::MAX) must be
+    // refused first, not cost a hundred gigabytes. The deepest released decoders have ~130 layers.
+    if n_layers > MAX_LAYERS {
+        return Err(cfg_err(format!("block_count {n_layers} is more than {MAX_LAYERS} layers").into()));
+    }
     let window = opt("attention.sliding_window");
     let layers = arch::layer_specs(&family, n_layers, window, opt("attention.sliding_window_pattern"), f.opt_f32(&key("rope.freq_base_swa")), global).map_err(cfg_err)?;
     // Gemma 3 27B scales by hidden / heads, every other size by the head

@@ -495,6 +495,8 @@ impl CoordinatorRpc for CoordinatorService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let info = req.get_ref().node.clone().ok_or(Error::InvalidRequest { what: "node is missing" })?;
         valid_node(&info)?;
+        // Node names are read off the wire through `ids::node`, like every ID.
+        ids::node(node_id_of(&info).to_string())?;
         // The name and role come from the request; the certificate must allow both.
         let role = if info.role == Role::Prefill as i32 { IdRole::Prefill } else { IdRole::Decode };
         claim_node(&req, node_id_of(&info), role)?;
@@ -553,11 +555,15 @@ impl CoordinatorRpc for CoordinatorService {
         Ok(Response::new(pb::DeregisterResponse { removed }))
     }
 
-    // Each routing key is read once, here, into a `ConversationId`; below this the
-    // coordinator only sees the typed ID (and keeps only its hash).
+    // Each routing key is read once, here, into a `ConversationId` (and each node name
+    // checked as a `NodeId`); below this the coordinator only sees the typed ID (and
+    // keeps only its hash).
     async fn route_decode(&self, req: Request<pb::RouteDecodeRequest>) -> Result<Response<pb::RouteDecodeResponse>, Status> {
         let mut req = req.into_inner();
         let conversation = ids::conversation(std::mem::take(&mut req.routing_key))?;
+        for node in &req.exclude {
+            ids::node(node.id.clone())?;
+        }
         Ok(Response::new(self.state.route_decode(&conversation, req).await?))
     }
 

@@ -450,10 +450,8 @@ pub struct CoordinatorService {
     pub(crate) state: Arc<State>,
 }
 
+/// The node name is checked apart, by `ids::node` (non-empty among its rules).
 fn valid_node(info: &NodeInfo) -> Result<()> {
-    if node_id_of(info).is_empty() {
-        return Err(Error::InvalidRequest { what: "node_id is empty" });
-    }
     if info.grpc_addr.is_empty() {
         return Err(Error::InvalidRequest { what: "grpc_addr is empty" });
     }
@@ -494,9 +492,9 @@ impl CoordinatorService {
 impl CoordinatorRpc for CoordinatorService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let info = req.get_ref().node.clone().ok_or(Error::InvalidRequest { what: "node is missing" })?;
-        valid_node(&info)?;
         // Node names are read off the wire through `ids::node`, like every ID.
         ids::node(node_id_of(&info).to_string())?;
+        valid_node(&info)?;
         // The name and role come from the request; the certificate must allow both.
         let role = if info.role == Role::Prefill as i32 { IdRole::Prefill } else { IdRole::Decode };
         claim_node(&req, node_id_of(&info), role)?;

@@ -35,6 +35,12 @@ pub fn owner(s: String) -> Result<OwnerId, Status> {
     OwnerId::parse(s).map_err(refused)
 }
 
+/// The node name a `NodeInfo` carries, empty when it names none. Unchecked: where the
+/// message came off the wire, the name is read through [`node`].
+pub fn node_name(info: &crate::common::NodeInfo) -> &str {
+    info.node_id.as_ref().map_or("", |n| n.id.as_str())
+}
+
 /// A node named on the wire (a `NodeId` message's `id`, a `source` address's name).
 pub fn node(s: String) -> Result<NodeId, Status> {
     NodeId::parse(s).map_err(refused)

@@ -188,7 +188,7 @@ impl ClusterGenerator {
                 let node = r.node.ok_or_else(|| GenerateError::Unavailable("no decode node".into()))?;
                 let mut known = self.last_known();
                 known.heard(Instant::now());
-                known.placed(req.conversation.as_str(), node.node_id.as_ref().map_or("", |n| n.id.as_str()));
+                known.placed(req.conversation.as_str(), ids::node_name(&node));
                 drop(known);
                 set_degraded(&self.degraded, false);
                 (node, r.previous)

@@ -14,6 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use baton_proto::common::NodeInfo;
+use baton_proto::ids::node_name as node_id;
 
 /// Why no node could be chosen without a coordinator.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,10 +54,6 @@ fn fnv(parts: &[&str]) -> u64 {
     h ^= h >> 33;
     h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
     h ^ (h >> 33)
-}
-
-fn node_id(n: &NodeInfo) -> &str {
-    n.node_id.as_ref().map_or("", |i| i.id.as_str())
 }
 
 impl LastKnown {

@@ -43,14 +43,12 @@ pub struct Member {
 impl Member {
     /// The node's ID string.
     pub fn id(&self) -> &str {
-        self.info.node_id.as_ref().map_or("", |n| n.id.as_str())
+        node_id_of(&self.info)
     }
 }
 
 /// The node ID inside a `NodeInfo`, empty if missing.
-pub fn node_id_of(info: &NodeInfo) -> &str {
-    info.node_id.as_ref().map_or("", |n| n.id.as_str())
-}
+pub use baton_proto::ids::node_name as node_id_of;
 
 #[async_trait]
 pub trait Membership: Send + Sync + 'static {

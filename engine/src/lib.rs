@@ -11,5 +11,6 @@ pub mod model;
 pub use error::{Error, Result};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
+    StepCost,
     RequestStream, SubmitOptions, Submission,
 };

@@ -83,3 +83,34 @@ fn seeded_sampling_is_reproducible_across_batches() {
     assert_ne!(a.tokens, c.tokens);
     e.shutdown();
 }
+
+#[test]
+fn greedy_tokens_identical_when_the_itl_target_splits_prefill_beside_streams() {
+    let no_target = EngineConfig { itl_target: None, ..config(512) };
+    let Some(reference_engine) = engine(no_target) else { return };
+    let prompt = chat_prompt(&reference_engine, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
+    let reference = collect(reference_engine.submit(request(prompt.clone(), "alice", 32)).unwrap());
+    reference_engine.shutdown();
+
+    // A target no step can meet: beside a decoding stream, prefill gets the
+    // planner's floor, one 16-token block a step.
+    let tight = EngineConfig { itl_target: Some(std::time::Duration::from_nanos(1)), ..config(512) };
+    let e = engine(tight).unwrap();
+    let stream = chat_prompt(&e, SYSTEM, "Count slowly from one to one hundred.");
+    let mut running = e.submit(request(stream, "bob", 200)).unwrap();
+    // Wait until it decodes, so the prompt below arrives beside a stream.
+    loop {
+        match running.blocking_next() {
+            Some(baton_engine::Event::Token(_)) => break,
+            other => panic!("expected a token, got {other:?}"),
+        }
+    }
+    let split = collect(e.submit(request(prompt.clone(), "alice", 32)).unwrap());
+    assert_eq!(split.tokens, reference.tokens, "prefill in one-block chunks beside a stream");
+    let st = e.stats();
+    assert!(st.steps as usize >= prompt.len() / 16, "{} steps for a prompt of {} tokens in 16-token chunks", st.steps, prompt.len());
+    assert!(st.predicted_step_seconds > 0.0 && st.measured_step_seconds > 0.0, "{st:?}");
+    assert!(st.step_cost.is_some());
+    drop(running);
+    e.shutdown();
+}

@@ -8,6 +8,7 @@
 //! every path out of a sequence (finish, stop, error, cancel, preemption)
 //! returns its blocks exactly once.
 
+mod cost;
 mod handoff;
 mod plan;
 mod scheduler;
@@ -24,6 +25,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+pub use cost::StepCost;
 pub use handoff::{ImportedToken, KvExport, KvImport, SubmitOptions, Submission};
 pub use scheduler::PreemptionMode;
 
@@ -41,6 +43,11 @@ pub struct EngineConfig {
     pub tier2_bytes: usize,
     /// Tokens one step may process (decode rows first, then prefill chunks).
     pub step_token_budget: usize,
+    /// Inter-token latency running streams should see: a step with decode rows
+    /// takes only the prefill tokens the step cost model says fit within it
+    /// (at least one KV block). `None`: prefill takes whatever the step budget
+    /// leaves.
+    pub itl_target: Option<Duration>,
     /// Most sequences in a batch.
     pub max_running: usize,
     /// Most requests waiting for admission; more are refused.
@@ -57,6 +64,7 @@ impl Default for EngineConfig {
             max_context: None,
             tier2_bytes: 1 << 30,
             step_token_budget: 512,
+            itl_target: Some(Duration::from_millis(50)),
             max_running: 64,
             max_waiting: 1024,
             preemption: PreemptionMode::Recompute,
@@ -164,6 +172,20 @@ pub struct EngineStats {
     pub finished: u64,
     pub cancelled: u64,
     pub busy_seconds: f64,
+    /// Sum over steps of the cost model's prediction of each (made before it ran).
+    pub predicted_step_seconds: f64,
+    /// Sum over the same steps of their measured time.
+    pub measured_step_seconds: f64,
+    /// Prefill tokens the cost model let the last step add beside its decode
+    /// rows under the ITL target (0: the decode rows alone reach it, prefill
+    /// gets the planner's floor of one block); the step budget when nothing
+    /// decodes or there is no target.
+    pub prefill_budget_tokens: usize,
+    /// p95 of the measured times of steps with decode rows over the last few
+    /// seconds (0 when there were none): the gaps running streams see.
+    pub step_p95_seconds: f64,
+    /// The step cost model's coefficients as last fitted (`None` before the first step).
+    pub step_cost: Option<StepCost>,
 }
 
 pub(crate) enum Command {
@@ -205,6 +227,8 @@ pub struct EngineInfo {
     pub tier2_blocks: usize,
     pub weight_bytes: usize,
     pub eos: Option<u32>,
+    /// The ITL target the planner keeps decode steps within (`EngineConfig::itl_target`).
+    pub itl_target: Option<Duration>,
 }
 
 /// A prompt prefix as the prefix cache sees it.
@@ -291,6 +315,9 @@ impl Engine {
         if config.block_tokens == 0 || config.step_token_budget == 0 || config.max_running == 0 {
             return Err(EngineError::Config("block tokens, step token budget and max running must be positive".into()));
         }
+        if config.itl_target.is_some_and(|t| t.is_zero()) {
+            return Err(EngineError::Config("the ITL target must be positive (None turns it off)".into()));
+        }
         let layout = KvLayout {
             layers: mc.n_layers,
             block_tokens: config.block_tokens,
@@ -333,6 +360,7 @@ impl Engine {
             tier2_blocks,
             weight_bytes: model.weight_bytes,
             eos: tokenizer.eos_id(),
+            itl_target: config.itl_target,
         };
         let tokenizer = Arc::new(tokenizer);
         let template = Arc::new(template);

@@ -13,7 +13,19 @@
 //!    the most recently admitted running sequence not already in this step is
 //!    preempted (itself if every other one is), and planning starts over.
 //! 2. Prefill chunks of running sequences, in admission order, as far as the
-//!    budget and the blocks they hold allow.
+//!    budget and the blocks they hold allow. In a step with decode rows the
+//!    prefill tokens (this rule's and the next's together) are held to the
+//!    prefill budget: what the engine's cost model says fits beside those
+//!    rows under the ITL target. So a long prompt is split into chunks no
+//!    running stream notices, and a new turn waits for budget rather than
+//!    stretch the streams' steps. Without decode rows the whole step budget
+//!    is prefill's.
+//!    Prefill never starves: the prefill budget is raised to one KV block when
+//!    it is smaller (zero when decode rows alone reach the target). A floor
+//!    rather than an age rule: it keeps planning a function of the queues
+//!    alone (no clock), bounds how long a prompt can wait (one block per step)
+//!    and what it costs the streams (one block's tokens per step, a few ms on
+//!    a CPU), where an age rule would let a starved prompt in all at once.
 //! 3. Admission from the head of the queue (preempted sequences go back to
 //!    the head) while budget and `max_running` allow. The first that cannot
 //!    start stops admission: no later arrival jumps ahead of it.
@@ -79,6 +91,10 @@ pub(crate) trait Queues {
 pub(crate) struct Limits {
     /// Tokens one step may process (decode rows plus prefill chunks); > 0.
     pub step_token_budget: usize,
+    /// Prefill tokens a step with decode rows may add beside them (raised to
+    /// `block_tokens` when smaller; see rule 2). `usize::MAX`: no limit but
+    /// the step budget.
+    pub prefill_token_budget: usize,
     /// Most running sequences.
     pub max_running: usize,
     /// Tokens per KV block; > 0.
@@ -120,10 +136,20 @@ impl StepPlan {
 pub(crate) fn plan_step(q: &mut impl Queues, limits: Limits) -> StepPlan {
     let mut plan = StepPlan::default();
     let mut budget = plan_decodes(q, limits, &mut plan);
+    if !plan.slices.is_empty() {
+        // Every slice so far is a decode row.
+        budget = budget.min(prefill_allowance(limits));
+    }
     plan_running_prefills(q, limits, &mut budget, &mut plan.slices);
     admit(q, limits, &mut budget, &mut plan);
     plan.reject_head = plan.slices.is_empty() && q.running_len() == 0 && q.has_waiting();
     plan
+}
+
+/// Prefill tokens a step with decode rows may take: the prefill budget, at
+/// least one KV block (rule 2's floor).
+pub(crate) fn prefill_allowance(limits: Limits) -> usize {
+    limits.prefill_token_budget.max(limits.block_tokens)
 }
 
 /// Rule 1; returns the budget left.

@@ -11,10 +11,13 @@
 //!
 //! Those planning rules live in `plan.rs`, tested without a model; this file
 //! gives them the real sequences and block cache (the [`Queues`] impl) and
-//! runs the step they plan.
+//! runs the step they plan. With an ITL target, each step's prefill budget
+//! comes from the step cost model (`cost.rs`), which every step's measured
+//! time refits.
 
 use super::sequence::{Parked, Sequence};
 use super::handoff::{plan_import, ImportPlan};
+use super::cost::{CostModel, RecentSteps, StepCost, StepShape};
 use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
 use super::{Command, EngineConfig, EngineError, Event, FinishReason, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
 use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId, WindowRule};
@@ -25,7 +28,11 @@ use baton_text::tokenizer::{IncrementalDecoder, Tokenizer};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How far back the p95 of decode steps looks (what a node reports as its ITL
+/// standing): long enough for a stable p95, short enough to follow the load.
+const RECENT_STEPS: Duration = Duration::from_secs(5);
 
 /// What to do with a running sequence when memory runs out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +91,10 @@ pub(crate) struct Worker<B: Backend> {
     running: Vec<Sequence>,
     waiting: VecDeque<Sequence>,
     scratch: Scratch<B>,
+    /// What a step costs, fitted from the steps run so far.
+    cost: CostModel,
+    /// Times of the recent steps with decode rows.
+    recent: RecentSteps,
 }
 
 impl<B: Backend> Worker<B> {
@@ -122,6 +133,8 @@ impl<B: Backend> Worker<B> {
             running: Vec::new(),
             waiting: VecDeque::new(),
             scratch,
+            cost: CostModel::new(StepCost::PRIOR),
+            recent: RecentSteps::new(RECENT_STEPS),
         };
         // Before the thread starts: a node that registers at once reports its
         // real free blocks, not the zeros of a default (a coordinator reads
@@ -144,13 +157,16 @@ impl<B: Backend> Worker<B> {
             let idle = self.running.is_empty() && self.waiting.is_empty();
             if idle {
                 self.publish_stats(0.0);
-                match self.rx.recv() {
+                // Wakes now and then while idle so the recent steps' p95 ages out
+                // (an idle node has all its ITL headroom back).
+                match self.rx.recv_timeout(RECENT_STEPS / 4) {
                     Ok(cmd) => {
                         if !self.apply(cmd) {
                             return self.shutdown();
                         }
                     }
-                    Err(_) => return self.shutdown(),
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return self.shutdown(),
                 }
             }
             loop {
@@ -494,8 +510,40 @@ impl<B: Backend> Worker<B> {
         }
     }
 
+    /// The prefill tokens that fit beside the decode rows the next step will
+    /// run under the ITL target (`usize::MAX` without a target or decode rows;
+    /// the planner applies its floor).
+    fn prefill_budget(&self) -> usize {
+        let Some(target) = self.config.itl_target else { return usize::MAX };
+        let (mut rows, mut attended) = (0, 0);
+        for s in self.running.iter().filter(|s| s.tokens.len() - s.computed == 1) {
+            rows += 1;
+            attended += s.tokens.len();
+        }
+        if rows == 0 {
+            return usize::MAX;
+        }
+        // Each prefill token attends about as far as the prompt it belongs to
+        // (an upper bound: the chunk starts before its end).
+        let context = self
+            .running
+            .iter()
+            .find(|s| s.tokens.len() - s.computed > 1)
+            .or(self.waiting.front())
+            .map_or(0, |s| s.tokens.len());
+        let cap = self.config.step_token_budget.saturating_sub(rows);
+        self.cost.prefill_budget(target, rows.min(self.config.step_token_budget), attended, context, cap)
+    }
+
     fn step(&mut self) {
-        let limits = Limits { step_token_budget: self.config.step_token_budget, max_running: self.config.max_running, block_tokens: self.layout.block_tokens };
+        let started = Instant::now();
+        let prefill_budget = self.prefill_budget();
+        let limits = Limits {
+            step_token_budget: self.config.step_token_budget,
+            prefill_token_budget: prefill_budget,
+            max_running: self.config.max_running,
+            block_tokens: self.layout.block_tokens,
+        };
         let plan = plan_step(self, limits);
         let rows = plan.tokens();
         let slices = plan.slices;
@@ -534,6 +582,9 @@ impl<B: Backend> Worker<B> {
                 logit_rows.push(tokens.len() - 1);
             }
         }
+        let decode_rows = slices.iter().filter(|sl| sl.len == 1 && sl.wants_logits).count();
+        let shape = StepShape { decode_rows, prefill_tokens: rows - decode_rows, attended: positions.iter().map(|&p| p as usize + 1).sum() };
+        let predicted = self.cost.predict(shape);
         let input = StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
         let logits = self.model.forward(&self.backend, &mut self.kv, &input, &mut self.scratch);
         {
@@ -575,6 +626,18 @@ impl<B: Backend> Worker<B> {
                 self.finish(seq, reason);
             }
         }
+        // Planning, the forward pass and sampling: what a stream waits between tokens.
+        let ended = Instant::now();
+        let measured = ended.duration_since(started).as_secs_f64();
+        self.cost.observe(shape, measured);
+        if decode_rows > 0 {
+            self.recent.push(ended, measured);
+        }
+        let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+        st.predicted_step_seconds += predicted;
+        st.measured_step_seconds += measured;
+        st.prefill_budget_tokens = if decode_rows > 0 { prefill_budget.min(self.config.step_token_budget) } else { self.config.step_token_budget };
+        st.step_cost = Some(self.cost.cost());
     }
 
     fn publish_stats(&mut self, busy: f64) {
@@ -584,6 +647,12 @@ impl<B: Backend> Worker<B> {
         st.waiting = self.waiting.len();
         st.swapped = self.waiting.iter().filter(|s| matches!(s.parked, Some(Parked::Swapped(_)))).count();
         st.busy_seconds += busy;
+        self.recent.expire(Instant::now());
+        st.step_p95_seconds = self.recent.p95();
+        if self.running.is_empty() {
+            // Nothing decodes: the whole step budget is prefill's.
+            st.prefill_budget_tokens = self.config.step_token_budget;
+        }
     }
 }
 

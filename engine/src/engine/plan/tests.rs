@@ -90,8 +90,23 @@ impl Sim {
     /// and runs it: each slice computes its tokens, a slice that reaches the
     /// end samples one more, and a sequence with all its tokens finishes.
     fn step(&mut self, limits: Limits) -> StepPlan {
+        let decoders_before: Vec<SeqId> = self.running.iter().filter(|s| s.tokens - s.computed == 1).map(|s| s.id).collect();
         let plan = plan_step(self, limits);
         assert!(plan.tokens() <= limits.step_token_budget, "step of {} tokens over the budget of {}", plan.tokens(), limits.step_token_budget);
+        // Rule 2: beside decode rows, prefill stays within its allowance.
+        let rows = plan.slices.iter().filter(|sl| sl.len == 1 && decoders_before.contains(&self.running[sl.seq].id)).count();
+        let prefill = plan.tokens() - rows;
+        if rows > 0 {
+            assert!(prefill <= prefill_allowance(limits), "{prefill} prefill tokens beside {rows} decode rows over the allowance of {}", prefill_allowance(limits));
+        }
+        // Decode first: every stream that was ready decodes unless the step
+        // budget ran out or it was preempted.
+        if rows < limits.step_token_budget {
+            for id in decoders_before {
+                let ran = plan.slices.iter().any(|sl| self.running.get(sl.seq).map(|s| s.id) == Some(id));
+                assert!(ran || plan.preempted.contains(&id), "stream {id:?} was ready but got no row in {plan:?}");
+            }
+        }
         assert!(self.running.len() <= limits.max_running, "{} running over the cap of {}", self.running.len(), limits.max_running);
         for (k, sl) in plan.slices.iter().enumerate() {
             assert!(sl.len > 0, "empty slice {sl:?}");
@@ -203,8 +218,9 @@ impl Queues for Sim {
 }
 
 fn limits(step_token_budget: usize, max_running: usize, block_tokens: usize) -> Limits {
-    Limits { step_token_budget, max_running, block_tokens }
+    Limits { step_token_budget, prefill_token_budget: usize::MAX, max_running, block_tokens }
 }
+
 
 fn ids(raw: &[u64]) -> Vec<SeqId> {
     raw.iter().map(|&i| SeqId(i)).collect()
@@ -406,6 +422,85 @@ fn a_partly_grown_step_is_replanned_from_a_fresh_budget() {
     assert_eq!(sim.finished.len(), 3);
 }
 
+fn itl_limits(step_token_budget: usize, prefill_token_budget: usize, block_tokens: usize) -> Limits {
+    Limits { step_token_budget, prefill_token_budget, max_running: 8, block_tokens }
+}
+
+#[test]
+fn beside_decode_rows_a_long_prompt_goes_in_chunks_of_the_prefill_budget() {
+    let lim = itl_limits(64, 10, 4);
+    let mut sim = Sim::new(100, 4);
+    sim.submit(1, 3, 6);
+    sim.step(lim);
+    sim.submit(2, 100, 1);
+    for k in 0..5 {
+        let plan = sim.step(lim);
+        assert_eq!(plan.slices[0], Slice { seq: 0, start: 3 + k, len: 1, wants_logits: true });
+        assert_eq!(slice_lens(&plan), vec![1, 10], "step {k}: {plan:?}");
+    }
+    // 1 finished: the rest of the prompt goes at the full step budget.
+    assert_eq!(sim.finished.iter().map(|s| s.id).collect::<Vec<_>>(), ids(&[1]));
+    assert_eq!(slice_lens(&sim.step(lim)), vec![50]);
+}
+
+#[test]
+fn without_decode_rows_prefill_takes_the_whole_step_budget() {
+    let lim = itl_limits(64, 10, 4);
+    let mut sim = Sim::new(100, 4);
+    sim.submit(1, 100, 1);
+    assert_eq!(slice_lens(&sim.step(lim)), vec![64]);
+    assert_eq!(slice_lens(&sim.step(lim)), vec![36]);
+}
+
+#[test]
+fn with_no_room_under_the_target_prefill_still_gets_one_block_per_step() {
+    // The decode rows alone are over the target (budget 0): the floor keeps the
+    // prompt moving a block at a time, and it finishes.
+    let lim = itl_limits(64, 0, 4);
+    let mut sim = Sim::new(100, 4);
+    sim.submit(1, 2, 40);
+    sim.submit(2, 2, 40);
+    sim.step(lim);
+    sim.submit(3, 30, 2);
+    let plan = sim.step(lim);
+    assert_eq!(plan.admitted, ids(&[3]));
+    assert_eq!(slice_lens(&plan), vec![1, 1, 4]);
+    let mut steps = 1;
+    loop {
+        let left = 30 - sim.running[2].computed;
+        if left == 0 {
+            break;
+        }
+        assert_eq!(slice_lens(&sim.step(lim)), vec![1, 1, left.min(4)]);
+        steps += 1;
+    }
+    // 30 tokens, four a step.
+    assert_eq!(steps, 8);
+}
+
+#[test]
+fn a_new_turn_waits_for_prefill_budget_rather_than_stretch_the_streams() {
+    // 2 is mid-prefill and takes the step's whole prefill budget; 3 arrives
+    // and is not admitted (no chunk of it would fit) until 2's prompt is in.
+    let lim = itl_limits(64, 8, 4);
+    let mut sim = Sim::new(100, 4);
+    sim.submit(1, 2, 30);
+    sim.step(lim);
+    sim.submit(2, 24, 2);
+    sim.step(lim);
+    sim.submit(3, 8, 2);
+    let plan = sim.step(lim);
+    assert!(plan.admitted.is_empty(), "{plan:?}");
+    assert_eq!(slice_lens(&plan), vec![1, 8]);
+    let plan = sim.step(lim);
+    assert_eq!(slice_lens(&plan), vec![1, 8]);
+    assert!(plan.admitted.is_empty(), "{plan:?}");
+    // 2's prompt is in; 2 decodes, and 3 gets the prefill budget.
+    let plan = sim.step(lim);
+    assert_eq!(plan.admitted, ids(&[3]));
+    assert_eq!(slice_lens(&plan), vec![1, 1, 8]);
+}
+
 /// Block tokens, spare blocks, step budget, max running, and per sequence
 /// (prompt, reply, arrival step).
 type Workload = (usize, usize, usize, usize, Vec<(usize, usize, usize)>);
@@ -418,16 +513,22 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     /// Any workload whose every sequence fits the pool alone, preempted by
-    /// recompute or by swap: budgets and
+    /// recompute or by swap, under any prefill budget: budgets and
     /// caps hold every step, no block leaks or is freed twice, nothing is
     /// rejected, and every sequence (preempted or not) finishes with all its
     /// tokens within a bound of steps.
     #[test]
-    fn every_sequence_finishes_and_every_block_comes_back((bt, spare, budget, max_running, seqs) in workload(), swap in any::<bool>()) {
+    fn every_sequence_finishes_and_every_block_comes_back(
+        (bt, spare, budget, max_running, seqs) in workload(),
+        swap in any::<bool>(),
+        prefill_budget in prop_oneof![Just(usize::MAX), 0usize..=16],
+    ) {
         // The largest sequence, at its last sampled token, must fit alone.
         let largest = seqs.iter().map(|&(p, n, _)| (p + n).div_ceil(bt)).max().unwrap_or(1);
         let total_blocks = largest + spare;
-        let lim = limits(budget, max_running, bt);
+        // Any prefill budget, 0 included (decode rows alone over the target):
+        // the floor keeps every prompt moving.
+        let lim = Limits { prefill_token_budget: prefill_budget, ..limits(budget, max_running, bt) };
         let mut sim = Sim::new(total_blocks, bt);
         sim.swap = swap;
         let last_arrival = seqs.iter().map(|s| s.2).max().unwrap_or(0);

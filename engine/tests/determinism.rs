@@ -94,7 +94,8 @@ fn greedy_tokens_identical_when_the_itl_target_splits_prefill_beside_streams() {
 
     // A target no step can meet: beside a decoding stream, prefill gets the
     // planner's floor, one 16-token block a step.
-    let tight = EngineConfig { itl_target: Some(std::time::Duration::from_nanos(1)), ..config(512) };
+    // (And no wait limit: the floor is what is under test.)
+    let tight = EngineConfig { itl_target: Some(std::time::Duration::from_nanos(1)), prefill_wait_limit: std::time::Duration::from_secs(3600), ..config(512) };
     let e = engine(tight).unwrap();
     let stream = chat_prompt(&e, SYSTEM, "Count slowly from one to one hundred.");
     let mut running = e.submit(request(stream, "bob", 200)).unwrap();

@@ -48,6 +48,12 @@ pub struct EngineConfig {
     /// (at least one KV block). `None`: prefill takes whatever the step budget
     /// leaves.
     pub itl_target: Option<Duration>,
+    /// How long a prompt may wait for prefill budget beside running streams (its
+    /// share of the time to first token): once the oldest prompt still to prefill
+    /// was submitted longer ago than this, steps stop holding prefill to the ITL
+    /// target until it is through. Under more load than the target allows this
+    /// keeps prompts from queueing without bound (the old, unprotected behaviour).
+    pub prefill_wait_limit: Duration,
     /// Most sequences in a batch.
     pub max_running: usize,
     /// Most requests waiting for admission; more are refused.
@@ -65,6 +71,7 @@ impl Default for EngineConfig {
             tier2_bytes: 1 << 30,
             step_token_budget: 512,
             itl_target: Some(Duration::from_millis(50)),
+            prefill_wait_limit: Duration::from_millis(500),
             max_running: 64,
             max_waiting: 1024,
             preemption: PreemptionMode::Recompute,

@@ -535,12 +535,19 @@ impl<B: Backend> Worker<B> {
         self.cost.prefill_budget(target, rows.min(self.config.step_token_budget), attended, context, cap)
     }
 
+    /// Whether a prompt still to prefill has waited past `prefill_wait_limit`
+    /// (its share of the TTFT budget): then the streams yield to it.
+    fn prompt_overdue(&self) -> bool {
+        let mut prefilling = self.running.iter().filter(|s| s.tokens.len() - s.computed > 1).chain(self.waiting.front());
+        prefilling.any(|s| s.submitted.elapsed() > self.config.prefill_wait_limit)
+    }
+
     fn step(&mut self) {
         let started = Instant::now();
         let prefill_budget = self.prefill_budget();
         let limits = Limits {
             step_token_budget: self.config.step_token_budget,
-            prefill_token_budget: prefill_budget,
+            prefill_token_budget: if prefill_budget == usize::MAX || self.prompt_overdue() { usize::MAX } else { prefill_budget },
             max_running: self.config.max_running,
             block_tokens: self.layout.block_tokens,
         };

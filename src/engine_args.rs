@@ -56,6 +56,11 @@ pub struct EngineArgs {
     /// Tokens per engine step (decode rows plus prefill chunks).
     #[arg(long, env = "BATON_STEP_TOKENS", default_value_t = 512)]
     pub step_tokens: usize,
+    /// Inter-token latency target of running streams, ms: a step that decodes takes
+    /// only the prefill tokens the engine's measured step cost fits within it (at
+    /// least one KV block). 0: no target (prefill takes what --step-tokens leaves).
+    #[arg(long, env = "BATON_ITL_TARGET_MS", default_value_t = 50)]
+    pub itl_target_ms: u64,
     /// Most sequences decoding at once.
     #[arg(long, env = "BATON_MAX_RUNNING", default_value_t = 64)]
     pub max_running: usize,
@@ -95,6 +100,8 @@ impl EngineArgs {
             max_context: self.max_context,
             tier2_bytes: self.kv_tier2_mib << 20,
             step_token_budget: self.step_tokens,
+            itl_target: baton_node_common::engine_args::itl_target(self.itl_target_ms),
+            prefill_wait_limit: EngineConfig::default().prefill_wait_limit,
             max_running: self.max_running,
             max_waiting: self.max_waiting,
             preemption: match self.preemption {

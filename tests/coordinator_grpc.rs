@@ -100,7 +100,7 @@ fn node(id: &str, role: Role, grpc_addr: String) -> NodeInfo {
 
 fn join(url: &str, id: &str, role: Role) -> MembershipHandle {
     MembershipClient::new(url, node(id, role, format!("127.0.0.1:{}", 10_000 + id.len())), plane(id))
-        .with_load(|| LoadReport { kv_blocks_free: 900, running: 1, waiting: 0 })
+        .with_load(|| LoadReport { kv_blocks_free: 900, running: 1, waiting: 0, ..LoadReport::default() })
         .spawn()
 }
 
@@ -188,6 +188,7 @@ async fn routing_round_trip_with_explanations_metrics_and_health() {
         cached_tokens: 3000 - uncached,
         uncached_tokens: uncached,
         decode_node: Some(NodeId { id: first.clone() }),
+        decode_load: None,
     };
     // RoutePrefill is the decode node's call; Explain the operator's.
     let mut as_decode = co.client_as(&first).await;
@@ -224,6 +225,29 @@ async fn routing_round_trip_with_explanations_metrics_and_health() {
     assert!(metrics.contains("baton_coordinator_routing_decisions_total{kind=\"decode\",reason=\"sticky\"} 1"), "{metrics}");
     assert!(metrics.contains("baton_coordinator_nodes{role=\"decode\"} 4"), "{metrics}");
     assert_eq!(http_get(co.http, "/healthz").await, (200, "ok\n".to_string()));
+
+    // A decode node whose steps are over its ITL target sends even a short tail to the
+    // prefill node; with headroom it keeps it.
+    let standing = |p95: f64, budget: u32| LoadReport {
+        kv_blocks_free: 900,
+        running: 20,
+        waiting: 0,
+        itl_target_seconds: 0.05,
+        step_p95_seconds: p95,
+        prefill_budget_tokens: budget,
+    };
+    let busy = RoutePrefillRequest { routing_key: "conv-b".into(), decode_load: Some(standing(0.07, 0)), ..pre(100) };
+    let r = as_decode.route_prefill(busy).await.unwrap().into_inner();
+    match r.choice {
+        Some(Choice::Remote(n)) => assert_eq!(n.node_id.unwrap().id, "p0"),
+        other => panic!("expected a remote prefill, got {other:?}"),
+    }
+    assert_eq!(r.explanation.unwrap().reason, Reason::RemoteDecodeBusy as i32);
+    let calm = RoutePrefillRequest { routing_key: "conv-b".into(), decode_load: Some(standing(0.03, 64)), ..pre(100) };
+    let r = as_decode.route_prefill(calm).await.unwrap().into_inner();
+    assert!(matches!(r.choice, Some(Choice::Local(_))), "{r:?}");
+    let (_, metrics) = http_get(co.http, "/metrics").await;
+    assert!(metrics.contains("baton_coordinator_routing_decisions_total{kind=\"prefill\",reason=\"remote_decode_busy\"} 1"), "{metrics}");
 
     for n in nodes {
         n.shutdown().await;

@@ -43,6 +43,7 @@ pub const DECISION_REASONS: &[(&str, &str)] = &[
     ("prefill", "local_no_prefill_nodes"),
     ("prefill", "remote_least_loaded"),
     ("prefill", "remote_cached_prefix"),
+    ("prefill", "remote_decode_busy"),
 ];
 
 const ROUTING_BUCKETS: &[f64] = &[0.000_01, 0.000_04, 0.000_16, 0.000_64, 0.002_56, 0.010_24, 0.040_96, 0.163_84, 0.655_36, 2.621_44];

@@ -24,7 +24,7 @@ use crate::metrics::Metrics;
 use crate::placements::{Claim, SharedPlacement, SharedPlacements};
 use crate::routing::decode::DecodeRouter;
 use crate::routing::explain::{DecisionKind, ExplainLog, ExplainRecord, Reason};
-use crate::routing::prefill::{choose_prefill, PrefillCandidate, PrefillPolicy};
+use crate::routing::prefill::{choose_prefill, DecodeHeadroom, PrefillCandidate, PrefillPolicy};
 use crate::routing::ring::key_of;
 use crate::tombstones::Ledger;
 use crate::Config;
@@ -129,6 +129,7 @@ impl State {
                 local_threshold_tokens: config.local_prefill_threshold,
                 max_waiting: config.prefill_max_waiting,
                 cache_credit: config.prefill_cache_credit,
+                ..PrefillPolicy::default()
             },
             evict_timeout: config.evict_timeout,
             routing: Mutex::new(Routing {
@@ -236,7 +237,14 @@ impl State {
     pub(crate) async fn route_prefill(&self, conversation: Option<&ConversationId>, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {
         // Every turn's tail is decided here, a turn without a conversation too (it has
         // no routing key, hence no prefix affinity).
-        let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Prefill).collect();
+        let all = self.members().await?;
+        // The asking node's ITL standing: as it sent it, else its last keep-alive's.
+        let asker = req.decode_node.as_ref().and_then(|n| all.iter().find(|m| m.id() == n.id));
+        let decode = req
+            .decode_load
+            .or_else(|| asker.and_then(|m| m.info.load))
+            .and_then(|l| DecodeHeadroom::from_report(l.itl_target_seconds, l.step_p95_seconds, l.prefill_budget_tokens, asker.map_or(0, |m| m.info.block_tokens)));
+        let members: Vec<Member> = all.into_iter().filter(|m| role_of(m) == Role::Prefill).collect();
         let started = Instant::now();
         let key = conversation.map(key_of);
         let mut routing = lock(&self.routing);
@@ -258,7 +266,7 @@ impl State {
                 }
             })
             .collect();
-        let d = choose_prefill(&self.policy, req.prompt_tokens, req.uncached_tokens, candidates);
+        let d = choose_prefill(&self.policy, req.prompt_tokens, req.uncached_tokens, decode, candidates);
         if let (Some(node), Some(key)) = (&d.remote, key) {
             routing.affinity.insert(key, node.clone(), req.prompt_tokens);
         }
@@ -387,6 +395,7 @@ fn reason_pb(r: Reason) -> pb::Reason {
         Reason::LocalNoPrefillNodes => pb::Reason::LocalNoPrefillNodes,
         Reason::RemoteLeastLoaded => pb::Reason::RemoteLeastLoaded,
         Reason::RemoteCachedPrefix => pb::Reason::RemoteCachedPrefix,
+        Reason::RemoteDecodeBusy => pb::Reason::RemoteDecodeBusy,
     }
 }
 

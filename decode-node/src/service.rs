@@ -89,7 +89,7 @@ impl DecodeNode for DecodeService {
         }
         let mut path = pb::PrefillPath::Local;
         let mut import = None;
-        if let Route::Remote { addr, node } = self.router.route(&req, cached).await {
+        if let Route::Remote { addr, node } = self.router.route(&req, cached, baton_node_common::shell::load_report(&self.engine)).await {
             match remote_prefill(&self.kv, &self.plane, &req, cached, (&addr, node.as_deref()), &self.grpc_addr, self.kv_deadline).await {
                 Ok(p) => {
                     import = Some(p.import);

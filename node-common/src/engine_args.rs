@@ -46,6 +46,16 @@ pub struct NodeEngineArgs {
     /// Tokens one engine step may process.
     #[arg(long, env = "BATON_STEP_TOKENS", default_value_t = 512)]
     pub step_tokens: usize,
+    /// Inter-token latency target of running streams, ms: a step that decodes takes
+    /// only the prefill tokens the engine's measured step cost fits within it (at
+    /// least one KV block). 0: no target (prefill takes what --step-tokens leaves).
+    #[arg(long, env = "BATON_ITL_TARGET_MS", default_value_t = 50)]
+    pub itl_target_ms: u64,
+}
+
+/// The engine's ITL target from `--itl-target-ms` (0: none).
+pub fn itl_target(ms: u64) -> Option<std::time::Duration> {
+    (ms > 0).then(|| std::time::Duration::from_millis(ms))
 }
 
 /// A validated engine setup: the model and the engine's configuration.
@@ -69,6 +79,7 @@ impl TryFrom<NodeEngineArgs> for EngineSetup {
             tier2_bytes: a.kv_tier2_mib << 20,
             max_context: a.max_context,
             step_token_budget: a.step_tokens,
+            itl_target: crate::engine_args::itl_target(a.itl_target_ms),
             ..EngineConfig::default()
         };
         Ok(EngineSetup { model: a.model, backend: a.backend, gpu: a.gpu, threads: a.threads, config })

@@ -160,6 +160,15 @@ struct EngineSeries {
     kv_blocks: String,
     kv_block_bytes: String,
     staging_blocks_used: String,
+    /// Gauge: prefill tokens the cost model fits beside the decode rows under the ITL target.
+    prefill_budget: String,
+    /// Counters: the step cost model's predictions and the measured times of the same steps.
+    step_predicted: String,
+    step_measured: String,
+    /// Gauge: p95 of recent decode steps' times.
+    step_p95: String,
+    /// Gauge: the ITL target the planner works to.
+    itl_target: String,
 }
 
 impl EngineSeries {
@@ -179,6 +188,11 @@ impl EngineSeries {
             kv_blocks: name("kv_blocks"),
             kv_block_bytes: name("kv_block_bytes"),
             staging_blocks_used: name("kv_staging_blocks_used"),
+            prefill_budget: name("step_prefill_budget_tokens"),
+            step_predicted: name("step_predicted_seconds_total"),
+            step_measured: name("step_measured_seconds_total"),
+            step_p95: name("decode_step_p95_seconds"),
+            itl_target: name("itl_target_seconds"),
         }
     }
 
@@ -220,11 +234,20 @@ impl EngineSeries {
             gauge(r, &self.kv_blocks, "KV blocks by state and tier", &[("state", state), ("tier", tier)]).set(n as f64);
         }
         gauge(r, &self.kv_block_bytes, "Bytes of one KV block (all layers, K and V)", &[]).set(engine.info.kv_layout.block_bytes() as f64);
+        let help = "Prefill tokens the step cost model fits beside the running decode rows within the ITL target (the step budget when nothing decodes)";
+        gauge(r, &self.prefill_budget, help, &[]).set(st.prefill_budget_tokens as f64);
+        let help = "p95 of the measured times of the last 5 s of engine steps with decode rows (0: none)";
+        gauge(r, &self.step_p95, help, &[]).set(st.step_p95_seconds);
+        let target = engine.info.itl_target.map_or(0.0, |t| t.as_secs_f64());
+        gauge(r, &self.itl_target, "The ITL target the step planner keeps decode steps within (0: none)", &[]).set(target);
         if let Some(kv) = kv {
             gauge(r, &self.staging_blocks_used, "Staging blocks held by in-flight KV imports", &[]).set(kv.staging_used() as f64);
         }
         let mut out = r.handle().render();
         float_counter(&mut out, &self.busy_seconds, "Seconds the engine spent computing steps", st.busy_seconds);
+        let help = "Sum of the step cost model's predicted step times, made before each step ran";
+        float_counter(&mut out, &self.step_predicted, help, st.predicted_step_seconds);
+        float_counter(&mut out, &self.step_measured, "Sum of the measured times of the same steps", st.measured_step_seconds);
         if let Some(kv) = kv {
             let mut stats = kv.receiver.transport_stats();
             stats.push(kv.sender.stats().clone());

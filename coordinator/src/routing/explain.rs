@@ -33,6 +33,7 @@ pub enum Reason {
     LocalNoPrefillNodes,
     RemoteLeastLoaded,
     RemoteCachedPrefix,
+    RemoteDecodeBusy,
 }
 
 impl Reason {
@@ -47,6 +48,7 @@ impl Reason {
             Reason::LocalNoPrefillNodes => "local_no_prefill_nodes",
             Reason::RemoteLeastLoaded => "remote_least_loaded",
             Reason::RemoteCachedPrefix => "remote_cached_prefix",
+            Reason::RemoteDecodeBusy => "remote_decode_busy",
         }
     }
 }
@@ -69,6 +71,7 @@ impl From<PrefillReason> for Reason {
             PrefillReason::LocalNoPrefillNodes => Reason::LocalNoPrefillNodes,
             PrefillReason::RemoteLeastLoaded => Reason::RemoteLeastLoaded,
             PrefillReason::RemoteCachedPrefix => Reason::RemoteCachedPrefix,
+            PrefillReason::RemoteDecodeBusy => Reason::RemoteDecodeBusy,
         }
     }
 }

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use baton_engine::{ImportedToken, KvImport, Request};
 use baton_kv_transport::Reservation;
 use baton_proto::coordinator::route_prefill_response::Choice;
+use baton_proto::common::LoadReport;
 use baton_proto::coordinator::RoutePrefillRequest;
 use baton_proto::Coordinators;
 use baton_proto::node::prefill_node_client::PrefillNodeClient;
@@ -51,7 +52,9 @@ pub struct Router {
 }
 
 impl Router {
-    pub async fn route(&self, req: &Request, cached: usize) -> Route {
+    /// Where `req`'s tail past `cached` tokens is prefilled; `load` is this node's
+    /// load now (its ITL standing), for the coordinator's decision.
+    pub async fn route(&self, req: &Request, cached: usize, load: LoadReport) -> Route {
         let tail = req.prompt.len() - cached;
         if tail == 0 {
             // Nothing to compute elsewhere (the engine recomputes the last token itself).
@@ -65,6 +68,7 @@ impl Router {
                 cached_tokens: cached as u32,
                 uncached_tokens: tail as u32,
                 decode_node: Some(baton_proto::common::NodeId { id: self.node_id.clone() }),
+                decode_load: Some(load),
             };
             let asked = c.call(|mut c| {
                 let ask = ask.clone();

@@ -34,6 +34,7 @@ use tonic::Status;
 
 pub use args::{parse_duration, Args, Config, NodeArgs, NodeConfig, RoleDefaults};
 pub use control::ControlHooks;
+pub use registration::load_report;
 
 use crate::engine_metrics::{MetricsSpec, NodeRecorder};
 use crate::in_flight::{CountedService, InFlight};

@@ -47,8 +47,16 @@ pub(super) fn register(node: &Node, role: IdRole, kv_endpoint: &str, ready: &Arc
     Some(handle)
 }
 
-/// The load a node reports with each keep-alive.
-fn load_report(engine: &Engine) -> LoadReport {
+/// The load a node reports with each keep-alive (and a decode node with each
+/// `RoutePrefill`), its ITL standing included.
+pub fn load_report(engine: &Engine) -> LoadReport {
     let st = engine.stats();
-    LoadReport { kv_blocks_free: (st.kv.free + st.kv.cached) as u64, running: st.running as u32, waiting: st.waiting as u32 }
+    LoadReport {
+        kv_blocks_free: (st.kv.free + st.kv.cached) as u64,
+        running: st.running as u32,
+        waiting: st.waiting as u32,
+        itl_target_seconds: engine.info.itl_target.map_or(0.0, |t| t.as_secs_f64()),
+        step_p95_seconds: st.step_p95_seconds,
+        prefill_budget_tokens: u32::try_from(st.prefill_budget_tokens).unwrap_or(u32::MAX),
+    }
 }

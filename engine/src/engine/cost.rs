@@ -195,8 +195,19 @@ impl CostModel {
                 }
             }
         }
-        let t = solve4(m, v).unwrap_or(prior);
-        StepCost::from_array(t.map(|c| if c.is_finite() { c.max(0.0) } else { 0.0 }))
+        // No coefficient may go negative, and clamping one after the fact would leave
+        // the others fitted around it (collinear features: a too-large one beside a
+        // negative one), so predictions would be biased. Instead a negative one is
+        // held at zero and the rest refitted without it.
+        let mut free = [true; 4];
+        loop {
+            let t = solve_at_zero(m, v, &free).unwrap_or(prior);
+            let negative = (0..4).filter(|&j| free[j] && !(t[j] >= 0.0)).min_by(|&a, &b| t[a].total_cmp(&t[b]));
+            match negative {
+                Some(j) => free[j] = false,
+                None => return StepCost::from_array(t),
+            }
+        }
     }
 
     /// The most prefill tokens (at most `cap`) a step may add beside `decode_rows`
@@ -242,6 +253,20 @@ fn median(xs: &mut [f64]) -> f64 {
     } else {
         (xs[n / 2 - 1] + xs[n / 2]) / 2.0
     }
+}
+
+/// Solves `m x = v` with `x[j] = 0` for every `j` not `free` (their columns and rows
+/// taken out of the system).
+fn solve_at_zero(mut m: [[f64; 4]; 4], mut v: [f64; 4], free: &[bool; 4]) -> Option<[f64; 4]> {
+    for j in (0..4).filter(|&j| !free[j]) {
+        for i in 0..4 {
+            m[i][j] = 0.0;
+            m[j][i] = 0.0;
+        }
+        m[j][j] = 1.0;
+        v[j] = 0.0;
+    }
+    solve4(m, v)
 }
 
 /// Solves `m x = v` by Gaussian elimination with partial pivoting; `None` when `m` is
@@ -415,6 +440,24 @@ mod tests {
         for x in [c.fixed, c.decode_row, c.prefill_token, c.attended_kilotoken] {
             assert!(x >= 0.0, "{c:?}");
         }
+    }
+
+    #[test]
+    fn a_coefficient_held_at_zero_leaves_the_others_fitted_without_bias() {
+        // Big prefill chunks cost more than linearly (caches overflow): the best line
+        // through these steps has a negative fixed cost. Clamping it to zero after
+        // the fit would leave the other coefficients fitted around the negative value,
+        // and every prediction too high.
+        let time = |s: &StepShape| 0.003 * s.decode_rows as f64 + 2e-6 * (s.prefill_tokens * s.prefill_tokens) as f64;
+        let mut m = CostModel::new(StepCost::PRIOR);
+        for s in shapes(WINDOW) {
+            m.observe(s, time(&s));
+        }
+        let measured: f64 = shapes(WINDOW).iter().map(time).sum();
+        let predicted: f64 = shapes(WINDOW).into_iter().map(|s| m.predict(s)).sum();
+        let c = m.cost();
+        assert_eq!(c.fixed, 0.0, "{c:?}");
+        assert!(close(predicted, measured, 0.05), "predicted {predicted} s for steps that took {measured} s: {c:?}");
     }
 
     #[test]

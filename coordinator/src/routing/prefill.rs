@@ -14,8 +14,9 @@
 //! target, the tokens its model fits beside the decode rows are fewer than the floor
 //! (so every prefill step stretches the streams' gaps), or at that budget the tail
 //! would take longer than `local_prefill_max_seconds` (the turn's first token would be
-//! late). Then a prefill node with room takes it, and the decode node only imports the
-//! KV. A node that reports no ITL target is judged on the tail length alone.
+//! late). Then a prefill node with room (nothing waiting, fewer than
+//! `busy_reroute_max_running` running) takes it, and the decode node only imports the
+//! KV; with none, the decode node prefills it after all. A node that reports no ITL target is judged on the tail length alone.
 //!
 //! Pure: the caller gathers candidates and records the outcome.
 
@@ -32,11 +33,16 @@ pub struct PrefillPolicy {
     /// (steps of its ITL target, each with its prefill budget) before the tail goes to
     /// a prefill node; half the seed's 1 s TTFT target, the rest left for queueing.
     pub local_prefill_max_seconds: f64,
+    /// A short tail leaves a busy decode node only for a prefill node that reported
+    /// nothing waiting and fewer running than this: "room" for work that would
+    /// otherwise be done locally, judged on a report up to a keep-alive old, so that
+    /// the prefill pool does not take on more short tails than it turns round.
+    pub busy_reroute_max_running: u32,
 }
 
 impl Default for PrefillPolicy {
     fn default() -> Self {
-        Self { local_threshold_tokens: 512, max_waiting: 8, cache_credit: 2.0, local_prefill_max_seconds: 0.5 }
+        Self { local_threshold_tokens: 512, max_waiting: 8, cache_credit: 2.0, local_prefill_max_seconds: 0.5, busy_reroute_max_running: 4 }
     }
 }
 
@@ -94,6 +100,11 @@ pub struct PrefillCandidate {
 impl PrefillCandidate {
     fn saturated(&self, p: &PrefillPolicy) -> bool {
         self.waiting >= p.max_waiting || (self.kv_blocks_total > 0 && self.kv_blocks_free == 0)
+    }
+
+    /// Room for a short tail a busy decode node would otherwise prefill itself.
+    fn has_room_for_short_tail(&self, p: &PrefillPolicy) -> bool {
+        !self.saturated(p) && self.waiting == 0 && self.running < p.busy_reroute_max_running
     }
 
     fn load(&self) -> f64 {
@@ -164,6 +175,12 @@ pub fn choose_prefill(
     let local = |reason, candidates| PrefillDecision { remote: None, reason, candidates };
     let short = uncached_tokens < policy.local_threshold_tokens;
     let decode_busy = uncached_tokens > 0 && decode.is_some_and(|d| d.busy_for(uncached_tokens, policy));
+    let scored: Vec<ScoredCandidate> = if short && decode_busy {
+        // Only a prefill node with room takes a short tail.
+        scored.into_iter().map(|c| ScoredCandidate { eligible: c.candidate.has_room_for_short_tail(policy), ..c }).collect()
+    } else {
+        scored
+    };
     if short && !decode_busy {
         return local(PrefillReason::LocalShortTail, scored);
     }
@@ -274,6 +291,12 @@ mod tests {
     #[test]
     fn without_a_prefill_node_with_room_a_busy_decode_node_prefills_anyway() {
         let p = PrefillPolicy::default();
+        // Something waiting, or four running: no room for a short tail (a long one
+        // still goes there).
+        let d = choose_prefill(&p, 4000, 110, headroom(80.0, 0), vec![cand("a", 1, 1, 0), cand("b", 4, 0, 0)]);
+        assert_eq!((d.remote, d.reason), (None, PrefillReason::LocalPoolSaturated));
+        let d = choose_prefill(&p, 4000, 3000, headroom(80.0, 0), vec![cand("a", 1, 1, 0), cand("b", 4, 0, 0)]);
+        assert_eq!(d.remote.as_deref(), Some("a"));
         let d = choose_prefill(&p, 4000, 110, headroom(80.0, 0), vec![]);
         assert_eq!((d.remote, d.reason), (None, PrefillReason::LocalNoPrefillNodes));
         let d = choose_prefill(&p, 4000, 110, headroom(80.0, 0), vec![cand("a", 1, 8, 0)]);
@@ -316,6 +339,9 @@ mod tests {
                     prop_assert_eq!(d.reason == PrefillReason::RemoteDecodeBusy, uncached < 512);
                     let chosen = d.candidates.iter().find(|c| &c.candidate.node == n).unwrap();
                     prop_assert!(chosen.eligible);
+                    if uncached < 512 {
+                        prop_assert!(chosen.candidate.waiting == 0 && chosen.candidate.running < p.busy_reroute_max_running);
+                    }
                     prop_assert!(d.candidates.iter().filter(|c| c.eligible).all(|c| c.score >= chosen.score));
                 }
             }

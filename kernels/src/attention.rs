@@ -346,6 +346,20 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps::<1>(t, t)))
     }
 
+    /// [`hsum8`] of eight vectors at once, lane `t` of the result from
+    /// `v[t]`, in hsum8's order `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`:
+    /// a transposing add network, about three operations per sum instead of eight.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn hsum8x8(v: [__m256; 8]) -> __m256 {
+        // b_i = a_i + a_(i+4): vectors t and t+4 side by side (t in the low half).
+        let half = |x: __m256, y: __m256| _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(x, y), _mm256_permute2f128_ps::<0x31>(x, y));
+        // Reordered (b0, b2, b1, b3) so that each hadd pairs b0 with b2 and b1 with b3.
+        let order = |x: __m256| _mm256_permute_ps::<0b11_01_10_00>(x);
+        let (s04, s15, s26, s37) = (order(half(v[0], v[4])), order(half(v[1], v[5])), order(half(v[2], v[6])), order(half(v[3], v[7])));
+        _mm256_hadd_ps(_mm256_hadd_ps(s04, s15), _mm256_hadd_ps(s26, s37))
+    }
+
     /// IEEE half to single precision (exact), eight at a time; a short inline
     /// loop where a general slice conversion costs more in dispatch than in work
     /// for one head's 64 values.
@@ -365,6 +379,17 @@ mod avx2 {
         assert!(qh.len() >= chunks * 8 && keys.len() >= m.saturating_sub(1) * hd + chunks * 8 && out.len() >= m);
         let (q, k) = (qh.as_ptr(), keys.as_ptr());
         let mut j = 0;
+        while j + 8 <= m {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for c in 0..chunks {
+                let qc = _mm256_loadu_ps(q.add(c * 8));
+                for (t, at) in a.iter_mut().enumerate() {
+                    *at = _mm256_add_ps(*at, _mm256_mul_ps(qc, _mm256_loadu_ps(k.add((j + t) * hd + c * 8))));
+                }
+            }
+            _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+            j += 8;
+        }
         while j + 4 <= m {
             let (k0, k1, k2, k3) = (k.add(j * hd), k.add((j + 1) * hd), k.add((j + 2) * hd), k.add((j + 3) * hd));
             let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());

@@ -11,6 +11,7 @@
 
 mod chart;
 mod client;
+pub mod conversation;
 mod report;
 mod traffic;
 
@@ -24,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::BadValue;
 
-pub use client::{stream_turn, Endpoint, Message, SseParser, TurnError, TurnResult};
+pub use client::{stream_turn, Endpoint, Message, SseEvent, SseParser, TurnError, TurnResult};
 pub use report::{LevelReport, Percentiles, Targets};
 pub use traffic::{system_prompt, ConversationScript, TrafficShape};
 

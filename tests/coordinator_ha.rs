@@ -7,6 +7,9 @@
 //!   (each later turn starts warm there, and the surviving replica answers that node).
 //! - Then the other one too: turns of the existing conversations still complete on their
 //!   decode nodes, routed on the last known membership, and the gateway says it is degraded.
+//! - With every coordinator down, a new decode node cannot join (it stays unready for
+//!   several lease periods) until one coordinator is back on its address; then it joins
+//!   and is listed, while the existing conversations' turns completed meanwhile.
 
 mod cluster_support;
 

@@ -17,6 +17,7 @@
 
 mod check;
 mod cluster;
+mod soak;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -122,6 +123,23 @@ pub struct ChaosArgs {
     /// Keep the processes' logs (the folder is printed) instead of deleting them.
     #[arg(long)]
     pub keep_logs: bool,
+    /// Soak instead: the same cluster and load without faults for this long (e.g. 30m),
+    /// sampling memory, descriptors, KV blocks and the store; fails when a process's RSS
+    /// grows more than --max-rss-growth after warm-up.
+    #[arg(long, value_parser = humantime::parse_duration, num_args = 0..=1, default_missing_value = "30m")]
+    pub soak: Option<Duration>,
+    /// The soak's warm-up, not judged (default: a quarter of the soak).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub soak_warmup: Option<Duration>,
+    /// The soak's sampling period.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub sample_every: Duration,
+    /// The largest RSS growth of any process after warm-up the soak accepts (0.05 = 5%).
+    #[arg(long, default_value_t = 0.05)]
+    pub max_rss_growth: f64,
+    /// The soak's SVG chart (memory, descriptors, KV blocks, store over time).
+    #[arg(long)]
+    pub chart: Option<PathBuf>,
 }
 
 pub fn run(a: ChaosArgs) -> Result<()> {
@@ -140,6 +158,9 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     }
     let bin = std::env::current_exe().context("finding the baton binary")?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    if let Some(duration) = a.soak {
+        return run_soak(&a, &bin, model, duration, &rt);
+    }
     let report = rt.block_on(async {
         tokio::select! {
             r = suite(&a, &bin, model) => r,
@@ -156,9 +177,38 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     Ok(())
 }
 
-async fn suite(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<ChaosReport> {
-    let faults: Vec<Fault> = if a.faults.is_empty() { ALL.to_vec() } else { a.faults.clone() };
-    let kv_deadline = Duration::from_secs(10);
+fn run_soak(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf, duration: Duration, rt: &tokio::runtime::Runtime) -> Result<()> {
+    let warmup = a.soak_warmup.unwrap_or(duration / 4);
+    if warmup >= duration || a.sample_every.is_zero() {
+        bail!("--soak-warmup must be shorter than the soak, and --sample-every positive");
+    }
+    let report = rt.block_on(async {
+        tokio::select! {
+            r = async {
+                let (cluster, load) = start(a, bin, model).await?;
+                soak::run(cluster, load, duration, warmup, a.sample_every, a.max_rss_growth, KV_DEADLINE + Duration::from_secs(10)).await
+            } => r,
+            _ = crate::process::shutdown_signal() => bail!("interrupted; every process of the cluster was stopped"),
+        }
+    })?;
+    print!("{}", baton_bench::chaos::soak::table(&report));
+    if let Some(path) = &a.report {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &a.chart {
+        soak::chart(path, &report)?;
+    }
+    if !report.passed() {
+        bail!("the soak failed: a process's memory grew past the bound, or a turn was lost or stored twice, or KV blocks leaked");
+    }
+    Ok(())
+}
+
+/// How long a KV transfer may take on the suite's nodes (their `--kv-deadline`).
+const KV_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Starts the cluster and the load.
+async fn start(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<(ChaosCluster, Load)> {
     let shape = Shape {
         coordinators: 2,
         gateways: 2,
@@ -170,15 +220,14 @@ async fn suite(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<C
         // their KV through the relays (the nodes' prefix caches keep later tails short).
         local_prefill_threshold: 16,
         replica_dead_after: Duration::from_secs(3),
-        kv_deadline,
+        kv_deadline: KV_DEADLINE,
         kv_memory_mib: 64,
     };
     eprintln!("baton chaos: starting etcd, PostgreSQL and {} processes", 4 + shape.prefill + shape.decode);
-    let mut cluster = ChaosCluster::start(bin, &shape).await?;
+    let cluster = ChaosCluster::start(bin, &shape).await?;
     if a.keep_logs {
         eprintln!("baton chaos: logs in {}", cluster.log_dir().display());
     }
-    let pg_url = cluster.postgres.url();
     let load = Load::start(LoadConfig {
         gateways: cluster.gateway_urls(),
         api_key: cluster.api_key.clone(),
@@ -191,13 +240,25 @@ async fn suite(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<C
         seed: a.seed,
     })
     .map_err(|e| anyhow::anyhow!("starting the load: {e}"))?;
+    Ok((cluster, load))
+}
+
+async fn suite(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<ChaosReport> {
+    let faults: Vec<Fault> = if a.faults.is_empty() { ALL.to_vec() } else { a.faults.clone() };
+    let (mut cluster, load) = start(a, bin, model).await?;
+    let pg_url = cluster.postgres.url();
 
     let mut windows = vec![Window { fault: "baseline".into(), start_s: 0.0, end_s: 0.0 }];
     let mut leaks: Vec<Vec<NodeLeak>> = Vec::new();
+    // Datagrams the KV relays forwarded and dropped per window: evidence that KV crossed
+    // them (and that kv-loss dropped some).
+    let mut relay_notes = Vec::new();
+    let mut relayed = relay_counts(&cluster);
     tokio::time::sleep(a.baseline).await;
     // Leaks are measured with the load paused; reservations expire within the KV deadline.
-    let settle = kv_deadline + Duration::from_secs(10);
+    let settle = KV_DEADLINE + Duration::from_secs(10);
     quiesce(&load, &cluster, &mut windows, &mut leaks, settle, a.turn_deadline).await;
+    relay_notes.push(relay_note(&cluster, &mut relayed));
     let mut failed_gate = false;
     for fault in faults {
         let start_s = load.now_s();
@@ -206,6 +267,7 @@ async fn suite(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<C
         inject(fault, &mut cluster, a).await.with_context(|| format!("injecting {}", fault.label()))?;
         tokio::time::sleep(a.recovery).await;
         quiesce(&load, &cluster, &mut windows, &mut leaks, settle, a.turn_deadline).await;
+        relay_notes.push(relay_note(&cluster, &mut relayed));
         let gate = gate_so_far(&pg_url, &load.records(), &windows, &leaks).await?;
         if !gate && !a.keep_going {
             eprintln!("baton chaos: {} failed the gate; stopping (--keep-going goes on)", fault.label());
@@ -216,7 +278,10 @@ async fn suite(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<C
     let duration_s = load.now_s();
     let records = load.stop().await;
     let verdicts = check::store_verdicts(&pg_url, &records).await?;
-    let rows = report::rows(&windows, &records, &verdicts, &leaks);
+    let mut rows = report::rows(&windows, &records, &verdicts, &leaks);
+    for (row, note) in rows.iter_mut().zip(relay_notes) {
+        row.notes.push(note);
+    }
     if a.keep_logs || failed_gate {
         // Keep the logs of a failing run for whoever investigates.
         cluster.dir.disable_cleanup(true);
@@ -238,6 +303,20 @@ async fn quiesce(load: &Load, cluster: &ChaosCluster, windows: &mut [Window], le
     let measured = tokio::task::block_in_place(|| check::node_leaks(cluster, settle));
     leaks.push(measured);
     load.resume();
+}
+
+/// Datagrams forwarded and dropped by every KV relay so far.
+fn relay_counts(cluster: &ChaosCluster) -> (u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    cluster.relays.iter().fold((0, 0), |(f, d), r| (f + r.counters.forwarded.load(Relaxed), d + r.counters.dropped.load(Relaxed)))
+}
+
+/// What the relays did since `last` (which it advances).
+fn relay_note(cluster: &ChaosCluster, last: &mut (u64, u64)) -> String {
+    let now = relay_counts(cluster);
+    let note = format!("KV relays: {} datagrams forwarded, {} dropped", now.0 - last.0, now.1 - last.1);
+    *last = now;
+    note
 }
 
 /// Whether the windows so far pass the gate.

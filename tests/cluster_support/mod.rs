@@ -8,7 +8,7 @@ pub mod etcd;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use baton_engine::kv::OwnerId;

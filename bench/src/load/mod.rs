@@ -9,7 +9,7 @@
 //! p95 ITL targets), and can write JSON and an SVG chart that also carries earlier runs
 //! (`--compare`), so two servers measured with the same seed sit side by side.
 
-mod chart;
+pub mod chart;
 mod client;
 pub mod conversation;
 mod report;

@@ -77,6 +77,9 @@ pub struct ChaosArgs {
     /// Conversations open at once.
     #[arg(long, default_value_t = 4)]
     pub conversations: usize,
+    /// Turns of one conversation before its user starts a new one.
+    #[arg(long, default_value_t = 8)]
+    pub turns_per_conversation: usize,
     /// Reply cap per turn.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
@@ -143,8 +146,8 @@ pub struct ChaosArgs {
 }
 
 pub fn run(a: ChaosArgs) -> Result<()> {
-    if a.conversations == 0 || a.max_tokens == 0 {
-        bail!("--conversations and --max-tokens must be positive");
+    if a.conversations == 0 || a.max_tokens == 0 || a.turns_per_conversation == 0 {
+        bail!("--conversations, --turns-per-conversation and --max-tokens must be positive");
     }
     if !(0.0..=1.0).contains(&a.kv_loss) {
         bail!("--kv-loss must be within [0, 1]");
@@ -232,6 +235,7 @@ async fn start(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<(
         gateways: cluster.gateway_urls(),
         api_key: cluster.api_key.clone(),
         conversations: a.conversations,
+        turns_per_conversation: a.turns_per_conversation,
         message_words: a.message_words,
         max_tokens: a.max_tokens,
         think_time: a.think_time,

@@ -33,9 +33,15 @@ fn sample(cluster: &mut ChaosCluster, load: &Load) -> Sample {
     }
     for m in cluster.members.iter().filter(|m| matches!(m.kind, Kind::Prefill | Kind::Decode)) {
         if let Ok((200, text)) = http_get(&m.http, "/metrics", None, Duration::from_secs(3)) {
-            let series = format!("baton_{}_kv_blocks", m.kind.name());
-            s.kv_used_blocks.insert(m.name.clone(), metric_sum(&text, &series, &["state=\"used\""]).unwrap_or(0.0));
-            s.kv_cached_blocks.insert(m.name.clone(), metric_sum(&text, &series, &["state=\"cached\""]).unwrap_or(0.0));
+            let role = m.kind.name();
+            let series = format!("baton_{role}_kv_blocks");
+            let used = metric_sum(&text, &series, &["state=\"used\""]).unwrap_or(0.0);
+            let cached = metric_sum(&text, &series, &["state=\"cached\""]).unwrap_or(0.0);
+            let staging = metric_sum(&text, &format!("baton_{role}_kv_staging_blocks_used"), &[]).unwrap_or(0.0);
+            let block_bytes = metric_sum(&text, &format!("baton_{role}_kv_block_bytes"), &[]).unwrap_or(0.0);
+            s.kv_used_blocks.insert(m.name.clone(), used);
+            s.kv_cached_blocks.insert(m.name.clone(), cached);
+            s.kv_pool_bytes.insert(m.name.clone(), (used + cached + staging) * block_bytes);
         }
     }
     s
@@ -72,6 +78,11 @@ pub async fn run(mut cluster: ChaosCluster, load: Load, duration: Duration, warm
         leaked_blocks: leaks.iter().map(NodeLeak::leaked).sum::<f64>() + leaks.iter().filter(|l| l.not_idle).count() as f64,
         store_bytes_start: samples.first().map_or(0, |s| s.store_bytes),
         store_bytes_end: samples.last().map_or(0, |s| s.store_bytes),
+        failed_turn_errors: records
+            .iter()
+            .filter(|r| !r.acknowledged())
+            .map(|r| format!("{}/{}: {:?}", r.conversation, r.turn_id, r.attempts.iter().filter_map(|a| a.error.as_deref()).collect::<Vec<_>>()))
+            .collect(),
         samples,
     })
 }

@@ -28,6 +28,9 @@ pub struct LoadConfig {
     pub api_key: String,
     /// Conversations open at once.
     pub conversations: usize,
+    /// Turns of one conversation; then its user starts a new one (so histories stay
+    /// within the model's context however long the run).
+    pub turns_per_conversation: usize,
     /// Words of a user message.
     pub message_words: usize,
     pub max_tokens: usize,
@@ -191,7 +194,7 @@ impl Conversation {
             seed: self.config.seed,
         };
         let mut script = ConversationScript::new(&shape, self.index as u64);
-        let Some(conversation) = self.create().await else { return };
+        let Some(mut conversation) = self.create().await else { return };
         let mut n = 0u64;
         tokio::time::sleep(script.think_time().mul_f64(0.5)).await;
         loop {
@@ -209,6 +212,15 @@ impl Conversation {
                 }
             }
             self.busy.fetch_add(1, Ordering::SeqCst);
+            if n > 0 && n % self.config.turns_per_conversation.max(1) as u64 == 0 {
+                match self.create().await {
+                    Some(c) => conversation = c,
+                    None => {
+                        self.busy.fetch_sub(1, Ordering::SeqCst);
+                        return;
+                    }
+                }
+            }
             let turn = TurnRequest { conversation: conversation.clone(), turn_id: format!("t{n}"), message: script.next_message(), max_tokens: self.config.max_tokens };
             let record = self.turn(&turn).await;
             if let Ok(mut r) = self.records.lock() {
@@ -280,6 +292,13 @@ impl Conversation {
                         // Another turn of this conversation still runs (a dead replica's,
                         // until its heartbeat is stale): wait as the gateway asks.
                         TurnError::Status { status: 409, .. } | TurnError::Status { status: 429, .. } => Duration::from_millis(500),
+                        // The request itself is refused (bad input, no such conversation):
+                        // retrying cannot help; the turn fails now.
+                        TurnError::Status { status, .. } if (400..500).contains(status) => {
+                            record.attempts.push(AttemptRecord { gateway, start_s: at, end_s: self.now(), error: Some(e.label()) });
+                            record.end_s = self.now();
+                            return record;
+                        }
                         _ => Duration::from_millis(200),
                     };
                     (Some(e.label()), backoff)

@@ -78,13 +78,14 @@ fn fate(faults: &Faults, rng: &Mutex<Xoshiro256pp>) -> Option<Duration> {
     Some(faults.delay)
 }
 
-/// Sends `data` to `to` on `socket` after `delay` (at once when zero).
-fn send_later(socket: Arc<UdpSocket>, data: Vec<u8>, to: SocketAddr, delay: Duration) {
+/// Sends `data` to `to` on `socket` after `delay`: at once (in order) when zero, else
+/// from a task of its own so that later datagrams are not held behind it.
+async fn send_later(socket: Arc<UdpSocket>, data: &[u8], to: SocketAddr, delay: Duration) {
     if delay.is_zero() {
-        // A full socket buffer drops the datagram, as the network would.
-        let _ = socket.try_send_to(&data, to);
+        let _ = socket.send_to(data, to).await;
         return;
     }
+    let data = data.to_vec();
     tokio::spawn(async move {
         tokio::time::sleep(delay).await;
         let _ = socket.send_to(&data, to).await;
@@ -113,7 +114,7 @@ async fn relay(socket: Arc<UdpSocket>, upstream: SocketAddr, faults: watch::Rece
         match fate(&f, &rng) {
             Some(delay) => {
                 counters.forwarded.fetch_add(1, Ordering::Relaxed);
-                send_later(up, buf[..n].to_vec(), upstream, delay);
+                send_later(up, &buf[..n], upstream, delay).await;
             }
             None => {
                 counters.dropped.fetch_add(1, Ordering::Relaxed);
@@ -130,7 +131,7 @@ async fn back(up: Arc<UdpSocket>, front: Arc<UdpSocket>, client: SocketAddr, fau
         match fate(&f, &rng) {
             Some(delay) => {
                 counters.forwarded.fetch_add(1, Ordering::Relaxed);
-                send_later(front.clone(), buf[..n].to_vec(), client, delay);
+                send_later(front.clone(), &buf[..n], client, delay).await;
             }
             None => {
                 counters.dropped.fetch_add(1, Ordering::Relaxed);

@@ -10,7 +10,7 @@
 //!   ID and reply. **stored twice**: the store holds the turn's ID more than once, its
 //!   token log repeats or misses an index, or the log's text is not the stored reply.
 //! - **recovery**: from the fault's injection to the end of the last failed attempt that
-//!   started in its window (0 when no attempt failed).
+//!   ended in its window (0 when no attempt failed).
 //! - **leaked KV blocks** of a node, measured once no turn runs and the node reports no
 //!   running, waiting or swapped sequence: blocks still pinned (`used`, any tier), staging
 //!   blocks still held, and receiver reservations still live. Cached prefix blocks are not
@@ -138,6 +138,8 @@ pub fn rows(windows: &[Window], records: &[TurnRecord], verdicts: &[Option<Store
         row.turns += 1;
         if !r.acknowledged() {
             row.failed += 1;
+            let errors: Vec<&str> = r.attempts.iter().filter_map(|a| a.error.as_deref()).collect();
+            row.notes.push(format!("{}/{} failed after {} attempts: {errors:?}", r.conversation, r.turn_id, r.attempts.len()));
         } else if r.succeeded_on_retry() {
             row.succeeded_on_retry += 1;
         }
@@ -152,11 +154,11 @@ pub fn rows(windows: &[Window], records: &[TurnRecord], verdicts: &[Option<Store
             ttfts[w].push(t * 1e3);
         }
     }
-    // Recovery: attempts are attributed by their own start (a turn begun before the fault
-    // can fail inside it).
+    // Recovery: a failed attempt counts where its error was seen (a turn begun before
+    // the fault can fail inside it).
     for r in records {
         for a in r.attempts.iter().filter(|a| a.error.is_some()) {
-            if let Some(w) = window_of(windows, a.start_s) {
+            if let Some(w) = window_of(windows, a.end_s) {
                 let since = a.end_s - windows[w].start_s;
                 rows[w].recovery_s = rows[w].recovery_s.max(since);
             }
@@ -235,7 +237,7 @@ mod tests {
         let leaks = vec![vec![], vec![NodeLeak { node: "decode-0".into(), used_blocks: 2.0, staging_blocks: 0.0, live_reservations: 1.0, not_idle: false }]];
         let rows = rows(&windows, &records, &verdicts, &leaks);
         assert_eq!((rows[0].turns, rows[0].failed, rows[0].succeeded_on_retry), (2, 0, 1));
-        assert_eq!(rows[0].recovery_s, 0.0, "the failed attempt started in the fault's window");
+        assert_eq!(rows[0].recovery_s, 0.0, "the failed attempt's error came in the fault's window");
         assert_eq!((rows[1].turns, rows[1].failed, rows[1].lost), (2, 1, 1));
         assert!((rows[1].recovery_s - 4.5).abs() < 1e-9, "{}", rows[1].recovery_s);
         assert_eq!(rows[1].leaked_blocks, 3.0);

@@ -23,6 +23,12 @@ pub struct Sample {
     pub kv_used_blocks: BTreeMap<String, f64>,
     /// KV blocks held by the prefix cache, per node.
     pub kv_cached_blocks: BTreeMap<String, f64>,
+    /// Bytes of a node's KV pools in use now: (pinned + cached blocks + staging blocks)
+    /// x block bytes. The pools are allocated at start but their pages are touched on
+    /// first use (blocks are reused last-freed first), so their high-water mark is memory
+    /// a node may add without leaking.
+    #[serde(default)]
+    pub kv_pool_bytes: BTreeMap<String, f64>,
     /// Bytes of PostgreSQL's data directory.
     pub store_bytes: u64,
     /// Turns acknowledged so far.
@@ -35,7 +41,9 @@ pub struct ProcessGrowth {
     pub process: String,
     pub rss_start_bytes: f64,
     pub rss_end_bytes: f64,
-    /// (end - start) / start.
+    /// Growth of the KV pools' high-water mark over the same span (0 for non-nodes).
+    pub kv_high_water_growth_bytes: f64,
+    /// (end - start - KV high-water growth) / start.
     pub rss_growth_ratio: f64,
     pub fds_start: f64,
     pub fds_end: f64,
@@ -56,6 +64,9 @@ pub struct SoakReport {
     pub leaked_blocks: f64,
     pub store_bytes_start: u64,
     pub store_bytes_end: u64,
+    /// Why turns failed: `conversation/turn: error labels of its attempts`.
+    #[serde(default)]
+    pub failed_turn_errors: Vec<String>,
     pub samples: Vec<Sample>,
 }
 
@@ -74,10 +85,12 @@ fn mean(xs: &[f64]) -> f64 {
     }
 }
 
-/// Growth of every process seen in the samples after `warmup_s`. A process must appear in
-/// at least two samples after warm-up to be judged.
+/// Growth of every process seen in the samples after `warmup_s`, net of its KV pools'
+/// high-water growth over the same span. A process must appear in at least two samples
+/// after warm-up to be judged.
 pub fn growth(samples: &[Sample], warmup_s: f64) -> Vec<ProcessGrowth> {
-    let after: Vec<&Sample> = samples.iter().filter(|s| s.t_s >= warmup_s).collect();
+    let first_after = samples.iter().position(|s| s.t_s >= warmup_s).unwrap_or(samples.len());
+    let after: Vec<&Sample> = samples[first_after..].iter().collect();
     let mut names: Vec<&String> = after.iter().flat_map(|s| s.rss_bytes.keys()).collect();
     names.sort();
     names.dedup();
@@ -91,11 +104,17 @@ pub fn growth(samples: &[Sample], warmup_s: f64) -> Vec<ProcessGrowth> {
         let k = (rss.len() / 2).clamp(1, 3);
         let (start, end) = (mean(&rss[..k]), mean(&rss[rss.len() - k..]));
         let kf = (fds.len() / 2).clamp(1, 3).min(fds.len());
+        // The pools' high-water mark (from the first sample on) where the start window
+        // ends, and at the end.
+        let high_water = |upto: usize| samples[..upto].iter().filter_map(|s| s.kv_pool_bytes.get(name)).fold(0.0f64, |a, &b| a.max(b));
+        let start_index = samples[first_after..].iter().enumerate().filter(|(_, s)| s.rss_bytes.contains_key(name)).nth(k - 1).map_or(first_after, |(i, _)| first_after + i);
+        let kv = (high_water(samples.len()) - high_water(start_index + 1)).max(0.0);
         out.push(ProcessGrowth {
             process: name.clone(),
             rss_start_bytes: start,
             rss_end_bytes: end,
-            rss_growth_ratio: if start > 0.0 { (end - start) / start } else { 0.0 },
+            kv_high_water_growth_bytes: kv,
+            rss_growth_ratio: if start > 0.0 { (end - start - kv) / start } else { 0.0 },
             fds_start: mean(&fds[..kf]),
             fds_end: mean(&fds[fds.len() - kf..]),
         });
@@ -106,19 +125,23 @@ pub fn growth(samples: &[Sample], warmup_s: f64) -> Vec<ProcessGrowth> {
 /// The report as a table.
 pub fn table(r: &SoakReport) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "{:<16} {:>12} {:>12} {:>8} {:>9} {:>9}", "process", "RSS start MiB", "RSS end MiB", "growth", "fds start", "fds end");
+    let _ = writeln!(out, "{:<16} {:>13} {:>12} {:>12} {:>8} {:>9} {:>9}", "process", "RSS start MiB", "RSS end MiB", "KV HW +MiB", "growth", "fds start", "fds end");
     for p in &r.processes {
         let flag = if p.rss_growth_ratio > r.max_growth_ratio { "  <- over the bound" } else { "" };
         let _ = writeln!(
             out,
-            "{:<16} {:>12.1} {:>12.1} {:>7.1}% {:>9.0} {:>9.0}{flag}",
+            "{:<16} {:>13.1} {:>12.1} {:>12.1} {:>7.1}% {:>9.0} {:>9.0}{flag}",
             p.process,
             p.rss_start_bytes / 1048576.0,
             p.rss_end_bytes / 1048576.0,
+            p.kv_high_water_growth_bytes / 1048576.0,
             p.rss_growth_ratio * 100.0,
             p.fds_start,
             p.fds_end
         );
+    }
+    for e in &r.failed_turn_errors {
+        let _ = writeln!(out, "  failed turn {e}");
     }
     let _ = writeln!(
         out,
@@ -170,9 +193,25 @@ mod tests {
             leaked_blocks: 0.0,
             store_bytes_start: 0,
             store_bytes_end: 0,
+            failed_turn_errors: vec![],
             samples: vec![],
         };
         assert!(report.passed(), "{}", table(&report));
+    }
+
+    #[test]
+    fn growth_of_the_kv_pools_high_water_is_not_a_leak() {
+        // RSS grows 300 bytes as the KV pool's high-water mark grows 300: not judged.
+        let samples: Vec<Sample> = (0..10)
+            .map(|i| {
+                let mut s = sample(10.0 * i as f64, 1000 + if i >= 5 { 300 } else { 0 });
+                s.kv_pool_bytes.insert("decode-0".into(), if i >= 5 { 400.0 } else { 100.0 });
+                s
+            })
+            .collect();
+        let g = growth(&samples, 0.0);
+        assert!((g[0].kv_high_water_growth_bytes - 300.0).abs() < 1e-9, "{g:?}");
+        assert!(g[0].rss_growth_ratio.abs() < 1e-9, "{g:?}");
     }
 
     #[test]
@@ -191,6 +230,7 @@ mod tests {
             leaked_blocks: 0.0,
             store_bytes_start: 0,
             store_bytes_end: 0,
+            failed_turn_errors: vec![],
             samples: vec![],
         };
         assert!(!report.passed(), "{}", table(&report));

@@ -45,6 +45,10 @@ fn chaos_short_run_loses_nothing_stores_nothing_twice_and_leaks_no_block() {
         assert_eq!(nodes.len(), 5, "every node measured after {}: {stdout}", r["fault"]);
         assert!(nodes.iter().all(|n| n["not_idle"] == false), "{stdout}");
     }
+    // KV crossed the relays (decode nodes advertise them), and kv-loss dropped some.
+    let kv = rows.iter().find(|r| r["fault"] == "kv-loss").unwrap();
+    assert!(kv["kv_relay_forwarded"].as_u64().unwrap() > 0, "no KV crossed the relays: {stdout}");
+    assert!(kv["kv_relay_dropped"].as_u64().unwrap() > 0, "kv-loss dropped nothing: {stdout}");
     assert!(stdout.contains("gate: PASSED"), "{stdout}");
 }
 

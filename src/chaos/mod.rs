@@ -283,8 +283,8 @@ async fn suite(a: &ChaosArgs, bin: &std::path::Path, model: PathBuf) -> Result<C
     let records = load.stop().await;
     let verdicts = check::store_verdicts(&pg_url, &records).await?;
     let mut rows = report::rows(&windows, &records, &verdicts, &leaks);
-    for (row, note) in rows.iter_mut().zip(relay_notes) {
-        row.notes.push(note);
+    for (row, (forwarded, dropped)) in rows.iter_mut().zip(relay_notes) {
+        (row.kv_relay_forwarded, row.kv_relay_dropped) = (forwarded, dropped);
     }
     if a.keep_logs || failed_gate {
         // Keep the logs of a failing run for whoever investigates.
@@ -315,12 +315,12 @@ fn relay_counts(cluster: &ChaosCluster) -> (u64, u64) {
     cluster.relays.iter().fold((0, 0), |(f, d), r| (f + r.counters.forwarded.load(Relaxed), d + r.counters.dropped.load(Relaxed)))
 }
 
-/// What the relays did since `last` (which it advances).
-fn relay_note(cluster: &ChaosCluster, last: &mut (u64, u64)) -> String {
+/// Datagrams the relays forwarded and dropped since `last` (which it advances).
+fn relay_note(cluster: &ChaosCluster, last: &mut (u64, u64)) -> (u64, u64) {
     let now = relay_counts(cluster);
-    let note = format!("KV relays: {} datagrams forwarded, {} dropped", now.0 - last.0, now.1 - last.1);
+    let delta = (now.0 - last.0, now.1 - last.1);
     *last = now;
-    note
+    delta
 }
 
 /// Whether the windows so far pass the gate.

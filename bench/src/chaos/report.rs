@@ -72,6 +72,12 @@ pub struct FaultRow {
     pub nodes: Vec<NodeLeak>,
     pub p95_ttft_ms: Option<f64>,
     pub p95_ttft_baseline_ms: Option<f64>,
+    /// Datagrams the KV relays forwarded and dropped in the window (set by the harness):
+    /// KV crossed them, and the kv-loss fault dropped some.
+    #[serde(default)]
+    pub kv_relay_forwarded: u64,
+    #[serde(default)]
+    pub kv_relay_dropped: u64,
     /// Anything the harness wants an operator to know (a node that did not get idle...).
     pub notes: Vec<String>,
 }
@@ -128,6 +134,8 @@ pub fn rows(windows: &[Window], records: &[TurnRecord], verdicts: &[Option<Store
                 nodes,
                 p95_ttft_ms: None,
                 p95_ttft_baseline_ms: None,
+                kv_relay_forwarded: 0,
+                kv_relay_dropped: 0,
             }
         })
         .collect();
@@ -177,14 +185,14 @@ pub fn table(report: &ChaosReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<18} {:>6} {:>7} {:>9} {:>5} {:>7} {:>10} {:>7} {:>16}",
-        "fault", "turns", "failed", "retry-ok", "lost", "twice", "recovery", "leaked", "p95 TTFT ms"
+        "{:<18} {:>6} {:>7} {:>9} {:>5} {:>7} {:>10} {:>7} {:>16} {:>16}",
+        "fault", "turns", "failed", "retry-ok", "lost", "twice", "recovery", "leaked", "p95 TTFT ms", "KV relay fwd/drop"
     );
     for r in &report.rows {
         let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
         let _ = writeln!(
             out,
-            "{:<18} {:>6} {:>7} {:>9} {:>5} {:>7} {:>9.1}s {:>7} {:>16}",
+            "{:<18} {:>6} {:>7} {:>9} {:>5} {:>7} {:>9.1}s {:>7} {:>16} {:>16}",
             r.fault,
             r.turns,
             r.failed,
@@ -194,6 +202,7 @@ pub fn table(report: &ChaosReport) -> String {
             r.recovery_s,
             r.leaked_blocks,
             format!("{} vs {}", ms(r.p95_ttft_ms), ms(r.p95_ttft_baseline_ms)),
+            format!("{}/{}", r.kv_relay_forwarded, r.kv_relay_dropped),
         );
         for n in &r.notes {
             let _ = writeln!(out, "  note: {n}");

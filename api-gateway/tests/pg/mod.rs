@@ -8,8 +8,6 @@
 #[path = "../../../src/harness/postgres.rs"]
 mod imp;
 
-pub use imp::bin_dir;
-
 /// A running server; stopped on drop. Failures of an installed server panic (a test).
 pub struct TempPostgres(imp::TempPostgres);
 

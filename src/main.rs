@@ -3,6 +3,7 @@
 mod bench_cluster;
 mod bench_engine;
 mod certs;
+mod chaos;
 mod coordinator_cmd;
 mod core_split;
 mod engine_args;
@@ -56,6 +57,11 @@ enum Command {
     Keys(gateway_cmd::KeysArgs),
     /// A terminal chat client of the gateway's conversations API.
     Chat(gateway_cmd::ChatArgs),
+    /// The chaos suite: a multi-process cluster (2 coordinators over etcd, 2 gateways on
+    /// PostgreSQL, prefill and decode nodes) under multi-turn load while processes are
+    /// killed, frozen and the KV transport loses packets; fails when a turn is lost or
+    /// stored twice or KV blocks leak.
+    Chaos(chaos::ChaosArgs),
 }
 
 #[derive(Subcommand)]
@@ -95,6 +101,7 @@ fn main() {
         Command::Gateway(a) => gateway_cmd::run_gateway(a),
         Command::Keys(a) => gateway_cmd::run_keys(a),
         Command::Chat(a) => gateway_cmd::run_chat(a),
+        Command::Chaos(a) => chaos::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

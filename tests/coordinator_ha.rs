@@ -7,6 +7,9 @@
 //!   (each later turn starts warm there, and the surviving replica answers that node).
 //! - Then the other one too: turns of the existing conversations still complete on their
 //!   decode nodes, routed on the last known membership, and the gateway says it is degraded.
+//! - With every coordinator down, a new decode node cannot join (it stays unready for
+//!   several lease periods) until one coordinator is back on its address; then it joins
+//!   and is listed, while the existing conversations' turns completed meanwhile.
 
 mod cluster_support;
 
@@ -144,5 +147,89 @@ fn losing_one_then_every_coordinator_fails_no_turn_and_moves_no_conversation() {
         let degraded_turns = metric("baton_gateway_degraded_turns_total");
         assert!(degraded_turns >= (2 * CONVERSATIONS) as f64, "{degraded_turns} degraded turns counted");
         assert_eq!(metric("baton_gateway_routing_degraded"), 1.0, "the degraded gauge is not set");
+    });
+}
+
+/// A coordinator on fixed loopback ports (so a restart comes back where everyone looks).
+fn coordinator_at(certs_dir: &str, grpc: &str, http: &str, etcd: &str) -> cluster_support::Proc {
+    cluster_support::spawn(&[
+        "coordinator", "--listen", grpc, "--http-listen", http, "--certs-dir", certs_dir,
+        "--membership", "etcd", "--etcd-endpoints", etcd, "--etcd-prefix", "/ha-join/", "--lease-ttl", "2s", "--local-prefill-threshold", "100000",
+    ])
+}
+
+/// `GET /healthz` of a node answers 200 (it is registered).
+fn healthy(http: &str) -> bool {
+    matches!(baton::harness::http_get(http, "/healthz", None, Duration::from_secs(2)), Ok((200, _)))
+}
+
+#[test]
+fn with_every_coordinator_down_turns_complete_but_a_new_node_joins_only_once_one_is_back() {
+    let Some(model) = model_path() else { return };
+    let Some(etcd) = Etcd::start() else { return };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(etcd.ready());
+    let dir = tempfile::tempdir().unwrap();
+    certs(dir.path(), "decode-0,decode-1");
+    let certs_dir = dir.path().to_str().unwrap().to_string();
+    let port = cluster_support::etcd::free_port;
+    let addrs: Vec<(String, String)> = (0..2).map(|_| (format!("127.0.0.1:{}", port()), format!("127.0.0.1:{}", port()))).collect();
+    let c0 = coordinator_at(&certs_dir, &addrs[0].0, &addrs[0].1, &etcd.endpoint());
+    let mut c1 = coordinator_at(&certs_dir, &addrs[1].0, &addrs[1].1, &etcd.endpoint());
+    let urls: Vec<String> = addrs.iter().map(|(g, _)| format!("http://{g}")).collect();
+    let mut cluster = Cluster { dir, model, coordinator: c0 };
+    let _d0 = cluster.node("decode", "decode-0", &["--coordinator", &urls[1]]);
+    let gateway = cluster.plane("gateway");
+
+    rt.block_on(async {
+        let config = ClusterConfig { membership_refresh: Duration::from_millis(200), ..ClusterConfig::default() };
+        let generator = ClusterGenerator::new(&urls, config, gateway.clone()).unwrap();
+        let conversations: Vec<String> = (0..2).map(|i| format!("join-conv-{i}")).collect();
+        let mut prompts: Vec<Vec<u32>> = (0..2u32).map(|i| (0..40).map(|k| 700 + i * 50 + k).collect()).collect();
+        for r in round(&generator, &conversations, &mut prompts, 0).await {
+            r.expect("first turns");
+        }
+
+        // Every coordinator down.
+        cluster.coordinator.kill9();
+        c1.kill9();
+        for user in 1..3 {
+            for (i, r) in round(&generator, &conversations, &mut prompts, user).await.into_iter().enumerate() {
+                r.unwrap_or_else(|e| panic!("{}: a turn failed with every coordinator down: {e}", conversations[i]));
+            }
+        }
+        assert!(generator.degraded().is_some(), "the gateway routes degraded");
+    });
+
+    // A new node started now cannot join: it stays unready (no lease), for several
+    // lease periods.
+    let d1 = {
+        let mut args = vec!["decode", "--name", "decode-1", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--kv-listen", "127.0.0.1:0"];
+        let owned = [cluster.model.to_str().unwrap().to_string(), certs_dir.clone(), urls.join(",")];
+        args.extend(["--model", &owned[0], "--certs-dir", &owned[1], "--coordinator", &owned[2]]);
+        args.extend(["--threads", "1", "--kv-memory-mib", "64", "--kv-tier2-mib", "0", "--kv-staging-mib", "32", "--max-context", "2048"]);
+        cluster_support::spawn(&args)
+    };
+    let d1_http = d1.addr("http");
+    let until = std::time::Instant::now() + Duration::from_secs(6);
+    while std::time::Instant::now() < until {
+        assert!(!healthy(&d1_http), "decode-1 became ready with no coordinator up");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // One coordinator back (same address): decode-1 joins, and the coordinator lists it.
+    let _c0 = coordinator_at(&certs_dir, &addrs[0].0, &addrs[0].1, &etcd.endpoint());
+    cluster_support::wait_healthy(&d1_http, Duration::from_secs(30));
+    rt.block_on(async {
+        let mut c = CoordinatorClient::new(channel(&gateway, &urls[0]).await);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let nodes = c.list_nodes(baton_proto::coordinator::ListNodesRequest { role: 0 }).await.unwrap().into_inner().nodes;
+            if nodes.iter().any(|n| n.node_id.as_ref().map(|i| i.id.as_str()) == Some("decode-1")) {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "decode-1 is not listed: {nodes:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     });
 }

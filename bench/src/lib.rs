@@ -11,10 +11,14 @@
 //!   list) that defines, and tests, the cache semantics of the simulator's faster
 //!   per-conversation store ([`simulate::store`]).
 //!
+//! - [`chaos`] is what `baton chaos` measures with: its load, a fault-injecting UDP relay
+//!   and the report's arithmetic.
+//!
 //! The main binary wires `baton capacity` to [`capacity::run`] with [`CapacityArgs`] and
 //! `baton simulate` to [`simulate::run`] with [`SimulateArgs`].
 
 pub mod capacity;
+pub mod chaos;
 pub mod error;
 pub mod hardware;
 pub mod load;

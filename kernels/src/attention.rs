@@ -9,6 +9,11 @@
 //! the KV dtype), never from the freshly computed f32 values, so a token's
 //! result is the same whether its prefix was computed in this step, in an
 //! earlier chunk, or on another node.
+//!
+//! The softmax is computed online, one tile of [`TILE`] key positions at a
+//! time (flash-attention style): no row ever holds more than one tile of
+//! scores, so at long context the work stays in the L1/L2 caches instead of
+//! streaming an `n x n` score matrix through memory.
 
 use crate::kv::{KvDtype, KvStorage};
 use half::{bf16, f16, slice::{HalfBitsSliceExt, HalfFloatSliceExt}};
@@ -22,20 +27,23 @@ pub struct AttnRow<'a> {
 }
 
 impl KvStorage {
-    /// Keys or values of heads `heads` for the first `n` slots of `block`:
-    /// head `heads.start + i`, slot `j` lands at `out[(i * block_tokens + j) * head_dim..]`.
-    /// Slot by slot, so the reads walk the block in memory order.
-    fn read_heads_slots(&self, layer: usize, block: usize, which: usize, heads: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
+    /// Keys or values of heads `heads` for slots `slots` of `block`: head
+    /// `heads.start + i`, slot `slots.start + j` lands at
+    /// `out[(i * stride + at + j) * head_dim..]`. Slot by slot, so the reads
+    /// walk the block in memory order.
+    #[allow(clippy::too_many_arguments)]
+    fn read_heads_slots(&self, layer: usize, block: usize, which: usize, heads: std::ops::Range<usize>, slots: std::ops::Range<usize>, stride: usize, at: usize, out: &mut [f32]) {
         let l = &self.layout;
         let (te, hd, bt) = (l.token_elems(), l.head_dim, l.block_tokens);
         let base = ((block * l.layers + layer) * 2 + which) * bt * te;
+        let dst = |i: usize, j: usize| (i * stride + at + j - slots.start) * hd;
         #[cfg(target_arch = "x86_64")]
         if let (Raw::Half(d), KvDtype::F16) = (self.raw(), l.dtype) {
             if hd % 8 == 0 && std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
-                for j in 0..n {
+                for j in slots.clone() {
                     for (i, h) in heads.clone().enumerate() {
                         let src = &d[base + j * te + h * hd..base + j * te + (h + 1) * hd];
-                        let o = (i * bt + j) * hd;
+                        let o = dst(i, j);
                         // SAFETY: F16C and AVX are present; both slices hold `hd` elements.
                         unsafe { avx2::f16_to_f32(src, &mut out[o..o + hd]) };
                     }
@@ -43,10 +51,10 @@ impl KvStorage {
                 return;
             }
         }
-        for j in 0..n {
+        for j in slots.clone() {
             for (i, h) in heads.clone().enumerate() {
                 let src = base + j * te + h * hd;
-                let o = (i * bt + j) * hd;
+                let o = dst(i, j);
                 let dst = &mut out[o..o + hd];
                 match self.raw() {
                     Raw::F32(d) => dst.copy_from_slice(&d[src..src + hd]),
@@ -57,6 +65,21 @@ impl KvStorage {
                     Raw::Byte(d) => crate::fp8::decode_slice(&d[src..src + hd], dst),
                 }
             }
+        }
+    }
+
+    /// Keys or values of heads `heads` at positions `range` of a sequence
+    /// (`table` its block table): position `range.start + j` of head
+    /// `heads.start + i` lands at `out[(i * stride + j) * head_dim..]`.
+    #[allow(clippy::too_many_arguments)]
+    fn read_positions(&self, layer: usize, table: &[u32], which: usize, heads: std::ops::Range<usize>, range: std::ops::Range<usize>, stride: usize, out: &mut [f32]) {
+        let bt = self.layout.block_tokens;
+        let mut p = range.start;
+        while p < range.end {
+            let (block, slot) = (p / bt, p % bt);
+            let n = (bt - slot).min(range.end - p);
+            self.read_heads_slots(layer, table[block] as usize, which, heads.clone(), slot..slot + n, stride, p - range.start, out);
+            p += n;
         }
     }
 }
@@ -81,16 +104,30 @@ fn dot8(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Consecutive query rows of one sequence processed together, so each key
-/// and value block is read (and converted) once for all of them.
+/// and value tile is read (and converted) once for all of them.
 const ROW_GROUP: usize = 16;
+
+/// Key positions per tile of the online softmax. Tiles start at multiples of
+/// `TILE` (absolute positions, whatever the block size), so the tiles a row
+/// is cut into, and therefore its arithmetic, depend on the row alone. For
+/// each tile `t` that meets the row's range, over the row's positions `j`
+/// in it, in order:
+///
+/// - `s_j = dot8(q, k_j) * scale`, `m_t = max(m, max_j s_j)`;
+/// - `w_j = exp(s_j - m_t)` ([`crate::exp::exp`]);
+/// - when `t` is not the row's first tile and `m_t != m`:
+///   `c = exp(m - m_t)`, `sum *= c`, `acc *= c` (elementwise);
+/// - `sum += sum8(w)`, then `acc += w_j * v_j` for each `j` in order.
+///
+/// The output is `acc * (1 / sum)`.
+const TILE: usize = 64;
 
 /// `out[r]` = attention of query row `r` (`n_heads x head_dim`, already
 /// rotated) over its sequence's keys and values at positions `0..=pos`
 /// (with `window: Some(w)`, only the last `w` of them: blocks before are not read).
 ///
 /// Rows of one sequence are grouped to share KV reads; the arithmetic of
-/// each row is the same whatever its group: scores in position order, a
-/// two-pass softmax, values accumulated in position order.
+/// each row is the same whatever its group (see [`TILE`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut [f32]) {
     let l = &kv.layout;
@@ -163,92 +200,100 @@ impl Task<'_> {
     }
 
     /// Run `(r0, r1)` of rows for KV heads `heads` (KV head `h` serves query
-    /// heads `h * group .. (h + 1) * group`).
+    /// heads `h * group .. (h + 1) * group`), one key tile at a time (see
+    /// [`TILE`] for the arithmetic every row follows).
     #[inline(always)]
     fn run_heads(&self, (r0, r1): (usize, usize), heads: std::ops::Range<usize>, p: SendPtr<f32>) {
-        let (kv, layer, q, rows, scale) = (self.kv, self.layer, self.q, self.rows, self.scale);
+        let (kv, layer, q, rows, scale) = (self.kv, self.layer, self.q, &self.rows[r0..r1], self.scale);
         let l = &kv.layout;
-        let (hd, kvh, bt) = (l.head_dim, l.kv_heads, l.block_tokens);
+        let (hd, kvh) = (l.head_dim, l.kv_heads);
         let group = self.n_heads / kvh;
         let width = self.n_heads * hd;
-        let max_ctx = rows[r0..r1].iter().map(|r| r.pos + 1).max().unwrap_or(0);
-        let table = rows[r0].block_table;
-        let (nr, nh, h0) = (r1 - r0, heads.len(), heads.start);
+        let table = rows[0].block_table;
+        let (nh, h0) = (heads.len(), heads.start);
         // Per row, the query heads of `heads` in order: index (ri * nh + i) * group + g.
-        let nq = nh * group;
-        let mut scores = vec![0f32; nr * nq * max_ctx];
-        let mut buf = vec![0f32; nh * bt * hd];
-        // Blocks wholly before every row's window are skipped.
-        let first_block = rows[r0..r1].iter().map(|r| self.first(r)).min().unwrap_or(0) / bt;
-        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)).skip(first_block) {
-            let n = bt.min(max_ctx - bi * bt);
-            kv.read_heads_slots(layer, block as usize, 0, heads.clone(), n, &mut buf);
-            for (ri, row) in rows[r0..r1].iter().enumerate() {
-                let ctx = row.pos + 1;
-                let m = n.min(ctx.saturating_sub(bi * bt));
-                let lo = self.first(row).saturating_sub(bi * bt).min(m);
-                if lo == m {
-                    continue; // nothing of this block in the row's range
-                }
-                let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
-                for i in 0..nh {
-                    let keys = &buf[i * bt * hd..(i + 1) * bt * hd];
-                    for g in 0..group {
-                        let head = (h0 + i) * group + g;
-                        let qh = &qrow[head * hd..(head + 1) * hd];
-                        let srow = &mut scores[(ri * nq + i * group + g) * max_ctx + bi * bt + lo..];
-                        scores_into(qh, &keys[lo * hd..], hd, m - lo, scale, srow);
-                    }
-                }
-            }
-        }
-        let mut sums = vec![0f32; nr * nq];
-        for (ri, row) in rows[r0..r1].iter().enumerate() {
-            let (first, ctx) = (self.first(row), row.pos + 1);
-            for k in 0..nq {
-                let s = &mut scores[(ri * nq + k) * max_ctx + first..(ri * nq + k) * max_ctx + ctx];
-                let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                // Two loops, the same sum in the same order: with the add in
-                // the exp loop, the running sum was spilled around every call
-                // to `exp` and the loop ran ~9% slower in prefill.
-                for v in s.iter_mut() {
-                    *v = (*v - max).exp();
-                }
-                sums[ri * nq + k] = s.iter().fold(0f32, |a, &v| a + v);
-            }
-        }
-        let mut acc = vec![0f32; nr * nq * hd];
-        for (bi, &block) in table.iter().enumerate().take(max_ctx.div_ceil(bt)).skip(first_block) {
-            let n = bt.min(max_ctx - bi * bt);
-            kv.read_heads_slots(layer, block as usize, 1, heads.clone(), n, &mut buf);
-            for (ri, row) in rows[r0..r1].iter().enumerate() {
-                let m = n.min((row.pos + 1).saturating_sub(bi * bt));
-                let lo = self.first(row).saturating_sub(bi * bt).min(m);
-                if lo == m {
+        let nq = rows.len() * nh * group;
+        let lo = rows.iter().map(|r| self.first(r)).min().unwrap_or(0);
+        let hi = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
+        let mut keys = vec![0f32; nh * TILE * hd];
+        let mut values = vec![0f32; nh * TILE * hd];
+        // One tile's scores (then weights) per query head; its running max,
+        // weight sum and weighted values.
+        let mut s = vec![0f32; nq * TILE];
+        let mut max = vec![f32::NEG_INFINITY; nq];
+        let mut sum = vec![0f32; nq];
+        let mut acc = vec![0f32; nq * hd];
+        let mut t0 = lo / TILE * TILE;
+        while t0 < hi {
+            let (a, b) = (t0.max(lo), (t0 + TILE).min(hi));
+            kv.read_positions(layer, table, 0, heads.clone(), a..b, TILE, &mut keys);
+            kv.read_positions(layer, table, 1, heads.clone(), a..b, TILE, &mut values);
+            for (ri, row) in rows.iter().enumerate() {
+                // The row's part of the tile: the same whatever the run.
+                let (ra, rb) = (t0.max(self.first(row)), (t0 + TILE).min(row.pos + 1));
+                if ra >= rb {
                     continue;
                 }
+                let (ja, n) = (ra - a, rb - ra);
+                let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
                 for i in 0..nh {
-                    let values = &buf[i * bt * hd..(i + 1) * bt * hd];
+                    let (ki, vi) = (&keys[(i * TILE + ja) * hd..], &values[(i * TILE + ja) * hd..]);
                     for g in 0..group {
-                        let k = ri * nq + i * group + g;
+                        let k = (ri * nh + i) * group + g;
+                        let head = (h0 + i) * group + g;
+                        let sk = &mut s[k * TILE..k * TILE + n];
+                        scores_into(&qrow[head * hd..(head + 1) * hd], ki, hd, n, scale, sk);
+                        let tile_max = sk.iter().fold(f32::NEG_INFINITY, |x, &y| x.max(y));
+                        let m = max[k].max(tile_max);
+                        crate::exp::exp_shifted(sk, m);
                         let a = &mut acc[k * hd..(k + 1) * hd];
-                        accumulate(a, &scores[k * max_ctx + bi * bt + lo..][..m - lo], &values[lo * hd..], hd);
+                        // The row's first tile starts from nothing; a later one
+                        // rescales what came before when the maximum rose.
+                        if max[k] != f32::NEG_INFINITY && m != max[k] {
+                            let c = crate::exp::exp(max[k] - m);
+                            sum[k] *= c;
+                            a.iter_mut().for_each(|x| *x *= c);
+                        }
+                        max[k] = m;
+                        sum[k] += sum8(sk);
+                        accumulate(a, sk, vi, hd);
                     }
                 }
             }
+            t0 += TILE;
         }
-        for ri in 0..nr {
-            for k in 0..nq {
-                let inv = 1.0 / sums[ri * nq + k];
-                let head = h0 * group + k;
-                for d in 0..hd {
-                    // SAFETY: this task alone writes query heads h0*group..(h0+nh)*group
-                    // of the run's rows, inside `out` (asserted in `attention`).
-                    unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = acc[(ri * nq + k) * hd + d] * inv };
+        for ri in 0..rows.len() {
+            for i in 0..nh {
+                for g in 0..group {
+                    let k = (ri * nh + i) * group + g;
+                    let inv = 1.0 / sum[k];
+                    let head = (h0 + i) * group + g;
+                    for d in 0..hd {
+                        // SAFETY: this task alone writes query heads h0*group..(h0+nh)*group
+                        // of the run's rows, inside `out` (asserted in `attention`).
+                        unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = acc[k * hd + d] * inv };
+                    }
                 }
             }
         }
     }
+}
+
+/// The weights' sum in a fixed order: eight lanes, `w[j]` added to lane
+/// `j % 8` in order, then [`crate::matmul::hsum8`].
+#[inline(always)]
+fn sum8(w: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut chunks = w.chunks_exact(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            lanes[l] += c[l];
+        }
+    }
+    for (l, v) in chunks.remainder().iter().enumerate() {
+        lanes[l] += v;
+    }
+    crate::matmul::hsum8(lanes)
 }
 
 /// `out[j] = dot8(qh, key j) * scale` for the first `m` keys of `keys` (rows of
@@ -301,6 +346,20 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps::<1>(t, t)))
     }
 
+    /// [`hsum8`] of eight vectors at once, lane `t` of the result from
+    /// `v[t]`, in hsum8's order `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`:
+    /// a transposing add network, about three operations per sum instead of eight.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn hsum8x8(v: [__m256; 8]) -> __m256 {
+        // b_i = a_i + a_(i+4): vectors t and t+4 side by side (t in the low half).
+        let half = |x: __m256, y: __m256| _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(x, y), _mm256_permute2f128_ps::<0x31>(x, y));
+        // Reordered (b0, b2, b1, b3) so that each hadd pairs b0 with b2 and b1 with b3.
+        let order = |x: __m256| _mm256_permute_ps::<0b11_01_10_00>(x);
+        let (s04, s15, s26, s37) = (order(half(v[0], v[4])), order(half(v[1], v[5])), order(half(v[2], v[6])), order(half(v[3], v[7])));
+        _mm256_hadd_ps(_mm256_hadd_ps(s04, s15), _mm256_hadd_ps(s26, s37))
+    }
+
     /// IEEE half to single precision (exact), eight at a time; a short inline
     /// loop where a general slice conversion costs more in dispatch than in work
     /// for one head's 64 values.
@@ -320,6 +379,17 @@ mod avx2 {
         assert!(qh.len() >= chunks * 8 && keys.len() >= m.saturating_sub(1) * hd + chunks * 8 && out.len() >= m);
         let (q, k) = (qh.as_ptr(), keys.as_ptr());
         let mut j = 0;
+        while j + 8 <= m {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for c in 0..chunks {
+                let qc = _mm256_loadu_ps(q.add(c * 8));
+                for (t, at) in a.iter_mut().enumerate() {
+                    *at = _mm256_add_ps(*at, _mm256_mul_ps(qc, _mm256_loadu_ps(k.add((j + t) * hd + c * 8))));
+                }
+            }
+            _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+            j += 8;
+        }
         while j + 4 <= m {
             let (k0, k1, k2, k3) = (k.add(j * hd), k.add((j + 1) * hd), k.add((j + 2) * hd), k.add((j + 3) * hd));
             let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
@@ -388,35 +458,48 @@ mod tests {
         ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
     }
 
-    /// The arithmetic the kernel promises, written plainly: scores with
-    /// [`dot8`] in position order, two-pass softmax, values accumulated in
-    /// position order. The kernel must equal it bit for bit (its reordering
-    /// of independent work and its SIMD widths may not change a result).
+    /// The arithmetic the kernel promises (see [`TILE`]), written plainly,
+    /// one position at a time. The kernel must equal it bit for bit (its
+    /// grouping of rows, its reordering of independent work and its SIMD
+    /// widths may not change a result).
     fn plain(kv: &KvStorage, q: &[f32], table: &[u32], pos: usize, nh: usize, scale: f32, window: Option<usize>) -> Vec<f32> {
         let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let l = &kv.layout;
         let (hd, group) = (l.head_dim, nh / l.kv_heads);
         let read = |which: usize, h: usize, j: usize| {
-            let mut b = vec![0f32; l.block_tokens * hd];
-            kv.read_heads_slots(0, table[j / l.block_tokens] as usize, which, h..h + 1, l.block_tokens, &mut b);
-            b[(j % l.block_tokens) * hd..(j % l.block_tokens + 1) * hd].to_vec()
+            let mut b = vec![0f32; hd];
+            let (block, slot) = (table[j / l.block_tokens] as usize, j % l.block_tokens);
+            kv.read_heads_slots(0, block, which, h..h + 1, slot..slot + 1, 1, 0, &mut b);
+            b
         };
         let mut out = vec![0f32; nh * hd];
         for head in 0..nh {
             let h = head / group;
             let qh = &q[head * hd..(head + 1) * hd];
-            let mut s: Vec<f32> = (first..=pos).map(|j| dot8(qh, &read(0, h, j)) * scale).collect();
-            let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut sum = 0f32;
-            for v in s.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            let mut a = vec![0f32; hd];
-            for (j, &pj) in s.iter().enumerate() {
-                for (x, v) in a.iter_mut().zip(read(1, h, first + j)) {
-                    *x += pj * v;
+            let (mut max, mut sum, mut a) = (f32::NEG_INFINITY, 0f32, vec![0f32; hd]);
+            let mut t0 = first / TILE * TILE;
+            while t0 <= pos {
+                let range = t0.max(first)..(t0 + TILE).min(pos + 1);
+                let scores: Vec<f32> = range.clone().map(|j| dot8(qh, &read(0, h, j)) * scale).collect();
+                let m = scores.iter().fold(max, |x, &y| x.max(y));
+                let w: Vec<f32> = scores.iter().map(|s| crate::exp::exp(s - m)).collect();
+                if max != f32::NEG_INFINITY && m != max {
+                    let c = crate::exp::exp(max - m);
+                    sum *= c;
+                    a.iter_mut().for_each(|x| *x *= c);
                 }
+                max = m;
+                let mut lanes = [0f32; 8];
+                for (j, v) in w.iter().enumerate() {
+                    lanes[j % 8] += v;
+                }
+                sum += crate::matmul::hsum8(lanes);
+                for (wj, j) in w.iter().zip(range) {
+                    for (x, v) in a.iter_mut().zip(read(1, h, j)) {
+                        *x += wj * v;
+                    }
+                }
+                t0 += TILE;
             }
             for d in 0..hd {
                 out[head * hd + d] = a[d] * (1.0 / sum);
@@ -442,12 +525,12 @@ mod tests {
 
     #[test]
     fn equals_the_plain_arithmetic_bit_for_bit() {
-        let cases = [(64, KvDtype::F16, None), (128, KvDtype::F32, None), (24, KvDtype::BF16, None), (256, KvDtype::F16, Some(20)), (64, KvDtype::F32, Some(1)), (128, KvDtype::F16, Some(32))];
+        let cases = [(64, KvDtype::F16, None), (128, KvDtype::F32, None), (24, KvDtype::BF16, None), (256, KvDtype::F16, Some(20)), (64, KvDtype::F32, Some(1)), (128, KvDtype::F16, Some(32)), (64, KvDtype::F16, Some(100))];
         for (hd, dtype, window) in cases {
             let layout = KvLayout { layers: 1, block_tokens: 16, kv_heads: 3, head_dim: hd, dtype };
-            let (nh, te, len) = (9, 3 * hd, 70);
-            let mut kv = KvStorage::new(layout, 8);
-            let table = [7u32, 2, 5, 0, 4];
+            let (nh, te, len) = (9, 3 * hd, 200);
+            let mut kv = KvStorage::new(layout, 16);
+            let table = [7u32, 2, 5, 0, 4, 9, 15, 1, 12, 3, 8, 6, 14];
             let mut seed = 11;
             for p in 0..len {
                 let k: Vec<f32> = (0..te).map(|_| lcg(&mut seed)).collect();
@@ -461,13 +544,13 @@ mod tests {
             attention(&Pool::new(2).unwrap(), &kv, 0, &q, &rows, nh, scale, window, &mut out);
             // The same rows as a decode batch: each its own sequence (its own
             // block table), so one task takes every KV head of a row.
-            let tables: Vec<[u32; 5]> = vec![table; len];
+            let tables: Vec<[u32; 13]> = vec![table; len];
             let batch: Vec<AttnRow> = (0..len).map(|p| AttnRow { block_table: &tables[p], pos: p }).collect();
             let mut batched = vec![0f32; len * nh * hd];
             attention(&Pool::new(2).unwrap(), &kv, 0, &q, &batch, nh, scale, window, &mut batched);
             // The last rows alone, as a late prefill chunk.
-            let tail = len - 23;
-            let mut chunk = vec![0f32; 23 * nh * hd];
+            let tail = len - 83;
+            let mut chunk = vec![0f32; 83 * nh * hd];
             attention(&Pool::new(2).unwrap(), &kv, 0, &q[tail * nh * hd..], &rows[tail..], nh, scale, window, &mut chunk);
             for p in 0..len {
                 let want = plain(&kv, &q[p * nh * hd..(p + 1) * nh * hd], &table, p, nh, scale, window);

@@ -10,6 +10,7 @@ pub mod attention;
 pub mod backend;
 pub mod blocks;
 pub mod error;
+pub mod exp;
 pub mod fp8;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -6,10 +6,9 @@
 
 pub mod etcd;
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use baton_engine::kv::OwnerId;
@@ -40,51 +39,19 @@ pub fn model_path() -> Option<PathBuf> {
     }
 }
 
-/// One `baton` child process; killed (SIGKILL) when dropped.
-pub struct Proc {
-    pub child: Child,
-    /// `key=value` pairs of the line it printed once listening.
-    pub addrs: HashMap<String, String>,
-}
-
-impl Proc {
-    pub fn addr(&self, key: &str) -> String {
-        self.addrs.get(key).cloned().unwrap_or_else(|| panic!("no {key} in {:?}", self.addrs))
-    }
-
-    /// SIGKILL, as a crash.
-    pub fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
+/// One `baton` child process (the harness's, shared with `baton chaos`); killed
+/// (SIGKILL) when dropped.
+pub use baton::harness::BatonProc as Proc;
 
 /// Starts `baton ARGS` and waits for its address line (the first line on stdout).
 pub fn spawn(args: &[&str]) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(args)
-        .env("BATON_LOG", std::env::var("BATON_LOG").unwrap_or_else(|_| "warn".into()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn baton");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).expect("read the address line");
-    assert!(!line.is_empty(), "baton {args:?} exited before listening");
-    // Keep draining stdout so the child never blocks on a full pipe.
-    std::thread::spawn(move || {
-        let mut sink = Vec::new();
-        let _ = out.read_to_end(&mut sink);
-    });
-    let addrs = line.split_whitespace().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    Proc { child, addrs }
+    let spec = baton::harness::Spec {
+        bin: PathBuf::from(env!("CARGO_BIN_EXE_baton")),
+        args: args.iter().map(|s| s.to_string()).collect(),
+        log: None,
+        prints_addresses: true,
+    };
+    Proc::spawn(&spec).unwrap_or_else(|e| panic!("baton {args:?}: {e:#}"))
 }
 
 /// Polls `GET /healthz` until it answers 200.

@@ -1,181 +1,41 @@
-//! A throwaway PostgreSQL server for tests: `initdb` into a temporary
-//! directory, `postgres` on a free loopback port, readiness by `pg_isready`,
-//! fast shutdown on drop. Binaries come from `BATON_PG_BIN_DIR`, PATH, or
-//! Debian's `/usr/lib/postgresql/<version>/bin`. As root (PostgreSQL refuses
-//! to run as root) the server runs as the `postgres` system user.
-//!
-//! Without PostgreSQL, [`TempPostgres::start`] prints a loud skip message and
-//! returns `None`; `.ci/run` installs Debian's `postgresql` so CI runs them.
+//! A throwaway PostgreSQL server for the tests: the one implementation is the root
+//! crate's `src/harness/postgres.rs` (also used by `baton chaos`), included by path
+//! because this crate cannot depend on the binary's crate. Without PostgreSQL,
+//! [`TempPostgres::start`] prints a loud skip message and returns `None`; `.ci/run`
+//! installs Debian's `postgresql` so CI runs them.
 #![allow(dead_code)]
 
-use std::net::TcpListener as StdListener;
-use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+#[path = "../../../src/harness/postgres.rs"]
+mod imp;
 
-/// The directory holding `initdb`, `postgres` and `pg_isready`.
-pub fn bin_dir() -> Option<PathBuf> {
-    let has = |d: &Path| ["initdb", "postgres", "pg_isready"].iter().all(|b| d.join(b).is_file());
-    if let Some(d) = std::env::var_os("BATON_PG_BIN_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        if let Some(d) = std::env::split_paths(&path).find(|d| has(d)) {
-            return Some(d);
-        }
-    }
-    // Debian: /usr/lib/postgresql/<major>/bin, newest first.
-    let mut dirs: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .flatten()
-        .filter_map(|e| Some((e.file_name().to_str()?.parse::<u32>().ok()?, e.path().join("bin"))))
-        .filter(|(_, d)| has(d))
-        .collect();
-    dirs.sort();
-    dirs.pop().map(|(_, d)| d)
-}
-
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn is_root() -> bool {
-    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
-}
-
-/// uid and gid of the `postgres` system user.
-fn postgres_user() -> Option<(u32, u32)> {
-    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
-    let line = passwd.lines().find(|l| l.starts_with("postgres:"))?;
-    let f: Vec<&str> = line.split(':').collect();
-    Some((f.get(2)?.parse().ok()?, f.get(3)?.parse().ok()?))
-}
-
-/// A running PostgreSQL server; stopped (fast shutdown) on drop.
-pub struct TempPostgres {
-    bin: PathBuf,
-    dir: tempfile::TempDir,
-    pub port: u16,
-    run_as: Option<(u32, u32)>,
-    child: Option<Child>,
-}
+/// A running server; stopped on drop. Failures of an installed server panic (a test).
+pub struct TempPostgres(imp::TempPostgres);
 
 impl TempPostgres {
-    /// Starts a fresh server, or returns `None` (with a loud message) when
-    /// PostgreSQL is not installed.
     pub fn start() -> Option<Self> {
-        let Some(bin) = bin_dir() else {
-            eprintln!(
-                "\n!!!!! SKIPPED: no PostgreSQL (initdb/postgres/pg_isready) on PATH, in BATON_PG_BIN_DIR or /usr/lib/postgresql/*/bin \
-                 (apt-get install postgresql); the PostgreSQL store is NOT tested !!!!!\n"
-            );
-            return None;
-        };
-        let run_as = if is_root() {
-            let Some(ids) = postgres_user() else {
-                eprintln!("\n!!!!! SKIPPED: running as root and there is no `postgres` user to run PostgreSQL as; the PostgreSQL store is NOT tested !!!!!\n");
-                return None;
-            };
-            Some(ids)
-        } else {
-            None
-        };
-        let dir = tempfile::Builder::new().prefix("baton-pg-").tempdir().unwrap();
-        if let Some((uid, gid)) = run_as {
-            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).unwrap();
+        match imp::TempPostgres::start() {
+            Ok(pg) => Some(TempPostgres(pg)),
+            Err(e) if e.is::<imp::NotInstalled>() => {
+                eprintln!("\n!!!!! SKIPPED: {e}; the PostgreSQL store is NOT tested !!!!!\n");
+                None
+            }
+            Err(e) => panic!("starting PostgreSQL: {e:#}"),
         }
-        let mut pg = TempPostgres { bin, dir, port: free_port(), run_as, child: None };
-        let out = pg
-            .command("initdb")
-            .arg("-D")
-            .arg(pg.data())
-            .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync"])
-            .output()
-            .expect("initdb runs");
-        assert!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
-        pg.spawn();
-        Some(pg)
     }
 
-    fn data(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn command(&self, name: &str) -> Command {
-        let mut c = Command::new(self.bin.join(name));
-        c.current_dir(self.dir.path());
-        if let Some((uid, gid)) = self.run_as {
-            c.uid(uid).gid(gid);
-        }
-        c
-    }
-
-    /// `postgres://` URL of the server's `postgres` database.
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        self.0.url()
     }
 
-    /// Starts the server (on the same port and data) and waits until it accepts connections.
     pub fn spawn(&mut self) {
-        assert!(self.child.is_none(), "already running");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("postgres.log")).unwrap();
-        let child = self
-            .command("postgres")
-            .arg("-D")
-            .arg(self.data())
-            .arg("-k")
-            .arg(self.dir.path())
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-F", "-c", "max_connections=60"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("postgres starts");
-        self.child = Some(child);
-        self.wait_ready();
+        self.0.spawn().expect("postgres restarts");
     }
 
-    fn wait_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                panic!("postgres exited ({status}) before it was ready:\n{}", self.log());
-            }
-            let ready = self
-                .command("pg_isready")
-                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-t", "1"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false);
-            if ready {
-                return;
-            }
-            assert!(Instant::now() < deadline, "postgres not ready after 60 s:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// The server's log so far.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default()
-    }
-
-    /// Fast shutdown (clients are disconnected), waiting until it exited.
     pub fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else { return };
-        let signalled = Command::new("kill").args(["-INT", &child.id().to_string()]).status().map(|s| s.success()).unwrap_or(false);
-        if !signalled {
-            let _ = child.kill();
-        }
-        let _ = child.wait();
+        self.0.stop()
     }
-}
 
-impl Drop for TempPostgres {
-    fn drop(&mut self) {
-        self.stop();
+    pub fn log(&self) -> String {
+        self.0.log()
     }
 }

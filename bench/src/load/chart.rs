@@ -57,3 +57,43 @@ fn panel<DB: DrawingBackend>(
 fn plot_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
     anyhow!("drawing the chart: {e}")
 }
+
+/// One panel of [`draw_timeseries`]: a title, the y axis's unit, and named lines of
+/// (seconds, value) points.
+pub struct Panel {
+    pub title: String,
+    pub y_desc: String,
+    pub lines: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+/// Draws panels side by side (two per row), each with lines over time (seconds): the
+/// soak's memory, descriptors, KV blocks and store size.
+pub fn draw_timeseries(path: &Path, panels: &[Panel]) -> Result<()> {
+    let rows = panels.len().div_ceil(2).max(1);
+    let root = SVGBackend::new(path, (1200, 420 * rows as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    let areas = root.split_evenly((rows, 2));
+    for (panel, area) in panels.iter().zip(areas.iter()) {
+        let max_x = panel.lines.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(1.0f64, f64::max);
+        let max_y = panel.lines.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(1.0f64, f64::max) * 1.1;
+        let mut chart = ChartBuilder::on(area)
+            .caption(&panel.title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0.0..max_x * 1.02, 0.0..max_y)
+            .map_err(plot_err)?;
+        chart.configure_mesh().x_desc("seconds").y_desc(panel.y_desc.as_str()).draw().map_err(plot_err)?;
+        for (i, (name, points)) in panel.lines.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(name.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+        }
+        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(plot_err)?;
+    }
+    root.present().map_err(plot_err)?;
+    Ok(())
+}

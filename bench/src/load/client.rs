@@ -169,25 +169,49 @@ pub struct SseParser {
     buf: Vec<u8>,
 }
 
+/// One server-sent event: its `id`, `event` type and `data` (lines joined by `\n`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SseEvent {
+    pub id: Option<String>,
+    pub event: Option<String>,
+    pub data: String,
+}
+
 impl SseParser {
     /// Feeds bytes; returns the data of every event completed by them.
     pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.push_events(bytes).into_iter().map(|e| e.data).filter(|d| !d.is_empty()).collect()
+    }
+
+    /// Feeds bytes; returns every event completed by them (comment-only blocks skipped).
+    pub fn push_events(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
         self.buf.extend_from_slice(bytes);
         let mut events = Vec::new();
         while let Some((end, sep)) = find_event_end(&self.buf) {
             let raw: Vec<u8> = self.buf.drain(..end + sep).collect();
             let text = String::from_utf8_lossy(&raw[..end]);
-            let mut data = String::new();
+            let mut ev = SseEvent::default();
+            let mut has_data = false;
             for line in text.lines() {
-                if let Some(rest) = line.strip_prefix("data:") {
-                    if !data.is_empty() {
-                        data.push('\n');
+                let (field, value) = match line.split_once(':') {
+                    Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
+                    None => (line, ""),
+                };
+                match field {
+                    "data" => {
+                        if has_data {
+                            ev.data.push('\n');
+                        }
+                        ev.data.push_str(value);
+                        has_data = true;
                     }
-                    data.push_str(rest.strip_prefix(' ').unwrap_or(rest));
+                    "id" => ev.id = Some(value.to_string()),
+                    "event" => ev.event = Some(value.to_string()),
+                    _ => {}
                 }
             }
-            if !data.is_empty() {
-                events.push(data);
+            if has_data || ev.event.is_some() {
+                events.push(ev);
             }
         }
         events
@@ -217,5 +241,12 @@ mod tests {
         assert!(p.push(b"id: 1\ndata: {\"a\"").is_empty());
         assert_eq!(p.push(b":1}\n\ndata: [DONE]\n\n"), vec!["{\"a\":1}".to_string(), "[DONE]".to_string()]);
         assert_eq!(p.push(b": comment\r\n\r\ndata: x\r\n\r\n"), vec!["x".to_string()]);
+    }
+
+    #[test]
+    fn sse_events_keep_id_and_type() {
+        let mut p = SseParser::default();
+        let evs = p.push_events(b"id: 3\nevent: delta\ndata: {\"text\":\"a\"}\n\n: keep-alive\n\n");
+        assert_eq!(evs, vec![SseEvent { id: Some("3".into()), event: Some("delta".into()), data: "{\"text\":\"a\"}".into() }]);
     }
 }

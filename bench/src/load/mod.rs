@@ -9,8 +9,9 @@
 //! p95 ITL targets), and can write JSON and an SVG chart that also carries earlier runs
 //! (`--compare`), so two servers measured with the same seed sit side by side.
 
-mod chart;
+pub mod chart;
 mod client;
+pub mod conversation;
 mod report;
 mod traffic;
 
@@ -24,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::BadValue;
 
-pub use client::{stream_turn, Endpoint, Message, SseParser, TurnError, TurnResult};
+pub use client::{stream_turn, Endpoint, Message, SseEvent, SseParser, TurnError, TurnResult};
 pub use report::{LevelReport, Percentiles, Targets};
 pub use traffic::{system_prompt, ConversationScript, TrafficShape};
 

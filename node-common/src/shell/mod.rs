@@ -165,11 +165,16 @@ pub async fn serve<R: NodeRole>(
     let Parts { engine, tls, grpc, http } = parts;
     let layout = kv::transport_layout(&engine.info)?;
     let staging_blocks = (config.kv_staging_bytes / layout.bytes_per_block()).max(1);
-    let kv = Arc::new(KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?.with_windows(engine.info.layer_windows.clone()));
+    let mut kv_node = KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?.with_windows(engine.info.layer_windows.clone());
     let grpc_local = grpc.local_addr().map_err(Error::io("the gRPC listener's address"))?;
     let host = config.advertise_host.clone().unwrap_or_else(|| advertise_ip(grpc_local));
     let grpc_addr = format!("{host}:{}", grpc_local.port());
-    let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv.local_addr.ip()), kv.local_addr.port()));
+    let kv_endpoint = kv::endpoint_string(&config.name, SocketAddr::new(host.parse().unwrap_or(kv_node.local_addr.ip()), kv_node.local_addr.port()));
+    // Peers reach the KV listener where it is advertised, not where it is bound (0.0.0.0,
+    // or an address behind a relay): the endpoint sent in every transfer request (a
+    // remote prefill's, a prefix pull's) must be the advertised one, as in registration.
+    kv_node.endpoint = kv_endpoint.clone();
+    let kv = Arc::new(kv_node);
     let bound = Bound { grpc: grpc_local, http: http.local_addr().map_err(Error::io("the HTTP listener's address"))?, kv_endpoint: kv_endpoint.clone() };
     // The node's one plane: its certificate must name this role and this node.
     let plane = Plane::for_node(&tls, &config.name, R::ROLE, config.insecure_plaintext_internal)?;

@@ -1,0 +1,151 @@
+//! A real etcd process: free loopback ports, a data directory of its own, killed on
+//! drop. The binary is `BATON_ETCD_BIN` or `etcd` on PATH (`scripts/setup.sh test`
+//! installs Debian's `etcd-server`). One implementation for `baton chaos` and the tests
+//! (`tests/cluster_support/etcd.rs`); it depends only on std, anyhow and tempfile.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::TcpListener as StdListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// The etcd binary, if there is one.
+pub fn etcd_binary() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("BATON_ETCD_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|d| d.join("etcd")).find(|p| p.is_file())
+}
+
+/// A loopback port free at the time of the call.
+pub fn free_port() -> Result<u16> {
+    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A real etcd process; killed on drop.
+pub struct Etcd {
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    client_port: u16,
+    peer_port: u16,
+    /// The data directory in use (a restart may keep it or start an empty one).
+    data: PathBuf,
+    child: Option<Child>,
+}
+
+impl Etcd {
+    /// Starts etcd with an empty data directory; `Ok(None)` without an etcd binary.
+    pub fn start() -> Result<Option<Self>> {
+        let Some(bin) = etcd_binary() else { return Ok(None) };
+        let dir = tempfile::Builder::new().prefix("baton-etcd-").tempdir()?;
+        let data = dir.path().join("data-0");
+        let mut e = Etcd { bin, dir, client_port: free_port()?, peer_port: free_port()?, data, child: None };
+        e.spawn()?;
+        Ok(Some(e))
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The process ID, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let client = self.endpoint();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("etcd.log"))?;
+        let child = Command::new(&self.bin)
+            .args(["--name", "baton-test"])
+            .arg("--data-dir")
+            .arg(&self.data)
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("baton-test={peer}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", self.bin.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// kill -9, then start again on the same ports with an empty data directory (every
+    /// lease and record is gone, as after losing the store).
+    pub fn restart_empty(&mut self, n: u32) -> Result<()> {
+        self.kill();
+        self.data = self.dir.path().join(format!("data-{n}"));
+        self.spawn()
+    }
+
+    /// kill -9, then start again on the same ports and data (a crash and a supervisor's
+    /// restart: leases survive unless they expired meanwhile).
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// Starts it again after [`Etcd::kill`], on the same ports and data.
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            bail!("etcd is already running");
+        }
+        self.spawn()
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits until etcd reports itself healthy (`GET /health` on the client port).
+    pub fn wait_ready(&self, within: Duration) -> Result<()> {
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        let deadline = Instant::now() + within;
+        loop {
+            if health(&addr).unwrap_or(false) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("etcd did not become ready within {within:?}: {}", self.log_tail());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The last lines of etcd's log.
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(5)..].join("\n")
+    }
+
+    /// Where its files live.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+/// `GET /health` answers `"health":"true"`.
+fn health(addr: &str) -> std::io::Result<bool> {
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(s, "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    Ok(resp.starts_with("HTTP/1.1 200") && resp.contains("\"health\":\"true\""))
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

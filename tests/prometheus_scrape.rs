@@ -222,7 +222,9 @@ async fn a_real_prometheus_scrapes_baton_up_and_sees_traffic() {
     }
     assert_eq!(series(&http, &prom, r#"baton_decode_kv_blocks{tier=~"1|2",state=~"free|used|cached"}"#).await, 6);
     assert_eq!(series(&http, &prom, r#"baton_decode_prompt_tokens_total"#).await, 4);
-    assert_eq!(series(&http, &prom, r#"baton_coordinator_routing_decisions_total"#).await, 8);
+    // Every (kind, reason) pair is registered at start: 6 prefill reasons (with
+    // remote_decode_busy), 3 decode.
+    assert_eq!(series(&http, &prom, r#"baton_coordinator_routing_decisions_total"#).await, 9);
     let decode_nodes = query(&http, &prom, r#"sum(baton_coordinator_nodes{role="decode"})"#).await;
     assert_eq!(decode_nodes, Some(1.0));
 

@@ -262,18 +262,15 @@ impl Task<'_> {
             }
             t0 += TILE;
         }
-        for ri in 0..rows.len() {
-            for i in 0..nh {
-                for g in 0..group {
-                    let k = (ri * nh + i) * group + g;
-                    let inv = 1.0 / sum[k];
-                    let head = (h0 + i) * group + g;
-                    for d in 0..hd {
-                        // SAFETY: this task alone writes query heads h0*group..(h0+nh)*group
-                        // of the run's rows, inside `out` (asserted in `attention`).
-                        unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = acc[k * hd + d] * inv };
-                    }
-                }
+        // Query head `k` of a row's `nh * group` is head `h0 * group + k` of the model.
+        let per_row = nh * group;
+        for (k, (a, total)) in acc.chunks_exact(hd).zip(&sum).enumerate() {
+            let inv = 1.0 / total;
+            let (ri, head) = (k / per_row, h0 * group + k % per_row);
+            for (d, v) in a.iter().enumerate() {
+                // SAFETY: this task alone writes query heads h0*group..(h0+nh)*group
+                // of the run's rows, inside `out` (asserted in `attention`).
+                unsafe { *p.0.add((r0 + ri) * width + head * hd + d) = v * inv };
             }
         }
     }

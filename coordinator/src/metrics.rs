@@ -26,7 +26,8 @@ pub const MEMBERSHIP_CHANGES_TOTAL: &str = "baton_coordinator_membership_changes
 pub const LEASE_RENEWALS_TOTAL: &str = "baton_coordinator_lease_renewals_total";
 /// Counter: fleet-wide conversation evictions by result (`ok`, `pending`, `failed`).
 pub const EVICTIONS_TOTAL: &str = "baton_coordinator_evictions_total";
-/// Gauge: tombstoned conversations (deleted, not yet evicted on every node that may hold them).
+/// Gauge: tombstoned conversations (deleted, not yet evicted on every node that may hold
+/// them); with etcd membership the cluster's count (every replica reports the same).
 pub const TOMBSTONES: &str = "baton_coordinator_tombstones";
 /// Counter: joining nodes that had tombstoned conversations to evict, by result (`ok`, `failed`).
 pub const JOIN_EVICTIONS_TOTAL: &str = "baton_coordinator_join_evictions_total";

@@ -9,16 +9,18 @@
 mod cluster_support;
 
 use baton_proto::plane::{Expect, Plane, Role as IdRole};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use baton_coordinator::membership::conformance;
 use baton_coordinator::{Config, Coordinator, EtcdMembership, MembershipConfig};
 use baton_proto::common::{NodeId, NodeInfo, Role};
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
-use baton_proto::coordinator::{ListNodesRequest, RouteDecodeRequest};
+use baton_proto::coordinator::{EvictConversationRequest, ListNodesRequest, RouteDecodeRequest};
+use baton_proto::node::node_control_server::{NodeControl, NodeControlServer};
+use baton_proto::node::{DrainRequest, DrainResponse, EvictRequest, EvictResponse};
 use baton_proto::MembershipClient;
 use cluster_support::etcd::Etcd;
-
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_membership_passes_the_conformance_suite() {
@@ -181,6 +183,140 @@ async fn two_coordinators_over_one_etcd_route_a_conversation_to_the_same_decode_
             assert_eq!(route(&mut clients[first], &conversation, &[]).await, moved, "{conversation}: and so does the first");
         }
     }
+
+    d1.shutdown().await;
+    d2.shutdown().await;
+    for (stop, server) in stops {
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
+}
+
+/// A node's control service that records the conversations it was told to evict.
+struct EvictLog(Arc<Mutex<Vec<String>>>);
+
+#[tonic::async_trait]
+impl NodeControl for EvictLog {
+    async fn evict(&self, req: tonic::Request<EvictRequest>) -> Result<tonic::Response<EvictResponse>, tonic::Status> {
+        self.0.lock().unwrap().push(format!("{}/{}", req.get_ref().owner, req.get_ref().conversation));
+        Ok(tonic::Response::new(EvictResponse { blocks_freed: 1 }))
+    }
+
+    async fn drain(&self, _: tonic::Request<DrainRequest>) -> Result<tonic::Response<DrainResponse>, tonic::Status> {
+        Ok(tonic::Response::new(DrainResponse::default()))
+    }
+}
+
+/// Serves `NodeControl` as node `id` (its certificate, the plane's authorization); the
+/// node's record pointing at it, and the evictions it receives.
+async fn control_node(id: &str) -> (NodeInfo, Arc<Mutex<Vec<String>>>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let plane = plane(id);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(plane.authorize())
+            .add_service(NodeControlServer::new(EvictLog(log.clone())))
+            .serve_with_incoming(plane.incoming(l)),
+    );
+    (NodeInfo { grpc_addr: addr.to_string(), ..node(id, Role::Decode) }, log)
+}
+
+/// The attack on per-replica tombstones: a decode node is cut off (its lease runs out)
+/// while a conversation is deleted through replica A, then comes back through replica B
+/// only. B must make it evict the deleted conversation before admitting it, as A would:
+/// otherwise the node serves (and lets prefill nodes pull) the deleted conversation's
+/// cached prefix. With tombstones in one replica's memory, B knew of none and admitted
+/// the node with nothing evicted. Then an answer that owes nothing (through B) clears the
+/// tombstone for every replica, and a tombstone nobody clears goes away after the
+/// departed window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_rejoins_through_the_other_replica_evicts_what_was_deleted_while_it_was_away() {
+    let Some(etcd) = Etcd::start() else { return };
+    etcd.ready().await;
+    let window = Duration::from_secs(6);
+    let mut urls = Vec::new();
+    let mut stops = Vec::new();
+    for _ in 0..2 {
+        let config = Config {
+            membership: MembershipConfig::Etcd { endpoints: vec![etcd.endpoint()], prefix: "/baton-tombstones/".into() },
+            lease_ttl: Duration::from_secs(2),
+            evict_departed_window: window,
+            ..Config::with_defaults(plane("coordinator"))
+        };
+        let coordinator = Coordinator::bind(config).await.unwrap();
+        urls.push(format!("http://{}", coordinator.grpc_addr()));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        stops.push((stop_tx, tokio::spawn(coordinator.serve(async move {
+            let _ = stop_rx.await;
+        }))));
+    }
+    let gateway = plane("gateway");
+    let mut clients = Vec::new();
+    for url in &urls {
+        clients.push(CoordinatorClient::new(gateway.connect(&gateway.endpoint(url).unwrap(), Expect::Role(IdRole::Coordinator)).await.unwrap()));
+    }
+    let (d1_info, d1_evicted) = control_node("d1").await;
+    let (d2_info, d2_evicted) = control_node("d2").await;
+    let d1 = MembershipClient::replicas(urls.clone(), d1_info.clone(), plane("d1")).spawn();
+    let d2 = MembershipClient::replicas(urls.clone(), d2_info, plane("d2")).spawn();
+    d1.wait_registered(1).await;
+    d2.wait_registered(1).await;
+    for c in clients.iter_mut() {
+        wait_nodes(c, &["d1", "d2"], Duration::from_secs(5)).await;
+    }
+
+    // d1 is cut off: it stops renewing and its lease expires (its KV, in a real node,
+    // would still be in memory).
+    d1.abort();
+    for c in clients.iter_mut() {
+        wait_nodes(c, &["d2"], Duration::from_secs(8)).await;
+    }
+
+    // The conversation is deleted through replica A: d2 evicts, d1 is owed.
+    let delete = || EvictConversationRequest { routing_key: "conv-x".into(), owner: "user-9".into() };
+    let r = clients[0].evict_conversation(delete()).await.unwrap().into_inner();
+    assert!(r.acks.iter().all(|a| a.ok), "{r:?}");
+    assert_eq!(r.pending.iter().map(|n| n.id.as_str()).collect::<Vec<_>>(), vec!["d1"]);
+    assert_eq!(*d2_evicted.lock().unwrap(), vec!["user-9/conv-x"]);
+
+    // d1 comes back through replica B only: admitted only after evicting conv-x.
+    let d1 = MembershipClient::new(urls[1].clone(), d1_info.clone(), plane("d1")).spawn();
+    tokio::time::timeout(Duration::from_secs(10), d1.wait_registered(1)).await.expect("d1 re-joins through B");
+    assert_eq!(*d1_evicted.lock().unwrap(), vec!["user-9/conv-x"], "d1 was admitted through B without evicting the conversation deleted through A");
+
+    // The gateway's retry (through B) finds nothing owed, which clears the tombstone for
+    // both replicas: a node joining through A now owes nothing.
+    wait_nodes(&mut clients[1], &["d1", "d2"], Duration::from_secs(5)).await;
+    let r = clients[1].evict_conversation(delete()).await.unwrap().into_inner();
+    assert!(r.acks.iter().all(|a| a.ok) && r.pending.is_empty(), "{r:?}");
+    d1.abort();
+    wait_nodes(&mut clients[0], &["d2"], Duration::from_secs(8)).await;
+    d1_evicted.lock().unwrap().clear();
+    let d1 = MembershipClient::new(urls[0].clone(), d1_info.clone(), plane("d1")).spawn();
+    tokio::time::timeout(Duration::from_secs(10), d1.wait_registered(1)).await.expect("d1 re-joins through A");
+    assert!(d1_evicted.lock().unwrap().is_empty(), "a cleared tombstone is owed by nobody: {:?}", d1_evicted.lock().unwrap());
+
+    // A tombstone that is never cleared (d1 away again, nobody retries) lasts the departed
+    // window, not for ever: after it, a node joining through either replica owes nothing.
+    d1.abort();
+    for c in clients.iter_mut() {
+        wait_nodes(c, &["d2"], Duration::from_secs(8)).await;
+    }
+    let r = clients[0].evict_conversation(EvictConversationRequest { routing_key: "conv-y".into(), owner: "user-9".into() }).await.unwrap().into_inner();
+    assert_eq!(r.pending.len(), 1, "{r:?}");
+    let d1 = MembershipClient::new(urls[1].clone(), d1_info.clone(), plane("d1")).spawn();
+    tokio::time::timeout(Duration::from_secs(10), d1.wait_registered(1)).await.expect("d1 re-joins through B");
+    assert_eq!(*d1_evicted.lock().unwrap(), vec!["user-9/conv-y"]);
+    d1.abort();
+    wait_nodes(&mut clients[1], &["d2"], Duration::from_secs(8)).await;
+    d1_evicted.lock().unwrap().clear();
+    // Nobody retries conv-y; past the window (and the store's slack) it is gone.
+    tokio::time::sleep(window + Duration::from_secs(3)).await;
+    let d1 = MembershipClient::new(urls[0].clone(), d1_info, plane("d1")).spawn();
+    tokio::time::timeout(Duration::from_secs(10), d1.wait_registered(1)).await.expect("d1 re-joins through A");
+    assert!(d1_evicted.lock().unwrap().is_empty(), "a tombstone outlived its window: {:?}", d1_evicted.lock().unwrap());
 
     d1.shutdown().await;
     d2.shutdown().await;

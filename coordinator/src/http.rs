@@ -37,6 +37,8 @@ pub(crate) fn router(state: HttpState) -> Router {
 async fn metrics(AxState(s): AxState<HttpState>) -> Response {
     // Refreshes the node gauges and membership changes (expiries show without traffic).
     let _ = s.state.members().await;
+    // Tombstones other replicas recorded or cleared (etcd) show without an eviction here.
+    s.state.count_tombstones().await;
     let mut text = s.state.metrics.encode();
     text.push_str(&s.plane.render());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()

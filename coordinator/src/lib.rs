@@ -6,8 +6,9 @@
 //!   routing key, prefill placement with prefix credit, conditional disaggregation, and
 //!   a "why this node" record for every decision.
 //! - [`evict`]: a conversation's KV dropped from every node, acknowledged.
-//! - [`tombstones`]: deleted conversations not yet evicted everywhere, the nodes that may
-//!   still hold them, and the rule that a (re)joining node evicts them before it serves.
+//! - [`tombstones`]: deleted conversations not yet evicted everywhere (in memory, or in
+//!   etcd for every replica), the nodes that may still hold them, and the rule that a
+//!   (re)joining node evicts them before it serves.
 //!
 //! The service follows the crate shape every Baton service has: [`Args`] (clap, env
 //! `BATON_*`), [`Config`] (`TryFrom<Args>`), and [`run`]. [`Coordinator::bind`] /
@@ -267,8 +268,9 @@ impl Coordinator {
         http: TcpListener,
         evictor: Arc<dyn NodeEvictor>,
     ) -> Result<Self> {
-        let (membership, shared): (Arc<dyn Membership>, Option<Arc<dyn placements::SharedPlacements>>) = match &config.membership {
-            MembershipConfig::Memory => (MemoryMembership::new(config.lease_ttl), None),
+        type Stores = (Arc<dyn Membership>, Option<Arc<dyn placements::SharedPlacements>>, Arc<dyn tombstones::Tombstones>);
+        let (membership, shared, tombstones): Stores = match &config.membership {
+            MembershipConfig::Memory => (MemoryMembership::new(config.lease_ttl), None, Arc::new(tombstones::MemoryTombstones::default())),
             #[cfg(not(feature = "etcd"))]
             MembershipConfig::Etcd { .. } => {
                 return Err(Error::Config { field: "membership", why: "this build has no etcd membership".into() });
@@ -277,10 +279,12 @@ impl Coordinator {
             MembershipConfig::Etcd { endpoints, prefix } => {
                 let membership = EtcdMembership::connect(endpoints, prefix, config.lease_ttl).await?;
                 let shared = placements::EtcdPlacements::start(membership.client(), prefix, config.conversation_idle_ttl).await?;
-                (membership, Some(shared))
+                // Every replica's, so a node re-joining through any replica evicts them.
+                let tombstones = Arc::new(tombstones::EtcdTombstones::new(membership.client(), prefix, config.evict_departed_window));
+                (membership, Some(shared), tombstones)
             }
         };
-        let state = Arc::new(service::State::new(&config, membership, shared, evictor)?);
+        let state = Arc::new(service::State::new(&config, membership, shared, tombstones, evictor)?);
         Ok(Self { grpc, http, state, plane: config.plane, admin_key: config.admin_key })
     }
 

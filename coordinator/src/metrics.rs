@@ -26,7 +26,8 @@ pub const MEMBERSHIP_CHANGES_TOTAL: &str = "baton_coordinator_membership_changes
 pub const LEASE_RENEWALS_TOTAL: &str = "baton_coordinator_lease_renewals_total";
 /// Counter: fleet-wide conversation evictions by result (`ok`, `pending`, `failed`).
 pub const EVICTIONS_TOTAL: &str = "baton_coordinator_evictions_total";
-/// Gauge: tombstoned conversations (deleted, not yet evicted on every node that may hold them).
+/// Gauge: tombstoned conversations (deleted, not yet evicted on every node that may hold
+/// them); with etcd membership the cluster's count (every replica reports the same).
 pub const TOMBSTONES: &str = "baton_coordinator_tombstones";
 /// Counter: joining nodes that had tombstoned conversations to evict, by result (`ok`, `failed`).
 pub const JOIN_EVICTIONS_TOTAL: &str = "baton_coordinator_join_evictions_total";
@@ -53,6 +54,8 @@ const ROLES: [&str; 2] = ["prefill", "decode"];
 /// Handles to every series, and the recorder that renders them.
 pub struct Metrics {
     recorder: PrometheusRecorder,
+    /// Histogram samples recorded, for [`UPKEEP_EVERY`].
+    samples: std::sync::atomic::AtomicU64,
     registrations: Counter,
     conversations: Gauge,
     /// Members (node ID -> role) at the last look, and the IDs that deregistered
@@ -82,6 +85,7 @@ impl Metrics {
             registrations: counter(&recorder, REGISTRATIONS_TOTAL, "Node registrations (joins and re-joins)", &[]),
             conversations: gauge(&recorder, CONVERSATIONS, "Active conversations placed on decode nodes", &[]),
             view: Mutex::new(View::default()),
+            samples: Default::default(),
             recorder,
         };
         for (kind, reason) in DECISION_REASONS {
@@ -135,6 +139,10 @@ impl Metrics {
     pub fn decision(&self, kind: &'static str, reason: &'static str, seconds: f64) {
         self.decision_counter(kind, reason).increment(1);
         self.routing_histogram(kind).record(seconds);
+        let before = self.samples.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if upkeep_due(before, 1) {
+            self.recorder.handle().run_upkeep();
+        }
     }
 
     /// `n` nodes of `role` are registered.
@@ -228,9 +236,33 @@ fn gauge(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels:
     r.register_gauge(&key(name, labels), &META)
 }
 
+/// The recorder keeps every histogram sample until a scrape (or `run_upkeep`) folds it
+/// into the buckets, so a coordinator nobody scrapes grew by every routing decision (the
+/// 30-minute soak's busier replica). Every this many samples it is drained here.
+pub const UPKEEP_EVERY: u64 = 4096;
+
+/// Whether `n` samples recorded after `before` cross a multiple of [`UPKEEP_EVERY`].
+pub fn upkeep_due(before: u64, n: u64) -> bool {
+    before / UPKEEP_EVERY != (before + n) / UPKEEP_EVERY
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn undrained_histogram_samples_are_bounded_and_none_is_lost() {
+        assert!(!upkeep_due(0, 1) && !upkeep_due(UPKEEP_EVERY - 2, 1));
+        assert!(upkeep_due(UPKEEP_EVERY - 1, 1) && upkeep_due(UPKEEP_EVERY - 1, 2) && upkeep_due(2 * UPKEEP_EVERY - 1, 1));
+        // Drained at every multiple, without a scrape: the count still adds up.
+        let m = Metrics::new();
+        let n = 3 * UPKEEP_EVERY + 7;
+        for _ in 0..n {
+            m.decision("decode", "home", 0.0001);
+        }
+        let text = m.encode();
+        assert!(text.contains(&format!("baton_coordinator_routing_seconds_count{{kind=\"decode\"}} {n}")), "{text}");
+    }
 
     #[test]
     fn membership_changes_are_joins_leaves_and_expiries() {

@@ -26,7 +26,7 @@ use crate::routing::decode::DecodeRouter;
 use crate::routing::explain::{DecisionKind, ExplainLog, ExplainRecord, Reason};
 use crate::routing::prefill::{choose_prefill, DecodeHeadroom, PrefillCandidate, PrefillPolicy};
 use crate::routing::ring::key_of;
-use crate::tombstones::Ledger;
+use crate::tombstones::{Ledger, Tombstones};
 use crate::Config;
 
 /// Which prefill node last prefilled a conversation, and how many prompt tokens it
@@ -82,8 +82,10 @@ pub struct State {
     /// only replica and its own placements are the truth.
     placements: Option<Arc<dyn SharedPlacements>>,
     loads: Mutex<HashMap<String, LoadReport>>,
-    /// Tombstoned conversations and the nodes that may still hold their KV.
+    /// The nodes that may still hold a tombstoned conversation's KV (this replica's view).
     ledger: Mutex<Ledger>,
+    /// Deleted conversations not yet evicted everywhere (in etcd: every replica's).
+    tombstones: Arc<dyn Tombstones>,
 }
 
 impl std::fmt::Debug for State {
@@ -117,6 +119,7 @@ impl State {
         config: &Config,
         membership: Arc<dyn Membership>,
         placements: Option<Arc<dyn SharedPlacements>>,
+        tombstones: Arc<dyn Tombstones>,
         evictor: Arc<dyn NodeEvictor>,
     ) -> Result<Self> {
         let decode = DecodeRouter::new(config.vnodes, config.load_factor, config.conversation_idle_ttl)
@@ -140,6 +143,7 @@ impl State {
             placements,
             loads: Mutex::new(HashMap::new()),
             ledger: Mutex::new(Ledger::new(config.evict_departed_window)),
+            tombstones,
         })
     }
 
@@ -305,13 +309,10 @@ impl State {
                 tracing::warn!(error = %e, "cannot remove a deleted conversation's placement from the shared store");
             }
         }
-        // Before the member list is read: a node that registers from here on either
-        // evicts this tombstone while joining or is reported pending below.
-        self.metrics.tombstones({
-            let mut ledger = lock(&self.ledger);
-            ledger.tombstone(conversation.as_str(), &req.owner);
-            ledger.tombstones()
-        });
+        // Before the member list is read: a node that registers from here on (through
+        // any replica, with etcd) either evicts this tombstone while joining or is
+        // reported pending below. Not recorded: no eviction, the caller retries.
+        self.tombstones.put(conversation.as_str(), &req.owner).await?;
         let members = self.members().await?;
         let timeout = self.evict_timeout;
         let calls = members.iter().map(|m| {
@@ -342,16 +343,14 @@ impl State {
             }
         }
         let asked: Vec<&str> = members.iter().map(Member::id).collect();
-        let (pending, tombstones) = {
-            let mut ledger = lock(&self.ledger);
-            let pending = ledger.pending(&asked, Instant::now());
-            let failed = acks.iter().any(|a| !a.ok);
-            if !failed && pending.is_empty() {
-                ledger.clear(conversation.as_str());
+        let pending = lock(&self.ledger).pending(&asked, Instant::now());
+        if pending.is_empty() && acks.iter().all(|a| a.ok) {
+            // A tombstone left behind is cleared by the caller's next retry, or expires.
+            if let Err(e) = self.tombstones.clear(conversation.as_str()).await {
+                tracing::warn!(error = %e, "cannot clear an evicted conversation's tombstone");
             }
-            (pending, ledger.tombstones())
-        };
-        self.metrics.tombstones(tombstones);
+        }
+        self.count_tombstones().await;
         let failed = acks.iter().filter(|a| !a.ok).count();
         let result = match (failed, pending.len()) {
             (0, 0) => "ok",
@@ -367,6 +366,14 @@ impl State {
         }
         let pending = pending.into_iter().map(|id| NodeId { id }).collect();
         Ok(pb::EvictConversationResponse { acks, pending })
+    }
+
+    /// Refreshes the tombstone gauge (with etcd, the whole cluster's count).
+    pub(crate) async fn count_tombstones(&self) {
+        match self.tombstones.count().await {
+            Ok(n) => self.metrics.tombstones(n),
+            Err(e) => tracing::warn!(error = %e, "cannot count tombstones"),
+        }
     }
 
     /// Evicts every tombstoned conversation on a node that is registering, before it is
@@ -435,15 +442,13 @@ pub(crate) fn to_pb(r: &ExplainRecord, conversation: Option<&ConversationId>) ->
 struct JoinTicket {
     state: Arc<State>,
     node: String,
-    /// The tombstones outstanding when the registration began.
-    owed: Vec<(String, String)>,
     admitted: bool,
 }
 
 impl JoinTicket {
     fn new(state: Arc<State>, node: &str) -> Self {
-        let owed = lock(&state.ledger).begin_join(node);
-        Self { state, node: node.to_string(), owed, admitted: false }
+        lock(&state.ledger).begin_join(node);
+        Self { state, node: node.to_string(), admitted: false }
     }
 }
 
@@ -511,8 +516,13 @@ impl CoordinatorRpc for CoordinatorService {
         // A (re)joining node may hold KV of conversations deleted while it was away:
         // it evicts every tombstoned one before it is a member, so nothing is routed to
         // it (nor pulled from it) in between. If it cannot, it is not admitted yet.
+        // The tombstones are read once the node counts as joining (see `Ledger::begin_join`);
+        // unreadable, the node is refused and retries: it may owe an eviction.
         let mut ticket = JoinTicket::new(self.state.clone(), &id);
-        let owed = ticket.owed.clone();
+        let owed = self.state.tombstones.outstanding().await.map_err(|e| {
+            tracing::warn!(node = %id, error = %e, "cannot read the tombstones a joining node must evict; not admitted");
+            Status::from(e)
+        })?;
         let freed = self.state.evict_before_join(&info, &owed).await.map_err(|e| {
             tracing::warn!(node = %id, tombstones = owed.len(), error = %e, "a joining node could not evict tombstoned conversations; not admitted");
             Status::unavailable(format!("evict {} tombstoned conversations before joining: {e}", owed.len()))

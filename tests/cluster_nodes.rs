@@ -5,6 +5,11 @@
 //!   single engine's, for a remote prefill, a remote prefill whose prefill
 //!   node pulled the prefix from the decode node, and a local prefill.
 //! - Multi-turn: the next turn reuses the conversation's prefix.
+//! - Deletion: evicting a conversation frees its blocks on the decode and the prefill
+//!   node, and its next turn hits nothing.
+//! - Models: the tests of tokens, turns and deletion run over SmolLM2 and Gemma 3
+//!   (`over_models!`; on Gemma 3 turn 1 is longer than its 512-token sliding window, and
+//!   the local layers' out-of-window blocks are not shipped).
 //! - Faults: the prefill node killed mid-transfer -> the decode node falls
 //!   back to local prefill and releases its reservation; the decode node
 //!   killed mid-stream -> the stream ends with an error within 5 s; a drained
@@ -17,6 +22,8 @@ mod cluster_support;
 
 use std::time::{Duration, Instant};
 
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator::EvictConversationRequest;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
 use baton_proto::node::generate_event::Event as GenEv;
 use baton_proto::node::PrefillPath;
@@ -44,65 +51,138 @@ fn wait_until_prefill_sampled(prefill: &Proc) {
     }
 }
 
-#[test]
-fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
-    let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
-    let prefill = cluster.node("prefill", "prefill-0", &[]);
-    let decode = cluster.node("decode", "decode-0", &[]);
-    let reference = reference_engine(&cluster.model);
-    let grpc = decode.addr("grpc");
-    let pgrpc = prefill.addr("grpc");
-    let rt = runtime();
+/// Repeated before turn 1's question on a model with sliding-window layers, so that the
+/// turn is longer than the window.
+const FILLER: &str = "Museum note: the physics hall has a pendulum, a prism, a tesla coil and a cloud chamber; \
+    guides answer one question at a time and point visitors to the exhibit that shows the effect.";
 
-    // Turn 1: nothing cached; the whole prompt is a long tail -> remote.
-    let turn1 = chat(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
-    assert!(turn1.len() >= THRESHOLD);
-    let want1 = reference_tokens(&reference, &turn1, "alice", 24);
-    let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
-    assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
-    assert_eq!(got1, want1, "turn 1: remote prefill vs single engine");
+over_models! {
+    /// Remote prefill with the KV shipped (on Gemma 3 a turn longer than the 512-token
+    /// window, whose local layers' out-of-window blocks stay off the wire), a warm second
+    /// turn whose prefix the prefill node pulls from the decode node, a local third turn:
+    /// every turn token-exact to a single engine.
+    fn cluster_tokens_match_a_single_engine_remote_pulled_and_local(model) {
+        let cluster = Cluster::start_with(&model, "prefill-0,decode-0", THRESHOLD);
+        let prefill = cluster.node("prefill", "prefill-0", &[]);
+        let decode = cluster.node("decode", "decode-0", &[]);
+        let reference = reference_engine(&cluster.model);
+        let grpc = decode.addr("grpc");
+        let pgrpc = prefill.addr("grpc");
+        let rt = runtime();
 
-    // Turn 2: the decode node holds turn 1 (prompt and reply); the prefill
-    // node holds only turn 1's prompt and pulls the rest of the prefix.
-    let mut turn2 = turn1.clone();
-    turn2.extend(&got1);
-    turn2.extend(
-        reference
-            .tokenizer
-            .encode(
-                "<|im_end|>\n<|im_start|>user\nThen why are sunsets red and orange instead of blue? Please explain what changes when the sun is low on the horizon, how far the light travels through the air then, which colours get scattered away on the way, and whether dust or smoke from fires makes the colours stronger.<|im_end|>\n<|im_start|>assistant\n",
-                true,
-            )
-            .unwrap(),
-    );
-    let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
-    let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
-    let usage = fin2.usage.unwrap();
-    let bt = 16;
-    assert!(
-        usage.cached_tokens as usize >= (turn1.len() + got1.len()) / bt * bt - bt,
-        "turn 2 reuses turn 1's prompt and reply: cached {} of {}",
-        usage.cached_tokens,
-        turn1.len() + got1.len()
-    );
-    assert_eq!(fin2.prefill_path, PrefillPath::Remote as i32, "turn 2's tail goes to the prefill node");
-    assert_eq!(got2, want2, "turn 2: pulled prefix + remote tail vs single engine");
-    assert!(metrics(&prefill.addr("http")).contains("baton_prefill_pulled_prefixes_total 1"), "the prefill node pulled the prefix");
+        // Turn 1: nothing cached; the whole prompt is a long tail -> remote.
+        let turn1 = chat_past_the_window(&reference, SYSTEM, FILLER, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
+        assert!(turn1.len() >= THRESHOLD);
+        let want1 = reference_tokens(&reference, &turn1, "alice", 24);
+        let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
+        assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
+        assert_eq!(got1, want1, "turn 1: remote prefill vs single engine");
+        // The local layers' blocks before the window were not shipped (none on a model
+        // without sliding-window layers).
+        let skipped = sample(&metrics(&decode.addr("http")), "baton_decode_kv_window_skipped_bytes_sum");
+        let expected = window_skipped_bytes(&reference, turn1.len());
+        assert_eq!(skipped, Some(expected as f64), "KV bytes left off the wire for a {}-token turn", turn1.len());
+        assert_eq!(expected > 0, reference.info.layer_windows.iter().any(Option::is_some), "{} skips by its windows", model.name);
+        eprintln!("{}: turn 1 of {} tokens shipped remotely, {expected} KV bytes left off the wire", model.name, turn1.len());
 
-    // Turn 3: a short tail -> prefilled on the decode node.
-    let mut turn3 = turn2.clone();
-    turn3.extend(&got2);
-    turn3.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
-    let want3 = reference_tokens(&reference, &turn3, "alice-ref3", 16);
-    let (got3, fin3) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
-    assert_eq!(fin3.prefill_path, PrefillPath::Local as i32, "a short tail stays local");
-    assert_eq!(got3, want3, "turn 3: local prefill vs single engine");
+        // Turn 2: the decode node holds turn 1 (prompt and reply); the prefill
+        // node holds only turn 1's prompt and pulls the rest of the prefix.
+        let mut turn2 = turn1.clone();
+        turn2.extend(&got1);
+        turn2.extend(next_turn(
+            &reference,
+            "Then why are sunsets red and orange instead of blue? Please explain what changes when the sun is low on the horizon, how far the light travels through the air then, which colours get scattered away on the way, and whether dust or smoke from fires makes the colours stronger.",
+        ));
+        let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
+        let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
+        let usage = fin2.usage.unwrap();
+        let bt = reference.info.kv_layout.block_tokens;
+        assert!(
+            usage.cached_tokens as usize >= (turn1.len() + got1.len()) / bt * bt - bt,
+            "turn 2 reuses turn 1's prompt and reply: cached {} of {}",
+            usage.cached_tokens,
+            turn1.len() + got1.len()
+        );
+        assert_eq!(fin2.prefill_path, PrefillPath::Remote as i32, "turn 2's tail goes to the prefill node");
+        assert_eq!(got2, want2, "turn 2: pulled prefix + remote tail vs single engine");
+        assert!(metrics(&prefill.addr("http")).contains("baton_prefill_pulled_prefixes_total 1"), "the prefill node pulled the prefix");
 
-    rt.block_on(async {
-        assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))).await;
-        assert_no_leaks(|| Box::pin(prefill_stats_owned(cluster.plane("operator"), pgrpc.clone()))).await;
-    });
-    reference.shutdown();
+        // Turn 3: a short tail -> prefilled on the decode node.
+        let mut turn3 = turn2.clone();
+        turn3.extend(&got2);
+        turn3.extend(next_turn(&reference, "Thanks!"));
+        let want3 = reference_tokens(&reference, &turn3, "alice-ref3", 16);
+        let (got3, fin3) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
+        assert_eq!(fin3.prefill_path, PrefillPath::Local as i32, "a short tail stays local");
+        assert_eq!(got3, want3, "turn 3: local prefill vs single engine");
+
+        rt.block_on(async {
+            assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))).await;
+            assert_no_leaks(|| Box::pin(prefill_stats_owned(cluster.plane("operator"), pgrpc.clone()))).await;
+        });
+        reference.shutdown();
+    }
+}
+
+over_models! {
+    /// Deleting a conversation (the coordinator's `EvictConversation`, as the gateway calls
+    /// it) evicts its KV on every node that computed or cached it: both nodes acknowledge,
+    /// each frees exactly the blocks it cached, none is left, and the same turn again is
+    /// computed from nothing with a single engine's tokens.
+    fn deleting_a_conversation_evicts_its_kv_on_every_node(model) {
+        let cluster = Cluster::start_with(&model, "prefill-0,decode-0", THRESHOLD);
+        let prefill = cluster.node("prefill", "prefill-0", &[]);
+        let decode = cluster.node("decode", "decode-0", &[]);
+        let reference = reference_engine(&cluster.model);
+        let (grpc, pgrpc) = (decode.addr("grpc"), prefill.addr("grpc"));
+        let rt = runtime();
+        let operator = cluster.plane("operator");
+        // Cached blocks of a node once it is idle.
+        let cached = |stats: &dyn Fn() -> baton_proto::node::NodeStats| {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let st = stats();
+                if st.running == 0 && st.kv_blocks_used == 0 && st.live_reservations == 0 {
+                    return st.kv_blocks_cached;
+                }
+                assert!(Instant::now() < deadline, "the node did not become idle: {st:?}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
+        let decode_cached = || cached(&|| rt.block_on(decode_stats(&operator, &grpc)));
+        let prefill_cached = || cached(&|| rt.block_on(prefill_stats(&operator, &pgrpc)));
+
+        let prompt = chat(&reference, SYSTEM, "How does a lever lift a heavy stone? Name the principle and one tool that uses it.");
+        let want = reference_tokens(&reference, &prompt, "dave-ref", 6);
+        let (got, fin) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&prompt, "dave", "conv-d", 6)));
+        assert_eq!(fin.prefill_path, PrefillPath::Remote as i32, "computed on the prefill node, cached on both");
+        assert_eq!(got, want);
+        let (on_decode, on_prefill) = (decode_cached(), prefill_cached());
+        assert!(on_decode > 0 && on_prefill > 0, "both nodes cache the conversation: decode {on_decode}, prefill {on_prefill} blocks");
+
+        let evicted = rt.block_on(async {
+            let mut c = CoordinatorClient::new(channel(&cluster.plane("gateway"), &cluster.url()).await);
+            c.evict_conversation(EvictConversationRequest { routing_key: "conv-d".into(), owner: "dave".into() }).await.unwrap().into_inner()
+        });
+        assert!(evicted.pending.is_empty(), "{evicted:?}");
+        let freed = |node: &str| {
+            let ack = evicted.acks.iter().find(|a| a.node_id.as_ref().is_some_and(|n| n.id == node)).unwrap_or_else(|| panic!("no ack from {node}: {evicted:?}"));
+            assert!(ack.ok, "{ack:?}");
+            ack.blocks_freed
+        };
+        assert_eq!((freed("decode-0"), freed("prefill-0")), (on_decode, on_prefill), "each node frees what it cached");
+        assert_eq!((decode_cached(), prefill_cached()), (0, 0), "nothing of the conversation is left");
+
+        // The same turn again: nothing to hit anywhere, and the same tokens.
+        let (again, fin) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&prompt, "dave", "conv-d", 6)));
+        assert_eq!(fin.usage.unwrap().cached_tokens, 0, "a deleted conversation's prefix is gone");
+        assert_eq!(again, want);
+        rt.block_on(async {
+            assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))).await;
+            assert_no_leaks(|| Box::pin(prefill_stats_owned(cluster.plane("operator"), pgrpc.clone()))).await;
+        });
+        reference.shutdown();
+    }
 }
 
 #[test]

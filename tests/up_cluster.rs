@@ -21,6 +21,8 @@ struct Up {
     /// The coordinator's and the decode node's metrics, shown (with the prefill node's) when a check fails.
     coordinator_metrics: String,
     decode_metrics: String,
+    /// The banner's example request (`curl -N URL ...`).
+    example: String,
     _dir: tempfile::TempDir,
 }
 
@@ -50,7 +52,7 @@ fn start(model: &cluster_support::TestModel) -> Up {
             }
         }
     });
-    let (mut gateway, mut prefill_metrics, mut decode_metrics, mut coordinator_metrics) = (None, None, None, None);
+    let (mut gateway, mut prefill_metrics, mut decode_metrics, mut coordinator_metrics, mut example) = (None, None, None, None, None);
     let deadline = Instant::now() + Duration::from_secs(120);
     while gateway.is_none() || prefill_metrics.is_none() || decode_metrics.is_none() || coordinator_metrics.is_none() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -61,6 +63,7 @@ fn start(model: &cluster_support::TestModel) -> Up {
             Some("prefill-0") => prefill_metrics = urls.next(),
             Some("decode-0") => decode_metrics = urls.next(),
             Some("coordinator") => coordinator_metrics = urls.find(|u| u.ends_with("/metrics")),
+            Some("curl") if example.is_none() => example = Some(line.clone()),
             _ => {}
         }
     }
@@ -70,6 +73,7 @@ fn start(model: &cluster_support::TestModel) -> Up {
         prefill_metrics: prefill_metrics.unwrap(),
         coordinator_metrics: coordinator_metrics.unwrap(),
         decode_metrics: decode_metrics.unwrap(),
+        example: example.expect("the banner shows an example request"),
         _dir: dir,
     }
 }
@@ -159,6 +163,9 @@ over_models! {
         let api = Api::of(&model);
         let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
         let url = format!("{}{}", up.gateway, api.path());
+
+        // The banner's example is a request this model takes.
+        assert!(up.example.contains(&url), "{}", up.example);
 
         let page = http.get(format!("{}/", up.gateway)).send().await.unwrap();
         assert!(page.status().is_success());

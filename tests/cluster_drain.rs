@@ -23,6 +23,7 @@ use baton_coordinator::routing::decode::DecodeRouter;
 use baton_proto::coordinator::coordinator_client::CoordinatorClient;
 use baton_proto::coordinator::{RouteDecodeRequest, RouteDecodeResponse};
 use baton_proto::node::decode_node_client::DecodeNodeClient;
+use baton_proto::node::PrefillPath;
 use baton_proto::plane::Plane;
 use cluster_support::*;
 
@@ -31,6 +32,9 @@ const SYSTEM: &str = "You are a careful assistant for a science museum. Answer i
 
 /// Every tail is prefilled on the decode node (no prefill nodes here).
 const THRESHOLD: usize = 100_000;
+
+/// Tails of at least this many tokens go to the prefill node.
+const REMOTE_THRESHOLD: usize = 48;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
@@ -61,10 +65,14 @@ const FILLER: &str = "Museum note: the physics hall has a pendulum, a prism, a t
     guides answer one question at a time and point visitors to the exhibit that shows the effect.";
 
 over_models! {
-    /// A drained node hands its warm conversation (on Gemma 3 one longer than the
-    /// sliding window) to the new owner, whose next turn is warm and token-exact.
+    /// A drained node hands its warm conversation (prefilled remotely; on Gemma 3 longer
+    /// than the sliding window, so its early blocks lack their local layers) to the new
+    /// owner, whose next turn is warm and token-exact.
     fn drain_hands_a_warm_conversation_to_its_new_owner_token_exact(model) {
-        let cluster = Cluster::start_with(&model, "decode-0,decode-1", THRESHOLD);
+        // Turn 1 is prefilled remotely: on Gemma 3 the home node then holds blocks whose
+        // local layers never arrived (before the window), and those are what moves.
+        let cluster = Cluster::start_with(&model, "prefill-0,decode-0,decode-1", REMOTE_THRESHOLD);
+        let _prefill = cluster.node("prefill", "prefill-0", &[]);
         let d0 = cluster.node("decode", "decode-0", &[]);
         let d1 = cluster.node("decode", "decode-1", &[]);
         let reference = reference_engine(&cluster.model);
@@ -77,7 +85,8 @@ over_models! {
 
         // Turn 1 on the conversation's home node.
         let turn1 = chat_past_the_window(&reference, SYSTEM, FILLER, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
-        let (got1, _) = rt.block_on(generate(cluster.plane("gateway"), owner_grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
+        let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), owner_grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
+        assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
         let mut turn2 = turn1.clone();
         turn2.extend(&got1);
         turn2.extend(next_turn(&reference, "And why are sunsets red?"));

@@ -36,6 +36,9 @@ const SYSTEM: &str = "You are a careful assistant for a science museum. Answer i
 /// Tails of at least this many tokens go to the prefill node.
 const THRESHOLD: usize = 48;
 
+/// The most bytes a transfer's frame headers and checksums add to its KV (a few per layer).
+const FRAMING: u64 = 16 << 10;
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
@@ -83,7 +86,13 @@ over_models! {
         let expected = window_skipped_bytes(&reference, turn1.len());
         assert_eq!(skipped, Some(expected as f64), "KV bytes left off the wire for a {}-token turn", turn1.len());
         assert_eq!(expected > 0, reference.info.layer_windows.iter().any(Option::is_some), "{} skips by its windows", model.name);
-        eprintln!("{}: turn 1 of {} tokens shipped remotely, {expected} KV bytes left off the wire", model.name, turn1.len());
+        // And the prefill node's link really carried that much less: every block of the
+        // prompt but those block-layers, plus frame headers.
+        let layout = reference.info.kv_layout;
+        let payload = (turn1.len().div_ceil(layout.block_tokens) * layout.block_bytes()) as u64 - expected;
+        let sent = sample(&metrics(&prefill.addr("http")), r#"baton_kv_transport_bytes_total{transport="quic",side="sender"}"#).unwrap_or(0.0) as u64;
+        eprintln!("{}: turn 1 of {} tokens shipped remotely: {sent} bytes sent, {payload} of KV, {expected} left off the wire", model.name, turn1.len());
+        assert!(sent >= payload && sent < payload + FRAMING, "{sent} bytes sent for {payload} bytes of KV");
 
         // Turn 2: the decode node holds turn 1 (prompt and reply); the prefill
         // node holds only turn 1's prompt and pulls the rest of the prefix.

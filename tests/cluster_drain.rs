@@ -6,8 +6,8 @@
 //!   new owner over QUIC, so the next turn there starts warm and its greedy
 //!   tokens still equal a single engine's. The moved blocks stay scoped to
 //!   their owner, and nothing stays reserved on the new owner.
-//! - Models: the drain runs over SmolLM2 and Gemma 3 (`over_models!`; on Gemma 3 the
-//!   conversation is longer than its 512-token sliding window).
+//! - Models: drain and join run over SmolLM2 and Gemma 3 (`over_models!`; on Gemma 3 the
+//!   drained conversation, prefilled remotely, is longer than its 512-token sliding window).
 //! - Join: a node that joins becomes the home of some conversations; the
 //!   coordinator names their previous owner on the first turn after the move,
 //!   and the new node pulls the warm prefix from it before prefilling.
@@ -135,52 +135,54 @@ async fn decode_stats_owned(operator: Plane, grpc: String) -> baton_proto::node:
     decode_stats(&operator, &grpc).await
 }
 
-#[test]
-fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over() {
-    let Some(cluster) = Cluster::start("decode-0,decode-1", THRESHOLD) else { return };
-    // A conversation whose ring home, once decode-1 is a member, is decode-1
-    // (the ring is a pure function of the node names; 160 points per node is
-    // the coordinator's default).
-    let conv = (0..)
-        .map(|i| format!("conv-{i}"))
-        .find(|k| {
-            let mut r = DecodeRouter::new(160, 1.25, Duration::from_secs(600)).unwrap();
-            r.set_members(["decode-0", "decode-1"]);
-            r.route(&baton_vocab::ConversationId::parse(k.as_str()).unwrap(), &[], Instant::now()).unwrap().node == "decode-1"
-        })
-        .unwrap();
-    let d0 = cluster.node("decode", "decode-0", &[]);
-    let reference = reference_engine(&cluster.model);
-    let rt = runtime();
-    let coordinator = cluster.url();
+over_models! {
+    /// A node that joins pulls the warm prefix of the conversations it takes over, on each model.
+    fn a_joining_node_pulls_the_warm_prefix_of_the_conversations_it_takes_over(model) {
+        let cluster = Cluster::start_with(&model, "decode-0,decode-1", THRESHOLD);
+        // A conversation whose ring home, once decode-1 is a member, is decode-1
+        // (the ring is a pure function of the node names; 160 points per node is
+        // the coordinator's default).
+        let conv = (0..)
+            .map(|i| format!("conv-{i}"))
+            .find(|k| {
+                let mut r = DecodeRouter::new(160, 1.25, Duration::from_secs(600)).unwrap();
+                r.set_members(["decode-0", "decode-1"]);
+                r.route(&baton_vocab::ConversationId::parse(k.as_str()).unwrap(), &[], Instant::now()).unwrap().node == "decode-1"
+            })
+            .unwrap();
+        let d0 = cluster.node("decode", "decode-0", &[]);
+        let reference = reference_engine(&cluster.model);
+        let rt = runtime();
+        let coordinator = cluster.url();
 
-    assert_eq!(rt.block_on(route(&cluster.plane("gateway"), &coordinator, &conv)), "decode-0", "decode-0 is the only node yet");
-    let turn1 = chat(&reference, SYSTEM, "What makes a rainbow? Name the effect and its cause.");
-    let (got1, _) = rt.block_on(generate(cluster.plane("gateway"), d0.addr("grpc"), generate_request(&turn1, "alice", &conv, 24)));
-    let mut turn2 = turn1.clone();
-    turn2.extend(&got1);
-    turn2.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nWhy is it curved?<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
-    let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
+        assert_eq!(rt.block_on(route(&cluster.plane("gateway"), &coordinator, &conv)), "decode-0", "decode-0 is the only node yet");
+        let turn1 = chat(&reference, SYSTEM, "What makes a rainbow? Name the effect and its cause.");
+        let (got1, _) = rt.block_on(generate(cluster.plane("gateway"), d0.addr("grpc"), generate_request(&turn1, "alice", &conv, 24)));
+        let mut turn2 = turn1.clone();
+        turn2.extend(&got1);
+        turn2.extend(next_turn(&reference, "Why is it curved?"));
+        let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
 
-    // decode-1 joins and becomes the conversation's home; the first routing
-    // after the move names decode-0 as where the warm prefix is.
-    let d1 = cluster.node("decode", "decode-1", &[]);
-    let moved = rt.block_on(route_full(&cluster.plane("gateway"), &coordinator, &conv));
-    assert_eq!(moved.node.as_ref().unwrap().node_id.as_ref().unwrap().id, "decode-1");
-    let previous = moved.previous.expect("the first turn after the move names the previous owner");
-    assert_eq!(previous.grpc_addr, d0.addr("grpc"));
+        // decode-1 joins and becomes the conversation's home; the first routing
+        // after the move names decode-0 as where the warm prefix is.
+        let d1 = cluster.node("decode", "decode-1", &[]);
+        let moved = rt.block_on(route_full(&cluster.plane("gateway"), &coordinator, &conv));
+        assert_eq!(moved.node.as_ref().unwrap().node_id.as_ref().unwrap().id, "decode-1");
+        let previous = moved.previous.expect("the first turn after the move names the previous owner");
+        assert_eq!(previous.grpc_addr, d0.addr("grpc"));
 
-    // The turn on decode-1, told where the prefix is, starts warm and is token-exact.
-    let mut req = generate_request(&turn2, "alice", &conv, 24);
-    req.prefix_source = previous.grpc_addr.clone();
-    let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), d1.addr("grpc"), req));
-    let cached = fin2.usage.unwrap().cached_tokens as usize;
-    let bt = 16;
-    assert!(cached >= (turn1.len() + got1.len()) / bt * bt - bt, "pulled on join: cached {cached} of {}", turn1.len() + got1.len());
-    assert_eq!(got2, want2, "turn 2 on the joined node vs single engine");
-    assert!(rt.block_on(route_full(&cluster.plane("gateway"), &coordinator, &conv)).previous.is_none(), "named once");
+        // The turn on decode-1, told where the prefix is, starts warm and is token-exact.
+        let mut req = generate_request(&turn2, "alice", &conv, 24);
+        req.prefix_source = previous.grpc_addr.clone();
+        let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), d1.addr("grpc"), req));
+        let cached = fin2.usage.unwrap().cached_tokens as usize;
+        let bt = reference.info.kv_layout.block_tokens;
+        assert!(cached >= (turn1.len() + got1.len()) / bt * bt - bt, "pulled on join: cached {cached} of {}", turn1.len() + got1.len());
+        assert_eq!(got2, want2, "turn 2 on the joined node vs single engine");
+        assert!(rt.block_on(route_full(&cluster.plane("gateway"), &coordinator, &conv)).previous.is_none(), "named once");
 
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), d1.addr("grpc")))));
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), d0.addr("grpc")))));
-    reference.shutdown();
+        rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), d1.addr("grpc")))));
+        rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), d0.addr("grpc")))));
+        reference.shutdown();
+    }
 }

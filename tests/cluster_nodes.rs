@@ -7,7 +7,7 @@
 //! - Multi-turn: the next turn reuses the conversation's prefix.
 //! - Deletion: evicting a conversation frees its blocks on the decode and the prefill
 //!   node, and its next turn hits nothing.
-//! - Models: the tests of tokens, turns and deletion run over SmolLM2 and Gemma 3
+//! - Models: the tests of tokens, turns, deletion and isolation run over SmolLM2 and Gemma 3
 //!   (`over_models!`; on Gemma 3 turn 1 is longer than its 512-token sliding window, and
 //!   the local layers' out-of-window blocks are not shipped).
 //! - Faults: the prefill node killed mid-transfer -> the decode node falls
@@ -276,45 +276,47 @@ fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
     reference.shutdown();
 }
 
-#[test]
-fn cluster_isolation_users_share_only_the_platform_blocks() {
-    // Every tail local (no prefill node, and a threshold no tail reaches): isolation is
-    // the decode node's prefix cache's business.
-    let Some(cluster) = Cluster::start("decode-0", 100_000) else { return };
-    let decode = cluster.node("decode", "decode-0", &[]);
-    let reference = reference_engine(&cluster.model);
-    let grpc = decode.addr("grpc");
-    let rt = runtime();
-    let bt = 16;
+over_models! {
+    /// Users with the same system prompt share only its blocks, on each model.
+    fn cluster_isolation_users_share_only_the_platform_blocks(model) {
+        // Every tail local (no prefill node, and a threshold no tail reaches): isolation is
+        // the decode node's prefix cache's business.
+        let cluster = Cluster::start_with(&model, "decode-0", 100_000);
+        let decode = cluster.node("decode", "decode-0", &[]);
+        let reference = reference_engine(&cluster.model);
+        let grpc = decode.addr("grpc");
+        let rt = runtime();
+        let bt = reference.info.kv_layout.block_tokens;
 
-    let alice = chat(&reference, SYSTEM, "Why does ice float on water? Explain the hydrogen bonds.");
-    let bob = chat(&reference, SYSTEM, "How do magnets attract iron? Explain the domains.");
-    // The platform prefix: what the two prompts share (the platform's system prompt).
-    let platform = alice.iter().zip(&bob).take_while(|(a, b)| a == b).count();
-    assert!(platform >= 2 * bt, "the system prompt spans whole blocks ({platform} tokens)");
-    let turn = |prompt: &[u32], owner: &str, conv: &str| {
-        let mut req = generate_request(prompt, owner, conv, 8);
-        req.turn.as_mut().unwrap().platform_prefix_len = platform as u32;
-        rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), req))
-    };
+        let alice = chat(&reference, SYSTEM, "Why does ice float on water? Explain the hydrogen bonds.");
+        let bob = chat(&reference, SYSTEM, "How do magnets attract iron? Explain the domains.");
+        // The platform prefix: what the two prompts share (the platform's system prompt).
+        let platform = alice.iter().zip(&bob).take_while(|(a, b)| a == b).count();
+        assert!(platform >= 2 * bt, "the system prompt spans whole blocks ({platform} tokens)");
+        let turn = |prompt: &[u32], owner: &str, conv: &str| {
+            let mut req = generate_request(prompt, owner, conv, 8);
+            req.turn.as_mut().unwrap().platform_prefix_len = platform as u32;
+            rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), req))
+        };
 
-    let (_, fin) = turn(&alice, "alice", "conv-a");
-    assert_eq!(fin.usage.unwrap().cached_tokens, 0, "a cold node");
-    // Bob shares alice's system prompt: he hits its whole blocks and nothing else.
-    let (_, fin) = turn(&bob, "bob", "conv-b");
-    assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "bob hits only the platform blocks");
-    // Mallory sends alice's exact history: still only the platform blocks, and the
-    // reply is what a fresh engine gives.
-    let want = reference_tokens(&reference, &alice, "mallory-ref", 8);
-    let (got, fin) = turn(&alice, "mallory", "conv-m");
-    assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "mallory must not hit alice's blocks");
-    assert_eq!(got, want);
-    // Alice herself hits all of her prompt but the last partial block.
-    let (_, fin) = turn(&alice, "alice", "conv-a");
-    assert!(fin.usage.unwrap().cached_tokens as usize >= (alice.len() - 1) / bt * bt, "alice reuses her own prefix");
+        let (_, fin) = turn(&alice, "alice", "conv-a");
+        assert_eq!(fin.usage.unwrap().cached_tokens, 0, "a cold node");
+        // Bob shares alice's system prompt: he hits its whole blocks and nothing else.
+        let (_, fin) = turn(&bob, "bob", "conv-b");
+        assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "bob hits only the platform blocks");
+        // Mallory sends alice's exact history: still only the platform blocks, and the
+        // reply is what a fresh engine gives.
+        let want = reference_tokens(&reference, &alice, "mallory-ref", 8);
+        let (got, fin) = turn(&alice, "mallory", "conv-m");
+        assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "mallory must not hit alice's blocks");
+        assert_eq!(got, want);
+        // Alice herself hits all of her prompt but the last partial block.
+        let (_, fin) = turn(&alice, "alice", "conv-a");
+        assert!(fin.usage.unwrap().cached_tokens as usize >= (alice.len() - 1) / bt * bt, "alice reuses her own prefix");
 
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))));
-    reference.shutdown();
+        rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))));
+        reference.shutdown();
+    }
 }
 
 /// Owned-argument wrappers so the futures are `'static`.

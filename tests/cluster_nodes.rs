@@ -67,7 +67,10 @@ over_models! {
     fn cluster_tokens_match_a_single_engine_remote_pulled_and_local(model) {
         let cluster = Cluster::start_with(&model, "prefill-0,decode-0", THRESHOLD);
         let prefill = cluster.node("prefill", "prefill-0", &[]);
-        let decode = cluster.node("decode", "decode-0", &[]);
+        // No ITL target: where a tail goes is then its length alone. With one, a decode
+        // step slower than 50 ms on a loaded machine makes the node "busy" and sends even
+        // turn 3's short tail away (remote_decode_busy, the coordinator's own tests).
+        let decode = cluster.node("decode", "decode-0", &["--itl-target-ms", "0"]);
         let reference = reference_engine(&cluster.model);
         let grpc = decode.addr("grpc");
         let pgrpc = prefill.addr("grpc");

@@ -353,6 +353,7 @@ async fn wait_for_members(plane: &Plane, coordinator_url: &str, tasks: &mut toki
 /// the example it gets is a legacy completion.
 /// The chat page, API base and key come last, where a newcomer looks.
 fn print_banner(gateway: SocketAddr, tls: bool, chat: bool, key: &str, key_given: bool, s: &Started, took: Duration) {
+    use std::io::Write;
     let key_line = if key_given { "the key from BATON_API_KEY".to_string() } else { key.to_string() };
     let g = format!("{}://{gateway}", if tls { "https" } else { "http" });
     let try_it = if chat {
@@ -368,7 +369,10 @@ fn print_banner(gateway: SocketAddr, tls: bool, chat: bool, key: &str, key_given
         Some(f) => format!("\"Authorization: Bearer $(cat {})\"", f.display()),
         None => "\"Authorization: Bearer $BATON_ADMIN_KEY\"".to_string(),
     };
-    println!(
+    // Errors ignored: a reader that went away (`baton up | head`) is no reason to panic
+    // and take the cluster down with it.
+    let _ = writeln!(
+        std::io::stdout().lock(),
         "\n  engines      {}\n  metrics      gateway http://{}/metrics\n  coordinator  grpc {}  http http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n  routing      curl -H {admin} 'http://{}/debug/routing?key=CONVERSATION'\n\
          \nTry:\n  curl -N {g}{try_it}\n\
          \nCtrl-C stops the cluster.\n\

@@ -46,10 +46,10 @@ fn start(model: &cluster_support::TestModel) -> Up {
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
+        // Drained to the end, also once the test stopped listening: a closed pipe would
+        // fail baton up's later writes.
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
+            let _ = tx.send(line);
         }
     });
     let (mut gateway, mut prefill_metrics, mut decode_metrics, mut coordinator_metrics, mut example) = (None, None, None, None, None);
@@ -218,16 +218,49 @@ over_models! {
         assert_eq!(streamed, reply);
 
         // SIGTERM stops every part and the process exits cleanly.
-        let pid = up.child.id().to_string();
-        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Some(s) = up.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "baton up did not stop within 20 s of SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let status = terminate(&mut up.child);
         assert!(status.success(), "baton up exited with {status}");
     }
+}
+
+/// Sends SIGTERM and waits (at most 20 s) for the exit.
+fn terminate(child: &mut Child) -> std::process::ExitStatus {
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "baton up did not stop within 20 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Nobody reading the banner (`baton up | true`, a closed pipe) does not take the cluster
+/// down: the banner goes nowhere, the gateway serves, and SIGTERM still stops it cleanly
+/// (a failed banner write used to panic and end the process).
+#[test]
+fn baton_up_keeps_serving_when_nobody_reads_its_stdout() {
+    let Some(model) = cluster_support::TestModel::smollm2() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let listeners = ["--listen", listen.as_str(), "--coordinator-listen", "127.0.0.1:0", "--coordinator-http-listen", "127.0.0.1:0"];
+    let child = cluster_support::up_command_with(&model.path, &listeners, &dir.path().join("gateway.db"), KEY)
+        .args(["--decode-http-listen", "127.0.0.1:0", "--prefill-http-listen", "127.0.0.1:0", "--threads", "1"])
+        .spawn()
+        .expect("start baton up");
+    let mut up = Up { child, gateway: format!("http://{listen}"), prefill_metrics: String::new(), coordinator_metrics: String::new(), decode_metrics: String::new(), example: String::new(), _dir: dir };
+    // The pipe's read end closes before the banner is written: every write of it fails.
+    drop(up.child.stdout.take());
+
+    cluster_support::wait_healthy(&listen, Duration::from_secs(60));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let status = rt.block_on(async {
+        let body = serde_json::json!({"model": "baton", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]});
+        reqwest::Client::new().post(format!("{}/v1/chat/completions", up.gateway)).bearer_auth(KEY).json(&body).send().await.unwrap().status()
+    });
+    assert!(status.is_success(), "{status}");
+    assert!(up.child.try_wait().unwrap().is_none(), "baton up exited after its stdout closed");
+    let exit = terminate(&mut up.child);
+    assert!(exit.success(), "baton up exited with {exit}");
 }

@@ -72,6 +72,7 @@ impl TestModel {
 /// (or `async fn`, run on a two-thread runtime) makes module `name` with the tests
 /// `smollm2` and `gemma3`, each calling the body with that [`TestModel`] or saying it is
 /// skipped when the file is absent. `cargo test gemma3` runs every Gemma variant.
+#[allow(unused_macros)]
 macro_rules! over_models {
     ($(#[$attr:meta])* fn $name:ident($model:ident) $body:block) => {
         $(#[$attr])*

@@ -287,6 +287,7 @@ async fn serve(
     });
     let generator = Arc::new(ClusterGenerator::new(std::slice::from_ref(&coordinator_url), ClusterConfig::default(), gateway_plane).map_err(|e| anyhow::anyhow!("{e}"))?);
     let tls = gateway_config.tls.is_some();
+    let chat = template.is_present();
     let app = baton_api_gateway::build_app(gateway_config, generator, store, tokenizer, template, model_id)?;
     let gateway_addr = gateway_listener.local_addr()?;
     let gateway_admin = admin_listener.local_addr()?;
@@ -297,6 +298,7 @@ async fn serve(
     print_banner(
         gateway_addr,
         tls,
+        chat,
         &key,
         a.api_key.is_some(),
         &Started { coordinator: coordinator_addr, coordinator_http, decode_http, prefill_http, gateway_admin, admin_key_file, engines: engine_lines },
@@ -347,19 +349,32 @@ async fn wait_for_members(plane: &Plane, coordinator_url: &str, tasks: &mut toki
 }
 
 /// `tls`: the gateway serves HTTPS (its URLs say so; `curl -k` for a self-signed certificate).
+/// `chat`: the model has a chat template; a base model (e.g. Gemma 3 270M) refuses chat, so
+/// the example it gets is a legacy completion.
 /// The chat page, API base and key come last, where a newcomer looks.
-fn print_banner(gateway: SocketAddr, tls: bool, key: &str, key_given: bool, s: &Started, took: Duration) {
+fn print_banner(gateway: SocketAddr, tls: bool, chat: bool, key: &str, key_given: bool, s: &Started, took: Duration) {
+    use std::io::Write;
     let key_line = if key_given { "the key from BATON_API_KEY".to_string() } else { key.to_string() };
     let g = format!("{}://{gateway}", if tls { "https" } else { "http" });
+    let try_it = if chat {
+        "/v1/chat/completions -H \"Authorization: Bearer {key}\" \\\n    -H 'Content-Type: application/json' \\\n    \
+         -d '{\"model\":\"baton\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}]}'"
+    } else {
+        "/v1/completions -H \"Authorization: Bearer {key}\" \\\n    -H 'Content-Type: application/json' \\\n    \
+         -d '{\"model\":\"baton\",\"stream\":true,\"prompt\":\"The capital of France is\",\"max_tokens\":16}'\n  \
+         (this model has no chat template: chat requests get a 400; it takes raw prompts)"
+    }
+    .replace("{key}", if key_given { "$BATON_API_KEY" } else { key });
     let admin = match &s.admin_key_file {
         Some(f) => format!("\"Authorization: Bearer $(cat {})\"", f.display()),
         None => "\"Authorization: Bearer $BATON_ADMIN_KEY\"".to_string(),
     };
-    println!(
+    // Errors ignored: a reader that went away (`baton up | head`) is no reason to panic
+    // and take the cluster down with it.
+    let _ = writeln!(
+        std::io::stdout().lock(),
         "\n  engines      {}\n  metrics      gateway http://{}/metrics\n  coordinator  grpc {}  http http://{}/metrics\n  decode-0     http://{}/metrics\n  prefill-0    http://{}/metrics\n  routing      curl -H {admin} 'http://{}/debug/routing?key=CONVERSATION'\n\
-         \nTry:\n  curl -N {g}/v1/chat/completions -H \"Authorization: Bearer {}\" \\\n    \
-         -H 'Content-Type: application/json' \\\n    \
-         -d '{{\"model\":\"baton\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n\
+         \nTry:\n  curl -N {g}{try_it}\n\
          \nCtrl-C stops the cluster.\n\
          \nBaton is up (the cluster started in {:.1} s).\n  web chat     {g}/\n  API          {g}/v1  (OpenAI-compatible)\n  API key      {key_line}",
         s.engines,
@@ -369,7 +384,6 @@ fn print_banner(gateway: SocketAddr, tls: bool, key: &str, key_given: bool, s: &
         s.decode_http,
         s.prefill_http,
         s.coordinator_http,
-        if key_given { "$BATON_API_KEY" } else { key },
         took.as_secs_f64(),
     );
 }

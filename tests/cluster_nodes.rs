@@ -5,6 +5,11 @@
 //!   single engine's, for a remote prefill, a remote prefill whose prefill
 //!   node pulled the prefix from the decode node, and a local prefill.
 //! - Multi-turn: the next turn reuses the conversation's prefix.
+//! - Deletion: evicting a conversation frees its blocks on the decode and the prefill
+//!   node, and its next turn hits nothing.
+//! - Models: the tests of tokens, turns, deletion and isolation run over SmolLM2 and Gemma 3
+//!   (`over_models!`; on Gemma 3 turn 1 is longer than its 512-token sliding window, and
+//!   the local layers' out-of-window blocks are not shipped).
 //! - Faults: the prefill node killed mid-transfer -> the decode node falls
 //!   back to local prefill and releases its reservation; the decode node
 //!   killed mid-stream -> the stream ends with an error within 5 s; a drained
@@ -17,6 +22,8 @@ mod cluster_support;
 
 use std::time::{Duration, Instant};
 
+use baton_proto::coordinator::coordinator_client::CoordinatorClient;
+use baton_proto::coordinator::EvictConversationRequest;
 use baton_proto::node::decode_node_client::DecodeNodeClient;
 use baton_proto::node::generate_event::Event as GenEv;
 use baton_proto::node::PrefillPath;
@@ -28,6 +35,9 @@ const SYSTEM: &str = "You are a careful assistant for a science museum. Answer i
 
 /// Tails of at least this many tokens go to the prefill node.
 const THRESHOLD: usize = 48;
+
+/// The most bytes a transfer's frame headers and checksums add to its KV (a few per layer).
+const FRAMING: u64 = 16 << 10;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
@@ -44,65 +54,147 @@ fn wait_until_prefill_sampled(prefill: &Proc) {
     }
 }
 
-#[test]
-fn cluster_tokens_match_a_single_engine_remote_pulled_and_local() {
-    let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
-    let prefill = cluster.node("prefill", "prefill-0", &[]);
-    let decode = cluster.node("decode", "decode-0", &[]);
-    let reference = reference_engine(&cluster.model);
-    let grpc = decode.addr("grpc");
-    let pgrpc = prefill.addr("grpc");
-    let rt = runtime();
+/// Repeated before turn 1's question on a model with sliding-window layers, so that the
+/// turn is longer than the window.
+const FILLER: &str = "Museum note: the physics hall has a pendulum, a prism, a tesla coil and a cloud chamber; \
+    guides answer one question at a time and point visitors to the exhibit that shows the effect.";
 
-    // Turn 1: nothing cached; the whole prompt is a long tail -> remote.
-    let turn1 = chat(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
-    assert!(turn1.len() >= THRESHOLD);
-    let want1 = reference_tokens(&reference, &turn1, "alice", 24);
-    let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
-    assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
-    assert_eq!(got1, want1, "turn 1: remote prefill vs single engine");
+over_models! {
+    /// Remote prefill with the KV shipped (on Gemma 3 a turn longer than the 512-token
+    /// window, whose local layers' out-of-window blocks stay off the wire), a warm second
+    /// turn whose prefix the prefill node pulls from the decode node, a local third turn:
+    /// every turn token-exact to a single engine.
+    fn cluster_tokens_match_a_single_engine_remote_pulled_and_local(model) {
+        let cluster = Cluster::start_with(&model, "prefill-0,decode-0", THRESHOLD);
+        let prefill = cluster.node("prefill", "prefill-0", &[]);
+        // No ITL target: where a tail goes is then its length alone. With one, a decode
+        // step slower than 50 ms on a loaded machine makes the node "busy" and sends even
+        // turn 3's short tail away (remote_decode_busy, the coordinator's own tests).
+        let decode = cluster.node("decode", "decode-0", &["--itl-target-ms", "0"]);
+        let reference = reference_engine(&cluster.model);
+        let grpc = decode.addr("grpc");
+        let pgrpc = prefill.addr("grpc");
+        let rt = runtime();
 
-    // Turn 2: the decode node holds turn 1 (prompt and reply); the prefill
-    // node holds only turn 1's prompt and pulls the rest of the prefix.
-    let mut turn2 = turn1.clone();
-    turn2.extend(&got1);
-    turn2.extend(
-        reference
-            .tokenizer
-            .encode(
-                "<|im_end|>\n<|im_start|>user\nThen why are sunsets red and orange instead of blue? Please explain what changes when the sun is low on the horizon, how far the light travels through the air then, which colours get scattered away on the way, and whether dust or smoke from fires makes the colours stronger.<|im_end|>\n<|im_start|>assistant\n",
-                true,
-            )
-            .unwrap(),
-    );
-    let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
-    let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
-    let usage = fin2.usage.unwrap();
-    let bt = 16;
-    assert!(
-        usage.cached_tokens as usize >= (turn1.len() + got1.len()) / bt * bt - bt,
-        "turn 2 reuses turn 1's prompt and reply: cached {} of {}",
-        usage.cached_tokens,
-        turn1.len() + got1.len()
-    );
-    assert_eq!(fin2.prefill_path, PrefillPath::Remote as i32, "turn 2's tail goes to the prefill node");
-    assert_eq!(got2, want2, "turn 2: pulled prefix + remote tail vs single engine");
-    assert!(metrics(&prefill.addr("http")).contains("baton_prefill_pulled_prefixes_total 1"), "the prefill node pulled the prefix");
+        // Turn 1: nothing cached; the whole prompt is a long tail -> remote.
+        let turn1 = chat_past_the_window(&reference, SYSTEM, FILLER, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
+        assert!(turn1.len() >= THRESHOLD);
+        let want1 = reference_tokens(&reference, &turn1, "alice", 24);
+        let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
+        assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
+        assert_eq!(got1, want1, "turn 1: remote prefill vs single engine");
+        // The local layers' blocks before the window were not shipped (none on a model
+        // without sliding-window layers).
+        let skipped = sample(&metrics(&decode.addr("http")), "baton_decode_kv_window_skipped_bytes_sum");
+        let expected = window_skipped_bytes(&reference, turn1.len());
+        assert_eq!(skipped, Some(expected as f64), "KV bytes left off the wire for a {}-token turn", turn1.len());
+        assert_eq!(expected > 0, reference.info.layer_windows.iter().any(Option::is_some), "{} skips by its windows", model.name);
+        // And the prefill node's link really carried that much less: every block of the
+        // prompt but those block-layers, plus frame headers.
+        let layout = reference.info.kv_layout;
+        let payload = (turn1.len().div_ceil(layout.block_tokens) * layout.block_bytes()) as u64 - expected;
+        let sent = sample(&metrics(&prefill.addr("http")), r#"baton_kv_transport_bytes_total{transport="quic",side="sender"}"#).unwrap_or(0.0) as u64;
+        eprintln!("{}: turn 1 of {} tokens shipped remotely: {sent} bytes sent, {payload} of KV, {expected} left off the wire", model.name, turn1.len());
+        assert!(sent >= payload && sent < payload + FRAMING, "{sent} bytes sent for {payload} bytes of KV");
 
-    // Turn 3: a short tail -> prefilled on the decode node.
-    let mut turn3 = turn2.clone();
-    turn3.extend(&got2);
-    turn3.extend(reference.tokenizer.encode("<|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n", true).unwrap());
-    let want3 = reference_tokens(&reference, &turn3, "alice-ref3", 16);
-    let (got3, fin3) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
-    assert_eq!(fin3.prefill_path, PrefillPath::Local as i32, "a short tail stays local");
-    assert_eq!(got3, want3, "turn 3: local prefill vs single engine");
+        // Turn 2: the decode node holds turn 1 (prompt and reply); the prefill
+        // node holds only turn 1's prompt and pulls the rest of the prefix.
+        let mut turn2 = turn1.clone();
+        turn2.extend(&got1);
+        turn2.extend(next_turn(
+            &reference,
+            "Then why are sunsets red and orange instead of blue? Please explain what changes when the sun is low on the horizon, how far the light travels through the air then, which colours get scattered away on the way, and whether dust or smoke from fires makes the colours stronger.",
+        ));
+        let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
+        let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
+        let usage = fin2.usage.unwrap();
+        let bt = reference.info.kv_layout.block_tokens;
+        assert!(
+            usage.cached_tokens as usize >= (turn1.len() + got1.len()) / bt * bt - bt,
+            "turn 2 reuses turn 1's prompt and reply: cached {} of {}",
+            usage.cached_tokens,
+            turn1.len() + got1.len()
+        );
+        assert_eq!(fin2.prefill_path, PrefillPath::Remote as i32, "turn 2's tail goes to the prefill node");
+        assert_eq!(got2, want2, "turn 2: pulled prefix + remote tail vs single engine");
+        assert!(metrics(&prefill.addr("http")).contains("baton_prefill_pulled_prefixes_total 1"), "the prefill node pulled the prefix");
 
-    rt.block_on(async {
-        assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))).await;
-        assert_no_leaks(|| Box::pin(prefill_stats_owned(cluster.plane("operator"), pgrpc.clone()))).await;
-    });
-    reference.shutdown();
+        // Turn 3: a short tail -> prefilled on the decode node.
+        let mut turn3 = turn2.clone();
+        turn3.extend(&got2);
+        turn3.extend(next_turn(&reference, "Thanks!"));
+        let want3 = reference_tokens(&reference, &turn3, "alice-ref3", 16);
+        let (got3, fin3) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
+        assert_eq!(fin3.prefill_path, PrefillPath::Local as i32, "a short tail stays local");
+        assert_eq!(got3, want3, "turn 3: local prefill vs single engine");
+
+        rt.block_on(async {
+            assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))).await;
+            assert_no_leaks(|| Box::pin(prefill_stats_owned(cluster.plane("operator"), pgrpc.clone()))).await;
+        });
+        reference.shutdown();
+    }
+}
+
+over_models! {
+    /// Deleting a conversation (the coordinator's `EvictConversation`, as the gateway calls
+    /// it) evicts its KV on every node that computed or cached it: both nodes acknowledge,
+    /// each frees exactly the blocks it cached, none is left, and the same turn again is
+    /// computed from nothing with a single engine's tokens.
+    fn deleting_a_conversation_evicts_its_kv_on_every_node(model) {
+        let cluster = Cluster::start_with(&model, "prefill-0,decode-0", THRESHOLD);
+        let prefill = cluster.node("prefill", "prefill-0", &[]);
+        let decode = cluster.node("decode", "decode-0", &[]);
+        let reference = reference_engine(&cluster.model);
+        let (grpc, pgrpc) = (decode.addr("grpc"), prefill.addr("grpc"));
+        let rt = runtime();
+        let operator = cluster.plane("operator");
+        // Cached blocks of a node once it is idle.
+        let cached = |stats: &dyn Fn() -> baton_proto::node::NodeStats| {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let st = stats();
+                if st.running == 0 && st.kv_blocks_used == 0 && st.live_reservations == 0 {
+                    return st.kv_blocks_cached;
+                }
+                assert!(Instant::now() < deadline, "the node did not become idle: {st:?}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
+        let decode_cached = || cached(&|| rt.block_on(decode_stats(&operator, &grpc)));
+        let prefill_cached = || cached(&|| rt.block_on(prefill_stats(&operator, &pgrpc)));
+
+        let prompt = chat(&reference, SYSTEM, "How does a lever lift a heavy stone? Name the principle and one tool that uses it.");
+        let want = reference_tokens(&reference, &prompt, "dave-ref", 6);
+        let (got, fin) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&prompt, "dave", "conv-d", 6)));
+        assert_eq!(fin.prefill_path, PrefillPath::Remote as i32, "computed on the prefill node, cached on both");
+        assert_eq!(got, want);
+        let (on_decode, on_prefill) = (decode_cached(), prefill_cached());
+        assert!(on_decode > 0 && on_prefill > 0, "both nodes cache the conversation: decode {on_decode}, prefill {on_prefill} blocks");
+
+        let evicted = rt.block_on(async {
+            let mut c = CoordinatorClient::new(channel(&cluster.plane("gateway"), &cluster.url()).await);
+            c.evict_conversation(EvictConversationRequest { routing_key: "conv-d".into(), owner: "dave".into() }).await.unwrap().into_inner()
+        });
+        assert!(evicted.pending.is_empty(), "{evicted:?}");
+        let freed = |node: &str| {
+            let ack = evicted.acks.iter().find(|a| a.node_id.as_ref().is_some_and(|n| n.id == node)).unwrap_or_else(|| panic!("no ack from {node}: {evicted:?}"));
+            assert!(ack.ok, "{ack:?}");
+            ack.blocks_freed
+        };
+        assert_eq!((freed("decode-0"), freed("prefill-0")), (on_decode, on_prefill), "each node frees what it cached");
+        assert_eq!((decode_cached(), prefill_cached()), (0, 0), "nothing of the conversation is left");
+
+        // The same turn again: nothing to hit anywhere, and the same tokens.
+        let (again, fin) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&prompt, "dave", "conv-d", 6)));
+        assert_eq!(fin.usage.unwrap().cached_tokens, 0, "a deleted conversation's prefix is gone");
+        assert_eq!(again, want);
+        rt.block_on(async {
+            assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))).await;
+            assert_no_leaks(|| Box::pin(prefill_stats_owned(cluster.plane("operator"), pgrpc.clone()))).await;
+        });
+        reference.shutdown();
+    }
 }
 
 #[test]
@@ -187,45 +279,47 @@ fn a_drained_prefill_node_finishes_shipping_before_it_reports_idle() {
     reference.shutdown();
 }
 
-#[test]
-fn cluster_isolation_users_share_only_the_platform_blocks() {
-    // Every tail local (no prefill node, and a threshold no tail reaches): isolation is
-    // the decode node's prefix cache's business.
-    let Some(cluster) = Cluster::start("decode-0", 100_000) else { return };
-    let decode = cluster.node("decode", "decode-0", &[]);
-    let reference = reference_engine(&cluster.model);
-    let grpc = decode.addr("grpc");
-    let rt = runtime();
-    let bt = 16;
+over_models! {
+    /// Users with the same system prompt share only its blocks, on each model.
+    fn cluster_isolation_users_share_only_the_platform_blocks(model) {
+        // Every tail local (no prefill node, and a threshold no tail reaches): isolation is
+        // the decode node's prefix cache's business.
+        let cluster = Cluster::start_with(&model, "decode-0", 100_000);
+        let decode = cluster.node("decode", "decode-0", &[]);
+        let reference = reference_engine(&cluster.model);
+        let grpc = decode.addr("grpc");
+        let rt = runtime();
+        let bt = reference.info.kv_layout.block_tokens;
 
-    let alice = chat(&reference, SYSTEM, "Why does ice float on water? Explain the hydrogen bonds.");
-    let bob = chat(&reference, SYSTEM, "How do magnets attract iron? Explain the domains.");
-    // The platform prefix: what the two prompts share (the platform's system prompt).
-    let platform = alice.iter().zip(&bob).take_while(|(a, b)| a == b).count();
-    assert!(platform >= 2 * bt, "the system prompt spans whole blocks ({platform} tokens)");
-    let turn = |prompt: &[u32], owner: &str, conv: &str| {
-        let mut req = generate_request(prompt, owner, conv, 8);
-        req.turn.as_mut().unwrap().platform_prefix_len = platform as u32;
-        rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), req))
-    };
+        let alice = chat(&reference, SYSTEM, "Why does ice float on water? Explain the hydrogen bonds.");
+        let bob = chat(&reference, SYSTEM, "How do magnets attract iron? Explain the domains.");
+        // The platform prefix: what the two prompts share (the platform's system prompt).
+        let platform = alice.iter().zip(&bob).take_while(|(a, b)| a == b).count();
+        assert!(platform >= 2 * bt, "the system prompt spans whole blocks ({platform} tokens)");
+        let turn = |prompt: &[u32], owner: &str, conv: &str| {
+            let mut req = generate_request(prompt, owner, conv, 8);
+            req.turn.as_mut().unwrap().platform_prefix_len = platform as u32;
+            rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), req))
+        };
 
-    let (_, fin) = turn(&alice, "alice", "conv-a");
-    assert_eq!(fin.usage.unwrap().cached_tokens, 0, "a cold node");
-    // Bob shares alice's system prompt: he hits its whole blocks and nothing else.
-    let (_, fin) = turn(&bob, "bob", "conv-b");
-    assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "bob hits only the platform blocks");
-    // Mallory sends alice's exact history: still only the platform blocks, and the
-    // reply is what a fresh engine gives.
-    let want = reference_tokens(&reference, &alice, "mallory-ref", 8);
-    let (got, fin) = turn(&alice, "mallory", "conv-m");
-    assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "mallory must not hit alice's blocks");
-    assert_eq!(got, want);
-    // Alice herself hits all of her prompt but the last partial block.
-    let (_, fin) = turn(&alice, "alice", "conv-a");
-    assert!(fin.usage.unwrap().cached_tokens as usize >= (alice.len() - 1) / bt * bt, "alice reuses her own prefix");
+        let (_, fin) = turn(&alice, "alice", "conv-a");
+        assert_eq!(fin.usage.unwrap().cached_tokens, 0, "a cold node");
+        // Bob shares alice's system prompt: he hits its whole blocks and nothing else.
+        let (_, fin) = turn(&bob, "bob", "conv-b");
+        assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "bob hits only the platform blocks");
+        // Mallory sends alice's exact history: still only the platform blocks, and the
+        // reply is what a fresh engine gives.
+        let want = reference_tokens(&reference, &alice, "mallory-ref", 8);
+        let (got, fin) = turn(&alice, "mallory", "conv-m");
+        assert_eq!(fin.usage.unwrap().cached_tokens as usize, platform / bt * bt, "mallory must not hit alice's blocks");
+        assert_eq!(got, want);
+        // Alice herself hits all of her prompt but the last partial block.
+        let (_, fin) = turn(&alice, "alice", "conv-a");
+        assert!(fin.usage.unwrap().cached_tokens as usize >= (alice.len() - 1) / bt * bt, "alice reuses her own prefix");
 
-    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))));
-    reference.shutdown();
+        rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), grpc.clone()))));
+        reference.shutdown();
+    }
 }
 
 /// Owned-argument wrappers so the futures are `'static`.

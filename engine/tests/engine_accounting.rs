@@ -159,6 +159,24 @@ fn kv_budget_too_small_for_max_context_is_refused_with_numbers() {
     assert!(msg.contains("8192") && msg.contains("8388608"), "{msg}");
 }
 
+/// Unasked, the max context is the model's as far as the KV budget holds it, so a
+/// long-context model starts on a small budget (Gemma 3 270M's 32k tokens on the default
+/// 512 MiB); a prompt past it is refused, and one that fits runs.
+#[test]
+fn an_unasked_max_context_is_lowered_to_what_the_kv_budget_holds() {
+    let Some((backend, loaded)) = load(1) else { return };
+    let model_context = loaded.model.config.context_length;
+    let e = baton_engine::Engine::start(backend, loaded, EngineConfig { kv_memory_bytes: 8 << 20, tier2_bytes: 0, ..EngineConfig::default() }).unwrap();
+    let (blocks, bt) = (e.info.kv_blocks, e.info.kv_layout.block_tokens);
+    assert!(blocks * bt < model_context, "the budget must be smaller than the model's context ({blocks} blocks)");
+    assert_eq!(e.info.max_context, blocks * bt);
+    assert!(matches!(e.submit(request(vec![5; blocks * bt], "a", 1)), Err(EngineError::ContextTooLong { .. })));
+    let out = collect(e.submit(request(vec![5; blocks * bt - 8], "a", 4)).unwrap());
+    assert_eq!(out.tokens.len(), 4);
+    assert_no_leaks(&e);
+    e.shutdown();
+}
+
 #[test]
 fn bad_requests_are_refused_and_queue_overflow_is_an_error() {
     let Some(e) = engine(EngineConfig { max_waiting: 2, max_context: Some(512), kv_memory_bytes: 64 << 20, ..EngineConfig::default() }) else { return };

@@ -24,19 +24,109 @@ use baton_proto::plane::{Expect, Plane, Role as IdRole};
 use baton_kv_transport::NodeTls;
 use tonic::transport::Channel;
 
-/// The default model, or `None` (the test says it is skipped).
+/// A model the cluster tests run over: SmolLM2 (the default model, every layer global)
+/// and Gemma 3 270M (interleaved 512-token sliding-window and global layers, a
+/// SentencePiece tokenizer, no chat template: a base model).
+#[derive(Clone, Debug)]
+pub struct TestModel {
+    /// The name the parameterized tests carry (`smollm2`, `gemma3`).
+    pub name: &'static str,
+    pub path: PathBuf,
+}
+
+impl TestModel {
+    /// The default model: `BATON_MODEL`, else the model cache; `None` (and a line saying
+    /// the test is skipped) when absent.
+    pub fn smollm2() -> Option<TestModel> {
+        Self::find("smollm2", "BATON_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf", "scripts/fetch-model.sh")
+    }
+
+    /// Gemma 3 270M Q4_K_M: `BATON_GEMMA_MODEL`, else the model cache; `None` (and a line
+    /// saying the test is skipped) when absent.
+    pub fn gemma3() -> Option<TestModel> {
+        Self::find("gemma3", "BATON_GEMMA_MODEL", "gemma-3-270m-q4_k_m.gguf", "scripts/fetch-model.sh gemma3")
+    }
+
+    /// Whether the file carries a chat template (else it is a base model, served by
+    /// `/v1/completions`, and chat requests are refused).
+    pub fn has_chat_template(&self) -> bool {
+        let f = baton_text::gguf::GgufFile::open_header(&self.path).unwrap_or_else(|e| panic!("{}: {e}", self.path.display()));
+        f.get("tokenizer.chat_template").is_some()
+    }
+
+    fn find(name: &'static str, var: &str, file: &str, fetch: &str) -> Option<TestModel> {
+        if let Some(p) = std::env::var_os(var) {
+            return Some(TestModel { name, path: PathBuf::from(p) });
+        }
+        let p = baton_text::model_cache::model_cache_dir()?.join(file);
+        if p.exists() {
+            Some(TestModel { name, path: p })
+        } else {
+            eprintln!("skipped: {name} not found at {} (run {fetch}, or set {var})", p.display());
+            None
+        }
+    }
+}
+
+/// Defines one test per model over the same body: `over_models! { fn name(model) { .. } }`
+/// (or `async fn`, run on a two-thread runtime) makes module `name` with the tests
+/// `smollm2` and `gemma3`, each calling the body with that [`TestModel`] or saying it is
+/// skipped when the file is absent. `cargo test gemma3` runs every Gemma variant.
+#[allow(unused_macros)]
+macro_rules! over_models {
+    ($(#[$attr:meta])* fn $name:ident($model:ident) $body:block) => {
+        $(#[$attr])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn body($model: crate::cluster_support::TestModel) $body
+
+            #[test]
+            fn smollm2() {
+                if let Some(m) = crate::cluster_support::TestModel::smollm2() {
+                    body(m)
+                }
+            }
+
+            #[test]
+            fn gemma3() {
+                if let Some(m) = crate::cluster_support::TestModel::gemma3() {
+                    body(m)
+                }
+            }
+        }
+    };
+    ($(#[$attr:meta])* async fn $name:ident($model:ident) $body:block) => {
+        $(#[$attr])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            async fn body($model: crate::cluster_support::TestModel) $body
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn smollm2() {
+                if let Some(m) = crate::cluster_support::TestModel::smollm2() {
+                    body(m).await
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn gemma3() {
+                if let Some(m) = crate::cluster_support::TestModel::gemma3() {
+                    body(m).await
+                }
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use over_models;
+
+/// The default model's file, or `None` (the test says it is skipped).
 pub fn model_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("BATON_MODEL") {
-        return Some(PathBuf::from(p));
-    }
-    let home = std::env::var_os("HOME")?;
-    let p = PathBuf::from(home).join(".cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: model not found at {}", p.display());
-        None
-    }
+    TestModel::smollm2().map(|m| m.path)
 }
 
 /// One `baton` child process (the harness's, shared with `baton chaos`); killed
@@ -89,6 +179,11 @@ pub const TEST_ENGINE: [&str; 6] = ["--kv-memory-mib", "64", "--kv-tier2-mib", "
 /// size and `BATON_API_KEY` = `key`; stdout piped (the banner), stderr passed through.
 /// `flags` are the test's listeners and settings. Not yet spawned.
 pub fn up_command(flags: &[&str], db: &Path, key: &str) -> Command {
+    up_command_with(&model_path().expect("the default model (scripts/fetch-model.sh)"), flags, db, key)
+}
+
+/// [`up_command`] over the model file `model`.
+pub fn up_command_with(model: &Path, flags: &[&str], db: &Path, key: &str) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_baton"));
     c.arg("up")
         .args(flags)
@@ -96,7 +191,7 @@ pub fn up_command(flags: &[&str], db: &Path, key: &str) -> Command {
         .arg("--db")
         .arg(db)
         .arg("--model")
-        .arg(model_path().expect("the default model (scripts/fetch-model.sh)"))
+        .arg(model)
         .env("BATON_API_KEY", key)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
@@ -151,15 +246,21 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Certificates for `nodes` and a coordinator whose local-prefill threshold is `threshold`.
+    /// Certificates for `nodes` and a coordinator whose local-prefill threshold is
+    /// `threshold`; nodes serve the default model.
     pub fn start(nodes: &str, threshold: usize) -> Option<Cluster> {
-        let model = model_path()?;
+        Some(Self::start_with(&TestModel::smollm2()?, nodes, threshold))
+    }
+
+    /// [`Cluster::start`] with nodes serving `model`.
+    pub fn start_with(model: &TestModel, nodes: &str, threshold: usize) -> Cluster {
+        let model = model.path.clone();
         let dir = tempfile::tempdir().unwrap();
         certs(dir.path(), nodes);
         let threshold = threshold.to_string();
         let coordinator =
             spawn_coordinator(dir.path().to_str().unwrap(), &["--local-prefill-threshold", &threshold, "--lease-ttl", "2s"]);
-        Some(Cluster { dir, model, coordinator })
+        Cluster { dir, model, coordinator }
     }
 
     pub fn url(&self) -> String {
@@ -249,10 +350,71 @@ pub fn reference_tokens(engine: &Engine, prompt: &[u32], owner: &str, max_tokens
     }
 }
 
+/// The prompt of a conversation's first turn: in the model's own chat template, or for a
+/// base model (no template, e.g. Gemma 3 270M, served by `/v1/completions`) as plain
+/// text that the reply continues, tokenized as a raw prompt is.
 pub fn chat(engine: &Engine, system: &str, user: &str) -> Vec<u32> {
     use baton_text::chat_template::ChatMessage;
+    if !engine.template.is_present() {
+        return engine.tokenizer.encode_prompt(&format!("{system}{}", plain_turn(user))).unwrap();
+    }
     let text = engine.template.render(&[ChatMessage::new("system", system), ChatMessage::new("user", user)], true).unwrap();
     engine.tokenizer.encode(&text, true).unwrap()
+}
+
+/// A question and the start of its answer, as a base model's prompt goes on.
+fn plain_turn(user: &str) -> String {
+    format!("\n\nQuestion: {user}\nAnswer:")
+}
+
+/// [`chat`], with `user` preceded by as many copies of `filler` as make the prompt longer
+/// than the model's largest sliding window plus two blocks, so that its local layers'
+/// leading blocks are out of every later row's window; a model without sliding-window
+/// layers gets [`chat`]'s prompt unchanged.
+pub fn chat_past_the_window(engine: &Engine, system: &str, filler: &str, user: &str) -> Vec<u32> {
+    let Some(window) = engine.info.layer_windows.iter().flatten().copied().max() else { return chat(engine, system, user) };
+    let want = window + 2 * engine.info.kv_layout.block_tokens;
+    let mut text = String::new();
+    loop {
+        let prompt = chat(engine, system, &format!("{text}{user}"));
+        if prompt.len() > want {
+            return prompt;
+        }
+        text.push_str(filler);
+        text.push(' ');
+    }
+}
+
+/// The tokens that follow a reply to start the conversation's next turn: the end of the
+/// reply, `user`'s message and the opening of the next reply, in the model's template
+/// (what it renders after an assistant message, cut at the message's end), or for a base
+/// model in [`chat`]'s plain text.
+pub fn next_turn(engine: &Engine, user: &str) -> Vec<u32> {
+    use baton_text::chat_template::ChatMessage;
+    if !engine.template.is_present() {
+        return engine.tokenizer.encode(&plain_turn(user), false).unwrap();
+    }
+    const REPLY: &str = "REPLY-MARKER-7f3a";
+    let messages = [ChatMessage::new("user", "Hello."), ChatMessage::new("assistant", REPLY), ChatMessage::new("user", user)];
+    let text = engine.template.render(&messages, true).unwrap();
+    let (_, after) = text.split_once(REPLY).expect("the template renders the assistant's message");
+    engine.tokenizer.encode(after, true).unwrap()
+}
+
+/// KV bytes a decode node does not take over the wire for a remote prefill of a whole
+/// `prompt_len`-token prompt: on each sliding-window layer, the blocks wholly before the
+/// window of the row at the start of the prompt's last block (0 without such layers).
+pub fn window_skipped_bytes(engine: &Engine, prompt_len: usize) -> u64 {
+    let layout = engine.info.kv_layout;
+    let bt = layout.block_tokens;
+    let last_block_start = prompt_len / bt * bt;
+    let blocks: usize = engine.info.layer_windows.iter().flatten().map(|&w| (last_block_start + 1).saturating_sub(w) / bt).sum();
+    (blocks * layout.block_layer_bytes()) as u64
+}
+
+/// The value of the Prometheus sample `name` (its whole name with labels) in `text`.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
 }
 
 pub fn generate_request(prompt: &[u32], owner: &str, conversation: &str, max_tokens: u32) -> pb::GenerateRequest {

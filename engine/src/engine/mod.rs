@@ -37,7 +37,9 @@ pub struct EngineConfig {
     pub kv_dtype: KvDtype,
     /// Tokens per KV block.
     pub block_tokens: usize,
-    /// Most tokens (prompt plus reply) of one sequence; `None` = the model's.
+    /// Most tokens (prompt plus reply) of one sequence; `None` = the model's, lowered to
+    /// what `kv_memory_bytes` holds when that is less (an explicit value that does not fit
+    /// is refused, [`EngineError::KvTooSmall`]).
     pub max_context: Option<usize>,
     /// Bytes of the second (host memory) tier; 0 disables it.
     pub tier2_bytes: usize,
@@ -332,14 +334,28 @@ impl Engine {
             head_dim: mc.head_dim,
             dtype: config.kv_dtype,
         };
-        let max_context = config.max_context.unwrap_or(mc.context_length);
-        if max_context > mc.context_length {
-            return Err(EngineError::Config(format!(
-                "max context {max_context} is longer than the model's context length {}",
-                mc.context_length
-            )));
-        }
         let blocks = config.kv_memory_bytes / layout.block_bytes();
+        let max_context = match config.max_context {
+            Some(c) if c > mc.context_length => {
+                return Err(EngineError::Config(format!("max context {c} is longer than the model's context length {}", mc.context_length)));
+            }
+            Some(c) => c,
+            // Unasked, the model's own context as far as the budget holds it: a
+            // long-context model (Gemma 3 270M: 32,768 tokens, 576 MiB of f16 KV) starts on
+            // the default budget with a shorter context instead of refusing. An asked-for
+            // context that does not fit is still refused below.
+            None if blocks > 0 && blocks < mc.context_length.div_ceil(config.block_tokens) => {
+                let fits = blocks * config.block_tokens;
+                tracing::warn!(
+                    model_context = mc.context_length,
+                    max_context = fits,
+                    kv_memory_bytes = config.kv_memory_bytes,
+                    "the model's context does not fit the KV memory: serving a shorter max context (raise the KV memory, or set the max context to silence this)"
+                );
+                fits
+            }
+            None => mc.context_length,
+        };
         let needed_blocks = max_context.div_ceil(config.block_tokens);
         if blocks < needed_blocks {
             return Err(EngineError::KvTooSmall {

@@ -373,9 +373,13 @@ def main():
         out = os.path.join(GOLDEN_DIR, f"llamacpp_{name}.json")
         # Written beside and renamed, so a failed write (a full disk) leaves no truncated golden.
         with open(out + ".tmp", "w", encoding="utf-8") as f:
-            # Indented, with each list of numbers on one line: diffable and small.
+            # Indented, with each list of numbers on one line: diffable and small. Only
+            # lists that json.dumps spread over lines (a newline after every item) are
+            # joined: a newline never occurs raw inside a JSON string, so text such as
+            # "[0, 1]" in a prompt is left alone (it once was not, and the stored prompt
+            # text lost its space while its token IDs kept it).
             text = json.dumps(doc, ensure_ascii=False, indent=1)
-            text = re.sub(r"\[(\s*-?[\d.e-]+(?:,\s*-?[\d.e-]+)*\s*)\]",
+            text = re.sub(r"\[(\n\s*-?[\d.e-]+(?:,\n\s*-?[\d.e-]+)*\n\s*)\]",
                           lambda m: "[" + "".join(m.group(1).split()) + "]", text)
             f.write(text)
             f.write("\n")

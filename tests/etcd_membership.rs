@@ -135,26 +135,9 @@ async fn route(client: &mut CoordinatorClient<tonic::transport::Channel>, conver
 async fn two_coordinators_over_one_etcd_route_a_conversation_to_the_same_decode_node() {
     let Some(etcd) = Etcd::start() else { return };
     etcd.ready().await;
-    let mut urls = Vec::new();
-    let mut stops = Vec::new();
-    for _ in 0..2 {
-        let config = Config {
-            membership: MembershipConfig::Etcd { endpoints: vec![etcd.endpoint()], prefix: "/baton-replicas/".into() },
-            lease_ttl: Duration::from_secs(2),
-            ..Config::with_defaults(plane("coordinator"))
-        };
-        let coordinator = Coordinator::bind(config).await.unwrap();
-        urls.push(format!("http://{}", coordinator.grpc_addr()));
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        stops.push((stop_tx, tokio::spawn(coordinator.serve(async move {
-            let _ = stop_rx.await;
-        }))));
-    }
-    let gateway = plane("gateway");
-    let mut clients = Vec::new();
-    for url in &urls {
-        clients.push(CoordinatorClient::new(gateway.connect(&gateway.endpoint(url).unwrap(), Expect::Role(IdRole::Coordinator)).await.unwrap()));
-    }
+    let mut replicas = Replicas::start(&etcd, "/baton-replicas/", None).await;
+    let urls = replicas.urls.clone();
+    let clients = &mut replicas.clients;
     // The nodes know both replicas: they join through one and renew with each.
     let d1 = MembershipClient::replicas(urls.clone(), node("d1", Role::Decode), plane("d1")).spawn();
     let d2 = MembershipClient::replicas(urls.clone(), node("d2", Role::Decode), plane("d2")).spawn();
@@ -186,9 +169,47 @@ async fn two_coordinators_over_one_etcd_route_a_conversation_to_the_same_decode_
 
     d1.shutdown().await;
     d2.shutdown().await;
-    for (stop, server) in stops {
-        let _ = stop.send(());
-        server.await.unwrap().unwrap();
+    replicas.stop().await;
+}
+
+/// Two coordinator replicas over one etcd (membership and tombstones under `prefix`), and a
+/// gateway-identity client of each.
+struct Replicas {
+    urls: Vec<String>,
+    clients: Vec<CoordinatorClient<tonic::transport::Channel>>,
+    stops: Vec<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), baton_coordinator::Error>>)>,
+}
+
+impl Replicas {
+    async fn start(etcd: &Etcd, prefix: &str, evict_departed_window: Option<Duration>) -> Replicas {
+        let (mut urls, mut stops, mut clients) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..2 {
+            let defaults = Config::with_defaults(plane("coordinator"));
+            let config = Config {
+                membership: MembershipConfig::Etcd { endpoints: vec![etcd.endpoint()], prefix: prefix.into() },
+                lease_ttl: Duration::from_secs(2),
+                evict_departed_window: evict_departed_window.unwrap_or(defaults.evict_departed_window),
+                ..defaults
+            };
+            let coordinator = Coordinator::bind(config).await.unwrap();
+            urls.push(format!("http://{}", coordinator.grpc_addr()));
+            let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            stops.push((stop_tx, tokio::spawn(coordinator.serve(async move {
+                let _ = stop_rx.await;
+            }))));
+        }
+        let gateway = plane("gateway");
+        for url in &urls {
+            clients.push(CoordinatorClient::new(gateway.connect(&gateway.endpoint(url).unwrap(), Expect::Role(IdRole::Coordinator)).await.unwrap()));
+        }
+        Replicas { urls, clients, stops }
+    }
+
+    async fn stop(self) {
+        for (stop, server) in self.stops {
+            let _ = stop.send(());
+            server.await.unwrap().unwrap();
+        }
     }
 }
 
@@ -236,27 +257,9 @@ async fn a_node_that_rejoins_through_the_other_replica_evicts_what_was_deleted_w
     let Some(etcd) = Etcd::start() else { return };
     etcd.ready().await;
     let window = Duration::from_secs(6);
-    let mut urls = Vec::new();
-    let mut stops = Vec::new();
-    for _ in 0..2 {
-        let config = Config {
-            membership: MembershipConfig::Etcd { endpoints: vec![etcd.endpoint()], prefix: "/baton-tombstones/".into() },
-            lease_ttl: Duration::from_secs(2),
-            evict_departed_window: window,
-            ..Config::with_defaults(plane("coordinator"))
-        };
-        let coordinator = Coordinator::bind(config).await.unwrap();
-        urls.push(format!("http://{}", coordinator.grpc_addr()));
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        stops.push((stop_tx, tokio::spawn(coordinator.serve(async move {
-            let _ = stop_rx.await;
-        }))));
-    }
-    let gateway = plane("gateway");
-    let mut clients = Vec::new();
-    for url in &urls {
-        clients.push(CoordinatorClient::new(gateway.connect(&gateway.endpoint(url).unwrap(), Expect::Role(IdRole::Coordinator)).await.unwrap()));
-    }
+    let mut replicas = Replicas::start(&etcd, "/baton-tombstones/", Some(window)).await;
+    let urls = replicas.urls.clone();
+    let clients = &mut replicas.clients;
     let (d1_info, d1_evicted) = control_node("d1").await;
     let (d2_info, d2_evicted) = control_node("d2").await;
     let d1 = MembershipClient::replicas(urls.clone(), d1_info.clone(), plane("d1")).spawn();
@@ -320,8 +323,5 @@ async fn a_node_that_rejoins_through_the_other_replica_evicts_what_was_deleted_w
 
     d1.shutdown().await;
     d2.shutdown().await;
-    for (stop, server) in stops {
-        let _ = stop.send(());
-        server.await.unwrap().unwrap();
-    }
+    replicas.stop().await;
 }

@@ -177,8 +177,11 @@ async fn two_coordinators_over_one_etcd_route_a_conversation_to_the_same_decode_
 struct Replicas {
     urls: Vec<String>,
     clients: Vec<CoordinatorClient<tonic::transport::Channel>>,
-    stops: Vec<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), baton_coordinator::Error>>)>,
+    stops: Vec<(tokio::sync::oneshot::Sender<()>, Serving)>,
 }
+
+/// A replica's `serve` task.
+type Serving = tokio::task::JoinHandle<Result<(), baton_coordinator::Error>>;
 
 impl Replicas {
     async fn start(etcd: &Etcd, prefix: &str, evict_departed_window: Option<Duration>) -> Replicas {

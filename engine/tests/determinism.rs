@@ -100,11 +100,9 @@ fn greedy_tokens_identical_when_the_itl_target_splits_prefill_beside_streams() {
     let stream = chat_prompt(&e, SYSTEM, "Count slowly from one to one hundred.");
     let mut running = e.submit(request(stream, "bob", 200)).unwrap();
     // Wait until it decodes, so the prompt below arrives beside a stream.
-    loop {
-        match running.blocking_next() {
-            Some(baton_engine::Event::Token(_)) => break,
-            other => panic!("expected a token, got {other:?}"),
-        }
+    match running.blocking_next() {
+        Some(baton_engine::Event::Token(_)) => {}
+        other => panic!("expected a token, got {other:?}"),
     }
     let split = collect(e.submit(request(prompt.clone(), "alice", 32)).unwrap());
     assert_eq!(split.tokens, reference.tokens, "prefill in one-block chunks beside a stream");

@@ -233,6 +233,15 @@ impl Task<'_> {
             let (ra, rb) = (t0.max(self.first(row)), (t0 + TILE).min(row.pos + 1));
             (ra < rb).then_some((ra, rb))
         };
+        // The rows with positions in slice `s0..s1` of tile `t0`: (row index,
+        // the row's first position in the tile, the slice's part of the row).
+        let slice_rows = |t0: usize, s0: usize, s1: usize| {
+            rows.iter().enumerate().filter_map(move |(ri, row)| {
+                let (ra, rb) = part(row, t0)?;
+                let (x0, x1) = (s0.max(ra), s1.min(rb));
+                (x0 < x1).then_some((ri, ra, x0, x1))
+            })
+        };
         let mut t0 = lo / TILE * TILE;
         while t0 < hi {
             let (a, b) = (t0.max(lo), (t0 + TILE).min(hi));
@@ -246,12 +255,7 @@ impl Task<'_> {
             // independent; values are added in position order).
             for s0 in (a..b).step_by(SLICE) {
                 let s1 = (s0 + SLICE).min(b);
-                for (ri, row) in rows.iter().enumerate() {
-                    let Some((ra, rb)) = part(row, t0) else { continue };
-                    let (x0, x1) = (s0.max(ra), s1.min(rb));
-                    if x0 >= x1 {
-                        continue;
-                    }
+                for (ri, ra, x0, x1) in slice_rows(t0, s0, s1) {
                     let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
                     for i in 0..nh {
                         let ki = &keys[(i * TILE + x0 - a) * hd..];
@@ -293,12 +297,7 @@ impl Task<'_> {
             }
             for s0 in (a..b).step_by(SLICE) {
                 let s1 = (s0 + SLICE).min(b);
-                for (ri, row) in rows.iter().enumerate() {
-                    let Some((ra, rb)) = part(row, t0) else { continue };
-                    let (x0, x1) = (s0.max(ra), s1.min(rb));
-                    if x0 >= x1 {
-                        continue;
-                    }
+                for (ri, ra, x0, x1) in slice_rows(t0, s0, s1) {
                     for i in 0..nh {
                         let vi = &values[(i * TILE + x0 - a) * hd..];
                         for g in 0..group {

@@ -86,6 +86,10 @@ fn short_soak_samples_every_process_and_passes_its_gate() {
     }
     assert!(v["samples"].as_array().unwrap().len() >= 12, "a sample every 5 s for 75 s");
     assert!(v["turns"].as_u64().unwrap() > 0);
+    // etcd's own database size is read beside its RSS.
+    for at in ["etcd_start", "etcd_end"] {
+        assert!(v[at]["db_bytes"].as_u64().is_some_and(|b| b > 0), "etcd's db size not read ({at}): {stdout}");
+    }
     assert_eq!((v["lost"].as_u64(), v["stored_twice"].as_u64(), v["leaked_blocks"].as_f64()), (Some(0), Some(0), Some(0.0)), "{stdout}");
     let svg = std::fs::read_to_string(&chart).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("resident memory"), "the chart is drawn");

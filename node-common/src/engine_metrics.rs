@@ -9,10 +9,11 @@
 //! transport, side), never user, conversation or turn IDs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use ::metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Level, Metadata, Recorder};
+use ::metrics::{Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Label, Level, Metadata, Recorder};
 use baton_engine::Engine;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
 use crate::kv::KvNode;
 
@@ -60,6 +61,50 @@ impl Count {
     }
 }
 
+/// The recorder keeps every histogram sample until a scrape (or `run_upkeep`) folds it
+/// into the buckets, so a node nobody scrapes would grow by every token's ITL (what the
+/// gateway and the coordinator did in the 30-minute soak). Every this many samples, over
+/// all of a node's histograms, they are drained here, so at most this many are held
+/// whether or not anything scrapes.
+pub const UPKEEP_EVERY: u64 = 4096;
+
+/// Whether `n` samples recorded after `before` cross a multiple of [`UPKEEP_EVERY`].
+fn upkeep_due(before: u64, n: u64) -> bool {
+    before / UPKEEP_EVERY != (before + n) / UPKEEP_EVERY
+}
+
+/// Counts a node's histogram samples and drains the recorder every [`UPKEEP_EVERY`].
+struct Upkeep {
+    samples: AtomicU64,
+    handle: PrometheusHandle,
+}
+
+impl Upkeep {
+    fn sampled(&self, n: u64) {
+        if upkeep_due(self.samples.fetch_add(n, Ordering::Relaxed), n) {
+            self.handle.run_upkeep();
+        }
+    }
+}
+
+/// A histogram of the node's recorder whose samples count towards its upkeep.
+struct Drained {
+    inner: Histogram,
+    upkeep: Arc<Upkeep>,
+}
+
+impl HistogramFn for Drained {
+    fn record(&self, value: f64) {
+        self.inner.record(value);
+        self.upkeep.sampled(1);
+    }
+
+    fn record_many(&self, value: f64, count: usize) {
+        self.inner.record_many(value, count);
+        self.upkeep.sampled(count as u64);
+    }
+}
+
 /// Latency buckets (seconds) around the 1 s TTFT target.
 pub const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0];
 
@@ -84,6 +129,7 @@ impl MetricsSpec {
 /// refreshes the engine- and transport-derived ones before rendering.
 pub struct NodeRecorder {
     recorder: PrometheusRecorder,
+    upkeep: Arc<Upkeep>,
     prefix: &'static str,
     series: EngineSeries,
     /// Prompt tokens this node received from another node instead of computing.
@@ -97,7 +143,9 @@ impl NodeRecorder {
             let name = format!("{}_{name}", spec.prefix);
             builder = builder.set_buckets_for_metric(Matcher::Full(name), buckets).expect("bucket lists are not empty");
         }
-        NodeRecorder { recorder: builder.build_recorder(), prefix: spec.prefix, series: EngineSeries::new(spec), imported_tokens: AtomicU64::new(0) }
+        let recorder = builder.build_recorder();
+        let upkeep = Arc::new(Upkeep { samples: AtomicU64::new(0), handle: recorder.handle() });
+        NodeRecorder { recorder, upkeep, prefix: spec.prefix, series: EngineSeries::new(spec), imported_tokens: AtomicU64::new(0) }
     }
 
     fn name(&self, name: &str) -> String {
@@ -114,11 +162,13 @@ impl NodeRecorder {
         counter(&self.recorder, &self.name(name), help, labels)
     }
 
-    /// The histogram `{prefix}_{name}` (its buckets are the spec's).
+    /// The histogram `{prefix}_{name}` (its buckets are the spec's); its samples are
+    /// drained every [`UPKEEP_EVERY`] recorded in the node's histograms.
     pub fn histogram(&self, name: &str, help: &'static str) -> Histogram {
         let name = self.name(name);
         self.recorder.describe_histogram(KeyName::from(name.clone()), None, help.into());
-        self.recorder.register_histogram(&key(&name, &[]), &META)
+        let inner = self.recorder.register_histogram(&key(&name, &[]), &META);
+        Histogram::from_arc(Arc::new(Drained { inner, upkeep: self.upkeep.clone() }))
     }
 
     /// `tokens` prompt tokens arrived from another node (a remote prefill's tail, a pulled prefix).
@@ -255,5 +305,32 @@ impl EngineSeries {
             kv.render_info(&mut out);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: MetricsSpec = MetricsSpec::new("baton_test", "imported", &[("other_seconds", TTFT_BUCKETS)]);
+
+    #[test]
+    fn undrained_histogram_samples_are_bounded_and_none_is_lost() {
+        assert!(!upkeep_due(0, 1) && !upkeep_due(UPKEEP_EVERY - 3, 2));
+        assert!(upkeep_due(UPKEEP_EVERY - 1, 1) && upkeep_due(UPKEEP_EVERY - 1, 2) && upkeep_due(5 * UPKEEP_EVERY - 2, 2));
+        // Every histogram the role registers counts towards the drain, and drains without
+        // a scrape lose no sample.
+        let node = NodeRecorder::new(&SPEC);
+        let (ttft, other) = (node.histogram("time_to_first_token_seconds", "t"), node.histogram("other_seconds", "o"));
+        let n = 3 * UPKEEP_EVERY + 7;
+        for i in 0..n {
+            if i % 2 == 0 { &ttft } else { &other }.record(0.02);
+        }
+        other.record_many(0.02, 5);
+        assert_eq!(node.upkeep.samples.load(Ordering::Relaxed), n + 5);
+        let text = node.render_own();
+        let count = |series: &str| text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse::<u64>().ok());
+        assert_eq!(count("baton_test_time_to_first_token_seconds_count"), Some(n.div_ceil(2)), "{text}");
+        assert_eq!(count("baton_test_other_seconds_count"), Some(n / 2 + 5), "{text}");
     }
 }

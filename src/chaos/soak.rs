@@ -1,7 +1,7 @@
 //! `baton chaos --soak DURATION`: the chaos suite's cluster and load without faults, for a
 //! long time, sampling every `--sample-every` the resident memory and open descriptors of
 //! every process (the `baton` children, etcd, PostgreSQL's postmaster), every node's KV
-//! blocks and the store's size on disk. It fails when a process's memory grew more than
+//! blocks, the store's size on disk and etcd's database (its own `/metrics`). It fails when a process's memory grew more than
 //! `--max-rss-growth` after warm-up, or when a turn was lost or stored twice or KV blocks
 //! leaked at the end. Writes a table, `--report` JSON and a `--chart` SVG.
 
@@ -12,7 +12,7 @@ use anyhow::Result;
 use baton::harness::{http_get, metric_sum, rss_and_fds};
 use baton_bench::chaos::load::Load;
 use baton_bench::chaos::report::{NodeLeak, Stored};
-use baton_bench::chaos::soak::{growth, Sample, SoakReport};
+use baton_bench::chaos::soak::{growth, EtcdDb, Sample, SoakReport};
 use baton_bench::load::chart::{draw_timeseries, Panel};
 
 use super::check;
@@ -22,6 +22,7 @@ use super::cluster::{ChaosCluster, Kind};
 fn sample(cluster: &mut ChaosCluster, load: &Load) -> Sample {
     let mut s = Sample { t_s: load.now_s(), store_bytes: cluster.postgres.data_bytes(), ..Sample::default() };
     s.turns = load.records().iter().filter(|r| r.acknowledged()).count();
+    s.etcd = cluster.etcd.metrics().as_deref().and_then(EtcdDb::parse);
     let mut pids: Vec<(String, u32)> = cluster.members.iter().filter_map(|m| Some((m.name.clone(), m.proc.as_ref()?.pid()))).collect();
     pids.extend(cluster.etcd.pid().map(|p| ("etcd".to_string(), p)));
     pids.extend(cluster.postgres.pid().map(|p| ("postgres".to_string(), p)));
@@ -78,6 +79,8 @@ pub async fn run(mut cluster: ChaosCluster, load: Load, duration: Duration, warm
         leaked_blocks: leaks.iter().map(NodeLeak::leaked).sum::<f64>() + leaks.iter().filter(|l| l.not_idle).count() as f64,
         store_bytes_start: samples.first().map_or(0, |s| s.store_bytes),
         store_bytes_end: samples.last().map_or(0, |s| s.store_bytes),
+        etcd_start: samples.iter().find_map(|s| s.etcd),
+        etcd_end: samples.iter().rev().find_map(|s| s.etcd),
         failed_turn_errors: records
             .iter()
             .filter(|r| !r.acknowledged())
@@ -87,7 +90,7 @@ pub async fn run(mut cluster: ChaosCluster, load: Load, duration: Duration, warm
     })
 }
 
-/// The soak's chart: RSS and descriptors per process, KV blocks per node, store size.
+/// The soak's chart: RSS and descriptors per process, KV blocks per node, store and etcd sizes.
 pub fn chart(path: &Path, r: &SoakReport) -> Result<()> {
     fn lines<F: Fn(&Sample) -> Vec<(String, f64)>>(samples: &[Sample], f: F) -> Vec<(String, Vec<(f64, f64)>)> {
         let mut by: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
@@ -103,9 +106,16 @@ pub fn chart(path: &Path, r: &SoakReport) -> Result<()> {
         Panel { title: "open file descriptors".into(), y_desc: "fds".into(), lines: lines(&r.samples, |s| s.fds.iter().map(|(k, v)| (k.clone(), *v as f64)).collect()) },
         Panel { title: "KV blocks pinned by sequences".into(), y_desc: "blocks".into(), lines: lines(&r.samples, |s| s.kv_used_blocks.iter().map(|(k, v)| (k.clone(), *v)).collect()) },
         Panel {
-            title: "PostgreSQL data and turns".into(),
+            title: "PostgreSQL data, etcd database and turns".into(),
             y_desc: "MiB / 100 turns".into(),
-            lines: lines(&r.samples, |s| vec![("store MiB".into(), s.store_bytes as f64 / 1048576.0), ("turns / 100".into(), s.turns as f64 / 100.0)]),
+            lines: lines(&r.samples, |s| {
+                let mut v = vec![("store MiB".into(), s.store_bytes as f64 / 1048576.0), ("turns / 100".into(), s.turns as f64 / 100.0)];
+                if let Some(e) = s.etcd {
+                    v.push(("etcd db MiB".into(), e.db_bytes as f64 / 1048576.0));
+                    v.push(("etcd db in use MiB".into(), e.db_in_use_bytes as f64 / 1048576.0));
+                }
+                v
+            }),
         },
     ];
     draw_timeseries(path, &panels)

@@ -1,7 +1,8 @@
 //! A real etcd process: free loopback ports, a data directory of its own, killed on
 //! drop. The binary is `BATON_ETCD_BIN` or `etcd` on PATH (`scripts/setup.sh test`
 //! installs Debian's `etcd-server`). One implementation for `baton chaos` and the tests
-//! (`tests/cluster_support/etcd.rs`); it depends only on std, anyhow and tempfile.
+//! (`tests/cluster_support/etcd.rs`); it depends only on std, anyhow and tempfile. It
+//! compacts and bounds its space as the deployed etcd does ([`DEPLOYED_FLAGS`]).
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
@@ -11,6 +12,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+
+/// The deployed etcd's compaction and space settings, which the harness's etcd runs with
+/// too, so a soak judges etcd as deployed: `deploy/k8s/base/etcd.yaml` and
+/// `deploy/docker/compose.yaml` pass the same flags (a test below reads both manifests).
+/// Periodic compaction with a 1 h retention first compacts an hour after start, so a run
+/// shorter than that sees every revision kept, as a deployed etcd does in its first hour.
+pub const DEPLOYED_FLAGS: &[&str] = &["--auto-compaction-mode=periodic", "--auto-compaction-retention=1h", "--quota-backend-bytes=2147483648"];
 
 /// The etcd binary, if there is one.
 pub fn etcd_binary() -> Option<PathBuf> {
@@ -68,6 +76,7 @@ impl Etcd {
             .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("baton-test={peer}")])
+            .args(DEPLOYED_FLAGS)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -128,6 +137,13 @@ impl Etcd {
         lines[lines.len().saturating_sub(5)..].join("\n")
     }
 
+    /// etcd's own `/metrics` on the client port, as text.
+    pub fn metrics(&self) -> Option<String> {
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        let resp = get(&addr, "/metrics").ok()?;
+        resp.starts_with("HTTP/1.1 200").then(|| resp.split_once("\r\n\r\n").map_or(String::new(), |(_, body)| body.to_string()))
+    }
+
     /// Where its files live.
     pub fn dir(&self) -> &Path {
         self.dir.path()
@@ -136,16 +152,50 @@ impl Etcd {
 
 /// `GET /health` answers `"health":"true"`.
 fn health(addr: &str) -> std::io::Result<bool> {
+    let resp = get(addr, "/health")?;
+    Ok(resp.starts_with("HTTP/1.1 200") && resp.contains("\"health\":\"true\""))
+}
+
+/// The whole HTTP/1.1 response to `GET path` (etcd answers it without chunking).
+fn get(addr: &str, path: &str) -> std::io::Result<String> {
     let mut s = std::net::TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    write!(s, "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
-    Ok(resp.starts_with("HTTP/1.1 200") && resp.contains("\"health\":\"true\""))
+    Ok(resp)
 }
 
 impl Drop for Etcd {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DEPLOYED_FLAGS;
+
+    /// The compaction and quota flags a manifest passes to etcd (`- --flag=value` lines).
+    fn flags(manifest: &str) -> Vec<String> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(manifest);
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut out: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("- "))
+            .filter(|f| f.starts_with("--auto-compaction-") || f.starts_with("--quota-backend-bytes"))
+            .map(str::to_string)
+            .collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn the_harness_runs_etcd_with_the_deployed_compaction_settings() {
+        let mut ours: Vec<String> = DEPLOYED_FLAGS.iter().map(|f| f.to_string()).collect();
+        ours.sort();
+        for manifest in ["deploy/k8s/base/etcd.yaml", "deploy/docker/compose.yaml"] {
+            assert_eq!(flags(manifest), ours, "{manifest} and the harness's DEPLOYED_FLAGS (src/harness/etcd.rs) disagree");
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! The soak's arithmetic, pure: samples of every process's resident memory and open file
-//! descriptors, every node's KV blocks and the store's size over a long run without
-//! faults, and the gate: no process's memory grows more than a bound after warm-up.
+//! descriptors, every node's KV blocks, the store's and etcd's sizes over a long run
+//! without faults, and the gate: no process's memory grows more than a bound after warm-up.
 //!
 //! Growth is measured between the mean of the first three samples after warm-up and the
 //! mean of the last three, so one sample taken mid-allocation does not decide it.
@@ -33,6 +33,40 @@ pub struct Sample {
     pub store_bytes: u64,
     /// Turns acknowledged so far.
     pub turns: usize,
+    /// etcd's database, from its own `/metrics` (absent when etcd did not answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<EtcdDb>,
+}
+
+/// etcd's database at one instant, as etcd reports it on `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EtcdDb {
+    /// `etcd_mvcc_db_total_size_in_bytes`: the database file, free pages included.
+    pub db_bytes: u64,
+    /// `etcd_mvcc_db_total_size_in_use_in_bytes`: its pages in use.
+    pub db_in_use_bytes: u64,
+    /// `etcd_debugging_mvcc_current_revision`: every write so far (kept until compacted).
+    pub revision: u64,
+    /// `etcd_debugging_mvcc_keys_total`: live keys.
+    pub keys: u64,
+}
+
+impl EtcdDb {
+    /// Reads the series from etcd's `/metrics` text; `None` without the database size.
+    pub fn parse(metrics: &str) -> Option<Self> {
+        let value = |name: &str| {
+            metrics.lines().find_map(|l| {
+                let (series, v) = l.split_once(' ')?;
+                (series == name).then(|| v.trim().parse::<f64>().ok()).flatten()
+            })
+        };
+        Some(EtcdDb {
+            db_bytes: value("etcd_mvcc_db_total_size_in_bytes")? as u64,
+            db_in_use_bytes: value("etcd_mvcc_db_total_size_in_use_in_bytes").unwrap_or(0.0) as u64,
+            revision: value("etcd_debugging_mvcc_current_revision").unwrap_or(0.0) as u64,
+            keys: value("etcd_debugging_mvcc_keys_total").unwrap_or(0.0) as u64,
+        })
+    }
 }
 
 /// One process over the soak.
@@ -64,6 +98,11 @@ pub struct SoakReport {
     pub leaked_blocks: f64,
     pub store_bytes_start: u64,
     pub store_bytes_end: u64,
+    /// etcd's database at the first and the last sample that read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_start: Option<EtcdDb>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_end: Option<EtcdDb>,
     /// Why turns failed: `conversation/turn: error labels of its attempts`.
     #[serde(default)]
     pub failed_turn_errors: Vec<String>,
@@ -158,6 +197,21 @@ pub fn table(r: &SoakReport) -> String {
         r.max_growth_ratio * 100.0,
         if r.passed() { "PASSED" } else { "FAILED" }
     );
+    if let (Some(a), Some(b)) = (r.etcd_start, r.etcd_end) {
+        let mib = |b: u64| b as f64 / 1048576.0;
+        let _ = writeln!(
+            out,
+            "etcd db {:.2} -> {:.2} MiB (in use {:.2} -> {:.2} MiB), revision {} -> {}, keys {} -> {}",
+            mib(a.db_bytes),
+            mib(b.db_bytes),
+            mib(a.db_in_use_bytes),
+            mib(b.db_in_use_bytes),
+            a.revision,
+            b.revision,
+            a.keys,
+            b.keys
+        );
+    }
     out
 }
 
@@ -193,6 +247,8 @@ mod tests {
             leaked_blocks: 0.0,
             store_bytes_start: 0,
             store_bytes_end: 0,
+            etcd_start: None,
+            etcd_end: None,
             failed_turn_errors: vec![],
             samples: vec![],
         };
@@ -215,6 +271,15 @@ mod tests {
     }
 
     #[test]
+    fn etcd_db_is_read_off_its_metrics() {
+        let text = "# HELP etcd_mvcc_db_total_size_in_bytes x\netcd_mvcc_db_total_size_in_bytes 1.2288e+06\n\
+                    etcd_mvcc_db_total_size_in_use_in_bytes 1.0e+06\netcd_debugging_mvcc_current_revision 4567\n\
+                    etcd_debugging_mvcc_keys_total 12\netcd_mvcc_db_open_read_transactions 1\n";
+        assert_eq!(EtcdDb::parse(text), Some(EtcdDb { db_bytes: 1_228_800, db_in_use_bytes: 1_000_000, revision: 4567, keys: 12 }));
+        assert_eq!(EtcdDb::parse("etcd_mvcc_db_total_size_in_use_in_bytes 1\n"), None);
+    }
+
+    #[test]
     fn a_leaking_process_fails_the_gate() {
         let samples: Vec<Sample> = (0..10).map(|i| sample(10.0 * i as f64, 1000 + 100 * i)).collect();
         let g = growth(&samples, 0.0);
@@ -230,6 +295,8 @@ mod tests {
             leaked_blocks: 0.0,
             store_bytes_start: 0,
             store_bytes_end: 0,
+            etcd_start: None,
+            etcd_end: None,
             failed_turn_errors: vec![],
             samples: vec![],
         };

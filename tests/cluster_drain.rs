@@ -59,11 +59,6 @@ fn healthz_status(http: &str) -> String {
     resp.lines().next().unwrap_or_default().to_string()
 }
 
-/// Repeated before turn 1's question on a model with sliding-window layers, so that the
-/// moved conversation is longer than the window.
-const FILLER: &str = "Museum note: the physics hall has a pendulum, a prism, a tesla coil and a cloud chamber; \
-    guides answer one question at a time and point visitors to the exhibit that shows the effect.";
-
 over_models! {
     /// A drained node hands its warm conversation (prefilled remotely; on Gemma 3 longer
     /// than the sliding window, so its early blocks lack their local layers) to the new
@@ -84,7 +79,7 @@ over_models! {
         let (owner_grpc, other_grpc) = (owner.addr("grpc"), other.addr("grpc"));
 
         // Turn 1 on the conversation's home node.
-        let turn1 = chat_past_the_window(&reference, SYSTEM, FILLER, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
+        let turn1 = chat_past_the_window(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
         let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), owner_grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
         assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
         let mut turn2 = turn1.clone();

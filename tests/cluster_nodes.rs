@@ -54,11 +54,6 @@ fn wait_until_prefill_sampled(prefill: &Proc) {
     }
 }
 
-/// Repeated before turn 1's question on a model with sliding-window layers, so that the
-/// turn is longer than the window.
-const FILLER: &str = "Museum note: the physics hall has a pendulum, a prism, a tesla coil and a cloud chamber; \
-    guides answer one question at a time and point visitors to the exhibit that shows the effect.";
-
 over_models! {
     /// Remote prefill with the KV shipped (on Gemma 3 a turn longer than the 512-token
     /// window, whose local layers' out-of-window blocks stay off the wire), a warm second
@@ -77,7 +72,7 @@ over_models! {
         let rt = runtime();
 
         // Turn 1: nothing cached; the whole prompt is a long tail -> remote.
-        let turn1 = chat_past_the_window(&reference, SYSTEM, FILLER, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
+        let turn1 = chat_past_the_window(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
         assert!(turn1.len() >= THRESHOLD);
         let want1 = reference_tokens(&reference, &turn1, "alice", 24);
         let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));

@@ -129,19 +129,20 @@ impl Api {
 
     /// The reply of a whole response.
     fn reply(self, response: &serde_json::Value) -> Option<String> {
-        let choice = &response["choices"][0];
-        let text = match self {
-            Api::Chat => &choice["message"]["content"],
-            Api::Completions => &choice["text"],
-        };
-        text.as_str().map(str::to_string)
+        self.choice_text(response, "message")
     }
 
     /// The text of one streamed chunk.
     fn delta(self, chunk: &serde_json::Value) -> Option<String> {
-        let choice = &chunk["choices"][0];
+        self.choice_text(chunk, "delta")
+    }
+
+    /// The first choice's text: a chat answer keeps it in `chat_field`'s `content`, a
+    /// completion in `text`.
+    fn choice_text(self, value: &serde_json::Value, chat_field: &str) -> Option<String> {
+        let choice = &value["choices"][0];
         let text = match self {
-            Api::Chat => &choice["delta"]["content"],
+            Api::Chat => &choice[chat_field]["content"],
             Api::Completions => &choice["text"],
         };
         text.as_str().map(str::to_string)

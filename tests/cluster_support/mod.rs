@@ -367,11 +367,15 @@ fn plain_turn(user: &str) -> String {
     format!("\n\nQuestion: {user}\nAnswer:")
 }
 
-/// [`chat`], with `user` preceded by as many copies of `filler` as make the prompt longer
+/// What [`chat_past_the_window`] repeats before the user's question.
+const FILLER: &str = "Museum note: the physics hall has a pendulum, a prism, a tesla coil and a cloud chamber; \
+    guides answer one question at a time and point visitors to the exhibit that shows the effect.";
+
+/// [`chat`], with `user` preceded by as many copies of [`FILLER`] as make the prompt longer
 /// than the model's largest sliding window plus two blocks, so that its local layers'
 /// leading blocks are out of every later row's window; a model without sliding-window
 /// layers gets [`chat`]'s prompt unchanged.
-pub fn chat_past_the_window(engine: &Engine, system: &str, filler: &str, user: &str) -> Vec<u32> {
+pub fn chat_past_the_window(engine: &Engine, system: &str, user: &str) -> Vec<u32> {
     let Some(window) = engine.info.layer_windows.iter().flatten().copied().max() else { return chat(engine, system, user) };
     let want = window + 2 * engine.info.kv_layout.block_tokens;
     let mut text = String::new();
@@ -380,7 +384,7 @@ pub fn chat_past_the_window(engine: &Engine, system: &str, filler: &str, user: &
         if prompt.len() > want {
             return prompt;
         }
-        text.push_str(filler);
+        text.push_str(FILLER);
         text.push(' ');
     }
 }

@@ -9,6 +9,7 @@
 //! is exported without user labels: a histogram of tokens per user turn and a count
 //! of recently active users.
 
+use baton_telemetry::Upkeep;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Mutex, OnceLock};
@@ -91,27 +92,9 @@ pub struct Metrics {
     /// Hash of each recently metered user -> when; only the count is exported.
     active: Mutex<HashMap<u64, Instant>>,
     hasher: std::collections::hash_map::RandomState,
-    /// Histogram samples recorded, for [`UPKEEP_EVERY`].
-    samples: std::sync::atomic::AtomicU64,
-}
-
-/// The recorder keeps every histogram sample until a scrape (or `run_upkeep`) folds it
-/// into the buckets, so a gateway nobody scrapes grew by every token's ITL (the
-/// 30-minute soak's gateways, about 40 KB a minute). Every this many samples it is
-/// drained here, so at most this many are held whether or not anything scrapes.
-pub const UPKEEP_EVERY: u64 = 4096;
-
-/// Whether `n` samples recorded after `before` cross a multiple of [`UPKEEP_EVERY`].
-fn upkeep_due(before: u64, n: u64) -> bool {
-    before / UPKEEP_EVERY != (before + n) / UPKEEP_EVERY
-}
-
-/// `n` histogram samples were recorded.
-fn sampled(m: &Metrics, n: u64) {
-    let before = m.samples.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-    if upkeep_due(before, n) {
-        m.recorder.handle().run_upkeep();
-    }
+    /// Drains the recorder's histogram samples on a bound (a gateway nobody scrapes grew
+    /// by every token's ITL).
+    upkeep: Upkeep,
 }
 
 fn build() -> Metrics {
@@ -128,7 +111,7 @@ fn build() -> Metrics {
         metering_failures: counter(&r, METERING_FAILURES_TOTAL, "Metering writes that failed", &[]),
         active: Mutex::new(HashMap::new()),
         hasher: Default::default(),
-        samples: Default::default(),
+        upkeep: Upkeep::new(r.handle()),
         recorder: r,
     };
     for kind in ["prompt", "cached", "completion"] {
@@ -272,7 +255,7 @@ pub fn stream_closed(finish_reason: &'static str, started: Instant) {
     m.open_streams.decrement(1.0);
     counter(&m.recorder, FINISHED_TOTAL, "Replies ended, by finish reason", &[("reason", finish_reason)]).increment(1);
     m.turn_duration.record(started.elapsed().as_secs_f64());
-    sampled(m, 1);
+    m.upkeep.sampled(1);
 }
 
 /// A token reached the gateway: the first one is the TTFT, the others an ITL.
@@ -282,7 +265,7 @@ pub fn token(clock: &mut TurnClock) {
         Ok(ttft) => m.ttft.record(ttft.as_secs_f64()),
         Err(gap) => m.itl.record(gap.as_secs_f64()),
     }
-    sampled(m, 1);
+    m.upkeep.sampled(1);
 }
 
 /// One user's turn was metered.
@@ -290,7 +273,7 @@ pub fn metered(user: &str, usage: &Usage) {
     let m = get();
     user_tokens(&m.recorder, "prompt").record(usage.prompt_tokens as f64);
     user_tokens(&m.recorder, "completion").record(usage.completion_tokens as f64);
-    sampled(m, 2);
+    m.upkeep.sampled(2);
     let mut h = m.hasher.build_hasher();
     h.write(user.as_bytes());
     let mut active = m.active.lock().unwrap_or_else(|p| p.into_inner());
@@ -342,12 +325,6 @@ fn histogram(r: &PrometheusRecorder, name: &'static str, help: &'static str, lab
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn undrained_histogram_samples_are_bounded() {
-        assert!(!upkeep_due(0, 1) && !upkeep_due(UPKEEP_EVERY - 3, 2));
-        assert!(upkeep_due(UPKEEP_EVERY - 1, 1) && upkeep_due(UPKEEP_EVERY - 1, 2) && upkeep_due(5 * UPKEEP_EVERY - 2, 2));
-    }
 
     #[test]
     fn renders_histograms_and_counts_users_without_labels() {

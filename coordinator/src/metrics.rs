@@ -6,6 +6,7 @@
 //! counts. Labels are small fixed sets (kind, reason, role, result, change), never
 //! node, user or conversation IDs.
 
+use baton_telemetry::Upkeep;
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
@@ -54,8 +55,9 @@ const ROLES: [&str; 2] = ["prefill", "decode"];
 /// Handles to every series, and the recorder that renders them.
 pub struct Metrics {
     recorder: PrometheusRecorder,
-    /// Histogram samples recorded, for [`UPKEEP_EVERY`].
-    samples: std::sync::atomic::AtomicU64,
+    /// Drains the recorder's histogram samples on a bound (the busier replica grew by
+    /// every routing decision while nobody scraped it).
+    upkeep: Upkeep,
     registrations: Counter,
     conversations: Gauge,
     /// Members (node ID -> role) at the last look, and the IDs that deregistered
@@ -85,7 +87,7 @@ impl Metrics {
             registrations: counter(&recorder, REGISTRATIONS_TOTAL, "Node registrations (joins and re-joins)", &[]),
             conversations: gauge(&recorder, CONVERSATIONS, "Active conversations placed on decode nodes", &[]),
             view: Mutex::new(View::default()),
-            samples: Default::default(),
+            upkeep: Upkeep::new(recorder.handle()),
             recorder,
         };
         for (kind, reason) in DECISION_REASONS {
@@ -139,10 +141,7 @@ impl Metrics {
     pub fn decision(&self, kind: &'static str, reason: &'static str, seconds: f64) {
         self.decision_counter(kind, reason).increment(1);
         self.routing_histogram(kind).record(seconds);
-        let before = self.samples.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if upkeep_due(before, 1) {
-            self.recorder.handle().run_upkeep();
-        }
+        self.upkeep.sampled(1);
     }
 
     /// `n` nodes of `role` are registered.
@@ -236,24 +235,13 @@ fn gauge(r: &PrometheusRecorder, name: &'static str, help: &'static str, labels:
     r.register_gauge(&key(name, labels), &META)
 }
 
-/// The recorder keeps every histogram sample until a scrape (or `run_upkeep`) folds it
-/// into the buckets, so a coordinator nobody scrapes grew by every routing decision (the
-/// 30-minute soak's busier replica). Every this many samples it is drained here.
-pub const UPKEEP_EVERY: u64 = 4096;
-
-/// Whether `n` samples recorded after `before` cross a multiple of [`UPKEEP_EVERY`].
-pub fn upkeep_due(before: u64, n: u64) -> bool {
-    before / UPKEEP_EVERY != (before + n) / UPKEEP_EVERY
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use baton_telemetry::UPKEEP_EVERY;
 
     #[test]
     fn undrained_histogram_samples_are_bounded_and_none_is_lost() {
-        assert!(!upkeep_due(0, 1) && !upkeep_due(UPKEEP_EVERY - 2, 1));
-        assert!(upkeep_due(UPKEEP_EVERY - 1, 1) && upkeep_due(UPKEEP_EVERY - 1, 2) && upkeep_due(2 * UPKEEP_EVERY - 1, 1));
         // Drained at every multiple, without a scrape: the count still adds up.
         let m = Metrics::new();
         let n = 3 * UPKEEP_EVERY + 7;

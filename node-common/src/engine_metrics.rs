@@ -13,9 +13,10 @@ use std::sync::Arc;
 
 use ::metrics::{Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Label, Level, Metadata, Recorder};
 use baton_engine::Engine;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
 use crate::kv::KvNode;
+use baton_telemetry::Upkeep;
 
 const META: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
@@ -58,32 +59,6 @@ impl Count {
 
     pub fn get(&self) -> u64 {
         self.value.load(Ordering::Relaxed)
-    }
-}
-
-/// The recorder keeps every histogram sample until a scrape (or `run_upkeep`) folds it
-/// into the buckets, so a node nobody scrapes would grow by every token's ITL (what the
-/// gateway and the coordinator did in the 30-minute soak). Every this many samples, over
-/// all of a node's histograms, they are drained here, so at most this many are held
-/// whether or not anything scrapes.
-pub const UPKEEP_EVERY: u64 = 4096;
-
-/// Whether `n` samples recorded after `before` cross a multiple of [`UPKEEP_EVERY`].
-fn upkeep_due(before: u64, n: u64) -> bool {
-    before / UPKEEP_EVERY != (before + n) / UPKEEP_EVERY
-}
-
-/// Counts a node's histogram samples and drains the recorder every [`UPKEEP_EVERY`].
-struct Upkeep {
-    samples: AtomicU64,
-    handle: PrometheusHandle,
-}
-
-impl Upkeep {
-    fn sampled(&self, n: u64) {
-        if upkeep_due(self.samples.fetch_add(n, Ordering::Relaxed), n) {
-            self.handle.run_upkeep();
-        }
     }
 }
 
@@ -144,7 +119,7 @@ impl NodeRecorder {
             builder = builder.set_buckets_for_metric(Matcher::Full(name), buckets).expect("bucket lists are not empty");
         }
         let recorder = builder.build_recorder();
-        let upkeep = Arc::new(Upkeep { samples: AtomicU64::new(0), handle: recorder.handle() });
+        let upkeep = Arc::new(Upkeep::new(recorder.handle()));
         NodeRecorder { recorder, upkeep, prefix: spec.prefix, series: EngineSeries::new(spec), imported_tokens: AtomicU64::new(0) }
     }
 
@@ -163,7 +138,7 @@ impl NodeRecorder {
     }
 
     /// The histogram `{prefix}_{name}` (its buckets are the spec's); its samples are
-    /// drained every [`UPKEEP_EVERY`] recorded in the node's histograms.
+    /// drained every [`baton_telemetry::UPKEEP_EVERY`] recorded in the node's histograms.
     pub fn histogram(&self, name: &str, help: &'static str) -> Histogram {
         let name = self.name(name);
         self.recorder.describe_histogram(KeyName::from(name.clone()), None, help.into());
@@ -312,12 +287,12 @@ impl EngineSeries {
 mod tests {
     use super::*;
 
+    use baton_telemetry::UPKEEP_EVERY;
+
     const SPEC: MetricsSpec = MetricsSpec::new("baton_test", "imported", &[("other_seconds", TTFT_BUCKETS)]);
 
     #[test]
     fn undrained_histogram_samples_are_bounded_and_none_is_lost() {
-        assert!(!upkeep_due(0, 1) && !upkeep_due(UPKEEP_EVERY - 3, 2));
-        assert!(upkeep_due(UPKEEP_EVERY - 1, 1) && upkeep_due(UPKEEP_EVERY - 1, 2) && upkeep_due(5 * UPKEEP_EVERY - 2, 2));
         // Every histogram the role registers counts towards the drain, and drains without
         // a scrape lose no sample.
         let node = NodeRecorder::new(&SPEC);
@@ -327,7 +302,7 @@ mod tests {
             if i % 2 == 0 { &ttft } else { &other }.record(0.02);
         }
         other.record_many(0.02, 5);
-        assert_eq!(node.upkeep.samples.load(Ordering::Relaxed), n + 5);
+        assert_eq!(node.upkeep.samples(), n + 5);
         let text = node.render_own();
         let count = |series: &str| text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse::<u64>().ok());
         assert_eq!(count("baton_test_time_to_first_token_seconds_count"), Some(n.div_ceil(2)), "{text}");

@@ -40,14 +40,11 @@ impl KvStorage {
         #[cfg(target_arch = "x86_64")]
         if let (Raw::Half(d), KvDtype::F16) = (self.raw(), l.dtype) {
             if hd % 8 == 0 && std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
-                for j in slots.clone() {
-                    for (i, h) in heads.clone().enumerate() {
-                        let src = &d[base + j * te + h * hd..base + j * te + (h + 1) * hd];
-                        let o = dst(i, j);
-                        // SAFETY: F16C and AVX are present; both slices hold `hd` elements.
-                        unsafe { avx2::f16_to_f32(src, &mut out[o..o + hd]) };
-                    }
-                }
+                let src = &d[base + slots.start * te..base + slots.end * te];
+                let (h0, nh) = (heads.start, heads.len());
+                assert!(heads.end * hd <= te && out.len() >= dst(nh - 1, slots.end - 1) + hd);
+                // SAFETY: F16C and AVX are present; the asserts bound every read and write.
+                unsafe { avx2::f16_heads_to_f32(src, te, h0 * hd, nh, hd, out.as_mut_ptr().add(dst(0, slots.start)), stride * hd) };
                 return;
             }
         }
@@ -418,15 +415,26 @@ mod avx2 {
         _mm256_hadd_ps(_mm256_hadd_ps(s04, s15), _mm256_hadd_ps(s26, s37))
     }
 
-    /// IEEE half to single precision (exact), eight at a time; a short inline
-    /// loop where a general slice conversion costs more in dispatch than in work
-    /// for one head's 64 values.
+    /// IEEE half to single precision (exact), eight at a time, for every slot
+    /// of `src` (slots of `te` elements) and `nh` heads of `hd` from element
+    /// `first` of each slot: head `i` of slot `j` lands at
+    /// `dst + i * head_stride + j * hd`. One call per block, where a call per
+    /// head and slot cost more in dispatch than the conversion itself.
+    ///
+    /// # Safety
+    /// F16C and AVX present; `src` holds whole slots, `first + nh * hd <= te`,
+    /// and `dst` is writable at every place named above.
     #[target_feature(enable = "avx,f16c")]
-    pub unsafe fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
-        assert!(src.len().is_multiple_of(8) && dst.len() >= src.len());
-        for i in (0..src.len()).step_by(8) {
-            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+    pub unsafe fn f16_heads_to_f32(src: &[u16], te: usize, first: usize, nh: usize, hd: usize, dst: *mut f32, head_stride: usize) {
+        debug_assert!(hd.is_multiple_of(8) && first + nh * hd <= te && src.len().is_multiple_of(te));
+        for (j, slot) in src.chunks_exact(te).enumerate() {
+            let s = slot.as_ptr().add(first);
+            for i in 0..nh {
+                let (from, to) = (s.add(i * hd), dst.add(i * head_stride + j * hd));
+                for c in (0..hd).step_by(8) {
+                    _mm256_storeu_ps(to.add(c), _mm256_cvtph_ps(_mm_loadu_si128(from.add(c) as *const __m128i)));
+                }
+            }
         }
     }
 
@@ -624,7 +632,8 @@ mod tests {
         let bits: Vec<u16> = (0..=u16::MAX).filter(|&b| !f16::from_bits(b).is_nan()).collect();
         let n = bits.len() / 8 * 8;
         let mut got = vec![0f32; n];
-        unsafe { avx2::f16_to_f32(&bits[..n], &mut got) };
+        // One slot of one head holding every number.
+        unsafe { avx2::f16_heads_to_f32(&bits[..n], n, 0, 1, n, got.as_mut_ptr(), 0) };
         for (b, g) in bits[..n].iter().zip(&got) {
             assert_eq!(g.to_bits(), f16::from_bits(*b).to_f32().to_bits(), "half {b:#06x}");
         }

@@ -24,6 +24,11 @@ pub struct BenchEngineArgs {
     /// Batch sizes of the decode measurements.
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8, 32])]
     pub batches: Vec<usize>,
+    /// Prompt tokens of each sequence of the decode measurements: its context
+    /// when decoding starts (a chat history of several turns is some hundreds).
+    /// Above the default, llama-bench decodes after as many (`-d`).
+    #[arg(long, default_value_t = 32)]
+    pub decode_context: usize,
     /// Repetitions of each measurement (the best is reported).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -101,16 +106,21 @@ struct LlamaBench {
     tg: f64,
 }
 
-fn llama_bench(bin: &PathBuf, model: &std::path::Path, threads: usize, pp: usize, tg: usize) -> Result<LlamaBench> {
-    let out = std::process::Command::new(bin)
-        .args(["-m", &model.display().to_string(), "-t", &threads.to_string(), "-p", &pp.to_string(), "-n", &tg.to_string(), "-o", "json", "-r", "3"])
-        .output()?;
-    if !out.status.success() {
-        bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+/// llama-bench's prefill rate at `pp` prompt tokens (from an empty context) and its
+/// decode rate over `tg` tokens after `depth` tokens of context.
+fn llama_bench(bin: &PathBuf, model: &std::path::Path, threads: usize, pp: usize, tg: usize, depth: usize) -> Result<LlamaBench> {
+    let run = |pp: usize, tg: usize, depth: usize| -> Result<serde_json::Value> {
+        let args = ["-m", &model.display().to_string(), "-t", &threads.to_string(), "-p", &pp.to_string(), "-n", &tg.to_string(), "-d", &depth.to_string(), "-o", "json", "-r", "3"].map(String::from);
+        let out = std::process::Command::new(bin).args(args).output()?;
+        if !out.status.success() {
+            bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    // A depth applies to every test of a run: the prefill test goes alone then.
+    let runs = if depth == 0 { vec![run(pp, tg, 0)?] } else { vec![run(pp, 0, 0)?, run(0, tg, depth)?] };
     let mut r = LlamaBench { pp: 0.0, tg: 0.0 };
-    for row in v.as_array().into_iter().flatten() {
+    for row in runs.iter().filter_map(|v| v.as_array()).flatten() {
         let ts = row.get("avg_ts").and_then(|x| x.as_f64()).unwrap_or(0.0);
         if row.get("n_prompt").and_then(|x| x.as_u64()).unwrap_or(0) > 0 {
             r.pp = ts;
@@ -142,7 +152,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     for &b in &a.batches {
         let mut best = 0f64;
         for rep in 0..a.reps.min(2).max(1) {
-            let (_, rate) = run_batch(&engine, b, 32, a.decode_tokens, 200 + rep + b * 10)?;
+            let (_, rate) = run_batch(&engine, b, a.decode_context, a.decode_tokens, 200 + rep + b * 10)?;
             best = best.max(rate);
         }
         decode.push((b, best));
@@ -155,7 +165,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         p.exists().then_some(p)
     });
     let llama = match (&llama_bin, a.no_llama) {
-        (Some(bin), false) => match llama_bench(bin, &a.engine.model_path(), a.engine.threads, a.prompt_tokens, a.decode_tokens) {
+        (Some(bin), false) => match llama_bench(bin, &a.engine.model_path(), a.engine.threads, a.prompt_tokens, a.decode_tokens, if a.decode_context > 32 { a.decode_context } else { 0 }) {
             Ok(r) => Some(r),
             Err(e) => {
                 eprintln!("llama-bench: {e:#}");
@@ -165,18 +175,19 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         _ => None,
     };
     println!();
-    println!("{:<28} {:>12} {:>14} {:>8}", "measurement", "baton", "llama.cpp", "ratio");
+    println!("{:<34} {:>12} {:>14} {:>8}", "measurement", "baton", "llama.cpp", "ratio");
     let row = |name: &str, ours: f64, theirs: Option<f64>| {
         let (t, r) = match theirs {
             Some(t) if t > 0.0 => (format!("{t:.1}"), format!("{:.2}x", ours / t)),
             _ => ("-".into(), "-".into()),
         };
-        println!("{name:<28} {ours:>12.1} {t:>14} {r:>8}");
+        println!("{name:<34} {ours:>12.1} {t:>14} {r:>8}");
     };
     row(&format!("prefill tok/s (pp{})", a.prompt_tokens), prefill, llama.as_ref().map(|l| l.pp));
     for (b, rate) in &decode {
         let theirs = if *b == 1 { llama.as_ref().map(|l| l.tg) } else { None };
-        row(&format!("decode tok/s batch {b} (tg{})", a.decode_tokens), *rate, theirs);
+        let name = if a.decode_context == 32 { format!("decode tok/s batch {b} (tg{})", a.decode_tokens) } else { format!("decode tok/s batch {b} (tg{} @ {})", a.decode_tokens, a.decode_context) };
+        row(&name, *rate, theirs);
     }
     if let (Some((_, b1)), Some((bmax, bn))) = (decode.first(), decode.last()) {
         println!("aggregate decode batch {bmax} / batch 1: {:.2}x", bn / b1);

@@ -41,9 +41,20 @@ enum Prepared {
     /// bytes, byte `4r + i` of group `q` being element `4q + i` of row `r`
     /// stored as `w + 128` (the unsigned operand the integer dot
     /// instructions take). Scales as for Q4; offsets `m` likewise, or empty
-    /// when the format has none. Q8_0 as stored; Q5_0 (`q - 16`), Q5_1 (`q`,
-    /// with its offset) and IQ4_NL (its levels) widened losslessly.
+    /// when the format has none. Q8_0 as stored; IQ4_NL (its levels) and,
+    /// where the ISA has no 5-bit tile, Q5_0 (`q - 16`) and Q5_1 (`q`, with
+    /// its offset) widened losslessly.
     Q8 { qs: Vec<u8>, d: Vec<u16>, m: Vec<u16> },
+    /// Q5_0 and Q5_1 at their own 5 bits a weight (the AVX2 path, where
+    /// widening them to [`Prepared::Q8`] made a bandwidth-bound decode read
+    /// 1.55x their bytes): the low four bits in the Q4 layout, the fifth in
+    /// [`Q5_HIGH_BLOCK`] bytes per panel and block: byte `32 h + 4 r + i`
+    /// holds in bit `q` the fifth bit of element `4 q + i` of the panel's row
+    /// `8 h + r`, the element that sits in byte `4 r + i` of the tile's
+    /// `q`-th register. `m` as for Q4 (Q5_1), or empty for Q5_0, whose
+    /// weights are `d (q - 16)`: the tile takes `16 sum(x)` off the integer
+    /// sum, which then equals the widened form's exactly.
+    Q5 { qs: Vec<u8>, qh: Vec<u8>, d: Vec<u16>, m: Vec<u16> },
     /// The K super-block formats (`kquant`).
     K(kquant::KPanels),
 }
@@ -78,6 +89,8 @@ const PREFETCH_BLOCKS: usize = 16;
 /// Quant bytes per panel and block.
 const Q4_PANEL_BLOCK: usize = PANEL * QK / 2;
 const Q8_PANEL_BLOCK: usize = PANEL * QK;
+/// Fifth-bit bytes per panel and block of [`Prepared::Q5`].
+const Q5_HIGH_BLOCK: usize = PANEL * QK / 8;
 
 /// Quant `e` (0..32) of block `b` of row `o`, from the Q4 panel layout.
 #[inline]
@@ -89,6 +102,14 @@ fn q4_at(qs: &[u8], nb: usize, o: usize, b: usize, e: usize) -> u8 {
     } else {
         byte >> 4
     }
+}
+
+/// Quant `e` (0..32, unsigned) of block `b` of row `o`, from the Q5 panel layout.
+#[inline]
+fn q5_at(qs: &[u8], qh: &[u8], nb: usize, o: usize, b: usize, e: usize) -> u8 {
+    let r = o % PANEL;
+    let high = qh[((o / PANEL) * nb + b) * Q5_HIGH_BLOCK + (r / 8) * 32 + (r % 8) * 4 + e % 4] >> (e / 4) & 1;
+    q4_at(qs, nb, o, b, e) | high << 4
 }
 
 /// Quant `e` of block `b` of row `o`, from the Q8 panel layout.
@@ -117,6 +138,14 @@ pub enum MatrixError {
 impl QMatrix {
     /// Prepares a matrix from GGML-layout bytes (`n` rows of `k` elements).
     pub fn from_ggml(format: WeightFormat, n: usize, k: usize, bytes: &[u8]) -> Result<Self, MatrixError> {
+        // The AVX2 path has a 5-bit tile; the others take Q5 widened to 8 bits
+        // (same sums, same results).
+        Self::prepare(format, n, k, bytes, isa() == Isa::Avx2)
+    }
+
+    /// [`Self::from_ggml`], with Q5_0 and Q5_1 kept at 5 bits (`native_q5`) or
+    /// widened to the 8-bit layout.
+    fn prepare(format: WeightFormat, n: usize, k: usize, bytes: &[u8], native_q5: bool) -> Result<Self, MatrixError> {
         let row_length = MatrixError::RowLength { k, block: format.block_len().max(QK), format: format.name() };
         if k % QK != 0 {
             return Err(row_length);
@@ -168,6 +197,31 @@ impl QMatrix {
                     }
                 }
                 Prepared::Q4 { qs, d, m }
+            }
+            WeightFormat::Q5_0 | WeightFormat::Q5_1 if native_q5 => {
+                let bb = format.block_bytes();
+                let offset = format == WeightFormat::Q5_1;
+                let mut qs = vec![0u8; panel_blocks * Q4_PANEL_BLOCK];
+                let mut qh = vec![0u8; panel_blocks * Q5_HIGH_BLOCK];
+                let mut d = vec![0u16; panel_blocks * PANEL];
+                let mut m = vec![0u16; if offset { panel_blocks * PANEL } else { 0 }];
+                for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
+                    let (p, r) = (o / PANEL, o % PANEL);
+                    for (b, blk) in row.chunks_exact(bb).enumerate() {
+                        let pb = p * nb + b;
+                        let q: [u8; QK] = if offset { blocks::q5_1_quants(blk) } else { blocks::q5_0_quants(blk).map(|v| (v + 16) as u8) };
+                        d[pb * PANEL + r] = f16_at(blk, 0);
+                        if offset {
+                            m[pb * PANEL + r] = f16_at(blk, 2);
+                        }
+                        for (e, &v) in q.iter().enumerate() {
+                            let g = e % 16;
+                            qs[pb * Q4_PANEL_BLOCK + (g / 4) * 64 + r * 4 + g % 4] |= if e < 16 { v & 0x0f } else { (v & 0x0f) << 4 };
+                            qh[pb * Q5_HIGH_BLOCK + (r / 8) * 32 + (r % 8) * 4 + e % 4] |= (v >> 4) << (e / 4);
+                        }
+                    }
+                }
+                Prepared::Q5 { qs, qh, d, m }
             }
             WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::IQ4_NL => {
                 let bb = format.block_bytes();
@@ -223,7 +277,7 @@ impl QMatrix {
     pub fn acts(&self) -> Acts {
         match self.kind {
             Prepared::F32(_) => Acts::F32,
-            Prepared::Q4 { .. } | Prepared::Q8 { .. } => Acts::Q8,
+            Prepared::Q4 { .. } | Prepared::Q8 { .. } | Prepared::Q5 { .. } => Acts::Q8,
             Prepared::K(_) => Acts::Q8K,
         }
     }
@@ -234,6 +288,7 @@ impl QMatrix {
             Prepared::F32(w) => w.len() * 4,
             Prepared::Q4 { qs, d, m } => qs.len() + (d.len() + m.len()) * 2,
             Prepared::Q8 { qs, d, m } => qs.len() + (d.len() + m.len()) * 2,
+            Prepared::Q5 { qs, qh, d, m } => qs.len() + qh.len() + (d.len() + m.len()) * 2,
             Prepared::K(kp) => kp.size_bytes(),
         }
     }
@@ -257,6 +312,19 @@ impl QMatrix {
                     let s = block_at(d, nb, r, b);
                     for e in 0..QK {
                         out[b * QK + e] = q8_at(qs, nb, r, b, e) as f32 * s;
+                    }
+                    if !m.is_empty() {
+                        let off = block_at(m, nb, r, b);
+                        out[b * QK..(b + 1) * QK].iter_mut().for_each(|v| *v += off);
+                    }
+                }
+            }
+            Prepared::Q5 { qs, qh, d, m } => {
+                let centre = if m.is_empty() { 16 } else { 0 };
+                for b in 0..nb {
+                    let s = block_at(d, nb, r, b);
+                    for e in 0..QK {
+                        out[b * QK + e] = (q5_at(qs, qh, nb, r, b, e) as i32 - centre) as f32 * s;
                     }
                     if !m.is_empty() {
                         let off = block_at(m, nb, r, b);
@@ -352,6 +420,8 @@ pub(crate) fn matmul_many_on(isa: Isa, pool: &Pool, x: &[f32], xq: &QuantizedAct
             #[cfg(target_arch = "x86_64")]
             (Prepared::Q8 { qs, d, m }, Isa::Avx2) => unsafe { simd::q8_panel_avx2(qs, d, m, w.k, xq, rows, panel, p.0, w.n) },
             #[cfg(target_arch = "x86_64")]
+            (Prepared::Q5 { qs, qh, d, m }, Isa::Avx2) => unsafe { simd::q5_panel_avx2(qs, qh, d, m, w.k, xq, rows, panel, p.0, w.n) },
+            #[cfg(target_arch = "x86_64")]
             (Prepared::K(kp), Isa::Avx512Vnni) => unsafe { kquant::simd::panel_512(kp, &xq.q8k, rows, panel, p.0, w.n) },
             #[cfg(target_arch = "x86_64")]
             (Prepared::K(kp), Isa::Avx2) => unsafe { kquant::simd::panel_avx2(kp, &xq.q8k, rows, panel, p.0, w.n) },
@@ -386,6 +456,7 @@ fn dot(w: &QMatrix, o: usize, x: &[f32], xq: &QuantizedActs, t: usize) -> f32 {
         // (`matmul_many`); this is the portable path, bit-identical to them.
         Prepared::Q4 { qs, d, m } => scalar::dot_q4(qs, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
         Prepared::Q8 { qs, d, m } => scalar::dot_q8(qs, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
+        Prepared::Q5 { qs, qh, d, m } => scalar::dot_q5(qs, qh, d, m, nb, o, xq.row_q(t), xq.row_d(t), xq.row_s(t)),
         Prepared::K(kp) => kquant::dot(kp, o, &xq.q8k, t),
     }
 }
@@ -398,7 +469,7 @@ pub(crate) fn hsum8(a: [f32; 8]) -> f32 {
 
 /// Portable reference kernels: the arithmetic every SIMD path reproduces.
 pub(crate) mod scalar {
-    use super::{block_at, hsum8, q4_at, q8_at, QK};
+    use super::{block_at, hsum8, q4_at, q5_at, q8_at, QK};
 
     pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
@@ -429,10 +500,23 @@ pub(crate) mod scalar {
     /// only when the format has offsets (`m` not empty).
     #[allow(clippy::too_many_arguments)]
     pub fn dot_q8(qs: &[u8], d: &[u16], m: &[u16], nb: usize, o: usize, xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+        weighted_blocks(d, m, nb, o, xd, xs, |b| (0..QK).map(|e| q8_at(qs, nb, o, b, e) as i32 * xq[b * QK + e] as i32).sum())
+    }
+
+    /// The Q5 arithmetic of row `o`: `dot_q8`'s, with the same integer sums
+    /// (Q5_0's quants centred by 16, as when widened).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dot_q5(qs: &[u8], qh: &[u8], d: &[u16], m: &[u16], nb: usize, o: usize, xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+        let centre = if m.is_empty() { 16 } else { 0 };
+        weighted_blocks(d, m, nb, o, xd, xs, |b| (0..QK).map(|e| (q5_at(qs, qh, nb, o, b, e) as i32 - centre) * xq[b * QK + e] as i32).sum())
+    }
+
+    /// In block order, `acc = isum(b) * (d * dx) + acc`, then with offsets
+    /// `acc = m * s + acc` (fused).
+    fn weighted_blocks(d: &[u16], m: &[u16], nb: usize, o: usize, xd: &[f32], xs: &[f32], isum: impl Fn(usize) -> i32) -> f32 {
         let mut acc = 0f32;
         for b in 0..nb {
-            let isum: i32 = (0..QK).map(|e| q8_at(qs, nb, o, b, e) as i32 * xq[b * QK + e] as i32).sum();
-            acc = (isum as f32).mul_add(block_at(d, nb, o, b) * xd[b], acc);
+            acc = (isum(b) as f32).mul_add(block_at(d, nb, o, b) * xd[b], acc);
             if !m.is_empty() {
                 acc = block_at(m, nb, o, b).mul_add(xs[b], acc);
             }

@@ -3,7 +3,7 @@
 //! product. Each reproduces the arithmetic of [`super::scalar`] bit for bit (the same
 //! operations in the same order), so the ISA never changes a token.
 
-use super::{PANEL, PREFETCH_BLOCKS, Q4_PANEL_BLOCK, Q8_PANEL_BLOCK, QK};
+use super::{PANEL, PREFETCH_BLOCKS, Q4_PANEL_BLOCK, Q5_HIGH_BLOCK, Q8_PANEL_BLOCK, QK};
 use crate::quant::QuantizedActs;
 use std::arch::x86_64::*;
 
@@ -272,6 +272,76 @@ unsafe fn q4_tile_avx2<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usiz
     }
 }
 
+/// Panel `p` of a Q5 matrix against activation rows `t..t+C` (AVX2): the
+/// nibbles as for Q4, each register's fifth bits shifted into place from one
+/// 32-byte load. Quants up to 31 against activations up to 127 in magnitude
+/// make pair sums up to 7,874, so four are summed in 16 bits (31,496), not
+/// eight. Q5_0 (`m` empty) then takes `16 sum(x)` off, which gives the sums
+/// of the widened Q8 form exactly, and the same float operations follow.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q5_tile_avx2<const C: usize>(qs: &[u8], qh: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
+    let cols = Columns::<C>::new(xq, t);
+    let (low, fifth, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x10), _mm256_set1_epi16(1));
+    let offset = !m.is_empty();
+    for h in 0..2 {
+        if h * 8 >= live_rows(p, n) {
+            break;
+        }
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let pb = p * nb + b;
+            let wp = qs.as_ptr().add(pb * Q4_PANEL_BLOCK + h * 32);
+            let hp = qh.as_ptr().add(pb * Q5_HIGH_BLOCK + h * 32);
+            if h == 0 {
+                prefetch_ahead(wp, Q4_PANEL_BLOCK, &[d.as_ptr().wrapping_add(pb * PANEL)]);
+                prefetch_ahead(hp, Q5_HIGH_BLOCK, &[]);
+            }
+            let hv = _mm256_loadu_si256(hp as *const __m256i);
+            // Bit q of each byte of `hv` to bit 4 (the shifts are per 16 bits, but
+            // move no bit across a byte boundary before the mask).
+            let high = [
+                _mm256_slli_epi16::<4>(hv),
+                _mm256_slli_epi16::<3>(hv),
+                _mm256_slli_epi16::<2>(hv),
+                _mm256_slli_epi16::<1>(hv),
+                hv,
+                _mm256_srli_epi16::<1>(hv),
+                _mm256_srli_epi16::<2>(hv),
+                _mm256_srli_epi16::<3>(hv),
+            ];
+            let mut w = [_mm256_setzero_si256(); 8];
+            for j in 0..4 {
+                let v = _mm256_loadu_si256(wp.add(j * 64) as *const __m256i);
+                w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(high[j], fifth));
+                w[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(high[j + 4], fifth));
+            }
+            let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(pb * PANEL + h * 8) as *const __m128i));
+            for c in 0..C {
+                let x = cols.quads(c, b);
+                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for q in 0..4 {
+                    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(x.add(q).read_unaligned())));
+                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[q + 4], _mm256_set1_epi32(x.add(q + 4).read_unaligned())));
+                }
+                let mut s = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+                if !offset {
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * *cols.sq[c].add(b)));
+                }
+                let scale = _mm256_mul_ps(dv, _mm256_set1_ps(*cols.d[c].add(b)));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[c]);
+                if offset {
+                    let mv = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().add(pb * PANEL + h * 8) as *const __m128i));
+                    acc[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(*cols.s[c].add(b)), acc[c]);
+                }
+            }
+        }
+        for c in 0..C {
+            store256(acc[c], out, n, p, h, t + c);
+        }
+    }
+}
+
 /// Panel `p` of a Q8_0 matrix against activation rows `t..t+C` (AVX2):
 /// `|w| * (x * sign(w))` keeps the unsigned operand of `maddubs` below
 /// 129, so each pair sum fits 16 bits.
@@ -320,6 +390,12 @@ unsafe fn q8_tile_avx2<const C: usize, const OFFSET: bool>(qs: &[u8], d: &[u16],
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_panel_avx2(qs: &[u8], d: &[u16], m: &[u16], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
     column_groups!(rows, [1, 2, 3, 4], |t| q4_tile_avx2(qs, d, m, k / QK, xq, p, out, n, t));
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q5_panel_avx2(qs: &[u8], qh: &[u8], d: &[u16], m: &[u16], k: usize, xq: &QuantizedActs, rows: usize, p: usize, out: *mut f32, n: usize) {
+    column_groups!(rows, [1, 2, 3, 4], |t| q5_tile_avx2(qs, qh, d, m, k / QK, xq, p, out, n, t));
 }
 
 #[allow(clippy::too_many_arguments)]

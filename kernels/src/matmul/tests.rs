@@ -325,3 +325,40 @@ fn wrong_sizes_are_errors() {
     let err = QMatrix::from_ggml(WeightFormat::Q4_0, 1, 32, &block).err().expect("must fail");
     assert!(matches!(err, MatrixError::ScaleRange { row: 0, block: 0, .. }), "{err}");
 }
+
+/// Q5_0 and Q5_1 kept at 5 bits (the AVX2 tile) give the bits of the same
+/// matrix widened to 8 bits, on every path, and dequantize to the same rows.
+/// The 5-row matrices hold only the largest quant (31), against activations
+/// all at +127 or all at -127: the tile's 16-bit sums at their bound.
+#[test]
+fn q5_at_five_bits_equals_widened_bit_for_bit() {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut seed = 17;
+    for format in [WeightFormat::Q5_0, WeightFormat::Q5_1] {
+        for &(n, k) in &[(5, 64), (37, 96), (70, 160)] {
+            let mut bytes = ggml_bytes(format, n, k, &mut seed);
+            let extremes = n == 5;
+            if extremes {
+                // qh and qs, after the block's f16 factors.
+                let factors = if format == WeightFormat::Q5_1 { 4 } else { 2 };
+                bytes.chunks_exact_mut(format.block_bytes()).for_each(|blk| blk[factors..].fill(0xff));
+            }
+            let native = QMatrix::prepare(format, n, k, &bytes, true).unwrap();
+            let widened = QMatrix::prepare(format, n, k, &bytes, false).unwrap();
+            assert!(matches!(native.kind, Prepared::Q5 { .. }) && matches!(widened.kind, Prepared::Q8 { .. }));
+            let (mut a, mut b) = (vec![0f32; k], vec![0f32; k]);
+            for o in 0..n {
+                native.row_f32(o, &mut a);
+                widened.row_f32(o, &mut b);
+                assert_eq!(bits(&a), bits(&b), "{format:?} row {o}");
+            }
+            for rows in [1, 2, 3, 4, 5, 9] {
+                let x: Vec<f32> = (0..rows * k).map(|i| if extremes { if (i / k) % 2 == 0 { 1.0 } else { -1.0 } } else { lcg(&mut seed) * 3.0 }).collect();
+                let want = bits(&run_on(Isa::Scalar, &widened, &x, rows));
+                for isa in isas() {
+                    assert_eq!(bits(&run_on(isa, &native, &x, rows)), want, "{format:?} n={n} k={k} rows={rows} {isa:?}");
+                }
+            }
+        }
+    }
+}

@@ -124,6 +124,28 @@ fn block_at(v: &[u16], nb: usize, o: usize, b: usize) -> f32 {
     f16::from_bits(v[((o / PANEL) * nb + b) * PANEL + o % PANEL]).to_f32()
 }
 
+/// Where one GGML block of a matrix goes in the panel layouts.
+struct BlockAt {
+    row: usize,
+    /// Its index in the row.
+    block: usize,
+    /// Panel of its row, times the blocks of a row, plus `block`.
+    panel_block: usize,
+    /// Its row within the panel.
+    panel_row: usize,
+}
+
+/// Calls `f` for every block of a GGML matrix (rows of `row_bytes`, blocks of
+/// `block_bytes`, `nb` to a row), row by row, stopping at the first error.
+fn each_block(bytes: &[u8], row_bytes: usize, block_bytes: usize, nb: usize, mut f: impl FnMut(BlockAt, &[u8]) -> Result<(), MatrixError>) -> Result<(), MatrixError> {
+    for (row, data) in bytes.chunks_exact(row_bytes).enumerate() {
+        for (block, blk) in data.chunks_exact(block_bytes).enumerate() {
+            f(BlockAt { row, block, panel_block: (row / PANEL) * nb + block, panel_row: row % PANEL }, blk)?;
+        }
+    }
+    Ok(())
+}
+
 /// Errors preparing a weight matrix.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MatrixError {
@@ -174,28 +196,26 @@ impl QMatrix {
                 let hdr = bb - 16;
                 let mut qs = vec![0u8; panel_blocks * Q4_PANEL_BLOCK];
                 let (mut d, mut m) = (vec![0u16; panel_blocks * PANEL], vec![0u16; panel_blocks * PANEL]);
-                for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
-                    let (p, r) = (o / PANEL, o % PANEL);
-                    for (b, blk) in row.chunks_exact(bb).enumerate() {
-                        let pb = p * nb + b;
-                        let scale = f16_at(blk, 0);
-                        d[pb * PANEL + r] = scale;
-                        m[pb * PANEL + r] = if format == WeightFormat::Q4_1 {
-                            f16_at(blk, 2)
-                        } else {
-                            // Exact in f16 (a power-of-two multiple) unless it overflows.
-                            let off = -8.0 * f16::from_bits(scale).to_f32();
-                            if !f16::from_f32(off).to_f32().eq(&off) && off.is_finite() {
-                                return Err(MatrixError::ScaleRange { row: o, block: b, scale: f16::from_bits(scale).to_string() });
-                            }
-                            f16::from_f32(off).to_bits()
-                        };
-                        for j in 0..4 {
-                            let at = pb * Q4_PANEL_BLOCK + j * 64 + r * 4;
-                            qs[at..at + 4].copy_from_slice(&blk[hdr + 4 * j..hdr + 4 * j + 4]);
+                each_block(bytes, row_bytes, bb, nb, |at, blk| {
+                    let (pb, r) = (at.panel_block, at.panel_row);
+                    let scale = f16_at(blk, 0);
+                    d[pb * PANEL + r] = scale;
+                    m[pb * PANEL + r] = if format == WeightFormat::Q4_1 {
+                        f16_at(blk, 2)
+                    } else {
+                        // Exact in f16 (a power-of-two multiple) unless it overflows.
+                        let off = -8.0 * f16::from_bits(scale).to_f32();
+                        if !f16::from_f32(off).to_f32().eq(&off) && off.is_finite() {
+                            return Err(MatrixError::ScaleRange { row: at.row, block: at.block, scale: f16::from_bits(scale).to_string() });
                         }
+                        f16::from_f32(off).to_bits()
+                    };
+                    for j in 0..4 {
+                        let at = pb * Q4_PANEL_BLOCK + j * 64 + r * 4;
+                        qs[at..at + 4].copy_from_slice(&blk[hdr + 4 * j..hdr + 4 * j + 4]);
                     }
-                }
+                    Ok(())
+                })?;
                 Prepared::Q4 { qs, d, m }
             }
             WeightFormat::Q5_0 | WeightFormat::Q5_1 if native_q5 => {
@@ -205,22 +225,20 @@ impl QMatrix {
                 let mut qh = vec![0u8; panel_blocks * Q5_HIGH_BLOCK];
                 let mut d = vec![0u16; panel_blocks * PANEL];
                 let mut m = vec![0u16; if offset { panel_blocks * PANEL } else { 0 }];
-                for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
-                    let (p, r) = (o / PANEL, o % PANEL);
-                    for (b, blk) in row.chunks_exact(bb).enumerate() {
-                        let pb = p * nb + b;
-                        let q: [u8; QK] = if offset { blocks::q5_1_quants(blk) } else { blocks::q5_0_quants(blk).map(|v| (v + 16) as u8) };
-                        d[pb * PANEL + r] = f16_at(blk, 0);
-                        if offset {
-                            m[pb * PANEL + r] = f16_at(blk, 2);
-                        }
-                        for (e, &v) in q.iter().enumerate() {
-                            let g = e % 16;
-                            qs[pb * Q4_PANEL_BLOCK + (g / 4) * 64 + r * 4 + g % 4] |= if e < 16 { v & 0x0f } else { (v & 0x0f) << 4 };
-                            qh[pb * Q5_HIGH_BLOCK + (r / 8) * 32 + (r % 8) * 4 + e % 4] |= (v >> 4) << (e / 4);
-                        }
+                each_block(bytes, row_bytes, bb, nb, |at, blk| {
+                    let (pb, r) = (at.panel_block, at.panel_row);
+                    let q: [u8; QK] = if offset { blocks::q5_1_quants(blk) } else { blocks::q5_0_quants(blk).map(|v| (v + 16) as u8) };
+                    d[pb * PANEL + r] = f16_at(blk, 0);
+                    if offset {
+                        m[pb * PANEL + r] = f16_at(blk, 2);
                     }
-                }
+                    for (e, &v) in q.iter().enumerate() {
+                        let g = e % 16;
+                        qs[pb * Q4_PANEL_BLOCK + (g / 4) * 64 + r * 4 + g % 4] |= if e < 16 { v & 0x0f } else { (v & 0x0f) << 4 };
+                        qh[pb * Q5_HIGH_BLOCK + (r / 8) * 32 + (r % 8) * 4 + e % 4] |= (v >> 4) << (e / 4);
+                    }
+                    Ok(())
+                })?;
                 Prepared::Q5 { qs, qh, d, m }
             }
             WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::IQ4_NL => {
@@ -229,25 +247,23 @@ impl QMatrix {
                 let mut qs = vec![0x80u8; panel_blocks * Q8_PANEL_BLOCK];
                 let mut d = vec![0u16; panel_blocks * PANEL];
                 let mut m = vec![0u16; if offset { panel_blocks * PANEL } else { 0 }];
-                for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
-                    let (p, r) = (o / PANEL, o % PANEL);
-                    for (b, blk) in row.chunks_exact(bb).enumerate() {
-                        let pb = p * nb + b;
-                        let w: [i8; QK] = match format {
-                            WeightFormat::Q8_0 => std::array::from_fn(|e| blk[2 + e] as i8),
-                            WeightFormat::Q5_0 => blocks::q5_0_quants(blk),
-                            WeightFormat::Q5_1 => blocks::q5_1_quants(blk).map(|q| q as i8),
-                            _ => blocks::iq4_nl_levels(blk),
-                        };
-                        d[pb * PANEL + r] = f16_at(blk, 0);
-                        if offset {
-                            m[pb * PANEL + r] = f16_at(blk, 2);
-                        }
-                        for (e, &v) in w.iter().enumerate() {
-                            qs[pb * Q8_PANEL_BLOCK + (e / 4) * 64 + r * 4 + e % 4] = v as u8 ^ 0x80;
-                        }
+                each_block(bytes, row_bytes, bb, nb, |at, blk| {
+                    let (pb, r) = (at.panel_block, at.panel_row);
+                    let w: [i8; QK] = match format {
+                        WeightFormat::Q8_0 => std::array::from_fn(|e| blk[2 + e] as i8),
+                        WeightFormat::Q5_0 => blocks::q5_0_quants(blk),
+                        WeightFormat::Q5_1 => blocks::q5_1_quants(blk).map(|q| q as i8),
+                        _ => blocks::iq4_nl_levels(blk),
+                    };
+                    d[pb * PANEL + r] = f16_at(blk, 0);
+                    if offset {
+                        m[pb * PANEL + r] = f16_at(blk, 2);
                     }
-                }
+                    for (e, &v) in w.iter().enumerate() {
+                        qs[pb * Q8_PANEL_BLOCK + (e / 4) * 64 + r * 4 + e % 4] = v as u8 ^ 0x80;
+                    }
+                    Ok(())
+                })?;
                 Prepared::Q8 { qs, d, m }
             }
             WeightFormat::Q2_K | WeightFormat::Q3_K | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K => {

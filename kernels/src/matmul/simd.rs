@@ -229,6 +229,21 @@ pub(super) unsafe fn store256(v: __m256, out: *mut f32, n: usize, p: usize, h: u
     std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.add(t * n + p * PANEL + h * 8), live);
 }
 
+/// One Q4-layout block of a half panel (`wp`: its first byte) unpacked:
+/// register `j` holds elements `4j..4j+4` of each of the 8 rows, register
+/// `j + 4` elements `16 + 4j..16 + 4j + 4` (the high nibbles).
+#[inline(always)]
+unsafe fn q4_half_nibbles(wp: *const u8) -> [__m256i; 8] {
+    let low = _mm256_set1_epi8(0x0f);
+    let mut w = [_mm256_setzero_si256(); 8];
+    for j in 0..4 {
+        let v = _mm256_loadu_si256(wp.add(j * 64) as *const __m256i);
+        w[j] = _mm256_and_si256(v, low);
+        w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    w
+}
+
 /// Panel `p` of a Q4 matrix against activation rows `t..t+C` (AVX2),
 /// one half panel (8 rows) at a time. `maddubs` adds pairs of products
 /// (at most 2 * 15 * 127 in magnitude), so eight of them still fit 16
@@ -237,7 +252,6 @@ pub(super) unsafe fn store256(v: __m256, out: *mut f32, n: usize, p: usize, h: u
 #[allow(clippy::too_many_arguments)]
 unsafe fn q4_tile_avx2<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
     let cols = Columns::<C>::new(xq, t);
-    let low = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     for h in 0..2 {
         if h * 8 >= live_rows(p, n) {
@@ -246,13 +260,7 @@ unsafe fn q4_tile_avx2<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usiz
         let mut acc = [_mm256_setzero_ps(); C];
         for b in 0..nb {
             let pb = p * nb + b;
-            let wp = qs.as_ptr().add(pb * Q4_PANEL_BLOCK + h * 32);
-            let mut w = [_mm256_setzero_si256(); 8];
-            for j in 0..4 {
-                let v = _mm256_loadu_si256(wp.add(j * 64) as *const __m256i);
-                w[j] = _mm256_and_si256(v, low);
-                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            }
+            let w = q4_half_nibbles(qs.as_ptr().add(pb * Q4_PANEL_BLOCK + h * 32));
             let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(pb * PANEL + h * 8) as *const __m128i));
             let mv = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().add(pb * PANEL + h * 8) as *const __m128i));
             for c in 0..C {
@@ -282,7 +290,7 @@ unsafe fn q4_tile_avx2<const C: usize>(qs: &[u8], d: &[u16], m: &[u16], nb: usiz
 #[allow(clippy::too_many_arguments)]
 unsafe fn q5_tile_avx2<const C: usize>(qs: &[u8], qh: &[u8], d: &[u16], m: &[u16], nb: usize, xq: &QuantizedActs, p: usize, out: *mut f32, n: usize, t: usize) {
     let cols = Columns::<C>::new(xq, t);
-    let (low, fifth, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x10), _mm256_set1_epi16(1));
+    let (fifth, ones) = (_mm256_set1_epi8(0x10), _mm256_set1_epi16(1));
     let offset = !m.is_empty();
     for h in 0..2 {
         if h * 8 >= live_rows(p, n) {
@@ -310,13 +318,13 @@ unsafe fn q5_tile_avx2<const C: usize>(qs: &[u8], qh: &[u8], d: &[u16], m: &[u16
                 _mm256_srli_epi16::<2>(hv),
                 _mm256_srli_epi16::<3>(hv),
             ];
-            let mut w = [_mm256_setzero_si256(); 8];
-            for j in 0..4 {
-                let v = _mm256_loadu_si256(wp.add(j * 64) as *const __m256i);
-                w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(high[j], fifth));
-                w[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(high[j + 4], fifth));
+            let mut w = q4_half_nibbles(wp);
+            for (wq, hq) in w.iter_mut().zip(high) {
+                *wq = _mm256_or_si256(*wq, _mm256_and_si256(hq, fifth));
             }
             let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(pb * PANEL + h * 8) as *const __m128i));
+            // Q5_1's offsets, once per block for every column.
+            let mv = if offset { _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().add(pb * PANEL + h * 8) as *const __m128i)) } else { _mm256_setzero_ps() };
             for c in 0..C {
                 let x = cols.quads(c, b);
                 let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
@@ -331,7 +339,6 @@ unsafe fn q5_tile_avx2<const C: usize>(qs: &[u8], qh: &[u8], d: &[u16], m: &[u16
                 let scale = _mm256_mul_ps(dv, _mm256_set1_ps(*cols.d[c].add(b)));
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[c]);
                 if offset {
-                    let mv = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().add(pb * PANEL + h * 8) as *const __m128i));
                     acc[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(*cols.s[c].add(b)), acc[c]);
                 }
             }

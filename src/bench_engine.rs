@@ -11,6 +11,10 @@ use clap::Args;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// The decode measurements' prompt when `--decode-context` is not given: a
+/// short one, compared with llama-bench's decode from an empty context.
+const DEFAULT_DECODE_CONTEXT: usize = 32;
+
 #[derive(Args, Debug)]
 pub struct BenchEngineArgs {
     #[command(flatten)]
@@ -27,7 +31,7 @@ pub struct BenchEngineArgs {
     /// Prompt tokens of each sequence of the decode measurements: its context
     /// when decoding starts (a chat history of several turns is some hundreds).
     /// Above the default, llama-bench decodes after as many (`-d`).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = DEFAULT_DECODE_CONTEXT)]
     pub decode_context: usize,
     /// Repetitions of each measurement (the best is reported).
     #[arg(long, default_value_t = 3)]
@@ -110,7 +114,11 @@ struct LlamaBench {
 /// decode rate over `tg` tokens after `depth` tokens of context.
 fn llama_bench(bin: &PathBuf, model: &std::path::Path, threads: usize, pp: usize, tg: usize, depth: usize) -> Result<LlamaBench> {
     let run = |pp: usize, tg: usize, depth: usize| -> Result<serde_json::Value> {
-        let args = ["-m", &model.display().to_string(), "-t", &threads.to_string(), "-p", &pp.to_string(), "-n", &tg.to_string(), "-d", &depth.to_string(), "-o", "json", "-r", "3"].map(String::from);
+        let mut args = ["-m", &model.display().to_string(), "-t", &threads.to_string(), "-p", &pp.to_string(), "-n", &tg.to_string(), "-o", "json", "-r", "3"].map(String::from).to_vec();
+        // Only when asked for: a llama-bench older than `-d` still serves the default.
+        if depth > 0 {
+            args.extend(["-d".to_string(), depth.to_string()]);
+        }
         let out = std::process::Command::new(bin).args(args).output()?;
         if !out.status.success() {
             bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -165,7 +173,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         p.exists().then_some(p)
     });
     let llama = match (&llama_bin, a.no_llama) {
-        (Some(bin), false) => match llama_bench(bin, &a.engine.model_path(), a.engine.threads, a.prompt_tokens, a.decode_tokens, if a.decode_context > 32 { a.decode_context } else { 0 }) {
+        (Some(bin), false) => match llama_bench(bin, &a.engine.model_path(), a.engine.threads, a.prompt_tokens, a.decode_tokens, if a.decode_context > DEFAULT_DECODE_CONTEXT { a.decode_context } else { 0 }) {
             Ok(r) => Some(r),
             Err(e) => {
                 eprintln!("llama-bench: {e:#}");
@@ -186,7 +194,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     row(&format!("prefill tok/s (pp{})", a.prompt_tokens), prefill, llama.as_ref().map(|l| l.pp));
     for (b, rate) in &decode {
         let theirs = if *b == 1 { llama.as_ref().map(|l| l.tg) } else { None };
-        let name = if a.decode_context == 32 { format!("decode tok/s batch {b} (tg{})", a.decode_tokens) } else { format!("decode tok/s batch {b} (tg{} @ {})", a.decode_tokens, a.decode_context) };
+        let name = if a.decode_context == DEFAULT_DECODE_CONTEXT { format!("decode tok/s batch {b} (tg{})", a.decode_tokens) } else { format!("decode tok/s batch {b} (tg{} @ {})", a.decode_tokens, a.decode_context) };
         row(&name, *rate, theirs);
     }
     if let (Some((_, b1)), Some((bmax, bn))) = (decode.first(), decode.last()) {

@@ -297,10 +297,8 @@ impl Task<'_> {
                 for (ri, ra, x0, x1) in slice_rows(t0, s0, s1) {
                     for i in 0..nh {
                         let vi = &values[(i * TILE + x0 - a) * hd..];
-                        for g in 0..group {
-                            let k = (ri * nh + i) * group + g;
-                            accumulate(&mut acc[k * hd..(k + 1) * hd], &s[k * TILE + x0 - ra..k * TILE + x1 - ra], vi, hd);
-                        }
+                        let k = (ri * nh + i) * group;
+                        accumulate_heads(&mut acc[k * hd..(k + group) * hd], &s[k * TILE..(k + group) * TILE], x0 - ra..x1 - ra, vi, hd);
                     }
                 }
             }
@@ -438,6 +436,39 @@ mod avx2 {
         }
     }
 
+    /// [`super::accumulate`] for `G` heads over the same `m` values (rows of
+    /// `hd`): head `g`'s accumulator is at `acc + g * hd`, its weights at
+    /// `w + g * w_stride`. Sixteen columns at a time, so the `2 G`
+    /// accumulators stay in registers across all `m` values and each value
+    /// chunk is loaded once for the `G` heads. Per element: `a = a + p * v`,
+    /// multiply then add, in value order.
+    ///
+    /// # Safety
+    /// AVX2 present; `hd` a multiple of 16; `acc` writable for `G * hd`,
+    /// `w + g * w_stride` readable for `m`, `vals` readable for `m * hd`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn accumulate_heads<const G: usize>(acc: *mut f32, hd: usize, w: *const f32, w_stride: usize, m: usize, vals: *const f32) {
+        for c in (0..hd).step_by(16) {
+            let mut r = [[_mm256_setzero_ps(); 2]; G];
+            for (g, rg) in r.iter_mut().enumerate() {
+                *rg = [_mm256_loadu_ps(acc.add(g * hd + c)), _mm256_loadu_ps(acc.add(g * hd + c + 8))];
+            }
+            for j in 0..m {
+                let v = vals.add(j * hd + c);
+                let (v0, v1) = (_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(8)));
+                for (g, rg) in r.iter_mut().enumerate() {
+                    let p = _mm256_broadcast_ss(&*w.add(g * w_stride + j));
+                    rg[0] = _mm256_add_ps(rg[0], _mm256_mul_ps(p, v0));
+                    rg[1] = _mm256_add_ps(rg[1], _mm256_mul_ps(p, v1));
+                }
+            }
+            for (g, rg) in r.iter().enumerate() {
+                _mm256_storeu_ps(acc.add(g * hd + c), rg[0]);
+                _mm256_storeu_ps(acc.add(g * hd + c + 8), rg[1]);
+            }
+        }
+    }
+
     /// [`super::scores_into2`]: eight keys per step, in two passes of four,
     /// each key chunk multiplied with both queries while loaded (8
     /// accumulators, six loads per eight products instead of nine).
@@ -528,6 +559,41 @@ mod avx2 {
             out[j] = hsum8(a) * scale;
             j += 1;
         }
+    }
+}
+
+/// [`accumulate`] for the query heads that share one KV head: head `g`'s
+/// accumulator is `acc[g * hd..][..hd]` and its weights are
+/// `w[g * TILE..][span]`, all over the same values. On AVX2 up to four heads
+/// are worked together, so each value chunk is loaded once for all of them;
+/// every element's operations and their order are [`accumulate`]'s.
+#[inline(always)]
+fn accumulate_heads(acc: &mut [f32], w: &[f32], span: std::ops::Range<usize>, vals: &[f32], hd: usize) {
+    let heads = acc.len() / hd;
+    #[cfg(target_arch = "x86_64")]
+    if heads > 1 && hd.is_multiple_of(16) && std::is_x86_feature_detected!("avx2") {
+        assert!(w.len() >= (heads - 1) * TILE + span.end && span.start <= span.end && vals.len() >= span.len() * hd);
+        let mut g = 0;
+        while g < heads {
+            let n = (heads - g).min(4);
+            let (a, p) = (acc[g * hd..].as_mut_ptr(), w[g * TILE + span.start..].as_ptr());
+            // SAFETY: AVX2 is present; heads g..g+n of `acc` and their
+            // weights over `span` are in bounds (asserted above), as are
+            // `span.len()` values of `hd`.
+            unsafe {
+                match n {
+                    4 => avx2::accumulate_heads::<4>(a, hd, p, TILE, span.len(), vals.as_ptr()),
+                    3 => avx2::accumulate_heads::<3>(a, hd, p, TILE, span.len(), vals.as_ptr()),
+                    2 => avx2::accumulate_heads::<2>(a, hd, p, TILE, span.len(), vals.as_ptr()),
+                    _ => avx2::accumulate_heads::<1>(a, hd, p, TILE, span.len(), vals.as_ptr()),
+                }
+            }
+            g += n;
+        }
+        return;
+    }
+    for g in 0..heads {
+        accumulate(&mut acc[g * hd..(g + 1) * hd], &w[g * TILE + span.start..g * TILE + span.end], vals, hd);
     }
 }
 
@@ -641,10 +707,21 @@ mod tests {
 
     #[test]
     fn equals_the_plain_arithmetic_bit_for_bit() {
-        let cases = [(64, KvDtype::F16, None), (128, KvDtype::F32, None), (24, KvDtype::BF16, None), (256, KvDtype::F16, Some(20)), (64, KvDtype::F32, Some(1)), (128, KvDtype::F16, Some(32)), (64, KvDtype::F16, Some(100))];
-        for (hd, dtype, window) in cases {
-            let layout = KvLayout { layers: 1, block_tokens: 16, kv_heads: 3, head_dim: hd, dtype };
-            let (nh, te, len) = (9, 3 * hd, 200);
+        // (head_dim, dtype, window, query heads, KV heads): groups of 1, 2, 3,
+        // 4 and 7 query heads per KV head (the AVX2 value sums take up to
+        // four heads at a time, so 7 is a four and a three).
+        let cases = [
+            (64, KvDtype::F16, None, 9, 3),
+            (128, KvDtype::F32, None, 4, 2),
+            (24, KvDtype::BF16, None, 9, 3),
+            (256, KvDtype::F16, Some(20), 4, 1),
+            (64, KvDtype::F32, Some(1), 7, 1),
+            (128, KvDtype::F16, Some(32), 9, 3),
+            (64, KvDtype::F16, Some(100), 3, 3),
+        ];
+        for (hd, dtype, window, nh, kv_heads) in cases {
+            let layout = KvLayout { layers: 1, block_tokens: 16, kv_heads, head_dim: hd, dtype };
+            let (te, len) = (kv_heads * hd, 200);
             let mut kv = KvStorage::new(layout, 16);
             let table = [7u32, 2, 5, 0, 4, 9, 15, 1, 12, 3, 8, 6, 14];
             let mut seed = 11;

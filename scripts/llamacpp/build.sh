@@ -4,13 +4,20 @@
 #
 #   (a) venv at .cache/llamacpp/venv with llama-cpp-python compiled from the
 #       PyPI sdist (CPU only), plus jinja2/numpy for scripts/llamacpp/golden.py
-#   (b) llama-bench, llama-quantize and llama-server built with cmake from the
-#       llama.cpp source vendored in that same sdist, installed to .cache/llamacpp/bin/
-#       (llama-quantize makes the K-quant test models, scripts/llamacpp/requantize.sh)
+#   (b) llama-bench and llama-server built with cmake from the llama.cpp source
+#       vendored in that same sdist, for this CPU (-march=native), installed to
+#       .cache/llamacpp/bin/
+#   (c) llama-quantize from the same source, built portable (baseline x86-64 code, no
+#       fused multiply-adds) so that the K-quant test models it makes
+#       (scripts/llamacpp/requantize.sh) are the same bytes on every machine, as the
+#       goldens' recorded sha256 requires (the portable and the native build of
+#       2026-12-03 made identical files on an AVX2 machine)
 #
 # Usage: bash scripts/llamacpp/build.sh
 # Env:   LLAMACPP_PY_VERSION (default below), JOBS (default 2),
-#        LLAMACPP_SKIP_SERVER=1 to build llama-bench and llama-quantize only.
+#        LLAMACPP_SKIP_SERVER=1 to build llama-bench (and llama-quantize) only,
+#        LLAMACPP_ONLY=quantize to build llama-quantize alone (what the README's test
+#        command needs; about 7 minutes on 2 cores).
 set -euo pipefail
 
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
@@ -70,6 +77,22 @@ if [ -z "$SDIST" ]; then
         --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$SRC"
     SDIST="$(ls "$SRC"/llama_cpp_python-"$VERSION".tar.gz)"
 fi
+# The source is compiled and run by the test command: it must be the reviewed release.
+# Another version needs its own LLAMACPP_SDIST_SHA256.
+PINNED_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+[ "$VERSION" = 0.3.36 ] || PINNED_SHA256=""
+WANT_SHA256="${LLAMACPP_SDIST_SHA256:-$PINNED_SHA256}"
+if [ -z "$WANT_SHA256" ]; then
+    echo "error: no sha256 known for llama-cpp-python $VERSION; set LLAMACPP_SDIST_SHA256" >&2
+    exit 1
+fi
+GOT_SHA256="$(sha256sum "$SDIST" | cut -d' ' -f1)"
+if [ "$GOT_SHA256" != "$WANT_SHA256" ]; then
+    echo "error: $SDIST has sha256 $GOT_SHA256, expected $WANT_SHA256; removed" >&2
+    rm -f "$SDIST"
+    rm -rf "$SRC/llama_cpp_python-$VERSION"
+    exit 1
+fi
 UNPACKED="$SRC/llama_cpp_python-$VERSION"
 if [ ! -f "$UNPACKED/vendor/llama.cpp/CMakeLists.txt" ]; then
     log "unpacking $SDIST"
@@ -79,14 +102,21 @@ LLAMA_SRC="$UNPACKED/vendor/llama.cpp"
 LLAMA_COMMIT=unknown
 [ -e "$LLAMA_SRC/.git" ] && LLAMA_COMMIT="$(git -C "$LLAMA_SRC" rev-parse HEAD 2>/dev/null || echo unknown)"
 
+ONLY="${LLAMACPP_ONLY:-}"
+case "$ONLY" in "" | quantize) ;; *) echo "error: LLAMACPP_ONLY must be empty or 'quantize', not '$ONLY'" >&2; exit 2 ;; esac
+
 # --- (a) venv + llama-cpp-python --------------------------------------------
-if [ ! -x "$VENV/bin/python" ]; then
+if [ -n "$ONLY" ]; then
+    log "LLAMACPP_ONLY=$ONLY: no venv, llama-bench or llama-server"
+elif [ ! -x "$VENV/bin/python" ]; then
     log "creating venv $VENV"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 fi
 have="$("$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)"
-if [ "$have" != "$VERSION" ] || [ "${REBUILD_PY:-0}" = 1 ]; then
+if [ -n "$ONLY" ]; then
+    :
+elif [ "$have" != "$VERSION" ] || [ "${REBUILD_PY:-0}" = 1 ]; then
     log "building llama-cpp-python $VERSION from sdist (CPU only, takes a while)"
     CMAKE_ARGS="$GGML_FLAGS" \
     CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
@@ -97,16 +127,17 @@ if [ "$have" != "$VERSION" ] || [ "${REBUILD_PY:-0}" = 1 ]; then
 else
     log "llama-cpp-python $VERSION already installed"
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check jinja2 numpy
+[ -n "$ONLY" ] || "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check jinja2 numpy
 # ggml reports what it was compiled with: AMX must not be in it (see GGML_FLAGS above).
-if "$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())' | grep -q "AMX_INT8 = 1"; then
+if [ -z "$ONLY" ] && "$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())' | grep -q "AMX_INT8 = 1"; then
     echo "error: llama-cpp-python was built with AMX (its matrix product crashes); CFLAGS did not reach the build" >&2
     exit 1
 fi
 
-# --- (b) llama-bench / llama-quantize / llama-server ------------------------
-targets=(llama-bench llama-quantize)
-[ "${LLAMACPP_SKIP_SERVER:-0}" = "1" ] || targets+=(llama-server)
+# --- (b) llama-bench / llama-server ------------------------------------------
+targets=()
+[ -n "$ONLY" ] || targets+=(llama-bench)
+[ -n "$ONLY" ] || [ "${LLAMACPP_SKIP_SERVER:-0}" = "1" ] || targets+=(llama-server)
 missing=0
 for t in "${targets[@]}"; do [ -x "$BIN/$t" ] || missing=1; done
 if [ "$missing" = 1 ]; then
@@ -124,15 +155,41 @@ if [ "$missing" = 1 ]; then
     for t in "${targets[@]}"; do
         install -m 0755 "$BUILD/bin/$t" "$BIN/$t"
     done
-else
+elif [ "${#targets[@]}" -gt 0 ]; then
     log "binaries already in $BIN"
 fi
 
 echo "$STAMP_TEXT" >"$STAMP"
 
+# --- (c) llama-quantize, portable --------------------------------------------
+QBUILD="$CACHE/build-quantize"
+QSTAMP="$CACHE/quantize-flags"
+QFLAGS="-DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF"
+QSTAMP_TEXT="$QFLAGS CFLAGS=-ffp-contract=off"
+if [ ! -x "$BIN/llama-quantize" ] || [ "$(cat "$QSTAMP" 2>/dev/null || true)" != "$QSTAMP_TEXT" ]; then
+    rm -rf "$QBUILD" "$BIN/llama-quantize"
+    log "configuring the portable llama-quantize build in $QBUILD"
+    # shellcheck disable=SC2086 # QFLAGS is a list of options
+    CFLAGS="-ffp-contract=off" CXXFLAGS="-ffp-contract=off" \
+        cmake -S "$LLAMA_SRC" -B "$QBUILD" -DCMAKE_BUILD_TYPE=Release $QFLAGS \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
+        > "$CACHE/cmake-configure-quantize.log" 2>&1 \
+        || { tail -50 "$CACHE/cmake-configure-quantize.log" >&2; exit 1; }
+    log "building llama-quantize with -j$JOBS"
+    cmake --build "$QBUILD" --config Release -j"$JOBS" --target llama-quantize \
+        > "$CACHE/cmake-build-quantize.log" 2>&1 \
+        || { tail -50 "$CACHE/cmake-build-quantize.log" >&2; exit 1; }
+    install -m 0755 "$QBUILD/bin/llama-quantize" "$BIN/llama-quantize"
+    echo "$QSTAMP_TEXT" >"$QSTAMP"
+else
+    log "llama-quantize (portable) already in $BIN"
+fi
+targets+=(llama-quantize)
+
 # --- report -----------------------------------------------------------------
 echo "llama-cpp-python $VERSION (sdist: $SDIST)"
 echo "llama.cpp source:  $LLAMA_SRC (commit $LLAMA_COMMIT)"
-echo "venv python:       $VENV/bin/python"
+[ -n "$ONLY" ] || echo "venv python:       $VENV/bin/python"
 for t in "${targets[@]}"; do echo "$t: $BIN/$t"; done
 echo "logs:              $CACHE/{pip-install,cmake-configure,cmake-build}.log"

@@ -57,6 +57,11 @@ fi
 
 # --- tests only ------------------------------------------------------------------------
 if [ "$mode" = test ]; then
+    # The lint step of scripts/test.sh; rustup fetches the component from the Rust
+    # project's servers, so where those are out of reach the step says it is skipped.
+    if ! cargo clippy --version >/dev/null 2>&1 && has rustup; then
+        rustup component add clippy >&2 || echo "setup: could not add clippy; the tests run without the lint step" >&2
+    fi
     has c++ || want g++ "kernels/emu compiles the CUDA kernels as C++ for the emulated tests"
     has etcd || want etcd-server "tests/etcd_membership.rs starts real etcd servers"
     has prometheus || want prometheus "tests/prometheus_scrape.rs and promtool in deploy/check.sh"

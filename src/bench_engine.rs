@@ -159,7 +159,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     let mut decode = Vec::new();
     for &b in &a.batches {
         let mut best = 0f64;
-        for rep in 0..a.reps.min(2).max(1) {
+        for rep in 0..a.reps.clamp(1, 2) {
             let (_, rate) = run_batch(&engine, b, a.decode_context, a.decode_tokens, 200 + rep + b * 10)?;
             best = best.max(rate);
         }

@@ -138,7 +138,7 @@ impl App {
         }
         let o = match &subject {
             LimitSubject::User(u) => self.store.user_limits(u).await?,
-            LimitSubject::Key(k) => self.store.key_limits(&k).await?,
+            LimitSubject::Key(k) => self.store.key_limits(k).await?,
         };
         let mut cache = self.overrides_cache.lock().unwrap_or_else(|p| p.into_inner());
         if cache.len() > 100_000 {

@@ -24,7 +24,7 @@ fn q4_k_m_type(what: &str, i: u32, n: u32, k: usize) -> GgmlType {
     let more_bits = i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
     let wanted = if (what == "attn_v" || what == "ffn_down") && more_bits { GgmlType::Q6_K } else { GgmlType::Q4_K };
     match wanted {
-        _ if k % QK_K == 0 => wanted,
+        _ if k.is_multiple_of(QK_K) => wanted,
         GgmlType::Q6_K => GgmlType::Q8_0,
         _ => GgmlType::Q5_0,
     }

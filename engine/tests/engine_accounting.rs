@@ -239,7 +239,7 @@ fn prompt_tokens_from_the_second_tier_are_counted_exactly() {
     let again = collect(e.submit(request(first, "a", 4)).unwrap());
     let after = settled(&e);
     let bt = 16;
-    let from_tier2 = (after.kv.tier2_hits - before.kv.tier2_hits) as u64 * bt;
+    let from_tier2 = (after.kv.tier2_hits - before.kv.tier2_hits) * bt;
     assert!(from_tier2 > 0, "the test must promote blocks from the second tier: {after:?}");
     assert_eq!(after.cached_tier2_prompt_tokens - before.cached_tier2_prompt_tokens, from_tier2);
     assert_eq!(after.cached_prompt_tokens - before.cached_prompt_tokens, again.usage.cached_tokens as u64);

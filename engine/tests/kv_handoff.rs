@@ -34,7 +34,7 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
 
     // Turn 1, nothing cached anywhere.
     let prompt = chat_prompt(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
-    assert!(prompt.len() > 3 * bt && prompt.len() % bt != 0, "prompt of {} tokens", prompt.len());
+    assert!(prompt.len() > 3 * bt && !prompt.len().is_multiple_of(bt), "prompt of {} tokens", prompt.len());
     let local = collect(reference.submit(request(prompt.clone(), "alice", 24)).unwrap());
     assert_eq!(decoder.cached_prefix_tokens(&prompt, &baton_engine::kv::OwnerId::parse("alice").unwrap(), 0).unwrap(), 0);
     let p = prefill(&prefiller, request(prompt.clone(), "alice", 24), 0, None);

@@ -173,6 +173,6 @@ fn huge_block_count_is_refused_before_allocating() {
         }
     }
     let (_dir, f) = open(&m);
-    let e = config_from_gguf(&f).err().expect("a huge block_count is refused");
+    let e = config_from_gguf(&f).expect_err("a huge block_count is refused");
     assert!(e.to_string().contains("block_count 4294967295"), "{e}");
 }

@@ -121,6 +121,7 @@ fn time_interleaved(cases: &mut [Box<dyn FnMut() + '_>], rounds: usize, clock: C
 }
 
 /// Seconds per call of `rows` rows of `x` by each matrix on `backend`.
+#[allow(clippy::too_many_arguments)]
 fn time_products(backend: &CpuBackend, formats: &[WeightFormat], files: &[Vec<u8>], n: usize, k: usize, rows: usize, rounds: usize, clock: Clock) -> Vec<f64> {
     let x = backend.upload(&values(rows * k, 3));
     let matrices: Vec<_> = formats.iter().zip(files).map(|(&f, b)| backend.matrix(f, n, k, b).expect("matrix")).collect();

@@ -18,7 +18,7 @@ const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 /// 1.5 * 2^23: adding and subtracting it rounds to the nearest integer (ties to even).
 const ROUND: f32 = 12_582_912.0;
-const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1];
 
 /// `e^x` for `x <= 88` (0 below about -87.34, and for `-inf`).
 #[inline(always)]

@@ -169,7 +169,7 @@ impl QMatrix {
     /// widened to the 8-bit layout.
     fn prepare(format: WeightFormat, n: usize, k: usize, bytes: &[u8], native_q5: bool) -> Result<Self, MatrixError> {
         let row_length = MatrixError::RowLength { k, block: format.block_len().max(QK), format: format.name() };
-        if k % QK != 0 {
+        if !k.is_multiple_of(QK) {
             return Err(row_length);
         }
         let row_bytes = format.row_bytes(k).ok_or(row_length)?;
@@ -275,7 +275,7 @@ impl QMatrix {
 
     /// Prepares a float matrix from row-major f32 values.
     pub fn from_f32(n: usize, k: usize, w: Vec<f32>) -> Result<Self, MatrixError> {
-        if k % QK != 0 {
+        if !k.is_multiple_of(QK) {
             return Err(MatrixError::RowLength { k, block: QK, format: "F32" });
         }
         if w.len() != n * k {

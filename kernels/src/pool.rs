@@ -129,7 +129,7 @@ fn worker(s: &Shared) {
             }
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && Instant::now() > spin_until {
+            if spins.is_multiple_of(1024) && Instant::now() > spin_until {
                 let mut g = s.lock.lock().unwrap_or_else(|p| p.into_inner());
                 s.sleepers.fetch_add(1, SeqCst);
                 while s.generation.load(SeqCst) == seen && !s.stop.load(SeqCst) {

@@ -116,7 +116,7 @@ impl WeightFormat {
     /// number of blocks.
     pub fn row_bytes(self, k: usize) -> Option<usize> {
         let bl = self.block_len();
-        (k % bl == 0).then(|| k / bl * self.block_bytes())
+        k.is_multiple_of(bl).then(|| k / bl * self.block_bytes())
     }
 
     /// GGML's name of the format.

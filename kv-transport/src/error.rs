@@ -336,6 +336,15 @@ impl HasKind for Error {
     }
 }
 
+impl From<baton_identity::Error> for Error {
+    fn from(source: baton_identity::Error) -> Self {
+        match source {
+            baton_identity::Error::Tls(detail) => Error::Tls { detail },
+            source => Error::Certs { source },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -370,14 +379,5 @@ mod tests {
         let e = Error::RdmaCompletion { status: "x".into(), vendor_err: 0 };
         assert_eq!(e.label(), "rdma_completion");
         assert_eq!(KINDS.len(), 30);
-    }
-}
-
-impl From<baton_identity::Error> for Error {
-    fn from(source: baton_identity::Error) -> Self {
-        match source {
-            baton_identity::Error::Tls(detail) => Error::Tls { detail },
-            source => Error::Certs { source },
-        }
     }
 }

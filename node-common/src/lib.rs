@@ -6,6 +6,9 @@
 //! types, and the engine's series in each node's metrics. A library of the
 //! node crates, not a service.
 
+// `Error` is a start-up error, returned once per process (flags, model, listeners), so
+// its size costs nothing; boxing every variant would only hide what each one holds.
+#![allow(clippy::result_large_err)]
 pub mod convert;
 pub mod engine_args;
 pub mod engine_metrics;

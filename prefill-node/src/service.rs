@@ -79,7 +79,7 @@ impl PrefillService {
         let bt = self.kv.layout.block_tokens as usize;
         let n = req.prompt.len();
         let k = r.cached_tokens as usize;
-        if k % bt != 0 || k >= n {
+        if !k.is_multiple_of(bt) || k >= n {
             return Err(Status::invalid_argument("cached_tokens must be whole blocks shorter than the prompt"));
         }
         let start_block = k / bt;

@@ -152,7 +152,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&a.kv_loss) {
         bail!("--kv-loss must be within [0, 1]");
     }
-    if a.decode_nodes < 2 && a.faults.contains(&Fault::FreezeDecode) || a.faults.is_empty() && a.decode_nodes < 2 {
+    if a.decode_nodes < 2 && (a.faults.contains(&Fault::FreezeDecode) || a.faults.is_empty()) {
         bail!("freeze-decode needs at least 2 decode nodes");
     }
     let model = a.model.clone().unwrap_or_else(crate::engine_args::default_model_path);

@@ -314,7 +314,8 @@ fn exercise(dir: &Path, bytes: &[u8]) -> Result<(), TestCaseError> {
     let path = dir.join("fuzz.gguf");
     std::fs::write(&path, bytes).map_err(|e| TestCaseError::fail(format!("writing the case: {e}")))?;
     let bound = HEAP_PER_FILE_BYTE * bytes.len() + HEAP_SLACK;
-    let openers: [(&str, fn(&Path) -> Result<GgufFile, GgufError>); 2] = [("open", GgufFile::open), ("open_header", GgufFile::open_header)];
+    type Opener = fn(&Path) -> Result<GgufFile, GgufError>;
+    let openers: [(&str, Opener); 2] = [("open", GgufFile::open), ("open_header", GgufFile::open_header)];
     for (name, open) in openers {
         let (messages, peak) = peak_during(|| match open(&path) {
             Ok(g) => read_everything(&g),

@@ -212,7 +212,7 @@ impl Conversation {
                 }
             }
             self.busy.fetch_add(1, Ordering::SeqCst);
-            if n > 0 && n % self.config.turns_per_conversation.max(1) as u64 == 0 {
+            if n > 0 && n.is_multiple_of(self.config.turns_per_conversation.max(1) as u64) {
                 match self.create().await {
                     Some(c) => conversation = c,
                     None => {

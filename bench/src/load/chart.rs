@@ -28,7 +28,7 @@ fn panel<DB: DrawingBackend>(
     pick: impl Fn(&super::report::LevelReport) -> [f64; 3],
 ) -> Result<()> {
     let max_x = runs.iter().flat_map(|r| r.levels.iter().map(|l| l.conversations)).max().unwrap_or(1) as f64;
-    let max_y = runs.iter().flat_map(|r| r.levels.iter().flat_map(|l| pick(l))).fold(1.0f64, f64::max) * 1.1;
+    let max_y = runs.iter().flat_map(|r| r.levels.iter().flat_map(&pick)).fold(1.0f64, f64::max) * 1.1;
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 20))
         .margin(12)

@@ -202,7 +202,7 @@ impl CostModel {
         let mut free = [true; 4];
         loop {
             let t = solve_at_zero(m, v, &free).unwrap_or(prior);
-            let negative = (0..4).filter(|&j| free[j] && !(t[j] >= 0.0)).min_by(|&a, &b| t[a].total_cmp(&t[b]));
+            let negative = (0..4).filter(|&j| free[j] && (t[j].is_nan() || t[j] < 0.0)).min_by(|&a, &b| t[a].total_cmp(&t[b]));
             match negative {
                 Some(j) => free[j] = false,
                 None => return StepCost::from_array(t),
@@ -256,7 +256,8 @@ fn median(xs: &mut [f64]) -> f64 {
 }
 
 /// Solves `m x = v` with `x[j] = 0` for every `j` not `free` (their columns and rows
-/// taken out of the system).
+/// taken out of the system). Indexed like the algebra it does.
+#[allow(clippy::needless_range_loop)]
 fn solve_at_zero(mut m: [[f64; 4]; 4], mut v: [f64; 4], free: &[bool; 4]) -> Option<[f64; 4]> {
     for j in (0..4).filter(|&j| !free[j]) {
         for i in 0..4 {
@@ -270,7 +271,8 @@ fn solve_at_zero(mut m: [[f64; 4]; 4], mut v: [f64; 4], free: &[bool; 4]) -> Opt
 }
 
 /// Solves `m x = v` by Gaussian elimination with partial pivoting; `None` when `m` is
-/// singular (the ridge term keeps it from being so in practice).
+/// singular (the ridge term keeps it from being so in practice). Indexed like the algebra.
+#[allow(clippy::needless_range_loop)]
 fn solve4(mut m: [[f64; 4]; 4], mut v: [f64; 4]) -> Option<[f64; 4]> {
     for col in 0..4 {
         let pivot = (col..4).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;

@@ -64,7 +64,7 @@ impl ModelConfig {
         if let Some((what, _)) = pos.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{what} is zero").into());
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!("{} attention heads are not a multiple of {} kv heads", self.n_heads, self.n_kv_heads).into());
         }
         if !self.head_dim.is_multiple_of(8) {
@@ -82,7 +82,7 @@ impl ModelConfig {
         if self.layers.iter().any(|l| bad(l.rope.base) || bad(l.rope.freq_scale)) || bad(self.attn_scale) || self.logit_softcap.is_some_and(bad) {
             return Err("rope base, rope scale, attention scale and logit soft-cap must be positive".into());
         }
-        if self.hidden % 32 != 0 || self.ffn % 32 != 0 {
+        if !self.hidden.is_multiple_of(32) || !self.ffn.is_multiple_of(32) {
             return Err(format!("hidden {} and ffn {} must be multiples of 32", self.hidden, self.ffn).into());
         }
         Ok(())

@@ -354,7 +354,9 @@ pub fn load_hf_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LoadedModel<B>
         let st = SafeTensors::deserialize(m).map_err(|e| ModelError::Config { path: p.clone(), reason: format!("safetensors: {e}").into() })?;
         parsed.push((p.clone(), st));
     }
-    let find = |name: &str| -> Result<(PathBuf, Dtype, Vec<usize>, &[u8]), ModelError> {
+    // A tensor: its file, dtype, shape and bytes.
+    type Found<'a> = (PathBuf, Dtype, Vec<usize>, &'a [u8]);
+    let find = |name: &str| -> Result<Found<'_>, ModelError> {
         for (p, st) in &parsed {
             if let Ok(v) = st.tensor(name) {
                 return Ok((p.clone(), v.dtype(), v.shape().to_vec(), v.data()));
@@ -528,7 +530,7 @@ pub fn export_hf(gguf_path: &Path, out: &Path) -> Result<(), ModelError> {
         .map(|(name, shape, bytes)| {
             TensorView::new(Dtype::F32, shape.clone(), bytes)
                 .map(|v| (name.clone(), v))
-                .map_err(|e| ModelError::Tensor { path: out.into(), tensor: name.clone(), reason: e.to_string().into() })
+                .map_err(|e| ModelError::Tensor { path: out.into(), tensor: name.clone(), reason: e.to_string() })
         })
         .collect::<Result<_, _>>()?;
     let st_path = out.join("model.safetensors");

@@ -76,13 +76,13 @@ fn a_forged_chain_cannot_splice_onto_another_parent() {
     let mut cache = KvCache::new(8, 0);
     // x0 then x1, published by one sequence; y0 collides with x0's hash.
     let (x0, x1, y0) = (block(1, 10), block(2, 11), block(1, 99));
-    let (a, x0_link) = publish_after(&mut cache, &mut store, &[x0.clone()], None, &owner(0, 1));
-    let (b, _) = publish_after(&mut cache, &mut store, &[x1.clone()], x0_link, &owner(0, 2));
+    let (a, x0_link) = publish_after(&mut cache, &mut store, std::slice::from_ref(&x0), None, &owner(0, 1));
+    let (b, _) = publish_after(&mut cache, &mut store, std::slice::from_ref(&x1), x0_link, &owner(0, 2));
     cache.release(&a).expect("release");
     cache.release(&b).expect("release");
     // x0 goes away; y0 takes its hash. x1 stays cached, still under its own hash.
     assert_eq!(cache.evict_conversation(&conv(1)), 1);
-    let y = publish(&mut cache, &mut store, &[y0.clone()], &owner(0, 3));
+    let y = publish(&mut cache, &mut store, std::slice::from_ref(&y0), &owner(0, 3));
     cache.release(&y).expect("release");
     // [y0, x1] matches y0 (it is y0), but x1's KV was computed after x0: no hit.
     let m = cache.match_prefix(&[y0.key(), x1.key()], &mut store);
@@ -90,7 +90,7 @@ fn a_forged_chain_cannot_splice_onto_another_parent() {
     cache.release(&m.blocks).expect("release");
     // Not even after x0 itself comes back: a new entry is a new link.
     assert_eq!(cache.evict_conversation(&conv(3)), 1);
-    let c = publish(&mut cache, &mut store, &[x0.clone()], &owner(0, 1));
+    let c = publish(&mut cache, &mut store, std::slice::from_ref(&x0), &owner(0, 1));
     cache.release(&c).expect("release");
     let m = cache.match_prefix(&[x0.key(), x1.key()], &mut store);
     assert_eq!(m.blocks, c);

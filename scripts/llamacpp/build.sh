@@ -134,6 +134,28 @@ if [ -z "$ONLY" ] && "$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.ll
     exit 1
 fi
 
+# cmake_tools DIR LOG_SUFFIX SERVER FLAGS TARGET...: configure the llama.cpp source in DIR
+# with FLAGS (LLAMA_BUILD_SERVER=SERVER), build the TARGETs and install them to $BIN; the
+# logs are $CACHE/cmake-{configure,build}LOG_SUFFIX.log.
+cmake_tools() {
+    local dir="$1" suffix="$2" server="$3" flags="$4"
+    shift 4
+    log "configuring cmake build in $dir"
+    # shellcheck disable=SC2086 # flags is a list of options
+    cmake -S "$LLAMA_SRC" -B "$dir" -DCMAKE_BUILD_TYPE=Release $flags \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER="$server" -DBUILD_SHARED_LIBS=OFF \
+        > "$CACHE/cmake-configure$suffix.log" 2>&1 \
+        || { tail -50 "$CACHE/cmake-configure$suffix.log" >&2; exit 1; }
+    log "building $* with -j$JOBS"
+    cmake --build "$dir" --config Release -j"$JOBS" --target "$@" \
+        > "$CACHE/cmake-build$suffix.log" 2>&1 \
+        || { tail -50 "$CACHE/cmake-build$suffix.log" >&2; exit 1; }
+    for t in "$@"; do
+        install -m 0755 "$dir/bin/$t" "$BIN/$t"
+    done
+}
+
 # --- (b) llama-bench / llama-server ------------------------------------------
 targets=()
 [ -n "$ONLY" ] || targets+=(llama-bench)
@@ -141,20 +163,7 @@ targets=()
 missing=0
 for t in "${targets[@]}"; do [ -x "$BIN/$t" ] || missing=1; done
 if [ "$missing" = 1 ]; then
-    log "configuring cmake build in $BUILD"
-    # shellcheck disable=SC2086 # GGML_FLAGS is a list of options
-    cmake -S "$LLAMA_SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release $GGML_FLAGS \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
-        > "$CACHE/cmake-configure.log" 2>&1 \
-        || { tail -50 "$CACHE/cmake-configure.log" >&2; exit 1; }
-    log "building ${targets[*]} with -j$JOBS"
-    cmake --build "$BUILD" --config Release -j"$JOBS" --target "${targets[@]}" \
-        > "$CACHE/cmake-build.log" 2>&1 \
-        || { tail -50 "$CACHE/cmake-build.log" >&2; exit 1; }
-    for t in "${targets[@]}"; do
-        install -m 0755 "$BUILD/bin/$t" "$BIN/$t"
-    done
+    cmake_tools "$BUILD" "" ON "$GGML_FLAGS" "${targets[@]}"
 elif [ "${#targets[@]}" -gt 0 ]; then
     log "binaries already in $BIN"
 fi
@@ -168,19 +177,7 @@ QFLAGS="-DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DG
 QSTAMP_TEXT="$QFLAGS CFLAGS=-ffp-contract=off"
 if [ ! -x "$BIN/llama-quantize" ] || [ "$(cat "$QSTAMP" 2>/dev/null || true)" != "$QSTAMP_TEXT" ]; then
     rm -rf "$QBUILD" "$BIN/llama-quantize"
-    log "configuring the portable llama-quantize build in $QBUILD"
-    # shellcheck disable=SC2086 # QFLAGS is a list of options
-    CFLAGS="-ffp-contract=off" CXXFLAGS="-ffp-contract=off" \
-        cmake -S "$LLAMA_SRC" -B "$QBUILD" -DCMAKE_BUILD_TYPE=Release $QFLAGS \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
-        > "$CACHE/cmake-configure-quantize.log" 2>&1 \
-        || { tail -50 "$CACHE/cmake-configure-quantize.log" >&2; exit 1; }
-    log "building llama-quantize with -j$JOBS"
-    cmake --build "$QBUILD" --config Release -j"$JOBS" --target llama-quantize \
-        > "$CACHE/cmake-build-quantize.log" 2>&1 \
-        || { tail -50 "$CACHE/cmake-build-quantize.log" >&2; exit 1; }
-    install -m 0755 "$QBUILD/bin/llama-quantize" "$BIN/llama-quantize"
+    CFLAGS="-ffp-contract=off" CXXFLAGS="-ffp-contract=off" cmake_tools "$QBUILD" -quantize OFF "$QFLAGS" llama-quantize
     echo "$QSTAMP_TEXT" >"$QSTAMP"
 else
     log "llama-quantize (portable) already in $BIN"
@@ -192,4 +189,4 @@ echo "llama-cpp-python $VERSION (sdist: $SDIST)"
 echo "llama.cpp source:  $LLAMA_SRC (commit $LLAMA_COMMIT)"
 [ -n "$ONLY" ] || echo "venv python:       $VENV/bin/python"
 for t in "${targets[@]}"; do echo "$t: $BIN/$t"; done
-echo "logs:              $CACHE/{pip-install,cmake-configure,cmake-build}.log"
+echo "logs:              $CACHE/{pip-install,cmake-configure,cmake-build}{,-quantize}.log"

@@ -46,11 +46,12 @@ if [ "$(uname -m)" = x86_64 ]; then
     NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
 fi
-# Builds made with other options are rebuilt.
+# Builds made with other options are rebuilt (the portable llama-quantize of (c) does not
+# use these options and has its own stamp).
 STAMP="$CACHE/ggml-flags"
 STAMP_TEXT="$GGML_FLAGS CFLAGS=${CFLAGS:-} CXXFLAGS=${CXXFLAGS:-}"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$STAMP_TEXT" ]; then
-    rm -rf "$BIN"/llama-* "$BUILD"
+    rm -rf "$BIN/llama-bench" "$BIN/llama-server" "$BUILD"
     mkdir -p "$BIN"
     REBUILD_PY=1
 fi
@@ -108,30 +109,30 @@ case "$ONLY" in "" | quantize) ;; *) echo "error: LLAMACPP_ONLY must be empty or
 # --- (a) venv + llama-cpp-python --------------------------------------------
 if [ -n "$ONLY" ]; then
     log "LLAMACPP_ONLY=$ONLY: no venv, llama-bench or llama-server"
-elif [ ! -x "$VENV/bin/python" ]; then
-    log "creating venv $VENV"
-    python3 -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-fi
-have="$("$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)"
-if [ -n "$ONLY" ]; then
-    :
-elif [ "$have" != "$VERSION" ] || [ "${REBUILD_PY:-0}" = 1 ]; then
-    log "building llama-cpp-python $VERSION from sdist (CPU only, takes a while)"
-    CMAKE_ARGS="$GGML_FLAGS" \
-    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-    FORCE_CMAKE=1 \
-        "$VENV/bin/python" -m pip install --disable-pip-version-check --no-cache-dir \
-        --force-reinstall --verbose "$SDIST" > "$CACHE/pip-install.log" 2>&1 \
-        || { tail -50 "$CACHE/pip-install.log" >&2; exit 1; }
 else
-    log "llama-cpp-python $VERSION already installed"
-fi
-[ -n "$ONLY" ] || "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check jinja2 numpy
-# ggml reports what it was compiled with: AMX must not be in it (see GGML_FLAGS above).
-if [ -z "$ONLY" ] && "$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())' | grep -q "AMX_INT8 = 1"; then
-    echo "error: llama-cpp-python was built with AMX (its matrix product crashes); CFLAGS did not reach the build" >&2
-    exit 1
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating venv $VENV"
+        python3 -m venv "$VENV"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+    fi
+    have="$("$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)"
+    if [ "$have" != "$VERSION" ] || [ "${REBUILD_PY:-0}" = 1 ]; then
+        log "building llama-cpp-python $VERSION from sdist (CPU only, takes a while)"
+        CMAKE_ARGS="$GGML_FLAGS" \
+        CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+        FORCE_CMAKE=1 \
+            "$VENV/bin/python" -m pip install --disable-pip-version-check --no-cache-dir \
+            --force-reinstall --verbose "$SDIST" > "$CACHE/pip-install.log" 2>&1 \
+            || { tail -50 "$CACHE/pip-install.log" >&2; exit 1; }
+    else
+        log "llama-cpp-python $VERSION already installed"
+    fi
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check jinja2 numpy
+    # ggml reports what it was compiled with: AMX must not be in it (see GGML_FLAGS above).
+    if "$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())' | grep -q "AMX_INT8 = 1"; then
+        echo "error: llama-cpp-python was built with AMX (its matrix product crashes); CFLAGS did not reach the build" >&2
+        exit 1
+    fi
 fi
 
 # cmake_tools DIR LOG_SUFFIX SERVER FLAGS TARGET...: configure the llama.cpp source in DIR

@@ -35,7 +35,7 @@ impl KvStorage {
     fn read_heads_slots(&self, layer: usize, block: usize, which: usize, heads: std::ops::Range<usize>, slots: std::ops::Range<usize>, stride: usize, at: usize, out: &mut [f32]) {
         let l = &self.layout;
         let (te, hd, bt) = (l.token_elems(), l.head_dim, l.block_tokens);
-        let base = ((block * l.layers + layer) * 2 + which) * bt * te;
+        let base = self.base(block, layer) + which * bt * te;
         let dst = |i: usize, j: usize| (i * stride + at + j - slots.start) * hd;
         #[cfg(target_arch = "x86_64")]
         if let (Raw::Half(d), KvDtype::F16) = (self.raw(), l.dtype) {
@@ -753,6 +753,45 @@ mod tests {
                     assert_eq!(chunk[(p - tail) * nh * hd..(p - tail + 1) * nh * hd], want[..], "position {p}, window {window:?}, chunk");
                 }
             }
+        }
+    }
+
+    /// Attention over a grouped arena (each block's layer groups in scattered units,
+    /// the window layer's blocks before the window unmapped) equals the plain
+    /// arena's, bit for bit.
+    #[test]
+    fn a_grouped_arena_attends_like_the_plain_one() {
+        use crate::kv::{KvGroups, UNMAPPED};
+        let (hd, nh, kv_heads, len, window) = (64, 4, 2, 100, 40);
+        let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads, head_dim: hd, dtype: KvDtype::F16 };
+        let te = kv_heads * hd;
+        let table = [3u32, 0, 6, 2, 5, 1, 4];
+        let mut plain = KvStorage::new(layout, 8);
+        // Layer 0 global (group 0), layer 1 local (group 1).
+        let mut grouped = KvStorage::grouped(layout, 8, 14, KvGroups::new(&[0, 1]).unwrap());
+        for (i, &b) in table.iter().enumerate() {
+            // Position 99 reads 60..=99: blocks 0..3 are out of the window.
+            let local = if i < 3 { UNMAPPED } else { 13 - i as u32 };
+            grouped.map(b as usize, &[6 - i as u32, local]);
+        }
+        let mut seed = 3;
+        for p in 0..len {
+            for layer in 0..2 {
+                let k: Vec<f32> = (0..te).map(|_| lcg(&mut seed)).collect();
+                let v: Vec<f32> = (0..te).map(|_| lcg(&mut seed)).collect();
+                let (b, s) = (table[p / 16] as usize, p % 16);
+                plain.write_token(layer, b, s, &k, &v);
+                grouped.write_token(layer, b, s, &k, &v);
+            }
+        }
+        let q: Vec<f32> = (0..4 * nh * hd).map(|_| lcg(&mut seed)).collect();
+        let rows: Vec<AttnRow> = (96..len).map(|p| AttnRow { block_table: &table, pos: p }).collect();
+        let pool = Pool::new(2).unwrap();
+        for (layer, w) in [(0, None), (1, Some(window))] {
+            let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+            attention(&pool, &plain, layer, &q, &rows, nh, 0.125, w, &mut a);
+            attention(&pool, &grouped, layer, &q, &rows, nh, 0.125, w, &mut b);
+            assert_eq!(a, b, "layer {layer}");
         }
     }
 

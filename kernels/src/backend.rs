@@ -7,7 +7,7 @@
 //! row results must not depend on how many rows are batched together.
 
 use crate::attention::{attention, AttnRow};
-use crate::kv::{KvLayout, KvStorage};
+use crate::kv::{KvGroups, KvLayout, KvStorage};
 pub use crate::error::Error as KernelError;
 use crate::matmul::{matmul_many, Acts, QMatrix};
 use crate::ops::{self, RopeTable};
@@ -29,6 +29,10 @@ pub enum OptionalOp {
     HeadNorm,
     /// A `window` in [`Backend::attention`] (sliding-window layers).
     SlidingWindow,
+    /// [`Backend::kv_grouped`] and [`Backend::kv_map`]: a KV arena whose layer groups
+    /// are mapped to memory block by block (the sliding-window layers' memory of blocks
+    /// out of every window serves other blocks).
+    GroupedKv,
 }
 
 impl OptionalOp {
@@ -39,6 +43,7 @@ impl OptionalOp {
             OptionalOp::Scale => "embedding scale",
             OptionalOp::HeadNorm => "per-head RMSNorm (QK-norm)",
             OptionalOp::SlidingWindow => "sliding-window attention",
+            OptionalOp::GroupedKv => "grouped KV arena",
         }
     }
 }
@@ -67,6 +72,17 @@ pub trait Backend: Send + Sync {
     fn matrix_from_f32(&self, n: usize, k: usize, w: Vec<f32>) -> Result<Self::Matrix, KernelError>;
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
     fn kv(&self, layout: KvLayout, blocks: usize) -> Result<Self::Kv, KernelError>;
+    /// A KV arena of `units` units of `groups.group_layers()` layers for blocks
+    /// `0..blocks`, none mapped ([`OptionalOp::GroupedKv`]; see [`crate::kv`]).
+    fn kv_grouped(&self, layout: KvLayout, blocks: usize, units: usize, groups: KvGroups) -> Result<Self::Kv, KernelError> {
+        let _ = (layout, blocks, units, groups);
+        Err(KernelError::BackendUnavailable { backend: "this backend", reason: "no grouped KV arena".into() })
+    }
+    /// Maps `block`'s layer groups to units (`units[g]`, or [`crate::kv::UNMAPPED`]) in
+    /// an arena from [`Backend::kv_grouped`].
+    fn kv_map(&self, kv: &mut Self::Kv, block: usize, units: &[u32]) {
+        let _ = (kv, block, units);
+    }
     /// Takes a rotary table computed on the host (one per distinct rope base
     /// and scaling of the model's layers).
     fn rope(&self, table: RopeTable) -> Self::Rope;
@@ -183,6 +199,14 @@ impl Backend for CpuBackend {
 
     fn kv(&self, layout: KvLayout, blocks: usize) -> Result<KvStorage, KernelError> {
         Ok(KvStorage::new(layout, blocks))
+    }
+
+    fn kv_grouped(&self, layout: KvLayout, blocks: usize, units: usize, groups: KvGroups) -> Result<KvStorage, KernelError> {
+        Ok(KvStorage::grouped(layout, blocks, units, groups))
+    }
+
+    fn kv_map(&self, kv: &mut KvStorage, block: usize, units: &[u32]) {
+        kv.map(block, units);
     }
 
     fn rope(&self, table: RopeTable) -> RopeTable {

@@ -1,9 +1,19 @@
 //! The paged KV arena: fixed-size blocks of keys and values for all layers.
 //!
-//! Layout of one block: for each layer, the keys of its `block_tokens` slots
-//! then their values, each slot holding `kv_heads x head_dim` elements. One
-//! block's data for one layer is therefore contiguous, which is what the
-//! transport ships layer by layer.
+//! Layout of one block in one layer: the keys of its `block_tokens` slots then
+//! their values, each slot holding `kv_heads x head_dim` elements, so one block's
+//! data for one layer is contiguous, which is what the transport ships layer by
+//! layer.
+//!
+//! The layers are stored in *groups* of equal size, and the memory of a block's
+//! group is a *unit* of the arena that the block is mapped to. A plain arena
+//! ([`KvStorage::new`]) has one group of all layers and maps block `b` to unit `b`.
+//! A grouped arena ([`KvStorage::grouped`]) puts a model's sliding-window layers
+//! and its global layers in different groups and starts with nothing mapped: the
+//! caller (the engine's block accounting) maps each block's groups to units and
+//! unmaps the window layers' units of a block no row will read again, so that
+//! memory serves other blocks. An unmapped group reads as zeros and ignores
+//! writes.
 
 use half::{bf16, f16, slice::{HalfBitsSliceExt, HalfFloatSliceExt}};
 
@@ -84,36 +94,135 @@ enum KvData {
     Byte(Vec<u8>),
 }
 
+/// A block group with no unit: reads as zeros, ignores writes.
+pub const UNMAPPED: u32 = u32::MAX;
+
+/// How an arena's layers are grouped (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvGroups {
+    /// Per layer: its group and its place in the group.
+    place: Vec<(usize, usize)>,
+    groups: usize,
+    /// Layers per group (every group has as many).
+    group_layers: usize,
+}
+
+impl KvGroups {
+    /// One group of all `layers` layers: the plain layout.
+    pub fn single(layers: usize) -> Self {
+        Self { place: (0..layers).map(|l| (0, l)).collect(), groups: 1, group_layers: layers.max(1) }
+    }
+
+    /// `group_of[l]`: layer `l`'s group, `0..groups`; every group must have as many
+    /// layers (a unit has one size). Within a group, layers keep their order.
+    pub fn new(group_of: &[usize]) -> Result<Self, String> {
+        let groups = group_of.iter().max().map_or(0, |&g| g + 1);
+        let mut count = vec![0usize; groups];
+        let place = group_of
+            .iter()
+            .map(|&g| {
+                count[g] += 1;
+                (g, count[g] - 1)
+            })
+            .collect();
+        let group_layers = count.first().copied().unwrap_or(0);
+        if groups == 0 || count.iter().any(|&c| c != group_layers) {
+            return Err(format!("KV layer groups must be non-empty and of one size, got {count:?} layers per group"));
+        }
+        Ok(Self { place, groups, group_layers })
+    }
+
+    /// Number of groups (units per block when every group is mapped).
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    /// Layers in each group.
+    pub fn group_layers(&self) -> usize {
+        self.group_layers
+    }
+
+    /// Layer `layer`'s group.
+    pub fn group_of(&self, layer: usize) -> usize {
+        self.place[layer].0
+    }
+}
+
 /// Host memory holding `num_blocks` KV blocks.
 pub struct KvStorage {
     pub layout: KvLayout,
     pub num_blocks: usize,
+    groups: KvGroups,
+    /// Units of the arena (each `group_layers` layers of one block), plus one more
+    /// that stays zero: where unmapped groups read.
+    units: usize,
+    /// `unit_of[block * groups + group]`: the unit holding that group of the block.
+    unit_of: Vec<u32>,
     data: KvData,
 }
 
 impl KvStorage {
-    /// Allocates zeroed storage. The caller has already checked the size
-    /// against its memory budget.
+    /// Allocates zeroed storage with one group of all layers, block `b` in unit `b`.
+    /// The caller has already checked the size against its memory budget.
     pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
-        let n = layout.block_elems() * num_blocks;
+        let mut s = Self::grouped(layout, num_blocks, num_blocks, KvGroups::single(layout.layers));
+        s.unit_of = (0..num_blocks as u32).collect();
+        s
+    }
+
+    /// Allocates zeroed storage of `units` units of `groups.group_layers()` layers,
+    /// for blocks `0..num_blocks`, none of them mapped yet ([`KvStorage::map`]).
+    pub fn grouped(layout: KvLayout, num_blocks: usize, units: usize, groups: KvGroups) -> Self {
+        assert_eq!(groups.place.len(), layout.layers, "one group per layer");
+        let n = layout.block_layer_elems() * groups.group_layers * (units + 1);
         let data = match layout.dtype {
             KvDtype::F32 => KvData::F32(vec![0.0; n]),
             KvDtype::F16 | KvDtype::BF16 => KvData::Half(vec![0; n]),
             KvDtype::F8E4M3 => KvData::Byte(vec![0; n]),
         };
-        KvStorage { layout, num_blocks, data }
+        let unit_of = vec![UNMAPPED; num_blocks * groups.groups];
+        KvStorage { layout, num_blocks, groups, units, unit_of, data }
+    }
+
+    /// The arena's layer groups.
+    pub fn groups(&self) -> &KvGroups {
+        &self.groups
+    }
+
+    /// Maps `block`'s groups: `units[g]` holds group `g` ([`UNMAPPED`]: none). A unit
+    /// newly mapped keeps whatever it held; the caller writes before it reads.
+    pub fn map(&mut self, block: usize, units: &[u32]) {
+        let g = self.groups.groups;
+        assert_eq!(units.len(), g, "one unit per group");
+        assert!(units.iter().all(|&u| u == UNMAPPED || (u as usize) < self.units), "unit out of range");
+        self.unit_of[block * g..(block + 1) * g].copy_from_slice(units);
+    }
+
+    /// Where `block`'s data of `layer` starts, and whether it is mapped (an unmapped
+    /// group points at the zero unit).
+    #[inline]
+    fn locate(&self, block: usize, layer: usize) -> (usize, bool) {
+        let (g, i) = self.groups.place[layer];
+        let u = self.unit_of[block * self.groups.groups + g];
+        let mapped = u != UNMAPPED;
+        let unit = if mapped { u as usize } else { self.units };
+        ((unit * self.groups.group_layers + i) * self.layout.block_layer_elems(), mapped)
     }
 
     #[inline]
-    fn base(&self, block: usize, layer: usize) -> usize {
-        (block * self.layout.layers + layer) * self.layout.block_layer_elems()
+    pub(crate) fn base(&self, block: usize, layer: usize) -> usize {
+        self.locate(block, layer).0
     }
 
     /// Stores one token's keys and values (`kv_heads x head_dim` each) of one
-    /// layer into slot `slot` of `block`.
+    /// layer into slot `slot` of `block` (nothing when that layer is unmapped).
     pub fn write_token(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) {
         let te = self.layout.token_elems();
-        let kb = self.base(block, layer) + slot * te;
+        let (base, mapped) = self.locate(block, layer);
+        if !mapped {
+            return;
+        }
+        let kb = base + slot * te;
         let vb = kb + self.layout.block_tokens * te;
         match &mut self.data {
             KvData::F32(d) => {
@@ -164,9 +273,13 @@ impl KvStorage {
         }
     }
 
-    /// Overwrites one block in one layer from raw bytes.
+    /// Overwrites one block in one layer from raw bytes (nothing when that layer
+    /// is unmapped).
     pub fn set_block_layer_bytes(&mut self, block: usize, layer: usize, bytes: &[u8]) {
-        let b = self.base(block, layer);
+        let (b, mapped) = self.locate(block, layer);
+        if !mapped {
+            return;
+        }
         let n = self.layout.block_layer_elems();
         match &mut self.data {
             KvData::F32(d) => as_bytes_mut(&mut d[b..b + n]).copy_from_slice(bytes),
@@ -235,5 +348,49 @@ mod tests {
             s.read_slots(1, 0, 1, 4, &mut out);
             assert_eq!(&out[48..64], &v[..]);
         }
+    }
+
+    /// A grouped arena reads and writes each layer where its group's unit is, reads
+    /// zeros where a group is unmapped, ignores writes there, and copies a block out
+    /// and in group by group as a plain arena does.
+    #[test]
+    fn grouped_arena_maps_groups_to_units() {
+        let layout = KvLayout { layers: 4, block_tokens: 2, kv_heads: 1, head_dim: 4, dtype: KvDtype::F16 };
+        // Layers 0 and 2 local (group 1), 1 and 3 global (group 0).
+        let groups = KvGroups::new(&[1, 0, 1, 0]).unwrap();
+        assert!(KvGroups::new(&[0, 0, 1]).is_err(), "groups of unequal size");
+        let mut g = KvStorage::grouped(layout, 3, 4, groups);
+        let mut plain = KvStorage::new(layout, 3);
+        g.map(2, &[3, 0]);
+        g.map(1, &[1, UNMAPPED]);
+        let k = [1.0f32, 2.0, 3.0, 4.0];
+        let v = [-1.0f32, -2.0, -3.0, -4.0];
+        for layer in 0..4 {
+            for block in [1, 2] {
+                g.write_token(layer, block, 1, &k, &v);
+                plain.write_token(layer, block, 1, &k, &v);
+            }
+        }
+        let mut out = [0f32; 8];
+        for layer in 0..4 {
+            g.read_slots(layer, 2, 1, 2, &mut out);
+            assert_eq!(out[4..], v, "block 2 layer {layer}");
+            g.read_slots(layer, 1, 0, 2, &mut out);
+            // Block 1's local group is unmapped: zeros, the write went nowhere.
+            let want = if layer % 2 == 0 { [0.0; 4] } else { k };
+            assert_eq!(out[4..], want, "block 1 layer {layer}");
+        }
+        let mut a = vec![0u8; layout.block_bytes()];
+        let mut b = vec![0u8; layout.block_bytes()];
+        g.copy_block_out(2, &mut a);
+        plain.copy_block_out(2, &mut b);
+        assert_eq!(a, b, "a fully mapped block copies out like the plain arena's");
+        // Unmapping a group and mapping another unit: nothing of block 2 moved.
+        g.map(0, &[2, 1]);
+        g.copy_block_in(0, &b);
+        g.copy_block_out(0, &mut a);
+        assert_eq!(a, b);
+        g.read_slots(0, 2, 0, 2, &mut out);
+        assert_eq!(out[4..], k);
     }
 }

@@ -30,7 +30,7 @@ pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelErro
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
-pub use kv::{KvDtype, KvLayout, KvStorage};
+pub use kv::{KvDtype, KvGroups, KvLayout, KvStorage, UNMAPPED};
 pub use matmul::QMatrix;
 pub use ops::RopeTable;
 pub use quant::WeightFormat;

@@ -25,8 +25,22 @@ use super::key::{BlockKey, ChainLink, Entry};
 use super::owners::Owners;
 use super::pool::{BlockPool, BlockState, Released};
 use super::tier::Tier2;
+use super::units::Units;
 use super::window::WindowRule;
 use super::{BlockStore, KvError, KvStats};
+
+/// A store for giving back the memory of a block whose bytes no one reads again
+/// (mapping changes of a free block need not reach the arena: it is remapped before
+/// its next use).
+struct NoStore;
+
+impl BlockStore for NoStore {
+    fn block_bytes(&self) -> usize {
+        0
+    }
+    fn copy_out(&self, _: BlockId, _: &mut [u8]) {}
+    fn copy_in(&mut self, _: BlockId, _: &[u8]) {}
+}
 
 /// Swap IDs are unique in the process, so a handle from another cache is detected
 /// rather than misread as one of ours.
@@ -138,6 +152,13 @@ pub struct KvCache {
     /// The model's sliding windows, which decide how much of a match whose blocks lack
     /// their local layers may be used; `None`: no block ever lacks them.
     window: Option<WindowRule>,
+    /// A grouped arena's units (`None`: a plain arena, memory for every layer of every
+    /// block).
+    units: Option<Units>,
+    /// Units held by cached blocks (evictable, so available to an allocation).
+    units_cached: usize,
+    /// Per swap: which of its blocks held their local layers.
+    swap_local: HashMap<u64, Vec<bool>>,
 }
 
 impl KvCache {
@@ -152,7 +173,21 @@ impl KvCache {
             stats: KvStats::default(),
             dropped: Vec::new(),
             window: None,
+            units: None,
+            units_cached: 0,
+            swap_local: HashMap::new(),
         }
+    }
+
+    /// A cache over a grouped arena of `units` units: group `g` of a block holds
+    /// sliding-window layers where `local[g]`. [`KvCache::allocate`] gives blocks
+    /// memory for their global groups only; [`KvCache::ensure_local`] adds the local
+    /// ones before rows are computed into or read from a block, and
+    /// [`KvCache::trim_local`] gives them back once no row reads them.
+    pub fn with_units(num_blocks: u32, tier2_capacity_blocks: usize, units: usize, local: Vec<bool>) -> Self {
+        let mut cache = Self::new(num_blocks, tier2_capacity_blocks);
+        cache.units = Some(Units::new(num_blocks as usize, units, local));
+        cache
     }
 
     /// Sets the model's sliding windows: matches over blocks marked by
@@ -182,13 +217,39 @@ impl KvCache {
             tier2_capacity: self.tier2.capacity(),
             swapped: self.tier2.swapped(),
             indexed: self.index.len(),
+            units_total: self.units.as_ref().map_or(0, Units::total),
+            units_free: self.units.as_ref().map_or(0, Units::free),
             ..self.stats
         }
     }
 
-    /// Blocks an `allocate` could get now: free plus cached (evictable).
+    /// Blocks an `allocate` could get now: free plus cached (evictable), as far as
+    /// the units for their global layers go.
     pub fn available_for_allocation(&self) -> usize {
-        self.pool.free_count() + self.pool.cached_count()
+        let ids = self.pool.free_count() + self.pool.cached_count();
+        match &self.units {
+            Some(u) if u.per_block(false) > 0 => ids.min((u.free() + self.units_cached) / u.per_block(false)),
+            _ => ids,
+        }
+    }
+
+    /// Whether `blocks` new blocks plus local layers for `local_sets` blocks can be had
+    /// now, evicting cached blocks as needed.
+    fn can_take(&self, blocks: usize, local_sets: usize) -> bool {
+        let ids = self.pool.free_count() + self.pool.cached_count() >= blocks;
+        match &self.units {
+            None => ids,
+            Some(u) => ids && u.free() + self.units_cached >= blocks * u.per_block(false) + local_sets * u.local_per_block(),
+        }
+    }
+
+    /// Whether `block` holds memory for its sliding-window layers (always, in a plain arena).
+    pub fn has_local(&self, block: BlockId) -> bool {
+        self.pool.state(block).is_some_and(|s| s != BlockState::Free) && self.units.as_ref().is_none_or(|u| u.has_local(block))
+    }
+
+    fn held(&self, block: BlockId) -> usize {
+        self.units.as_ref().map_or(0, |u| u.held(block))
     }
 
     /// The state of a block, `None` if it is outside the pool.
@@ -267,8 +328,12 @@ impl KvCache {
                     break;
                 }
                 let (b, link) = (ix.block, ix.entry.link());
+                let was_cached = self.pool.state(b) == Some(BlockState::Cached);
                 if !self.pool.acquire(b) {
                     break; // unreachable while the invariants hold
+                }
+                if was_cached {
+                    self.units_cached -= self.held(b);
                 }
                 partial.push(ix.entry.local_layers_absent());
                 from_tier2.push(false);
@@ -284,10 +349,11 @@ impl KvCache {
                     self.stats.hash_collisions += 1;
                     break;
                 }
-                Some(_) => {}
-            }
-            if self.available_for_allocation() == 0 {
-                break;
+                Some(entry) => {
+                    if !self.can_take(1, usize::from(!entry.local_layers_absent())) {
+                        break;
+                    }
+                }
             }
             // Take the bytes out first: that frees the room the eviction below may
             // need to spill its victim.
@@ -297,7 +363,7 @@ impl KvCache {
                 self.owners.forget(h);
                 break;
             }
-            let Some(b) = self.grab_block(store) else {
+            let Some(b) = self.grab_block(store, !entry.local_layers_absent()) else {
                 self.reinsert(h, entry, data);
                 break;
             };
@@ -340,41 +406,122 @@ impl KvCache {
         }
     }
 
-    /// One block for a new owner: a free one, else the least recently used cached
-    /// one, whose bytes are spilled to the second tier when it has room.
-    fn grab_block(&mut self, store: &dyn BlockStore) -> Option<BlockId> {
-        if let Some(b) = self.pool.pop_free() {
-            return Some(b);
+    /// One block for a new owner, with memory for its global layers and, `with_local`,
+    /// its sliding-window ones: a free block, after evicting least recently used
+    /// cached blocks (spilled to the second tier when it has room) while there is no
+    /// free block or too few free units.
+    fn grab_block(&mut self, store: &mut dyn BlockStore, with_local: bool) -> Option<BlockId> {
+        let need = self.units.as_ref().map_or(0, |u| u.per_block(with_local));
+        while self.pool.free_count() == 0 || self.units.as_ref().is_some_and(|u| u.free() < need) {
+            if !self.evict_lru(store) {
+                return None;
+            }
         }
-        let (b, old) = self.pool.pop_lru()?;
+        let b = self.pool.pop_free()?;
+        if let Some(u) = &mut self.units {
+            u.take(b, with_local, store);
+        }
+        Some(b)
+    }
+
+    /// Evicts the least recently used cached block: its bytes spill to the second tier
+    /// when it has room, its memory and ID become free. False when nothing is cached.
+    fn evict_lru(&mut self, store: &mut dyn BlockStore) -> bool {
+        let Some((b, old)) = self.pool.pop_lru() else { return false };
+        self.units_cached -= self.held(b);
         let evicted = self.index.remove(&old);
         self.stats.evicted += 1;
-        let Some(Indexed { entry, .. }) = evicted.filter(|_| self.tier2.swap_room() > 0) else {
-            self.owners.forget(old);
-            return Some(b);
-        };
-        let mut data = vec![0u8; store.block_bytes()].into_boxed_slice();
-        store.copy_out(b, &mut data);
-        if self.tier2.insert(old, entry, data, &mut self.dropped) {
-            self.stats.spilled += 1;
-        } else {
-            self.owners.forget(old);
+        match evicted.filter(|_| self.tier2.swap_room() > 0) {
+            None => self.owners.forget(old),
+            Some(Indexed { entry, .. }) => {
+                let mut data = vec![0u8; store.block_bytes()].into_boxed_slice();
+                store.copy_out(b, &mut data);
+                if self.tier2.insert(old, entry, data, &mut self.dropped) {
+                    self.stats.spilled += 1;
+                } else {
+                    self.owners.forget(old);
+                }
+                self.forget_dropped();
+            }
         }
-        self.forget_dropped();
-        Some(b)
+        if let Some(u) = &mut self.units {
+            u.give_back(b, false, store);
+        }
+        // Its hash went with `pop_lru`: the release frees it.
+        let _: Released = self.pool.release(b);
+        true
+    }
+
+    /// Gives every block of `blocks` that lacks them memory for its sliding-window
+    /// layers, evicting cached blocks as needed. Returns how many got it. All or
+    /// nothing: [`KvError::OutOfBlocks`] (counted in blocks) when the memory cannot be
+    /// had, [`KvError::NotInUse`] for a block no sequence holds. A plain arena's
+    /// blocks always have it.
+    pub fn ensure_local(&mut self, blocks: &[BlockId], store: &mut dyn BlockStore) -> Result<usize, KvError> {
+        let Some(units) = &self.units else { return Ok(0) };
+        let mut lacking: Vec<BlockId> = Vec::new();
+        for &b in blocks {
+            match self.pool.state(b) {
+                None => return Err(self.unknown(b)),
+                Some(BlockState::Used { .. }) => {}
+                Some(_) => return Err(KvError::NotInUse { block: b }),
+            }
+            if !units.has_local(b) && !lacking.contains(&b) {
+                lacking.push(b);
+            }
+        }
+        let need = lacking.len() * units.local_per_block();
+        if units.free() + self.units_cached < need {
+            let available = (units.free() + self.units_cached) / units.local_per_block().max(1);
+            return Err(KvError::OutOfBlocks { requested: lacking.len(), available });
+        }
+        while self.units.as_ref().is_some_and(|u| u.free() < need) {
+            if !self.evict_lru(store) {
+                break; // unreachable given the check above
+            }
+        }
+        let Some(units) = &mut self.units else { return Ok(0) };
+        for &b in &lacking {
+            units.take(b, true, store);
+        }
+        Ok(lacking.len())
+    }
+
+    /// Gives back the sliding-window layers' memory of those `blocks` that no other
+    /// sequence holds: the caller's rows will not read them again (they lie before
+    /// every window of its next row, [`WindowRule::reclaimable_blocks`]). A published
+    /// block given back is marked as lacking them, so later matches skip it by the
+    /// window rule. Returns how many blocks gave it back (0 in a plain arena).
+    pub fn trim_local(&mut self, blocks: &[BlockId], store: &mut dyn BlockStore) -> usize {
+        let mut n = 0;
+        for &b in blocks {
+            if self.pool.refcount(b) != 1 || !self.units.as_ref().is_some_and(|u| u.has_local(b) && u.local_per_block() > 0) {
+                continue;
+            }
+            if let Some(u) = &mut self.units {
+                u.give_back(b, true, store);
+            }
+            self.mark_without_local_layers(b);
+            n += 1;
+        }
+        self.stats.local_reclaimed += n as u64;
+        n
     }
 
     /// Pins `n` new blocks (free first, then evicting least recently used cached
     /// blocks, spilling them to the second tier). All or nothing: on
     /// [`KvError::OutOfBlocks`] nothing changed. The blocks' contents are undefined.
+    ///
+    /// In a grouped arena ([`KvCache::with_units`]) the blocks get memory for their
+    /// global layers only; [`KvCache::ensure_local`] adds the rest.
     pub fn allocate(&mut self, n: usize, store: &mut dyn BlockStore) -> Result<Vec<BlockId>, KvError> {
-        let available = self.available_for_allocation();
-        if n > available {
-            return Err(KvError::OutOfBlocks { requested: n, available });
+        if !self.can_take(n, 0) {
+            return Err(KvError::OutOfBlocks { requested: n, available: self.available_for_allocation() });
         }
+        let available = self.available_for_allocation();
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            match self.grab_block(store) {
+            match self.grab_block(store, false) {
                 Some(b) => out.push(b),
                 None => {
                     // Unreachable given the check above; undo rather than leak.
@@ -428,7 +575,11 @@ impl KvCache {
                 self.owners.forget(hash);
             }
         }
-        let entry = Entry::new(&key, parent);
+        let mut entry = Entry::new(&key, parent);
+        if !self.units.as_ref().is_none_or(|u| u.has_local(block)) {
+            // Its window layers' memory was given back: matches must skip it.
+            entry.mark_without_local_layers();
+        }
         let link = entry.link();
         self.pool.set_hash(block, hash);
         self.index.insert(hash, Indexed { block, entry });
@@ -485,7 +636,18 @@ impl KvCache {
 
     fn release_unchecked(&mut self, blocks: &[BlockId]) {
         for &b in blocks.iter().rev() {
-            let _: Released = self.pool.release(b);
+            match self.pool.release(b) {
+                Released::StillUsed => {}
+                Released::Cached => self.units_cached += self.held(b),
+                Released::Freed => self.free_units(b),
+            }
+        }
+    }
+
+    /// A block that became free gives back all its memory.
+    fn free_units(&mut self, block: BlockId) {
+        if let Some(u) = &mut self.units {
+            u.give_back(block, false, &mut NoStore);
         }
     }
 
@@ -511,6 +673,10 @@ impl KvCache {
         for &h in hashes {
             let mut found = false;
             if let Some(ix) = self.index.remove(&h) {
+                if self.pool.state(ix.block) == Some(BlockState::Cached) {
+                    self.units_cached -= self.held(ix.block);
+                    self.free_units(ix.block);
+                }
                 self.pool.unpublish(ix.block);
                 found = true;
             }
@@ -548,6 +714,10 @@ impl KvCache {
             return Err(KvError::Tier2Full { requested: blocks.len(), available: room });
         }
         self.forget_dropped();
+        if self.units.is_some() {
+            let local = blocks.iter().map(|&b| self.has_local(b)).collect();
+            self.swap_local.insert(id, local);
+        }
         self.release_unchecked(blocks);
         Ok(SwapHandle { id, blocks: blocks.len() })
     }
@@ -567,8 +737,9 @@ impl KvCache {
             return fail(handle, source);
         }
         let n = data.len();
-        let available = self.available_for_allocation();
-        if n > available {
+        let local: Vec<bool> = self.swap_local.get(&handle.id).cloned().unwrap_or_else(|| vec![true; n]);
+        if !self.can_take(n, local.iter().filter(|&&l| l).count()) {
+            let available = self.available_for_allocation();
             return fail(handle, KvError::OutOfBlocks { requested: n, available });
         }
         // Drop the swap's reservation first, so that blocks evicted to make room can
@@ -578,7 +749,15 @@ impl KvCache {
             return fail(handle, KvError::UnknownSwap { id });
         };
         let blocks = match self.allocate(n, store) {
-            Ok(blocks) => blocks,
+            Ok(blocks) => {
+                let with_local: Vec<BlockId> = blocks.iter().zip(&local).filter(|&(_, &l)| l).map(|(&b, _)| b).collect();
+                // Cannot fail: `can_take` counted these units.
+                if let Err(e) = self.ensure_local(&with_local, store) {
+                    tracing::error!(error = %e, "swap-in: window layers' memory refused after the check");
+                }
+                self.swap_local.remove(&handle.id);
+                blocks
+            }
             Err(source) => {
                 // Unreachable given the check above. Restoring cannot fail: the
                 // room was ours a moment ago and cached entries yield to swaps.
@@ -598,6 +777,7 @@ impl KvCache {
     pub fn drop_swap(&mut self, handle: SwapHandle) -> usize {
         let n = self.tier2.swap_len(handle.id).unwrap_or(0);
         self.tier2.drop_swap(handle.id);
+        self.swap_local.remove(&handle.id);
         n
     }
 
@@ -619,6 +799,14 @@ impl KvCache {
         assert_eq!(published, self.index.len());
         for h in self.owners.hashes() {
             assert!(self.index.contains_key(&h) || self.tier2.contains(h), "owner of {h} outlived its data");
+        }
+        if let Some(u) = &self.units {
+            u.assert_consistent(|b| self.pool.state(b) != Some(BlockState::Free));
+            let cached: usize = (0..s.total as u32).map(BlockId).filter(|&b| self.pool.state(b) == Some(BlockState::Cached)).map(|b| u.held(b)).sum();
+            assert_eq!(cached, self.units_cached, "units of cached blocks");
+            for ix in self.index.values() {
+                assert!(u.has_local(ix.block) || ix.entry.local_layers_absent(), "{} lacks its window layers' memory but is not marked", ix.block);
+            }
         }
     }
 

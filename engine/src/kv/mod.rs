@@ -18,9 +18,12 @@
 //!   recently used first). Evicted blocks spill to the second tier (host memory) and
 //!   are promoted back on a match; preempted sequences swap out to the same tier.
 //!   Deleting a conversation or a user removes their blocks from both tiers.
-//! - [`WindowRule`]: a block whose sliding-window layers were left off the wire (they lie
-//!   before every later row's window) is published as lacking them, and a match is cut
-//!   where a row computed after it could read such a block.
+//! - [`WindowRule`]: a block whose sliding-window layers were left off the wire or
+//!   given back (they lie before every later row's window) is published as lacking
+//!   them, and a match is cut where a row computed after it could read such a block.
+//! - With a grouped arena ([`KvCache::with_units`]) a block holds memory for its
+//!   window layers only while a row may read them: [`KvCache::ensure_local`] before
+//!   rows are computed, [`KvCache::trim_local`] once they are behind every window.
 //!
 //! Invariant: `free + used + cached == total` at every step, and every operation that
 //! fails changes nothing.
@@ -33,6 +36,7 @@ mod lru;
 mod owners;
 mod pool;
 mod tier;
+mod units;
 mod window;
 
 #[cfg(test)]
@@ -57,8 +61,14 @@ pub trait BlockStore {
     fn block_bytes(&self) -> usize;
     /// Copies block `block` into `out` (`out.len() == block_bytes()`).
     fn copy_out(&self, block: BlockId, out: &mut [u8]);
-    /// Overwrites block `block` with `data` (`data.len() == block_bytes()`).
+    /// Overwrites block `block` with `data` (`data.len() == block_bytes()`); groups
+    /// of layers the block holds no memory for are left out.
     fn copy_in(&mut self, block: BlockId, data: &[u8]);
+    /// A grouped arena's block `block` now keeps group `g` in unit `units[g]`
+    /// (`baton_kernels::UNMAPPED`: nowhere; see [`KvCache::with_units`]).
+    fn map(&mut self, block: BlockId, units: &[u32]) {
+        let _ = (block, units);
+    }
 }
 
 /// A point-in-time view of the cache, for admission decisions and metrics.
@@ -96,6 +106,13 @@ pub struct KvStats {
     /// Cumulative: lookups and registrations that found a block under the right
     /// hash but with another scope, other tokens or another parent (refused).
     pub hash_collisions: u64,
+    /// Units of a grouped arena (0 for a plain one; see [`KvCache::with_units`]).
+    pub units_total: usize,
+    /// Units held by no block.
+    pub units_free: usize,
+    /// Cumulative: blocks whose sliding-window layers' memory was given back because
+    /// no row of their sequence reads them again ([`KvCache::trim_local`]).
+    pub local_reclaimed: u64,
 }
 
 /// Errors of the KV layer. Every failing operation leaves the cache unchanged; an

@@ -12,20 +12,46 @@ use super::*;
 const BLOCK_BYTES: usize = 16;
 const BT: usize = 4; // tokens per block in these tests
 
-/// Block bytes in a `Vec`, one row per block.
+/// Half a block: in a grouped store, the bytes of one group (0 global, 1 window
+/// layers).
+const UNIT_BYTES: usize = BLOCK_BYTES / 2;
+
+/// Block bytes in a `Vec`, one row per block; or, grouped, one row per unit and each
+/// block's two groups mapped to units as the cache says (unmapped: zeros, writes lost),
+/// as the kernels' grouped arena does.
 struct FakeStore {
     rows: Vec<Vec<u8>>,
+    grouped: Option<(Vec<Vec<u8>>, Vec<[u32; 2]>)>,
 }
 
 impl FakeStore {
     fn new(blocks: usize) -> Self {
-        Self { rows: vec![vec![0; BLOCK_BYTES]; blocks] }
+        Self { rows: vec![vec![0; BLOCK_BYTES]; blocks], grouped: None }
+    }
+    fn grouped(blocks: usize, units: usize) -> Self {
+        let unmapped = baton_kernels::UNMAPPED;
+        Self { rows: Vec::new(), grouped: Some((vec![vec![0; UNIT_BYTES]; units], vec![[unmapped; 2]; blocks])) }
     }
     fn write(&mut self, b: BlockId, data: &[u8]) {
-        self.rows[b.index()].copy_from_slice(data);
+        match &mut self.grouped {
+            None => self.rows[b.index()].copy_from_slice(data),
+            Some((units, map)) => {
+                for (g, &u) in map[b.index()].iter().enumerate() {
+                    if u != baton_kernels::UNMAPPED {
+                        units[u as usize].copy_from_slice(&data[g * UNIT_BYTES..(g + 1) * UNIT_BYTES]);
+                    }
+                }
+            }
+        }
     }
-    fn read(&self, b: BlockId) -> &[u8] {
-        &self.rows[b.index()]
+    fn read(&self, b: BlockId) -> Vec<u8> {
+        match &self.grouped {
+            None => self.rows[b.index()].clone(),
+            Some((units, map)) => map[b.index()]
+                .iter()
+                .flat_map(|&u| if u == baton_kernels::UNMAPPED { vec![0; UNIT_BYTES] } else { units[u as usize].clone() })
+                .collect(),
+        }
     }
 }
 
@@ -34,11 +60,28 @@ impl BlockStore for FakeStore {
         BLOCK_BYTES
     }
     fn copy_out(&self, block: BlockId, out: &mut [u8]) {
-        out.copy_from_slice(&self.rows[block.index()]);
+        out.copy_from_slice(&self.read(block));
     }
     fn copy_in(&mut self, block: BlockId, data: &[u8]) {
-        self.rows[block.index()].copy_from_slice(data);
+        self.write(block, data);
     }
+    fn map(&mut self, block: BlockId, units: &[u32]) {
+        if let Some((_, map)) = &mut self.grouped {
+            map[block.index()].copy_from_slice(units);
+        }
+    }
+}
+
+/// `data` as a block lacking its window layers holds it.
+fn without_local(data: &[u8]) -> Vec<u8> {
+    let mut d = data.to_vec();
+    d[UNIT_BYTES..].fill(0);
+    d
+}
+
+/// The grouped caches' model: layer 0 global, layer 1 a window of two blocks.
+fn window_rule() -> WindowRule {
+    WindowRule::new(BT, vec![None, Some(2 * BT)])
 }
 
 /// The bytes a block with this hash holds: any function of the hash works, and
@@ -152,6 +195,9 @@ enum Op {
     /// Other traffic: allocate up to `n` blocks and release them at once, pushing
     /// cached blocks out to the second tier.
     Churn(usize),
+    /// Sequence `.0` gives back the window layers of its first `.1` blocks (grouped
+    /// caches only).
+    Trim(usize, usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -166,6 +212,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..3).prop_map(Op::EvictUser),
         1 => (0u32..64).prop_map(Op::BadRelease),
         2 => (1usize..12).prop_map(Op::Churn),
+        2 => (0usize..8, 0usize..10).prop_map(|(i, n)| Op::Trim(i, n)),
     ]
 }
 
@@ -189,6 +236,8 @@ struct Harness {
     partial: u64,
     /// Keys the cache: canonical, or a weak one that makes collisions common.
     hasher: Arc<dyn BlockHasher>,
+    /// The cache is grouped (see [`FakeStore::grouped`]).
+    grouped: bool,
 }
 
 /// A hasher with four values: most lookups meet a collision, yet chains of
@@ -206,12 +255,27 @@ impl Harness {
     /// Applies `ops` to a fresh pool of `num_blocks` with `tier2` second-tier slots,
     /// checking every invariant after each.
     fn run(num_blocks: u32, tier2: usize, hasher: Arc<dyn BlockHasher>, ops: Vec<Op>) -> Self {
-        let mut h = Harness { cache: KvCache::new(num_blocks, tier2), store: FakeStore::new(num_blocks as usize), seqs: Vec::new(), partial: 0, hasher };
+        let h = Harness { cache: KvCache::new(num_blocks, tier2), store: FakeStore::new(num_blocks as usize), seqs: Vec::new(), partial: 0, hasher, grouped: false };
+        h.apply_all(ops)
+    }
+
+    /// [`Harness::run`] over a grouped cache of `units` units (one per group of a
+    /// block, two groups per block) with [`window_rule`].
+    fn run_grouped(num_blocks: u32, units: usize, tier2: usize, hasher: Arc<dyn BlockHasher>, ops: Vec<Op>) -> Self {
+        let mut cache = KvCache::with_units(num_blocks, tier2, units, vec![false, true]);
+        cache.set_window_rule(window_rule());
+        let store = FakeStore::grouped(num_blocks as usize, units);
+        let h = Harness { cache, store, seqs: Vec::new(), partial: 0, hasher, grouped: true };
+        h.apply_all(ops)
+    }
+
+    fn apply_all(mut self, ops: Vec<Op>) -> Self {
+        let h = &mut self;
         for op in ops {
             h.apply(op);
             h.check();
         }
-        h
+        self
     }
 
     fn check(&self) {
@@ -243,11 +307,16 @@ impl Harness {
         assert_eq!(m.primary_hits + m.tier2_hits, m.blocks.len());
         assert_eq!(m.links.len(), m.blocks.len());
         let mut contents = Vec::new();
-        for (&b, &h) in m.blocks.iter().zip(&truth) {
+        let usable_from = window_rule().reclaimable_blocks(m.blocks.len() * BT);
+        for (i, (&b, &h)) in m.blocks.iter().zip(&truth).enumerate() {
             // The right bytes, whichever tier they came from: never another
-            // user's block, never another prefix's, never a stale one.
-            assert_eq!(self.store.read(b), content(h.0).as_slice(), "matched {b} for {h}");
-            contents.push(content(h.0));
+            // user's block, never another prefix's, never a stale one. A block
+            // lacking its window layers lies behind the window of every row after
+            // the match.
+            let want = if self.cache.has_local(b) { content(h.0) } else { without_local(&content(h.0)) };
+            assert!(self.cache.has_local(b) || i < usable_from, "matched {b} at {i} lacks its window layers");
+            assert_eq!(self.store.read(b), want, "matched {b} for {h}");
+            contents.push(want);
         }
         let mut links: Vec<Option<ChainLink>> = m.links.iter().copied().map(Some).collect();
         let need = len.div_ceil(BT) - m.blocks.len();
@@ -262,6 +331,13 @@ impl Harness {
             }
             Err(e) => panic!("unexpected {e}"),
         };
+        // As the scheduler does before computing into them.
+        if let Err(e) = self.cache.ensure_local(&new, &mut self.store) {
+            assert_eq!(e.label(), "out_of_blocks");
+            self.cache.release(&new).expect("release the new blocks");
+            self.cache.release(&m.blocks).expect("release the match");
+            return;
+        }
         let mut blocks = m.blocks;
         for &b in &new {
             let i = blocks.len();
@@ -321,7 +397,7 @@ impl Harness {
                 match self.cache.swap_in(h, &mut self.store) {
                     Ok(blocks) => {
                         for (&b, data) in blocks.iter().zip(&self.seqs[i].contents) {
-                            assert_eq!(self.store.read(b), data.as_slice(), "swap round trip");
+                            assert_eq!(&self.store.read(b), data, "swap round trip");
                         }
                         self.seqs[i].blocks = blocks;
                     }
@@ -353,6 +429,26 @@ impl Harness {
                     self.store.write(b, &[0xCC; BLOCK_BYTES]);
                 }
                 self.cache.release(&blocks).expect("release");
+            }
+            Op::Trim(i, k) if i < n && self.seqs[i].swap.is_none() => {
+                let seq = &mut self.seqs[i];
+                let k = k.min(seq.blocks.len());
+                let before: Vec<bool> = seq.blocks.iter().map(|&b| self.cache.has_local(b)).collect();
+                let trimmed = self.cache.trim_local(&seq.blocks[..k], &mut self.store);
+                let mut count = 0;
+                for (j, &b) in seq.blocks.iter().enumerate() {
+                    if before[j] && !self.cache.has_local(b) {
+                        assert!(j < k, "block {j} past the trim lost its window layers");
+                        assert_eq!(self.cache.refcount(b), 1, "a shared block lost its window layers");
+                        seq.contents[j] = without_local(&seq.contents[j]);
+                        count += 1;
+                    }
+                }
+                assert_eq!(trimmed, count);
+                assert!(self.grouped || trimmed == 0);
+                for (&b, data) in seq.blocks.iter().zip(&seq.contents) {
+                    assert_eq!(&self.store.read(b), data, "trim changed what a block holds");
+                }
             }
             _ => {}
         }
@@ -400,6 +496,23 @@ proptest! {
         ops in prop::collection::vec(op(), 1..80),
     ) {
         let h = Harness::run(num_blocks, tier2, Arc::new(FourValues), ops);
+        h.drain();
+    }
+
+    /// The same schedules over a grouped arena whose sequences give back their old
+    /// blocks' window layers: units are never lost or shared, a block lacking its
+    /// window layers is never matched where a row could read them, swaps restore
+    /// exactly what they took.
+    #[test]
+    fn random_schedules_over_grouped_units_keep_every_invariant(
+        num_blocks in 4u32..32,
+        extra_units in 0usize..32,
+        tier2 in prop_oneof![1 => Just(0usize), 3 => 1usize..32],
+        colliding in any::<bool>(),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let hasher: Arc<dyn BlockHasher> = if colliding { Arc::new(FourValues) } else { Arc::new(Xxh64BlockHasher) };
+        let h = Harness::run_grouped(num_blocks, num_blocks as usize + extra_units, tier2, hasher, ops);
         h.drain();
     }
 

@@ -49,6 +49,19 @@ impl WindowRule {
         self.unread_blocks(next_pos).into_iter().max().unwrap_or(0)
     }
 
+    /// Leading blocks whose sliding-window layers a sequence continuing at `next_pos`
+    /// may give back ([`super::KvCache::trim_local`]): those no local layer reads from
+    /// `next_pos` on, counted from the start of `next_pos`'s block like
+    /// [`WindowRule::unread_blocks`], so that a later match of exactly the blocks
+    /// before `next_pos` is never cut. Every block from here on keeps them.
+    pub fn reclaimable_blocks(&self, next_pos: usize) -> usize {
+        if !self.has_local_layers() {
+            return 0;
+        }
+        let from = next_pos / self.block_tokens * self.block_tokens;
+        self.unread_by_every_local_layer(from)
+    }
+
     /// Leading blocks that no local layer reads from `next_pos` on (the least any local
     /// layer skips), so a block lacking its local layers below it is never read.
     fn unread_by_every_local_layer(&self, next_pos: usize) -> usize {
@@ -103,6 +116,30 @@ mod tests {
         assert_eq!(r.partial_blocks(100), 23);
         assert!(!WindowRule::new(4, vec![None, None]).has_local_layers());
         assert_eq!(WindowRule::new(4, vec![None]).usable_prefix(&[true, true]), 2);
+        // Reclaimable: the least any local layer skips, from the block's start.
+        let r2 = WindowRule::new(4, vec![Some(8), Some(12), None]);
+        assert_eq!(r2.reclaimable_blocks(15), 0);
+        assert_eq!(r2.reclaimable_blocks(16), 1);
+        assert_eq!(r2.reclaimable_blocks(100), 22);
+        assert_eq!(rule().reclaimable_blocks(100), 23);
+        assert_eq!(WindowRule::new(4, vec![None]).reclaimable_blocks(100), 0);
+    }
+
+    /// Blocks given back at any position are never read again by the rows after it,
+    /// and a match of exactly the blocks before the position is never cut.
+    #[test]
+    fn reclaimed_blocks_are_behind_every_window() {
+        let r = WindowRule::new(3, vec![Some(5), Some(7), None]);
+        for next in 0..60 {
+            let k = r.reclaimable_blocks(next);
+            for w in [5usize, 7] {
+                // The first row after `next` reads from `next + 1 - w`.
+                assert!(k * 3 <= (next + 1).saturating_sub(w), "next {next}: block {k} is read by window {w}");
+            }
+            let n = next / 3;
+            let partial: Vec<bool> = (0..n).map(|b| b < k).collect();
+            assert_eq!(r.usable_prefix(&partial), n, "next {next}");
+        }
     }
 
     #[test]

@@ -69,6 +69,12 @@ pub struct EngineArgs {
     pub max_waiting: usize,
     #[arg(long, env = "BATON_PREEMPTION", value_enum, default_value = "recompute")]
     pub preemption: PreemptionArg,
+    /// Keep every layer of every KV block. By default a model with sliding-window
+    /// layers (Gemma 3) gives the memory of those layers' blocks that no row reads any
+    /// more to other blocks, so the same KV memory holds longer conversations; this
+    /// turns that off (to measure what it saves).
+    #[arg(long, env = "BATON_KV_KEEP_WINDOW_LAYERS")]
+    pub kv_keep_window_layers: bool,
 }
 
 fn default_threads() -> usize {
@@ -108,6 +114,7 @@ impl EngineArgs {
                 PreemptionArg::Recompute => PreemptionMode::Recompute,
                 PreemptionArg::Swap => PreemptionMode::Swap,
             },
+            reclaim_window_layers: !self.kv_keep_window_layers,
         }
     }
 

@@ -8,15 +8,18 @@
 //! every path out of a sequence (finish, stop, error, cancel, preemption)
 //! returns its blocks exactly once.
 
+mod arena;
 mod cost;
 mod handoff;
 mod plan;
 mod scheduler;
 mod sequence;
 
+use arena::ArenaPlan;
+
 use crate::kv::{BlockHasher, ConversationId, KvError, KvStats, SeqId, OwnerId, Xxh64BlockHasher};
 use crate::model::LoadedModel;
-use baton_kernels::{Backend, KvDtype, KvLayout};
+use baton_kernels::{Backend, KvDtype, KvLayout, OptionalOp};
 use baton_text::chat_template::ChatTemplate;
 use baton_text::sampling::{SamplingError, ValidSamplingParams};
 use baton_text::tokenizer::Tokenizer;
@@ -61,6 +64,10 @@ pub struct EngineConfig {
     /// Most requests waiting for admission; more are refused.
     pub max_waiting: usize,
     pub preemption: PreemptionMode,
+    /// Give the memory of sliding-window layers that no row reads any more (blocks
+    /// behind every window) to other blocks: a grouped arena, where the backend has
+    /// one and the model has window layers. Off: every block holds every layer.
+    pub reclaim_window_layers: bool,
 }
 
 impl Default for EngineConfig {
@@ -77,6 +84,7 @@ impl Default for EngineConfig {
             max_running: 64,
             max_waiting: 1024,
             preemption: PreemptionMode::Recompute,
+            reclaim_window_layers: true,
         }
     }
 }
@@ -227,12 +235,19 @@ pub struct EngineInfo {
     pub vocab: usize,
     pub max_context: usize,
     pub kv_layout: KvLayout,
-    /// Sliding window of each of the layout's layers (`None`: global). Local
-    /// layers still keep every position in the arena (attention skips the
-    /// rest); nodes reserve transfers by these windows, so out-of-window
-    /// blocks of local layers are not shipped (`crate::kv::WindowRule`).
+    /// Sliding window of each of the layout's layers (`None`: global). On a backend
+    /// with a grouped arena a block holds its local layers only while a row may read
+    /// them (`crate::kv::KvCache::trim_local`); nodes reserve transfers by these
+    /// windows, so out-of-window blocks of local layers are not shipped
+    /// (`crate::kv::WindowRule`).
     pub layer_windows: Vec<Option<usize>>,
+    /// Block IDs of the pool. In a grouped arena more than its memory would hold with
+    /// every layer: blocks behind every window hold only their global layers.
     pub kv_blocks: usize,
+    /// Bytes of the arena's memory (the KV budget, rounded down to whole blocks or units).
+    pub kv_arena_bytes: usize,
+    /// Whether the arena is grouped (window layers' memory given back block by block).
+    pub kv_grouped: bool,
     pub tier2_blocks: usize,
     pub weight_bytes: usize,
     pub eos: Option<u32>,
@@ -334,7 +349,10 @@ impl Engine {
             head_dim: mc.head_dim,
             dtype: config.kv_dtype,
         };
-        let blocks = config.kv_memory_bytes / layout.block_bytes();
+        let windows = mc.windows();
+        let arena = ArenaPlan::new(layout, &windows, config.kv_memory_bytes, config.step_token_budget, config.reclaim_window_layers && backend.supports(OptionalOp::GroupedKv));
+        let blocks = arena.blocks;
+        let fits = arena.context_fits();
         let max_context = match config.max_context {
             Some(c) if c > mc.context_length => {
                 return Err(EngineError::Config(format!("max context {c} is longer than the model's context length {}", mc.context_length)));
@@ -344,8 +362,7 @@ impl Engine {
             // long-context model (Gemma 3 270M: 32,768 tokens, 576 MiB of f16 KV) starts on
             // the default budget with a shorter context instead of refusing. An asked-for
             // context that does not fit is still refused below.
-            None if blocks > 0 && blocks < mc.context_length.div_ceil(config.block_tokens) => {
-                let fits = blocks * config.block_tokens;
+            None if fits > 0 && fits < mc.context_length => {
                 tracing::warn!(
                     model_context = mc.context_length,
                     max_context = fits,
@@ -357,19 +374,20 @@ impl Engine {
             None => mc.context_length,
         };
         let needed_blocks = max_context.div_ceil(config.block_tokens);
-        if blocks < needed_blocks {
+        if !arena.fits(max_context) {
             return Err(EngineError::KvTooSmall {
                 max_context,
                 needed_blocks,
-                needed_bytes: needed_blocks * layout.block_bytes(),
+                needed_bytes: arena.bytes_for(max_context),
                 dtype: config.kv_dtype.name(),
                 budget_bytes: config.kv_memory_bytes,
-                blocks,
-                tokens: blocks * config.block_tokens,
+                blocks: fits / config.block_tokens,
+                tokens: fits,
             });
         }
-        if blocks > u32::MAX as usize {
-            return Err(EngineError::Config(format!("{blocks} KV blocks is more than one pool can address")));
+        let units = arena.grouped.as_ref().map_or(0, |g| g.units);
+        if blocks > u32::MAX as usize || units >= baton_kernels::UNMAPPED as usize {
+            return Err(EngineError::Config(format!("{blocks} KV blocks ({units} units) is more than one pool can address")));
         }
         let tier2_blocks = config.tier2_bytes / layout.block_bytes();
         let info = EngineInfo {
@@ -378,8 +396,10 @@ impl Engine {
             vocab: mc.vocab,
             max_context,
             kv_layout: layout,
-            layer_windows: mc.windows(),
+            layer_windows: windows,
             kv_blocks: blocks,
+            kv_arena_bytes: arena.arena_bytes(),
+            kv_grouped: arena.grouped.is_some(),
             tier2_blocks,
             weight_bytes: model.weight_bytes,
             eos: tokenizer.eos_id(),
@@ -389,8 +409,12 @@ impl Engine {
         let template = Arc::new(template);
         let shared = Arc::new(Shared { stats: Mutex::new(EngineStats::default()), in_flight: AtomicUsize::new(0) });
         let (tx, rx) = mpsc::channel();
-        let kv = backend.kv(layout, blocks).map_err(|e| EngineError::Config(e.to_string()))?;
-        let worker = scheduler::Worker::new(backend, model, kv, layout, blocks, tier2_blocks, max_context, config.clone(), hasher, tokenizer.clone(), shared.clone(), rx);
+        let kv = match &arena.grouped {
+            None => backend.kv(layout, blocks),
+            Some(g) => backend.kv_grouped(layout, blocks, g.units, g.groups.clone()),
+        }
+        .map_err(|e| EngineError::Config(e.to_string()))?;
+        let worker = scheduler::Worker::new(backend, model, kv, layout, arena, tier2_blocks, max_context, config.clone(), hasher, tokenizer.clone(), shared.clone(), rx);
         let thread = std::thread::Builder::new()
             .name("baton-engine".into())
             .spawn(move || worker.run())

@@ -31,6 +31,11 @@
 //!    start stops admission: no later arrival jumps ahead of it.
 //! 4. Nothing to run, nothing running and a non-empty queue: the head can
 //!    never fit, even alone, and is rejected rather than retried forever.
+//! 5. Nothing to run but several running sequences (prefills each waiting for
+//!    the window layers' memory of a grouped arena that the others hold): the
+//!    most recently admitted is preempted, so the rest can go on. One sequence
+//!    alone always can: the engine refuses an arena a max-context sequence
+//!    does not fit alone.
 
 use crate::kv::SeqId;
 
@@ -143,6 +148,12 @@ pub(crate) fn plan_step(q: &mut impl Queues, limits: Limits) -> StepPlan {
     plan_running_prefills(q, limits, &mut budget, &mut plan.slices);
     admit(q, limits, &mut budget, &mut plan);
     plan.reject_head = plan.slices.is_empty() && q.running_len() == 0 && q.has_waiting();
+    if plan.slices.is_empty() && q.running_len() > 1 {
+        // Rule 5: running prefills all wait for memory the others hold.
+        let last = q.running_len() - 1;
+        plan.preempted.push(q.progress(last).id);
+        q.preempt(last);
+    }
     plan
 }
 
@@ -184,8 +195,10 @@ fn plan_decodes(q: &mut impl Queues, limits: Limits, plan: &mut StepPlan) -> usi
 }
 
 /// Rule 2: running sequences reserved blocks for their whole prompt at
-/// admission, so a chunk never allocates.
-fn plan_running_prefills(q: &impl Queues, limits: Limits, budget: &mut usize, slices: &mut Vec<Slice>) {
+/// admission, so a chunk allocates no blocks; in a grouped arena its `grow` still
+/// takes the window layers' memory of the blocks it reaches, and a chunk that cannot
+/// have it waits (rule 5).
+fn plan_running_prefills(q: &mut impl Queues, limits: Limits, budget: &mut usize, slices: &mut Vec<Slice>) {
     for i in 0..q.running_len() {
         if *budget == 0 {
             break;
@@ -193,7 +206,7 @@ fn plan_running_prefills(q: &impl Queues, limits: Limits, budget: &mut usize, sl
         let s = q.progress(i);
         if s.pending() > 1 {
             let len = s.pending().min(*budget);
-            if (s.computed + len).div_ceil(limits.block_tokens) <= s.blocks {
+            if (s.computed + len).div_ceil(limits.block_tokens) <= s.blocks && q.grow(i, s.computed + len) {
                 slices.push(Slice { seq: i, start: s.computed, len, wants_logits: s.computed + len == s.tokens });
                 *budget -= len;
             }

@@ -22,6 +22,7 @@ use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
 use super::{Command, EngineConfig, EngineError, Event, FinishReason, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
 use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId, WindowRule};
 use crate::model::{Model, Scratch, StepInput};
+use super::arena::ArenaPlan;
 use baton_kernels::{AttnRow, Backend, KvLayout};
 use baton_text::sampling::{Sampled, Sampler, StopMatcher};
 use baton_text::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -61,6 +62,9 @@ impl<B: Backend> BlockStore for ArenaStore<'_, B> {
     }
     fn copy_in(&mut self, block: BlockId, data: &[u8]) {
         self.backend.kv_copy_block_in(self.kv, block.index(), data);
+    }
+    fn map(&mut self, block: BlockId, units: &[u32]) {
+        self.backend.kv_map(self.kv, block.index(), units);
     }
 }
 
@@ -104,7 +108,7 @@ impl<B: Backend> Worker<B> {
         model: Model<B>,
         kv: B::Kv,
         layout: KvLayout,
-        blocks: usize,
+        arena: ArenaPlan,
         tier2_blocks: usize,
         max_context: usize,
         config: EngineConfig,
@@ -115,7 +119,10 @@ impl<B: Backend> Worker<B> {
     ) -> Self {
         let scratch = Scratch::new(&backend);
         let window = WindowRule::new(layout.block_tokens, model.config.windows());
-        let mut cache = KvCache::new(blocks as u32, tier2_blocks);
+        let mut cache = match arena.grouped {
+            None => KvCache::new(arena.blocks as u32, tier2_blocks),
+            Some(g) => KvCache::with_units(arena.blocks as u32, tier2_blocks, g.units, g.local),
+        };
         cache.set_window_rule(window.clone());
         let mut worker = Worker {
             backend,
@@ -310,6 +317,8 @@ impl<B: Backend> Worker<B> {
             import,
             imported_first: None,
             local_layers_absent_below: 0,
+            trimmed: 0,
+            reclaimed_blocks: 0,
             export,
             request: Request { sampling, ..request },
         };
@@ -358,24 +367,49 @@ impl<B: Backend> Worker<B> {
         }
         seq.computed = 0;
         seq.registered = 0;
+        seq.trimmed = 0;
         seq.links.clear();
     }
 
-    /// Tries to give `seq` blocks for its first `upto` tokens.
+    /// Tries to give `seq` blocks for its first `upto` tokens, with memory for the
+    /// window layers of every block its next rows (up to `upto`) write or read. All or
+    /// nothing.
     fn grow_blocks(&mut self, seq_idx: usize, upto: usize) -> bool {
         let bt = self.layout.block_tokens;
         let need = upto.div_ceil(bt).saturating_sub(self.running[seq_idx].blocks.len());
-        if need == 0 {
-            return true;
-        }
         let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
-        match self.cache.allocate(need, &mut store) {
-            Ok(b) => {
-                self.running[seq_idx].blocks.extend(b);
-                true
+        let new = match self.cache.allocate(need, &mut store) {
+            Ok(b) => b,
+            Err(_) => return false,
+        };
+        let seq = &mut self.running[seq_idx];
+        seq.blocks.extend(&new);
+        let first = self.window.reclaimable_blocks(seq.computed).min(seq.blocks.len());
+        let last = upto.div_ceil(bt).min(seq.blocks.len());
+        if self.cache.ensure_local(&seq.blocks[first..last.max(first)], &mut store).is_err() {
+            seq.blocks.truncate(seq.blocks.len() - new.len());
+            if let Err(e) = self.cache.release(&new) {
+                tracing::error!(seq = seq.id.0, error = %e, "release of new blocks refused");
             }
-            Err(_) => false,
+            return false;
         }
+        true
+    }
+
+    /// Gives back the window layers' memory of `seq`'s blocks that no row after its
+    /// computed tokens reads. The platform prefix (the shared system prompt) keeps
+    /// them: new conversations start inside its window.
+    fn trim_window(&mut self, seq_idx: usize) {
+        let bt = self.layout.block_tokens;
+        let seq = &mut self.running[seq_idx];
+        let upto = self.window.reclaimable_blocks(seq.computed).min(seq.blocks.len());
+        let from = seq.trimmed.max(seq.request.platform_prefix_len / bt);
+        if upto > from {
+            let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
+            let n = self.cache.trim_local(&seq.blocks[from..upto], &mut store);
+            seq.reclaimed_blocks += n;
+        }
+        seq.trimmed = seq.trimmed.max(upto);
     }
 
     /// Parks running sequence `i` back at the front of the queue, its full
@@ -480,7 +514,17 @@ impl<B: Backend> Worker<B> {
                         ImportPlan::Gap => {
                             tracing::debug!(seq = seq.id.0, matched, start = import.start_block, "import not contiguous with the cache; computing locally");
                         }
+                        ImportPlan::Use { first, end, computed }
+                            if self
+                                .cache
+                                .ensure_local(&seq.blocks[self.window.reclaimable_blocks(computed).clamp(first, end)..end], &mut store)
+                                .is_err() =>
+                        {
+                            tracing::debug!(seq = seq.id.0, "no memory for the import's window layers; computing locally");
+                        }
                         ImportPlan::Use { first, end, computed } => {
+                            // Blocks behind every window of the rows after `computed` get
+                            // no window layers' memory: the import's zeros there are dropped.
                             let ids: Vec<usize> = seq.blocks[first..end].iter().map(|b| b.index()).collect();
                             let data: Vec<&[u8]> = import.blocks[first - import.start_block..end - import.start_block].iter().map(Vec::as_slice).collect();
                             store.backend.kv_blocks_in(store.kv, &ids, &data);
@@ -612,6 +656,8 @@ impl<B: Backend> Worker<B> {
             let seq = &mut self.running[sl.seq];
             seq.computed += sl.len;
             register_full_blocks(&mut self.cache, bt, seq);
+            self.trim_window(sl.seq);
+            let seq = &mut self.running[sl.seq];
             if sl.wants_logits {
                 let row = &logits[li * vocab..(li + 1) * vocab];
                 li += 1;

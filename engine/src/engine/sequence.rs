@@ -48,6 +48,11 @@ pub(crate) struct Sequence {
     /// Blocks below this index came in an import that may lack their sliding-window
     /// layers: they are published as such (see `crate::kv::WindowRule`).
     pub local_layers_absent_below: usize,
+    /// Blocks below this index were offered to `KvCache::trim_local` (their window
+    /// layers' memory given back unless another sequence holds them).
+    pub trimmed: usize,
+    /// Blocks whose window layers' memory this sequence gave back, over its life.
+    pub reclaimed_blocks: usize,
     /// Where to send the prompt's blocks (from the given block) at the first token.
     pub export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
 }

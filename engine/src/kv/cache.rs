@@ -219,6 +219,7 @@ impl KvCache {
             indexed: self.index.len(),
             units_total: self.units.as_ref().map_or(0, Units::total),
             units_free: self.units.as_ref().map_or(0, Units::free),
+            units_cached: self.units_cached,
             ..self.stats
         }
     }

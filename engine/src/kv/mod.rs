@@ -110,6 +110,8 @@ pub struct KvStats {
     pub units_total: usize,
     /// Units held by no block.
     pub units_free: usize,
+    /// Units held by cached blocks (evictable).
+    pub units_cached: usize,
     /// Cumulative: blocks whose sliding-window layers' memory was given back because
     /// no row of their sequence reads them again ([`KvCache::trim_local`]).
     pub local_reclaimed: u64,

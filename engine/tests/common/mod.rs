@@ -128,6 +128,7 @@ pub fn assert_no_leaks(engine: &Engine) {
     assert_eq!(st.kv.used, 0, "blocks still pinned: {:?}", st.kv);
     assert_eq!(st.kv.free + st.kv.cached, st.kv.total, "{:?}", st.kv);
     assert_eq!(st.kv.swapped, 0, "{:?}", st.kv);
+    assert_eq!(st.kv.units_free + st.kv.units_cached, st.kv.units_total, "window layers' memory still held: {:?}", st.kv);
 }
 
 /// Logits at `rows` of one forward pass over `tokens` (one sequence, one

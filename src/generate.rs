@@ -106,7 +106,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                     out.flush()?;
                 }
             }
-            Event::Finished { reason, usage, ttft, total, trailing_text } => {
+            Event::Finished { reason, usage, ttft, total, trailing_text, .. } => {
                 if a.json {
                     writeln!(out, "{}", serde_json::json!({
                         "finish_reason": reason.as_str(),

@@ -84,6 +84,12 @@ over_models! {
         let expected = window_skipped_bytes(&reference, turn1.len());
         assert_eq!(skipped, Some(expected as f64), "KV bytes left off the wire for a {}-token turn", turn1.len());
         assert_eq!(expected > 0, reference.info.layer_windows.iter().any(Option::is_some), "{} skips by its windows", model.name);
+        // Nor does the decode node hold memory for them: at the turn's end its blocks
+        // behind every window (the last 23 tokens computed here moved the window on)
+        // have no window layers' memory.
+        let saved = sample(&metrics(&decode.addr("http")), "baton_decode_kv_window_saved_bytes_sum");
+        assert_eq!(saved, Some(window_saved_bytes(&reference, turn1.len() + 23) as f64), "KV memory saved by turn 1");
+        assert!(window_saved_bytes(&reference, turn1.len() + 23) >= expected);
         // And the prefill node's link really carried that much less: every block of the
         // prompt but those block-layers, plus frame headers.
         let layout = reference.info.kv_layout;

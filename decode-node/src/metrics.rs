@@ -18,8 +18,11 @@ pub const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 
 /// Byte buckets of the KV a remote prefill left off the wire (64 KiB to 256 MiB).
 pub const SKIPPED_BYTES_BUCKETS: &[f64] = &[0.0, 65_536.0, 262_144.0, 1_048_576.0, 4_194_304.0, 16_777_216.0, 67_108_864.0, 268_435_456.0];
 /// Buckets of this role's histograms besides TTFT (the shell's), by name under the prefix.
-pub const BUCKETS: &[(&str, &[f64])] =
-    &[("inter_token_latency_seconds", ITL_BUCKETS), ("kv_window_skipped_bytes", SKIPPED_BYTES_BUCKETS)];
+pub const BUCKETS: &[(&str, &[f64])] = &[
+    ("inter_token_latency_seconds", ITL_BUCKETS),
+    ("kv_window_skipped_bytes", SKIPPED_BYTES_BUCKETS),
+    ("kv_window_saved_bytes", SKIPPED_BYTES_BUCKETS),
+];
 
 /// Handles to the decode node's own series.
 pub struct Metrics {
@@ -41,6 +44,10 @@ pub struct Metrics {
     /// `kv_window_skipped_bytes`: per remote prefill (one turn), KV bytes not shipped
     /// because they lay before every later row's sliding window.
     pub window_skipped_bytes: Histogram,
+    /// `kv_window_saved_bytes`: per turn, KV memory of sliding-window layers its blocks
+    /// did not hold at its end (behind every later row's window: not received, or given
+    /// back to other blocks).
+    pub window_saved_bytes: Histogram,
     /// `drain_migrated_blocks_total`: KV blocks migrated away by a drain.
     drain_blocks: Counter,
     /// `adopted_prefixes_total`: prefixes adopted from a draining node.
@@ -64,6 +71,10 @@ impl Metrics {
             window_skipped_bytes: n.histogram(
                 "kv_window_skipped_bytes",
                 "KV bytes a remote prefill did not ship, per turn: sliding-window layers' blocks before every later row's window",
+            ),
+            window_saved_bytes: n.histogram(
+                "kv_window_saved_bytes",
+                "KV memory a turn's blocks did not hold at its end, per turn: sliding-window layers behind every later row's window",
             ),
             drain_blocks: n.counter("drain_migrated_blocks_total", "KV blocks migrated to other decode nodes by a drain", &[]),
             adopted_prefixes: n.counter("adopted_prefixes_total", "Warm prefixes adopted from a draining decode node", &[]),
@@ -160,6 +171,7 @@ mod tests {
         m.migration("failed", 0);
         m.adopted(3);
         m.window_skipped_bytes.record(3_000_000.0);
+        m.window_saved_bytes.record(200_000.0);
         let text = node.render_own();
         assert_eq!(value(&text, "baton_decode_inter_token_latency_seconds_count"), Some(2.0), "{text}");
         assert_eq!(value(&text, "baton_decode_inter_token_latency_seconds_bucket{le=\"0.02\"}"), Some(1.0), "{text}");
@@ -171,5 +183,6 @@ mod tests {
         assert_eq!(value(&text, "baton_decode_adopted_blocks_total"), Some(3.0), "{text}");
         assert_eq!(value(&text, "baton_decode_kv_window_skipped_bytes_sum"), Some(3_000_000.0), "{text}");
         assert_eq!(value(&text, "baton_decode_kv_window_skipped_bytes_bucket{le=\"4194304\"}"), Some(1.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_kv_window_saved_bytes_bucket{le=\"262144\"}"), Some(1.0), "{text}");
     }
 }

@@ -234,8 +234,9 @@ async fn forward(
                 }
                 Ok(pb::GenerateEvent { event: Some(E::Token(convert::token(&t))) })
             }
-            Some(Event::Finished { reason, usage, ttft, trailing_text, .. }) => {
+            Some(Event::Finished { reason, usage, ttft, trailing_text, window_saved_bytes, .. }) => {
                 metrics.finished(reason, ttft);
+                metrics.window_saved_bytes.record(window_saved_bytes as f64);
                 let fin = pb::FinishedEvent {
                     reason: convert::finish_reason(reason) as i32,
                     usage: Some(pb::Usage {

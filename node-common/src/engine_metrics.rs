@@ -183,6 +183,12 @@ struct EngineSeries {
     swapped: String,
     /// Gauge: KV blocks by state (`free`, `used`, `cached`) and tier (`1`, `2`).
     kv_blocks: String,
+    /// Gauge: units of a grouped arena by state (`free`, `cached`, `held`); absent for a plain one.
+    kv_units: String,
+    /// Gauge: bytes of one unit of a grouped arena.
+    kv_unit_bytes: String,
+    /// Counter: KV memory of sliding-window layers given back to other blocks.
+    kv_window_reclaimed: String,
     kv_block_bytes: String,
     staging_blocks_used: String,
     /// Gauge: prefill tokens the cost model fits beside the decode rows under the ITL target.
@@ -211,6 +217,9 @@ impl EngineSeries {
             running: name("running_sequences"),
             swapped: name("swapped_sequences"),
             kv_blocks: name("kv_blocks"),
+            kv_units: name("kv_units"),
+            kv_unit_bytes: name("kv_unit_bytes"),
+            kv_window_reclaimed: name("kv_window_reclaimed_bytes_total"),
             kv_block_bytes: name("kv_block_bytes"),
             staging_blocks_used: name("kv_staging_blocks_used"),
             prefill_budget: name("step_prefill_budget_tokens"),
@@ -259,6 +268,19 @@ impl EngineSeries {
             gauge(r, &self.kv_blocks, "KV blocks by state and tier", &[("state", state), ("tier", tier)]).set(n as f64);
         }
         gauge(r, &self.kv_block_bytes, "Bytes of one KV block (all layers, K and V)", &[]).set(engine.info.kv_layout.block_bytes() as f64);
+        if k.units_total > 0 {
+            let help = "Units of the grouped KV arena (a few layers of one block each) by state: free, held by cached blocks, held by running sequences";
+            let held = k.units_total - k.units_free - k.units_cached;
+            for (state, n) in [("free", k.units_free), ("cached", k.units_cached), ("held", held)] {
+                gauge(r, &self.kv_units, help, &[("state", state)]).set(n as f64);
+            }
+            let unit_bytes = engine.info.kv_arena_bytes / k.units_total;
+            gauge(r, &self.kv_unit_bytes, "Bytes of one unit of the grouped KV arena; units x this = KV memory", &[]).set(unit_bytes as f64);
+            let window_layers = engine.info.layer_windows.iter().filter(|w| w.is_some()).count();
+            let bytes = k.local_reclaimed * (window_layers * engine.info.kv_layout.block_layer_bytes()) as u64;
+            let help = "KV memory of sliding-window layers given back to other blocks (blocks behind every window of their sequence)";
+            counter(r, &self.kv_window_reclaimed, help, &[]).absolute(bytes);
+        }
         let help = "Prefill tokens the step cost model fits beside the running decode rows within the ITL target (the step budget when nothing decodes)";
         gauge(r, &self.prefill_budget, help, &[]).set(st.prefill_budget_tokens as f64);
         let help = "p95 of the measured times of the last 5 s of engine steps with decode rows (0: none)";

@@ -416,6 +416,19 @@ pub fn window_skipped_bytes(engine: &Engine, prompt_len: usize) -> u64 {
     (blocks * layout.block_layer_bytes()) as u64
 }
 
+/// KV memory a decode node's turn holds no sliding-window layers for at its end, when
+/// its last computed row is at `computed - 1`: on every window layer, the blocks before
+/// the window of the row at the start of `computed`'s block (the least over the
+/// layers; 0 without such layers).
+pub fn window_saved_bytes(engine: &Engine, computed: usize) -> u64 {
+    let layout = engine.info.kv_layout;
+    let bt = layout.block_tokens;
+    let from = computed / bt * bt;
+    let windows: Vec<usize> = engine.info.layer_windows.iter().flatten().copied().collect();
+    let blocks = windows.iter().map(|&w| (from + 1).saturating_sub(w) / bt).min().unwrap_or(0);
+    (blocks * windows.len() * layout.block_layer_bytes()) as u64
+}
+
 /// The value of the Prometheus sample `name` (its whole name with labels) in `text`.
 pub fn sample(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))

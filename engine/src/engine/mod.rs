@@ -166,7 +166,10 @@ pub struct Request {
 #[derive(Debug)]
 pub enum Event {
     Token(TokenOut),
-    Finished { reason: FinishReason, usage: Usage, ttft: Option<Duration>, total: Duration, trailing_text: String },
+    /// `window_saved_bytes`: the memory of sliding-window layers that the turn's blocks
+    /// did not hold at its end, because no later row reads them (not received, or
+    /// given back once its rows had moved past them; 0 without a grouped arena).
+    Finished { reason: FinishReason, usage: Usage, ttft: Option<Duration>, total: Duration, trailing_text: String, window_saved_bytes: u64 },
     Failed(EngineError),
 }
 

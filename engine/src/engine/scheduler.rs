@@ -318,7 +318,6 @@ impl<B: Backend> Worker<B> {
             imported_first: None,
             local_layers_absent_below: 0,
             trimmed: 0,
-            reclaimed_blocks: 0,
             export,
             request: Request { sampling, ..request },
         };
@@ -340,6 +339,9 @@ impl<B: Backend> Worker<B> {
     /// swap, and sends the final event.
     fn finish(&mut self, mut seq: Sequence, reason: FinishReason) {
         register_full_blocks(&mut self.cache, self.layout.block_tokens, &mut seq);
+        let without_window = seq.blocks.iter().filter(|&&b| !self.cache.has_local(b)).count();
+        let window_layers = self.window.local_layers();
+        let window_saved_bytes = (without_window * window_layers * self.layout.block_layer_bytes()) as u64;
         self.release_blocks(&mut seq);
         if let Some(Parked::Swapped(h)) = seq.parked.take() {
             self.cache.drop_swap(h);
@@ -354,7 +356,7 @@ impl<B: Backend> Worker<B> {
                 st.cancelled += 1;
             }
         }
-        let event = seq.finish_event(reason);
+        let event = seq.finish_event(reason, window_saved_bytes);
         let _ = seq.events.send(event);
     }
 
@@ -406,8 +408,7 @@ impl<B: Backend> Worker<B> {
         let from = seq.trimmed.max(seq.request.platform_prefix_len / bt);
         if upto > from {
             let mut store = ArenaStore { backend: &self.backend, kv: &mut self.kv, block_bytes: self.layout.block_bytes() };
-            let n = self.cache.trim_local(&seq.blocks[from..upto], &mut store);
-            seq.reclaimed_blocks += n;
+            self.cache.trim_local(&seq.blocks[from..upto], &mut store);
         }
         seq.trimmed = seq.trimmed.max(upto);
     }

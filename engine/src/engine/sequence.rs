@@ -51,8 +51,6 @@ pub(crate) struct Sequence {
     /// Blocks below this index were offered to `KvCache::trim_local` (their window
     /// layers' memory given back unless another sequence holds them).
     pub trimmed: usize,
-    /// Blocks whose window layers' memory this sequence gave back, over its life.
-    pub reclaimed_blocks: usize,
     /// Where to send the prompt's blocks (from the given block) at the first token.
     pub export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
 }
@@ -70,7 +68,8 @@ impl Sequence {
         self.events.send(Event::Token(out)).is_ok()
     }
 
-    pub fn finish_event(&mut self, reason: FinishReason) -> Event {
+    /// The final event; `window_saved_bytes`: see [`Event::Finished`].
+    pub fn finish_event(&mut self, reason: FinishReason, window_saved_bytes: u64) -> Event {
         let mut trailing_text = String::new();
         if reason != FinishReason::Cancelled && !self.stop.is_stopped() {
             let tail = self.decoder.finish();
@@ -86,6 +85,7 @@ impl Sequence {
             ttft: self.first_token,
             total: self.submitted.elapsed(),
             trailing_text,
+            window_saved_bytes,
         }
     }
 }

@@ -220,6 +220,7 @@ impl KvCache {
             units_total: self.units.as_ref().map_or(0, Units::total),
             units_free: self.units.as_ref().map_or(0, Units::free),
             units_cached: self.units_cached,
+            allocatable: self.available_for_allocation(),
             ..self.stats
         }
     }

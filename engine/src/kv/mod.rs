@@ -106,6 +106,9 @@ pub struct KvStats {
     /// Cumulative: lookups and registrations that found a block under the right
     /// hash but with another scope, other tokens or another parent (refused).
     pub hash_collisions: u64,
+    /// Blocks an allocation could get now (free plus cached, as far as a grouped
+    /// arena's units go: [`KvCache::available_for_allocation`]).
+    pub allocatable: usize,
     /// Units of a grouped arena (0 for a plain one; see [`KvCache::with_units`]).
     pub units_total: usize,
     /// Units held by no block.

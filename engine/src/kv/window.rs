@@ -29,6 +29,11 @@ impl WindowRule {
         Self { block_tokens: block_tokens.max(1), windows }
     }
 
+    /// Layers with a window.
+    pub fn local_layers(&self) -> usize {
+        self.windows.iter().filter(|w| w.is_some()).count()
+    }
+
     /// Whether any layer has a window (otherwise nothing is ever skipped).
     pub fn has_local_layers(&self) -> bool {
         self.windows.iter().any(Option::is_some)

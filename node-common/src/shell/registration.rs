@@ -52,7 +52,7 @@ pub(super) fn register(node: &Node, role: IdRole, kv_endpoint: &str, ready: &Arc
 pub fn load_report(engine: &Engine) -> LoadReport {
     let st = engine.stats();
     LoadReport {
-        kv_blocks_free: (st.kv.free + st.kv.cached) as u64,
+        kv_blocks_free: st.kv.allocatable as u64,
         running: st.running as u32,
         waiting: st.waiting as u32,
         itl_target_seconds: engine.info.itl_target.map_or(0.0, |t| t.as_secs_f64()),

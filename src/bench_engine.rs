@@ -139,6 +139,24 @@ fn llama_bench(bin: &PathBuf, model: &std::path::Path, threads: usize, pp: usize
     Ok(r)
 }
 
+/// Blocks cached and the KV memory they hold, once the engine is idle: every layer of
+/// every block in a plain arena, the units they hold in a grouped one.
+fn cached_kv(engine: &Engine) -> (usize, usize) {
+    for _ in 0..1000 {
+        let st = engine.stats();
+        if st.running == 0 && st.waiting == 0 {
+            let k = st.kv;
+            let bytes = match k.units_total {
+                0 => k.cached * engine.info.kv_layout.block_bytes(),
+                units => k.units_cached * (engine.info.kv_arena_bytes / units),
+            };
+            return (k.cached, bytes);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    (0, 0)
+}
+
 pub fn run(a: BenchEngineArgs) -> Result<()> {
     let mut args = a.engine.clone();
     args.step_tokens = args.step_tokens.max(a.prompt_tokens);
@@ -152,9 +170,16 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     run_batch(&engine, 1, 64, 4, 9999)?;
 
     let mut prefill = 0f64;
+    // What one prompt's blocks hold once it is done (cached for a next turn).
+    let mut kv_held = (0, 0);
     for rep in 0..a.reps {
+        let before = cached_kv(&engine);
         let (ttft, _) = run_batch(&engine, 1, a.prompt_tokens, 1, 100 + rep)?;
         prefill = prefill.max(a.prompt_tokens as f64 / ttft.as_secs_f64());
+        if rep == 0 {
+            let after = cached_kv(&engine);
+            kv_held = (after.0.saturating_sub(before.0), after.1.saturating_sub(before.1));
+        }
     }
     let mut decode = Vec::new();
     for &b in &a.batches {
@@ -166,6 +191,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         decode.push((b, best));
     }
     let peak = peak_rss_mib();
+    let (engine_block_bytes, grouped) = (engine.info.kv_layout.block_bytes(), engine.info.kv_grouped);
     engine.shutdown();
 
     let llama_bin = a.llama_bench.clone().or_else(|| {
@@ -201,6 +227,16 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         println!("aggregate decode batch {bmax} / batch 1: {:.2}x", bn / b1);
     }
     println!("peak memory (RSS): {peak:.0} MiB");
+    let every_layer = kv_held.0 * engine_block_bytes;
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!(
+        "kv memory of one {}-token prompt's {} cached blocks: {:.2} MiB ({}; every layer of every block: {:.2} MiB)",
+        a.prompt_tokens,
+        kv_held.0,
+        mib(kv_held.1),
+        if grouped { "window layers behind the window given back" } else { "plain arena" },
+        mib(every_layer)
+    );
     if llama.is_none() {
         println!("(llama.cpp not measured: build it with scripts/llamacpp/build.sh or pass --llama-bench)");
     }

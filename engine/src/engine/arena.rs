@@ -84,7 +84,7 @@ impl ArenaPlan {
         let window_blocks = (max_window + step_tokens).div_ceil(bt) + 2;
         // With no global layer a block whose window layers are given back holds no
         // memory at all; its ID is still bounded, by the units.
-        let blocks = if global_units > 0 { units / global_units } else { units };
+        let blocks = units.checked_div(global_units).unwrap_or(units);
         Self {
             blocks,
             grouped: Some(Grouped { units, groups, local, global_units, local_units, window_blocks, unit_bytes }),
@@ -129,10 +129,9 @@ impl ArenaPlan {
                 let whole = g.units / (g.global_units + g.local_units).max(1);
                 if whole < g.window_blocks {
                     whole // every block of it within the window
-                } else if g.global_units == 0 {
-                    self.blocks // blocks behind the window take nothing
                 } else {
-                    (g.units - g.window_blocks * g.local_units) / g.global_units
+                    // Without global layers, blocks behind the window take nothing.
+                    (g.units - g.window_blocks * g.local_units).checked_div(g.global_units).unwrap_or(self.blocks)
                 }
             }
         };

@@ -21,8 +21,11 @@ const UNIT_BYTES: usize = BLOCK_BYTES / 2;
 /// as the kernels' grouped arena does.
 struct FakeStore {
     rows: Vec<Vec<u8>>,
-    grouped: Option<(Vec<Vec<u8>>, Vec<[u32; 2]>)>,
+    grouped: Option<Grouped>,
 }
+
+/// A grouped store's unit rows and each block's two units.
+type Grouped = (Vec<Vec<u8>>, Vec<[u32; 2]>);
 
 impl FakeStore {
     fn new(blocks: usize) -> Self {

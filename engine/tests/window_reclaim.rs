@@ -7,7 +7,7 @@
 mod common;
 
 use baton_engine::kv::OwnerId;
-use baton_engine::{Engine, EngineConfig, Event, Request};
+use baton_engine::{Engine, EngineConfig, Event, PreemptionMode, Request};
 use baton_text::sampling::SamplingParams;
 use common::*;
 
@@ -126,14 +126,18 @@ fn sequences_competing_for_window_memory_finish_with_their_own_tokens() {
     let want: Vec<Turn> = prompts.iter().map(|p| turn(&reference, p, "alice", 8)).collect();
     // 400 units: one 1,024-token sequence alone (64 global units and 66 blocks of
     // window layers, 5 units each), not three 600-token prompts at once (228 each).
-    let tight = gemma_engine(config(true, 512, 401 * UNIT_BYTES, 1024)).unwrap();
-    assert_eq!(tight.stats().kv.units_total, 400);
-    let streams: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&tight, p, &format!("user{i}"), 8)).collect();
-    let got: Vec<Turn> = streams.into_iter().map(finish).collect();
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!((&g.tokens, &g.logprobs), (&w.tokens, &w.logprobs), "prompt {i}");
+    // Preempted sequences recompute, or swap to the second tier and come back with
+    // exactly the window layers they had.
+    for preemption in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let tight = gemma_engine(EngineConfig { preemption, ..config(true, 512, 401 * UNIT_BYTES, 1024) }).unwrap();
+        assert_eq!(tight.stats().kv.units_total, 400);
+        let streams: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&tight, p, &format!("user{i}"), 8)).collect();
+        let got: Vec<Turn> = streams.into_iter().map(finish).collect();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!((&g.tokens, &g.logprobs), (&w.tokens, &w.logprobs), "prompt {i}, {preemption:?}");
+        }
+        let st = settled(&tight);
+        assert!(st.preemptions > 0, "the prompts never competed: {st:?}");
+        assert_no_leaks(&tight);
     }
-    let st = settled(&tight);
-    assert!(st.preemptions > 0, "the prompts never competed: {st:?}");
-    assert_no_leaks(&tight);
 }

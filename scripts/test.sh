@@ -96,11 +96,15 @@ if [ $# -eq 0 ]; then
     step "deploy/k8s/identity-test.sh" bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"
 fi
 # Lints: clippy over every crate and target, warnings as errors (where a lint is wrong for
-# a piece of code, that code allows it and says why). Skipped, and said so, where the
-# toolchain has no clippy and scripts/setup.sh could not add it.
+# a piece of code, that code allows it and says why), and over the code behind the
+# features the default build leaves out (the RDMA transport, the emulated CUDA kernels;
+# the CUDA backend is in the default build). Skipped, and said so, where the toolchain
+# has no clippy and scripts/setup.sh could not add it.
 if [ $# -eq 0 ]; then
     if cargo clippy --version >/dev/null 2>&1; then
         step "cargo clippy" cargo clippy --workspace --all-targets --release --locked -- -D warnings
+        step "cargo clippy --features rdma" cargo clippy -p baton-kv-transport --features rdma --all-targets --release --locked -- -D warnings
+        step "cargo clippy --features emu" cargo clippy -p baton-kernels --features emu --all-targets --release --locked -- -D warnings
     else
         echo "cargo clippy: not part of this Rust toolchain (rustup component add clippy); lints skipped"
     fi

@@ -414,16 +414,25 @@ impl KvCache {
     /// free block or too few free units.
     fn grab_block(&mut self, store: &mut dyn BlockStore, with_local: bool) -> Option<BlockId> {
         let need = self.units.as_ref().map_or(0, |u| u.per_block(with_local));
-        while self.pool.free_count() == 0 || self.units.as_ref().is_some_and(|u| u.free() < need) {
-            if !self.evict_lru(store) {
-                return None;
-            }
+        if !self.make_room(1, need, store) {
+            return None;
         }
         let b = self.pool.pop_free()?;
         if let Some(u) = &mut self.units {
             u.take(b, with_local, store);
         }
         Some(b)
+    }
+
+    /// Evicts least recently used cached blocks until `ids` blocks and `units` units
+    /// are free; false when the cached blocks run out first.
+    fn make_room(&mut self, ids: usize, units: usize, store: &mut dyn BlockStore) -> bool {
+        while self.pool.free_count() < ids || self.units.as_ref().is_some_and(|u| u.free() < units) {
+            if !self.evict_lru(store) {
+                return false;
+            }
+        }
+        true
     }
 
     /// Evicts the least recently used cached block: its bytes spill to the second tier
@@ -472,16 +481,13 @@ impl KvCache {
                 lacking.push(b);
             }
         }
-        let need = lacking.len() * units.local_per_block();
-        if units.free() + self.units_cached < need {
-            let available = (units.free() + self.units_cached) / units.local_per_block().max(1);
+        let (per_block, free) = (units.local_per_block(), units.free());
+        if !self.can_take(0, lacking.len()) {
+            let available = (free + self.units_cached) / per_block.max(1);
             return Err(KvError::OutOfBlocks { requested: lacking.len(), available });
         }
-        while self.units.as_ref().is_some_and(|u| u.free() < need) {
-            if !self.evict_lru(store) {
-                break; // unreachable given the check above
-            }
-        }
+        // Cannot fail: `can_take` counted the cached blocks' units.
+        self.make_room(0, lacking.len() * per_block, store);
         let Some(units) = &mut self.units else { return Ok(0) };
         for &b in &lacking {
             units.take(b, true, store);
@@ -517,10 +523,10 @@ impl KvCache {
     /// In a grouped arena ([`KvCache::with_units`]) the blocks get memory for their
     /// global layers only; [`KvCache::ensure_local`] adds the rest.
     pub fn allocate(&mut self, n: usize, store: &mut dyn BlockStore) -> Result<Vec<BlockId>, KvError> {
-        if !self.can_take(n, 0) {
-            return Err(KvError::OutOfBlocks { requested: n, available: self.available_for_allocation() });
-        }
         let available = self.available_for_allocation();
+        if !self.can_take(n, 0) {
+            return Err(KvError::OutOfBlocks { requested: n, available });
+        }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             match self.grab_block(store, false) {
@@ -578,7 +584,7 @@ impl KvCache {
             }
         }
         let mut entry = Entry::new(&key, parent);
-        if !self.units.as_ref().is_none_or(|u| u.has_local(block)) {
+        if !self.has_local(block) {
             // Its window layers' memory was given back: matches must skip it.
             entry.mark_without_local_layers();
         }

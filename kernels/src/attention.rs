@@ -65,6 +65,18 @@ impl KvStorage {
         }
     }
 
+    /// The f16 bits of slots `slot..slot + n` of `block`'s keys (`which == 0`)
+    /// or values in `layer`, every head of each slot, when the arena holds f16.
+    fn f16_slots(&self, layer: usize, block: usize, which: usize, slot: usize, n: usize) -> Option<&[u16]> {
+        let l = &self.layout;
+        let te = l.token_elems();
+        let start = self.base(block, layer) + (which * l.block_tokens + slot) * te;
+        match (self.raw(), l.dtype) {
+            (Raw::Half(d), KvDtype::F16) => Some(&d[start..start + n * te]),
+            _ => None,
+        }
+    }
+
     /// Keys or values of heads `heads` at positions `range` of a sequence
     /// (`table` its block table): position `range.start + j` of head
     /// `heads.start + i` lands at `out[(i * stride + j) * head_dim..]`.
@@ -153,7 +165,11 @@ pub fn attention(pool: &Pool, kv: &KvStorage, layer: usize, q: &[f32], rows: &[A
     // values) as one contiguous stretch instead of a third of every slot;
     // otherwise one task per (run, KV head). Each row's arithmetic is the same.
     let heads_per_task = if runs.len() >= 4 * pool.threads() { kvh } else { 1 };
-    let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale, window, heads_per_task };
+    #[cfg(target_arch = "x86_64")]
+    let direct = l.dtype == KvDtype::F16 && hd.is_multiple_of(16) && simd();
+    #[cfg(not(target_arch = "x86_64"))]
+    let direct = false;
+    let task = Task { kv, layer, q, rows, runs: &runs, n_heads, scale, window, heads_per_task, direct };
     let tasks = runs.len() * (kvh / heads_per_task);
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
@@ -177,6 +193,12 @@ struct Task<'a> {
     scale: f32,
     window: Option<usize>,
     heads_per_task: usize,
+    /// A run of one row (a decode row) reads f16 keys and values straight
+    /// from the arena, converting each chunk in registers where it is used:
+    /// converted to a slice first, every element would be stored and loaded
+    /// once more, for a single row's use (on Zen 3 that round trip was half of
+    /// a decode step's attention).
+    direct: bool,
 }
 
 impl Task<'_> {
@@ -217,8 +239,11 @@ impl Task<'_> {
         let nq = rows.len() * nh * group;
         let lo = rows.iter().map(|r| self.first(r)).min().unwrap_or(0);
         let hi = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
-        let mut keys = vec![0f32; nh * TILE * hd];
-        let mut values = vec![0f32; nh * TILE * hd];
+        // One slice of keys or values, converted to f32: small enough to stay
+        // in L1 between its conversion and its use (a whole tile of every KV
+        // head, in a decode batch, is 48-96 KiB).
+        let mut keys = vec![0f32; nh * SLICE * hd];
+        let mut values = vec![0f32; nh * SLICE * hd];
         // One tile's scores (then weights) per query head; its running max,
         // weight sum and weighted values.
         let mut s = vec![0f32; nq * TILE];
@@ -239,36 +264,65 @@ impl Task<'_> {
                 (x0 < x1).then_some((ri, ra, x0, x1))
             })
         };
+        let (te, bt) = (l.token_elems(), l.block_tokens);
+        let direct = self.direct && rows.len() == 1;
+        // The slices of `a..b`: SLICE positions, and (read in place) within one block.
+        let slices = |a: usize, b: usize| {
+            let mut s0 = a;
+            std::iter::from_fn(move || {
+                let s1 = (s0 + SLICE).min(b).min(if direct { (s0 / bt + 1) * bt } else { usize::MAX });
+                let r = (s0 < b).then_some((s0, s1));
+                s0 = s1;
+                r
+            })
+        };
+        // Direct reads: keys (0) or values (1) at positions `x0..x1` of one
+        // block, every head of each slot, in the arena.
+        let in_arena = |which: usize, x0: usize, x1: usize| kv.f16_slots(layer, table[x0 / bt] as usize, which, x0 % bt, x1 - x0).expect("direct reads need an f16 arena");
+        // Direct reads walk a slice head by head, a stride the hardware
+        // prefetcher follows poorly: ask for the tile's first slice, and for
+        // the next slice while this one is worked.
+        let ask_ahead = |which: usize, s0: usize, s1: usize, a: usize, b: usize| {
+            if s0 == a {
+                prefetch(in_arena(which, s0, s1));
+            }
+            if s1 < b {
+                prefetch(in_arena(which, s1, (s1 + SLICE).min(b).min((s1 / bt + 1) * bt)));
+            }
+        };
         let mut t0 = lo / TILE * TILE;
         while t0 < hi {
             let (a, b) = (t0.max(lo), (t0 + TILE).min(hi));
-            kv.read_positions(layer, table, 0, heads.clone(), a..b, TILE, &mut keys);
-            kv.read_positions(layer, table, 1, heads.clone(), a..b, TILE, &mut values);
             // The tile is worked in slices of SLICE positions, each slice
             // for every row before the next: a slice of one head's keys (or
             // values) stays in L1 while every row of the run reads it, where
             // a whole tile per row would stream from L2. Each query's own
             // operations and their order are unchanged (scores are
             // independent; values are added in position order).
-            for s0 in (a..b).step_by(SLICE) {
-                let s1 = (s0 + SLICE).min(b);
+            for (s0, s1) in slices(a, b) {
+                if direct {
+                    ask_ahead(0, s0, s1, a, b);
+                } else {
+                    kv.read_positions(layer, table, 0, heads.clone(), s0..s1, SLICE, &mut keys);
+                }
                 for (ri, ra, x0, x1) in slice_rows(t0, s0, s1) {
                     let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
                     for i in 0..nh {
-                        let ki = &keys[(i * TILE + x0 - a) * hd..];
-                        // Query heads of one KV head two at a time, sharing each key load.
-                        for g in (0..group).step_by(2) {
-                            let k = (ri * nh + i) * group + g;
-                            let head = (h0 + i) * group + g;
-                            let qa = &qrow[head * hd..(head + 1) * hd];
-                            let (sa, rest) = s[k * TILE..].split_at_mut(TILE);
-                            let sa = &mut sa[x0 - ra..x1 - ra];
-                            if g + 1 < group {
-                                let qb = &qrow[(head + 1) * hd..(head + 2) * hd];
-                                scores_into2([qa, qb], ki, hd, x1 - x0, scale, [sa, &mut rest[x0 - ra..x1 - ra]]);
-                            } else {
-                                scores_into(qa, ki, hd, x1 - x0, scale, sa);
+                        let k = (ri * nh + i) * group;
+                        // The query heads of KV head h0 + i, consecutive in the row.
+                        let qh = &qrow[(h0 + i) * group * hd..(h0 + i + 1) * group * hd];
+                        let out = &mut s[k * TILE + x0 - ra..(k + group) * TILE];
+                        if direct {
+                            #[cfg(target_arch = "x86_64")]
+                            {
+                                let src = &in_arena(0, x0, x1)[(h0 + i) * hd..];
+                                assert!(src.len() >= (x1 - x0 - 1) * te + hd);
+                                // SAFETY: `direct` implies AVX2 and F16C; key j is
+                                // `src[j * te..][..hd]`, in bounds (asserted).
+                                unsafe { scores_group_simd(qh, hd, src.as_ptr(), te, x1 - x0, scale, out) };
                             }
+                        } else {
+                            scores_heads(qh, &keys[(i * SLICE + x0 - s0) * hd..], hd, x1 - x0, scale, out);
                         }
                     }
                 }
@@ -292,13 +346,29 @@ impl Task<'_> {
                     sum[k] += sum8(sk);
                 }
             }
-            for s0 in (a..b).step_by(SLICE) {
-                let s1 = (s0 + SLICE).min(b);
+            for (s0, s1) in slices(a, b) {
+                if direct {
+                    ask_ahead(1, s0, s1, a, b);
+                } else {
+                    kv.read_positions(layer, table, 1, heads.clone(), s0..s1, SLICE, &mut values);
+                }
                 for (ri, ra, x0, x1) in slice_rows(t0, s0, s1) {
                     for i in 0..nh {
-                        let vi = &values[(i * TILE + x0 - a) * hd..];
                         let k = (ri * nh + i) * group;
-                        accumulate_heads(&mut acc[k * hd..(k + group) * hd], &s[k * TILE..(k + group) * TILE], x0 - ra..x1 - ra, vi, hd);
+                        let (a, w) = (&mut acc[k * hd..(k + group) * hd], &s[k * TILE..(k + group) * TILE]);
+                        if direct {
+                            #[cfg(target_arch = "x86_64")]
+                            {
+                                let src = &in_arena(1, x0, x1)[(h0 + i) * hd..];
+                                assert!(src.len() >= (x1 - x0 - 1) * te + hd && w.len() >= (group - 1) * TILE + x1 - ra);
+                                // SAFETY: `direct` implies AVX2, F16C and `hd` a
+                                // multiple of 16; value j is `src[j * te..][..hd]`,
+                                // the weights `w[g * TILE..][x0 - ra..x1 - ra]` (asserted).
+                                unsafe { accumulate_heads_simd(a, w.as_ptr().add(x0 - ra), x1 - x0, src.as_ptr(), te, hd) };
+                            }
+                        } else {
+                            accumulate_heads(a, w, x0 - ra..x1 - ra, &values[(i * SLICE + x0 - s0) * hd..], hd);
+                        }
                     }
                 }
             }
@@ -340,11 +410,6 @@ fn sum8(w: &[f32]) -> f32 {
 /// not wait on each other; each score's arithmetic is exactly [`dot8`]'s.
 #[inline(always)]
 fn scores_into(qh: &[f32], keys: &[f32], hd: usize, m: usize, scale: f32, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present; the bounds are checked inside.
-        return unsafe { avx2::scores_into(qh, keys, hd, m, scale, out) };
-    }
     let chunks = hd / 8;
     let mut j = 0;
     while j + 4 <= m {
@@ -367,20 +432,6 @@ fn scores_into(qh: &[f32], keys: &[f32], hd: usize, m: usize, scale: f32, out: &
     for j in j..m {
         out[j] = dot8(qh, &keys[j * hd..(j + 1) * hd]) * scale;
     }
-}
-
-/// [`scores_into`] for two queries over the same keys (each score exactly
-/// as there; the AVX2 form loads each key chunk once for both).
-#[inline(always)]
-fn scores_into2(q: [&[f32]; 2], keys: &[f32], hd: usize, m: usize, scale: f32, out: [&mut [f32]; 2]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present; the bounds are checked inside.
-        return unsafe { avx2::scores_into2(q, keys, hd, m, scale, out) };
-    }
-    let [oa, ob] = out;
-    scores_into(q[0], keys, hd, m, scale, oa);
-    scores_into(q[1], keys, hd, m, scale, ob);
 }
 
 /// Explicit AVX2 forms where the compiler's own vectorization of the plain
@@ -413,6 +464,101 @@ mod avx2 {
         _mm256_hadd_ps(_mm256_hadd_ps(s04, s15), _mm256_hadd_ps(s26, s37))
     }
 
+    /// Eight keys' or values' elements as f32: from an f32 slice, or from f16
+    /// bits (converted exactly, so the arithmetic on them is the same).
+    pub trait Lanes: Copy {
+        /// Query heads [`scores_group`] takes at once: three (12 accumulators,
+        /// one spilled) pays where each key chunk costs a conversion, not where
+        /// it is a plain load.
+        const MAX_HEADS: usize;
+        /// # Safety
+        /// AVX2 and F16C present; `p` readable for eight elements.
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+
+    impl Lanes for f32 {
+        const MAX_HEADS: usize = 2;
+        #[target_feature(enable = "avx2,f16c")]
+        #[inline]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+    }
+
+    impl Lanes for u16 {
+        const MAX_HEADS: usize = 3;
+        #[target_feature(enable = "avx2,f16c")]
+        #[inline]
+        unsafe fn load8(p: *const u16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        }
+    }
+
+    /// Four keys (`k + t * ks`, `t < 4`) against `G` queries: per query and
+    /// key, lane sums of `q * k` over the chunks in order, multiply then add.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn dot4<const G: usize, T: Lanes>(q: *const f32, hd: usize, k: *const T, ks: usize) -> [[__m256; 4]; G] {
+        let mut a = [[_mm256_setzero_ps(); 4]; G];
+        for c in (0..hd).step_by(8) {
+            let mut x = [_mm256_setzero_ps(); G];
+            for (g, xg) in x.iter_mut().enumerate() {
+                *xg = _mm256_loadu_ps(q.add(g * hd + c));
+            }
+            for t in 0..4 {
+                let kt = T::load8(k.add(t * ks + c));
+                for g in 0..G {
+                    a[g][t] = _mm256_add_ps(a[g][t], _mm256_mul_ps(x[g], kt));
+                }
+            }
+        }
+        a
+    }
+
+    /// [`super::scores_into`] for `G` consecutive query heads (`q + g * hd`)
+    /// over the same `m` keys (key `j` at `k + j * ks`), scores to
+    /// `out + g * out_stride + j`: each key chunk is loaded (and, from f16,
+    /// converted) once for all `G`. Each score's arithmetic is exactly
+    /// [`super::dot8`]'s times `scale`.
+    ///
+    /// # Safety
+    /// AVX2 and F16C present; `hd` a multiple of 8; `q` readable for `G * hd`,
+    /// `k + j * ks` for `hd` and `out + g * out_stride + j` writable for each
+    /// `j < m`, `g < G`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn scores_group<const G: usize, T: Lanes>(q: *const f32, hd: usize, k: *const T, ks: usize, m: usize, scale: f32, out: *mut f32, out_stride: usize) {
+        let sc = _mm256_set1_ps(scale);
+        let mut j = 0;
+        while j + 8 <= m {
+            let (lo, hi) = (dot4::<G, T>(q, hd, k.add(j * ks), ks), dot4::<G, T>(q, hd, k.add((j + 4) * ks), ks));
+            for g in 0..G {
+                let v = [lo[g][0], lo[g][1], lo[g][2], lo[g][3], hi[g][0], hi[g][1], hi[g][2], hi[g][3]];
+                _mm256_storeu_ps(out.add(g * out_stride + j), _mm256_mul_ps(hsum8x8(v), sc));
+            }
+            j += 8;
+        }
+        while j + 4 <= m {
+            let a = dot4::<G, T>(q, hd, k.add(j * ks), ks);
+            for (g, ag) in a.iter().enumerate() {
+                for (t, &at) in ag.iter().enumerate() {
+                    *out.add(g * out_stride + j + t) = hsum8(at) * scale;
+                }
+            }
+            j += 4;
+        }
+        while j < m {
+            for g in 0..G {
+                let mut a = _mm256_setzero_ps();
+                for c in (0..hd).step_by(8) {
+                    a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q.add(g * hd + c)), T::load8(k.add(j * ks + c))));
+                }
+                *out.add(g * out_stride + j) = hsum8(a) * scale;
+            }
+            j += 1;
+        }
+    }
+
     /// IEEE half to single precision (exact), eight at a time, for every slot
     /// of `src` (slots of `te` elements) and `nh` heads of `hd` from element
     /// `first` of each slot: head `i` of slot `j` lands at
@@ -443,19 +589,23 @@ mod avx2 {
     /// chunk is loaded once for the `G` heads. Per element: `a = a + p * v`,
     /// multiply then add, in value order.
     ///
+    /// Value `j` is at `vals + j * vs`: the f32 slice (`vs == hd`) or, in a
+    /// decode row, f16 straight from the arena (`vs` the slot's elements).
+    ///
     /// # Safety
-    /// AVX2 present; `hd` a multiple of 16; `acc` writable for `G * hd`,
-    /// `w + g * w_stride` readable for `m`, `vals` readable for `m * hd`.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn accumulate_heads<const G: usize>(acc: *mut f32, hd: usize, w: *const f32, w_stride: usize, m: usize, vals: *const f32) {
+    /// AVX2 and F16C present; `hd` a multiple of 16; `acc` writable for `G * hd`,
+    /// `w + g * w_stride` readable for `m`, `vals + j * vs` readable for `hd`
+    /// for each `j < m`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn accumulate_heads<const G: usize, T: Lanes>(acc: *mut f32, hd: usize, w: *const f32, w_stride: usize, m: usize, vals: *const T, vs: usize) {
         for c in (0..hd).step_by(16) {
             let mut r = [[_mm256_setzero_ps(); 2]; G];
             for (g, rg) in r.iter_mut().enumerate() {
                 *rg = [_mm256_loadu_ps(acc.add(g * hd + c)), _mm256_loadu_ps(acc.add(g * hd + c + 8))];
             }
             for j in 0..m {
-                let v = vals.add(j * hd + c);
-                let (v0, v1) = (_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(8)));
+                let v = vals.add(j * vs + c);
+                let (v0, v1) = (T::load8(v), T::load8(v.add(8)));
                 for (g, rg) in r.iter_mut().enumerate() {
                     let p = _mm256_broadcast_ss(&*w.add(g * w_stride + j));
                     rg[0] = _mm256_add_ps(rg[0], _mm256_mul_ps(p, v0));
@@ -466,98 +616,6 @@ mod avx2 {
                 _mm256_storeu_ps(acc.add(g * hd + c), rg[0]);
                 _mm256_storeu_ps(acc.add(g * hd + c + 8), rg[1]);
             }
-        }
-    }
-
-    /// [`super::scores_into2`]: eight keys per step, in two passes of four,
-    /// each key chunk multiplied with both queries while loaded (8
-    /// accumulators, six loads per eight products instead of nine).
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn scores_into2(q: [&[f32]; 2], keys: &[f32], hd: usize, m: usize, scale: f32, out: [&mut [f32]; 2]) {
-        let chunks = hd / 8;
-        let [oa, ob] = out;
-        assert!(q[0].len() >= chunks * 8 && q[1].len() >= chunks * 8 && keys.len() >= m.saturating_sub(1) * hd + chunks * 8);
-        assert!(oa.len() >= m && ob.len() >= m);
-        let (qa, qb, k) = (q[0].as_ptr(), q[1].as_ptr(), keys.as_ptr());
-        let mut j = 0;
-        while j + 8 <= m {
-            let (mut sa, mut sb) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
-            for half in 0..2 {
-                let kj = k.add((j + half * 4) * hd);
-                let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
-                let (mut b0, mut b1, mut b2, mut b3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
-                for c in 0..chunks {
-                    let (x, y) = (_mm256_loadu_ps(qa.add(c * 8)), _mm256_loadu_ps(qb.add(c * 8)));
-                    let k0 = _mm256_loadu_ps(kj.add(c * 8));
-                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(x, k0));
-                    b0 = _mm256_add_ps(b0, _mm256_mul_ps(y, k0));
-                    let k1 = _mm256_loadu_ps(kj.add(hd + c * 8));
-                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(x, k1));
-                    b1 = _mm256_add_ps(b1, _mm256_mul_ps(y, k1));
-                    let k2 = _mm256_loadu_ps(kj.add(2 * hd + c * 8));
-                    a2 = _mm256_add_ps(a2, _mm256_mul_ps(x, k2));
-                    b2 = _mm256_add_ps(b2, _mm256_mul_ps(y, k2));
-                    let k3 = _mm256_loadu_ps(kj.add(3 * hd + c * 8));
-                    a3 = _mm256_add_ps(a3, _mm256_mul_ps(x, k3));
-                    b3 = _mm256_add_ps(b3, _mm256_mul_ps(y, k3));
-                }
-                let o = half * 4;
-                (sa[o], sa[o + 1], sa[o + 2], sa[o + 3]) = (a0, a1, a2, a3);
-                (sb[o], sb[o + 1], sb[o + 2], sb[o + 3]) = (b0, b1, b2, b3);
-            }
-            _mm256_storeu_ps(oa.as_mut_ptr().add(j), _mm256_mul_ps(hsum8x8(sa), _mm256_set1_ps(scale)));
-            _mm256_storeu_ps(ob.as_mut_ptr().add(j), _mm256_mul_ps(hsum8x8(sb), _mm256_set1_ps(scale)));
-            j += 8;
-        }
-        if j < m {
-            let rest = &keys[j * hd..];
-            scores_into(q[0], rest, hd, m - j, scale, &mut oa[j..]);
-            scores_into(q[1], rest, hd, m - j, scale, &mut ob[j..]);
-        }
-    }
-
-    /// [`super::scores_into`]: four keys per iteration, one accumulator each.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn scores_into(qh: &[f32], keys: &[f32], hd: usize, m: usize, scale: f32, out: &mut [f32]) {
-        let chunks = hd / 8;
-        assert!(qh.len() >= chunks * 8 && keys.len() >= m.saturating_sub(1) * hd + chunks * 8 && out.len() >= m);
-        let (q, k) = (qh.as_ptr(), keys.as_ptr());
-        let mut j = 0;
-        while j + 8 <= m {
-            let mut a = [_mm256_setzero_ps(); 8];
-            for c in 0..chunks {
-                let qc = _mm256_loadu_ps(q.add(c * 8));
-                for (t, at) in a.iter_mut().enumerate() {
-                    *at = _mm256_add_ps(*at, _mm256_mul_ps(qc, _mm256_loadu_ps(k.add((j + t) * hd + c * 8))));
-                }
-            }
-            _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
-            j += 8;
-        }
-        while j + 4 <= m {
-            let (k0, k1, k2, k3) = (k.add(j * hd), k.add((j + 1) * hd), k.add((j + 2) * hd), k.add((j + 3) * hd));
-            let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
-            for c in 0..chunks {
-                let qc = _mm256_loadu_ps(q.add(c * 8));
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(qc, _mm256_loadu_ps(k0.add(c * 8))));
-                a1 = _mm256_add_ps(a1, _mm256_mul_ps(qc, _mm256_loadu_ps(k1.add(c * 8))));
-                a2 = _mm256_add_ps(a2, _mm256_mul_ps(qc, _mm256_loadu_ps(k2.add(c * 8))));
-                a3 = _mm256_add_ps(a3, _mm256_mul_ps(qc, _mm256_loadu_ps(k3.add(c * 8))));
-            }
-            out[j] = hsum8(a0) * scale;
-            out[j + 1] = hsum8(a1) * scale;
-            out[j + 2] = hsum8(a2) * scale;
-            out[j + 3] = hsum8(a3) * scale;
-            j += 4;
-        }
-        while j < m {
-            let kj = k.add(j * hd);
-            let mut a = _mm256_setzero_ps();
-            for c in 0..chunks {
-                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q.add(c * 8)), _mm256_loadu_ps(kj.add(c * 8))));
-            }
-            out[j] = hsum8(a) * scale;
-            j += 1;
         }
     }
 }
@@ -571,30 +629,107 @@ mod avx2 {
 fn accumulate_heads(acc: &mut [f32], w: &[f32], span: std::ops::Range<usize>, vals: &[f32], hd: usize) {
     let heads = acc.len() / hd;
     #[cfg(target_arch = "x86_64")]
-    if heads > 1 && hd.is_multiple_of(16) && std::is_x86_feature_detected!("avx2") {
+    if heads > 1 && hd.is_multiple_of(16) && simd() {
         assert!(w.len() >= (heads - 1) * TILE + span.end && span.start <= span.end && vals.len() >= span.len() * hd);
-        let mut g = 0;
-        while g < heads {
-            let n = (heads - g).min(4);
-            let (a, p) = (acc[g * hd..].as_mut_ptr(), w[g * TILE + span.start..].as_ptr());
-            // SAFETY: AVX2 is present; heads g..g+n of `acc` and their
-            // weights over `span` are in bounds (asserted above), as are
-            // `span.len()` values of `hd`.
-            unsafe {
-                match n {
-                    4 => avx2::accumulate_heads::<4>(a, hd, p, TILE, span.len(), vals.as_ptr()),
-                    3 => avx2::accumulate_heads::<3>(a, hd, p, TILE, span.len(), vals.as_ptr()),
-                    2 => avx2::accumulate_heads::<2>(a, hd, p, TILE, span.len(), vals.as_ptr()),
-                    _ => avx2::accumulate_heads::<1>(a, hd, p, TILE, span.len(), vals.as_ptr()),
-                }
-            }
-            g += n;
-        }
+        // SAFETY: AVX2 and F16C are present; the heads' weights over `span`
+        // and `span.len()` values of `hd` are in bounds (asserted above).
+        unsafe { accumulate_heads_simd(acc, w[span.start..].as_ptr(), span.len(), vals.as_ptr(), hd, hd) };
         return;
     }
     for g in 0..heads {
         accumulate(&mut acc[g * hd..(g + 1) * hd], &w[g * TILE + span.start..g * TILE + span.end], vals, hd);
     }
+}
+
+/// [`accumulate_heads`] for `acc.len() / hd` heads over `m` values (value `j`
+/// at `vals + j * vs`, f32 or f16 bits), head `g`'s weights at `w + g * TILE`:
+/// up to four heads at a time, each value chunk loaded once for all of them.
+///
+/// # Safety
+/// AVX2 and F16C present; `hd` a multiple of 16; `w + g * TILE` readable for
+/// `m` for every head `g`, `vals + j * vs` readable for `hd` for each `j < m`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn accumulate_heads_simd<T: avx2::Lanes>(acc: &mut [f32], w: *const f32, m: usize, vals: *const T, vs: usize, hd: usize) {
+    let heads = acc.len() / hd;
+    let mut g = 0;
+    while g < heads {
+        let n = (heads - g).min(4);
+        let (a, p) = (acc[g * hd..].as_mut_ptr(), w.add(g * TILE));
+        match n {
+            4 => avx2::accumulate_heads::<4, T>(a, hd, p, TILE, m, vals, vs),
+            3 => avx2::accumulate_heads::<3, T>(a, hd, p, TILE, m, vals, vs),
+            2 => avx2::accumulate_heads::<2, T>(a, hd, p, TILE, m, vals, vs),
+            _ => avx2::accumulate_heads::<1, T>(a, hd, p, TILE, m, vals, vs),
+        }
+        g += n;
+    }
+}
+
+/// Scores of the `qh.len() / hd` query heads of one KV head against `m`
+/// keys (rows of `hd` in `keys`): head `g`'s score of key `j` to
+/// `out[g * TILE + j]`, each exactly [`scores_into`]'s.
+#[inline(always)]
+fn scores_heads(qh: &[f32], keys: &[f32], hd: usize, m: usize, scale: f32, out: &mut [f32]) {
+    let heads = qh.len() / hd;
+    assert!(m == 0 || (keys.len() >= m * hd && out.len() >= (heads - 1) * TILE + m));
+    #[cfg(target_arch = "x86_64")]
+    if simd() && hd.is_multiple_of(8) {
+        // SAFETY: AVX2 and F16C are present; keys, queries and outputs are
+        // in bounds (asserted above).
+        return unsafe { scores_group_simd(qh, hd, keys.as_ptr(), hd, m, scale, out) };
+    }
+    for g in 0..heads {
+        scores_into(&qh[g * hd..(g + 1) * hd], keys, hd, m, scale, &mut out[g * TILE..]);
+    }
+}
+
+/// [`scores_heads`] with key `j` at `k + j * ks` (f32, or f16 bits straight
+/// from the arena): up to three heads at a time (two and two for four), so
+/// each key chunk is loaded and converted once for them.
+///
+/// # Safety
+/// AVX2 and F16C present; `hd` a multiple of 8; `k + j * ks` readable for
+/// `hd` for each `j < m`; `out` as [`scores_heads`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scores_group_simd<T: avx2::Lanes>(qh: &[f32], hd: usize, k: *const T, ks: usize, m: usize, scale: f32, out: &mut [f32]) {
+    let heads = qh.len() / hd;
+    assert!(m == 0 || out.len() >= (heads - 1) * TILE + m);
+    let mut g = 0;
+    while g < heads {
+        let n = match heads - g {
+            4 => 2,
+            r => r.min(T::MAX_HEADS),
+        };
+        let (q, o) = (qh[g * hd..].as_ptr(), out[g * TILE..].as_mut_ptr());
+        match n {
+            3 => avx2::scores_group::<3, T>(q, hd, k, ks, m, scale, o, TILE),
+            2 => avx2::scores_group::<2, T>(q, hd, k, ks, m, scale, o, TILE),
+            _ => avx2::scores_group::<1, T>(q, hd, k, ks, m, scale, o, TILE),
+        }
+        g += n;
+    }
+}
+
+/// Asks the CPU for every cache line of `data` (a hint; nothing is read).
+#[inline(always)]
+fn prefetch(data: &[u16]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(32) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: the address is inside `data`; a prefetch reads nothing.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
+/// AVX2 and F16C, the explicit kernels' features (F16C comes with every AVX2 CPU).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn simd() -> bool {
+    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c")
 }
 
 /// `a += p[j] * value j` for each `j` in order (values are rows of `hd`). For

@@ -7,7 +7,8 @@
 //! sets how many replies each filter streams). On the shared 2-core
 //! development machine (release build): pattern filter 0.035 us and 113 MB/s,
 //! sanitizer 5.9 us and 0.7 MB/s per 4-character chunk of a 2.7 kB reply;
-//! both a small fraction of a token's generation time.
+//! both a small fraction of a token's generation time. Then one long code
+//! block against the same lines as paragraphs, at 100, 400 and 1,600 lines.
 
 use baton_api_gateway::checks::LinkPolicy;
 use baton_api_gateway::markdown::StreamSanitizer;
@@ -201,4 +202,20 @@ fn main() {
         pieces.iter().map(|p| f.push(p).len()).sum::<usize>() + f.finish().len()
     });
     println!("the sanitizer costs {:.1}x the pattern filter per chunk", new / old);
+
+    // One long code block against the same lines as paragraphs (each closes
+    // the window): the cost per chunk should not grow with the block.
+    let line = "    let total = items.iter().map(|x| x.len()).sum::<usize>();\n";
+    for lines in [100usize, 400, 1600] {
+        let code = format!("```rust\n{}```\n", line.repeat(lines));
+        let paras = line.trim_start().repeat(lines).replace('\n', "\n\n");
+        for (name, text) in [("code block", &code), ("paragraphs", &paras)] {
+            let pieces = chunks(text);
+            let replies = (replies / 20).max(2);
+            measure(&format!("{name}, {lines} lines"), replies, text.len(), pieces.len(), || {
+                let mut f = StreamSanitizer::new(policy.clone());
+                pieces.iter().map(|p| f.push(p).len()).sum::<usize>() + f.finish().len()
+            });
+        }
+    }
 }

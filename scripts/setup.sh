@@ -116,17 +116,25 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
 fi
 
 if [ "$mode" = test ]; then
+    # The test tools' Python packages (the OpenAI-client, manifest and browser tests),
+    # exactly as pinned with their hashes in scripts/test-tools.txt (written by
+    # scripts/pin-test-tools.py): wheels only, each checked against its sha256, or nothing
+    # is installed. The venv is (re)filled whenever the pins change.
     venv=.cache/venv
-    # name:import pairs of the test tools' Python packages.
-    py_wanted=("openai:openai" "kubernetes-validate==1.37.0:kubernetes_validate" "selenium:selenium")
-    py_missing=()
-    for spec in "${py_wanted[@]}"; do
-        "$venv/bin/python3" -c "import ${spec##*:}" 2>/dev/null || py_missing+=("${spec%%:*}")
-    done
-    if [ ${#py_missing[@]} -gt 0 ]; then
-        echo "setup: installing into $venv: ${py_missing[*]} (the OpenAI-client, manifest and browser tests)" >&2
+    pins=scripts/test-tools.txt
+    stamp="$venv/.pins.sha256"
+    want_sum="$(sha256sum "$pins" | cut -d' ' -f1)"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want_sum" ]; then
+        py="$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+        if ! grep -qE "^# pythons:.* $py( |\$)" "$pins"; then
+            echo "setup: error: $pins is resolved for other Python versions than this $py;" >&2
+            echo "       add it to PYTHONS in scripts/pin-test-tools.py and run that script" >&2
+            exit 1
+        fi
+        echo "setup: installing into $venv the test tools pinned in $pins" >&2
         [ -x "$venv/bin/python3" ] || python3 -m venv "$venv"
-        "$venv/bin/pip" install -q --disable-pip-version-check "${py_missing[@]}"
+        "$venv/bin/pip" install -q --disable-pip-version-check --require-hashes --only-binary=:all: -r "$pins"
+        echo "$want_sum" > "$stamp"
     fi
 fi
 echo "setup: everything the '$mode' command needs is installed" >&2

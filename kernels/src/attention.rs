@@ -286,8 +286,8 @@ impl Task<'_> {
             if s0 == a {
                 prefetch(in_arena(which, s0, s1));
             }
-            if s1 < b {
-                prefetch(in_arena(which, s1, (s1 + SLICE).min(b).min((s1 / bt + 1) * bt)));
+            if let Some((n0, n1)) = slices(s1, b).next() {
+                prefetch(in_arena(which, n0, n1));
             }
         };
         let mut t0 = lo / TILE * TILE;

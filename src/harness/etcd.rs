@@ -29,9 +29,38 @@ pub fn etcd_binary() -> Option<PathBuf> {
     std::env::split_paths(&path).map(|d| d.join("etcd")).find(|p| p.is_file())
 }
 
-/// A loopback port free at the time of the call.
+/// A loopback port for a process the harness is about to start, free at the time of
+/// the call and not handed out before by this process.
+///
+/// Not `bind(0)`: the kernel draws those ports from its ephemeral range, where the port
+/// is free again the moment the probe closes, so a later call (another member of the
+/// cluster, or another test's cluster running in parallel) or an outgoing connection
+/// could get the same port in the seconds before the child binds it, and the child
+/// would exit before listening. These come from just below the ephemeral range, which
+/// the kernel never hands out by itself, in order from an offset derived from the
+/// process ID, so this process's calls never repeat and parallel processes start far
+/// apart; each is checked free by binding it.
 pub fn free_port() -> Result<u16> {
-    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let low = ephemeral_low.saturating_sub(12_000).max(1024);
+    let span = ephemeral_low.saturating_sub(low);
+    if span < 1000 {
+        // An ephemeral range reaching down to the privileged ports leaves no room.
+        return Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?.port());
+    }
+    let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+    for _ in 0..span {
+        let port = (low + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span) as u16;
+        if StdListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free loopback port in {low}..{ephemeral_low}")
 }
 
 /// A real etcd process; killed on drop.
@@ -174,7 +203,7 @@ impl Drop for Etcd {
 
 #[cfg(test)]
 mod tests {
-    use super::DEPLOYED_FLAGS;
+    use super::{free_port, DEPLOYED_FLAGS};
 
     /// The compaction and quota flags a manifest passes to etcd (`- --flag=value` lines).
     fn flags(manifest: &str) -> Vec<String> {
@@ -188,6 +217,19 @@ mod tests {
             .collect();
         out.sort();
         out
+    }
+
+    /// The ports a cluster is given never repeat within a process and stay out of
+    /// the kernel's ephemeral range (from which `bind(0)` and outgoing connections
+    /// could take one before its process binds it: a chaos run's node then exited
+    /// before listening).
+    #[test]
+    fn free_ports_never_repeat_and_stay_out_of_the_ephemeral_range() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|r| r.split_whitespace().next()?.parse().ok()).unwrap_or(32768);
+        let ports: Vec<u16> = (0..300).map(|_| free_port().unwrap()).collect();
+        let distinct: std::collections::HashSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "a port was handed out twice");
+        assert!(ports.iter().all(|&p| p < low && p >= 1024), "{:?}", ports.iter().filter(|&&p| p >= low).collect::<Vec<_>>());
     }
 
     #[test]

@@ -61,7 +61,12 @@ impl BatonProc {
             if line.is_empty() {
                 let _ = child.kill();
                 let status = child.wait().ok();
-                bail!("baton {:?} exited ({status:?}) before listening", spec.args.first());
+                // Its own words, when its stderr went to a log.
+                let said = spec.log.as_ref().and_then(|l| std::fs::read_to_string(l).ok()).map(|t| {
+                    let lines: Vec<&str> = t.lines().collect();
+                    format!(": {}", lines[lines.len().saturating_sub(5)..].join(" | "))
+                });
+                bail!("baton {:?} exited ({status:?}) before listening{}", spec.args.first(), said.unwrap_or_default());
             }
             // Keep draining stdout so the child never blocks on a full pipe.
             std::thread::spawn(move || {

@@ -307,6 +307,9 @@ impl Task<'_> {
                 }
                 for (ri, ra, x0, x1) in slice_rows(t0, s0, s1) {
                     let qrow = &q[(r0 + ri) * width..(r0 + ri + 1) * width];
+                    // Direct reads: the keys of every head at x0..x1, in place.
+                    #[cfg(target_arch = "x86_64")]
+                    let slots = if direct { in_arena(0, x0, x1) } else { &[] };
                     for i in 0..nh {
                         let k = (ri * nh + i) * group;
                         // The query heads of KV head h0 + i, consecutive in the row.
@@ -315,7 +318,7 @@ impl Task<'_> {
                         if direct {
                             #[cfg(target_arch = "x86_64")]
                             {
-                                let src = &in_arena(0, x0, x1)[(h0 + i) * hd..];
+                                let src = &slots[(h0 + i) * hd..];
                                 assert!(src.len() >= (x1 - x0 - 1) * te + hd);
                                 // SAFETY: `direct` implies AVX2 and F16C; key j is
                                 // `src[j * te..][..hd]`, in bounds (asserted).
@@ -353,13 +356,16 @@ impl Task<'_> {
                     kv.read_positions(layer, table, 1, heads.clone(), s0..s1, SLICE, &mut values);
                 }
                 for (ri, ra, x0, x1) in slice_rows(t0, s0, s1) {
+                    // Direct reads: the values of every head at x0..x1, in place.
+                    #[cfg(target_arch = "x86_64")]
+                    let slots = if direct { in_arena(1, x0, x1) } else { &[] };
                     for i in 0..nh {
                         let k = (ri * nh + i) * group;
                         let (a, w) = (&mut acc[k * hd..(k + group) * hd], &s[k * TILE..(k + group) * TILE]);
                         if direct {
                             #[cfg(target_arch = "x86_64")]
                             {
-                                let src = &in_arena(1, x0, x1)[(h0 + i) * hd..];
+                                let src = &slots[(h0 + i) * hd..];
                                 assert!(src.len() >= (x1 - x0 - 1) * te + hd && w.len() >= (group - 1) * TILE + x1 - ra);
                                 // SAFETY: `direct` implies AVX2, F16C and `hd` a
                                 // multiple of 16; value j is `src[j * te..][..hd]`,

@@ -669,16 +669,20 @@ impl StreamSanitizer {
 
     /// Feeds generated text; returns what may be sent now (maybe nothing).
     pub fn push(&mut self, chunk: &str) -> String {
-        let last_line = self.src.rfind('\n').map_or(0, |n| n + 1);
+        let before = self.src.len();
         self.src.push_str(chunk);
         // A run may span chunks: measure it over the window's tail.
         let tail = self.src.len().saturating_sub(chunk.len() + self.backticks + 1);
         let tail = (tail..self.src.len()).find(|&i| self.src.is_char_boundary(i)).unwrap_or(self.src.len());
         self.backticks = self.backticks.max(longest_backtick_run(&self.src[tail..]));
-        match self.in_code {
-            Some(c) if !may_close_fence(&self.src[last_line..], c) => self.code(),
-            _ => self.step(false),
+        if let Some(c) = self.in_code {
+            // The lines the chunk touched: the one it continues, and its own.
+            let line = self.src[..before].rfind('\n').map_or(0, |n| n + 1);
+            if !may_close_fence(&self.src[line..], c) {
+                return self.code();
+            }
         }
+        self.step(false)
     }
 
     /// Inside an open code block (see `in_code`): the new text as it is, which
@@ -736,8 +740,10 @@ impl StreamSanitizer {
             self.src.drain(..cut);
             self.done -= cut;
         }
-        let sent = self.send(piece.clone());
-        if sent == piece && window_in_code.is_some() && self.sent_in_code() == window_in_code {
+        // Inside code, the piece must also reach the client unchanged.
+        let unchanged = window_in_code.map(|_| piece.clone());
+        let sent = self.send(piece);
+        if unchanged.is_some_and(|p| p == sent) && self.sent_in_code() == window_in_code {
             self.in_code = window_in_code;
         }
         sent

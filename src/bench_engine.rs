@@ -146,9 +146,9 @@ fn cached_kv(engine: &Engine) -> (usize, usize) {
         let st = engine.stats();
         if st.running == 0 && st.waiting == 0 {
             let k = st.kv;
-            let bytes = match k.units_total {
-                0 => k.cached * engine.info.kv_layout.block_bytes(),
-                units => k.units_cached * (engine.info.kv_arena_bytes / units),
+            let bytes = match engine.info.kv_unit_bytes {
+                None => k.cached * engine.info.kv_layout.block_bytes(),
+                Some(unit) => k.units_cached * unit,
             };
             return (k.cached, bytes);
         }
@@ -191,7 +191,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         decode.push((b, best));
     }
     let peak = peak_rss_mib();
-    let (engine_block_bytes, grouped) = (engine.info.kv_layout.block_bytes(), engine.info.kv_grouped);
+    let (engine_block_bytes, grouped) = (engine.info.kv_layout.block_bytes(), engine.info.kv_unit_bytes.is_some());
     engine.shutdown();
 
     let llama_bin = a.llama_bench.clone().or_else(|| {

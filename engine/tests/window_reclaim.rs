@@ -82,7 +82,7 @@ fn a_conversation_past_the_window_gives_back_memory_and_keeps_every_bit() {
     let memory = 64 << 20;
     let Some(plain) = gemma_engine(config(false, 512, memory, 2048)) else { return };
     let grouped = gemma_engine(config(true, 512, memory, 2048)).unwrap();
-    assert!(!plain.info.kv_grouped && grouped.info.kv_grouped);
+    assert!(plain.info.kv_unit_bytes.is_none() && grouped.info.kv_unit_bytes.is_some());
     // Blocks behind the window hold 3 of 18 layers: the same memory addresses
     // about six times the blocks.
     assert!(grouped.info.kv_blocks >= 5 * plain.info.kv_blocks, "{} vs {}", grouped.info.kv_blocks, plain.info.kv_blocks);

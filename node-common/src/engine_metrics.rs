@@ -268,13 +268,12 @@ impl EngineSeries {
             gauge(r, &self.kv_blocks, "KV blocks by state and tier", &[("state", state), ("tier", tier)]).set(n as f64);
         }
         gauge(r, &self.kv_block_bytes, "Bytes of one KV block (all layers, K and V)", &[]).set(engine.info.kv_layout.block_bytes() as f64);
-        if k.units_total > 0 {
+        if let Some(unit_bytes) = engine.info.kv_unit_bytes {
             let help = "Units of the grouped KV arena (a few layers of one block each) by state: free, held by cached blocks, held by running sequences";
             let held = k.units_total - k.units_free - k.units_cached;
             for (state, n) in [("free", k.units_free), ("cached", k.units_cached), ("held", held)] {
                 gauge(r, &self.kv_units, help, &[("state", state)]).set(n as f64);
             }
-            let unit_bytes = engine.info.kv_arena_bytes / k.units_total;
             gauge(r, &self.kv_unit_bytes, "Bytes of one unit of the grouped KV arena; units x this = KV memory", &[]).set(unit_bytes as f64);
             let window_layers = engine.info.layer_windows.iter().filter(|w| w.is_some()).count();
             let bytes = k.local_reclaimed * (window_layers * engine.info.kv_layout.block_layer_bytes()) as u64;

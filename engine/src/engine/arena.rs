@@ -93,6 +93,11 @@ impl ArenaPlan {
         }
     }
 
+    /// Bytes of one unit, for a grouped arena.
+    pub fn unit_bytes(&self) -> Option<usize> {
+        self.grouped.as_ref().map(|g| g.unit_bytes)
+    }
+
     /// Bytes of the arena (without the grouped arena's zero unit).
     pub fn arena_bytes(&self) -> usize {
         match &self.grouped {

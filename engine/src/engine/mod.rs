@@ -249,8 +249,9 @@ pub struct EngineInfo {
     pub kv_blocks: usize,
     /// Bytes of the arena's memory (the KV budget, rounded down to whole blocks or units).
     pub kv_arena_bytes: usize,
-    /// Whether the arena is grouped (window layers' memory given back block by block).
-    pub kv_grouped: bool,
+    /// Bytes of one unit when the arena is grouped (window layers' memory given back
+    /// block by block; see [`crate::kv::KvCache::with_units`]); `None` for a plain one.
+    pub kv_unit_bytes: Option<usize>,
     pub tier2_blocks: usize,
     pub weight_bytes: usize,
     pub eos: Option<u32>,
@@ -402,7 +403,7 @@ impl Engine {
             layer_windows: windows,
             kv_blocks: blocks,
             kv_arena_bytes: arena.arena_bytes(),
-            kv_grouped: arena.grouped.is_some(),
+            kv_unit_bytes: arena.unit_bytes(),
             tier2_blocks,
             weight_bytes: model.weight_bytes,
             eos: tokenizer.eos_id(),

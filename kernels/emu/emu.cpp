@@ -1,6 +1,6 @@
 // The scheduler behind emu.hpp: thread blocks one at a time, their threads
 // as ucontext fibers released together at barriers and, warp by warp, at
-// shuffles.
+// warp-wide operations (shuffles, ldmatrix, mma); and cp.async's deferred copies.
 
 #include "emu.hpp"
 
@@ -18,14 +18,24 @@ thread_local unsigned char* dynamic_shared;
 
 namespace {
 
-enum class State { Ready, AtBarrier, AtShuffle, Done };
+enum class State { Ready, AtBarrier, AtWarpOp, Done };
+
+// One fiber's pending cp.async copies, by commit group (oldest first).
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+};
 
 struct Fiber {
     ucontext_t context;
     dim3 idx;
     State state;
-    float shuffle_in, shuffle_out;
-    int shuffle_mask;
+    // At a warp-wide operation: what it is and this lane's operands (warp_op).
+    WarpOp op;
+    void* operands;
+    std::vector<AsyncCopy> open_group;
+    std::vector<std::vector<AsyncCopy>> committed;
 };
 
 struct Block {
@@ -64,6 +74,8 @@ bool run_block(Block& b, std::vector<std::unique_ptr<char[]>>& stacks) {
         Fiber& f = b.fibers[i];
         f.idx = dim3{(unsigned)(i % block_dim.x), (unsigned)(i / block_dim.x % block_dim.y), (unsigned)(i / (block_dim.x * block_dim.y))};
         f.state = State::Ready;
+        f.open_group.clear();
+        f.committed.clear();
         getcontext(&f.context);
         f.context.uc_stack.ss_sp = stacks[i].get();
         f.context.uc_stack.ss_size = STACK_BYTES;
@@ -82,20 +94,26 @@ bool run_block(Block& b, std::vector<std::unique_ptr<char[]>>& stacks) {
                     current_thread_idx = &f.idx;
                     swapcontext(&b.scheduler, &f.context);
                 }
-                size_t shuffling = 0, live = 0;
+                size_t at_op = 0, live = 0;
                 for (size_t i = w; i < end; i++) {
-                    shuffling += b.fibers[i].state == State::AtShuffle;
+                    at_op += b.fibers[i].state == State::AtWarpOp;
                     live += b.fibers[i].state != State::Done;
                 }
-                if (shuffling == 0 || shuffling != live) break;  // at the barrier, finished, or a deadlock (reported below)
-                if (shuffling != 32) {
-                    error = "a warp shuffle in a warp of " + std::to_string(shuffling) + " threads (the block size is not a multiple of 32, or lanes exited)";
+                if (at_op == 0 || at_op != live) break;  // at the barrier, finished, or a deadlock (reported below)
+                if (at_op != 32) {
+                    error = std::string("a warp ") + b.fibers[w].op.name + " in a warp of " + std::to_string(at_op) +
+                            " threads (the block size is not a multiple of 32, or lanes exited)";
                     return false;
                 }
+                void* lanes[32];
                 for (size_t i = w; i < end; i++) {
-                    Fiber& f = b.fibers[i];
-                    f.shuffle_out = b.fibers[w + ((i - w) ^ (size_t)(f.shuffle_mask & 31))].shuffle_in;
+                    if (b.fibers[i].op.apply != b.fibers[w].op.apply) {
+                        error = std::string("lanes of one warp at different warp operations (") + b.fibers[w].op.name + " and " + b.fibers[i].op.name + ")";
+                        return false;
+                    }
+                    lanes[i - w] = b.fibers[i].operands;
                 }
+                b.fibers[w].op.apply(lanes);
                 for (size_t i = w; i < end; i++) b.fibers[i].state = State::Ready;
             }
         }
@@ -121,12 +139,51 @@ bool run_block(Block& b, std::vector<std::unique_ptr<char[]>>& stacks) {
 
 void syncthreads() { wait_as(State::AtBarrier); }
 
-float shfl_xor(float v, int lane_mask) {
+void warp_op(WarpOp op, void* operands) {
     Fiber* f = active->current;
-    f->shuffle_in = v;
-    f->shuffle_mask = lane_mask;
-    wait_as(State::AtShuffle);
-    return f->shuffle_out;
+    f->op = op;
+    f->operands = operands;
+    wait_as(State::AtWarpOp);
+}
+
+namespace {
+
+struct Shuffle {
+    float in, out;
+    int mask;
+};
+
+void apply_shuffle(void** lanes) {
+    for (int i = 0; i < 32; i++) {
+        Shuffle* s = (Shuffle*)lanes[i];
+        s->out = ((Shuffle*)lanes[i ^ (s->mask & 31)])->in;
+    }
+}
+
+}  // namespace
+
+float shfl_xor(float v, int lane_mask) {
+    Shuffle s{v, 0.f, lane_mask};
+    warp_op(WarpOp{"shuffle", apply_shuffle}, &s);
+    return s.out;
+}
+
+void cp_async(void* dst, const void* src, size_t bytes) { active->current->open_group.push_back(AsyncCopy{dst, src, bytes}); }
+
+void cp_async_commit() {
+    Fiber* f = active->current;
+    f->committed.push_back(std::move(f->open_group));
+    f->open_group.clear();
+}
+
+// Copies land only here, all but the newest `pending` groups: shared memory
+// read before its wait (and the barrier after it) holds the previous data.
+void cp_async_wait(int pending) {
+    Fiber* f = active->current;
+    while (f->committed.size() > (size_t)pending) {
+        for (const AsyncCopy& c : f->committed.front()) memcpy(c.dst, c.src, c.bytes);
+        f->committed.erase(f->committed.begin());
+    }
 }
 
 int run(const Launch& l, const std::function<void()>& kernel) {

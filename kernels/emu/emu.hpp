@@ -6,7 +6,8 @@
 // A launch runs its thread blocks one after another. The threads of a block
 // are fibers on the calling thread: each runs until it reaches
 // __syncthreads() or a warp shuffle, and the scheduler resumes it when the
-// whole block is at the barrier, or its whole warp at the shuffle. Between
+// whole block is at the barrier, or its whole warp at the shuffle (or
+// another warp-wide operation: ldmatrix, mma). Between
 // barriers one warp runs as far as it can before the next starts (warps in
 // ascending order, then descending after the next barrier), so a missing
 // barrier, a shuffle in a divergent warp or a barrier some threads never
@@ -24,6 +25,7 @@
 #include <string.h>
 
 #include <functional>
+#include <vector>
 
 namespace emu {
 
@@ -43,7 +45,29 @@ extern thread_local dim3 block_idx, block_dim, grid_dim;
 extern thread_local unsigned char* dynamic_shared;
 
 void syncthreads();
+
+// An operation the 32 lanes of a warp do together (a shuffle, ldmatrix, mma):
+// each lane arrives with a pointer to its operands; when the whole warp is
+// there, `apply` gets the 32 pointers in lane order and writes the results.
+struct WarpOp {
+    const char* name;
+    void (*apply)(void** lanes);
+};
+void warp_op(WarpOp op, void* operands);
 float shfl_xor(float v, int lane_mask);
+
+// cp.async: `bytes` from global to shared memory, landing only when the
+// thread waits for its group (cp_async_wait), so a read before the wait
+// sees what was there before, as on a GPU that has not finished the copy.
+void cp_async(void* dst, const void* src, size_t bytes);
+void cp_async_commit();
+void cp_async_wait(int pending);
+
+// Warp-level matrix instructions, on the fragment layouts the PTX ISA gives
+// (emu_mma.cpp): ldmatrix .m8n8 .x4 (.trans) of 16-bit elements, and
+// mma.m16n8k16 with f32 accumulators and bf16 or f16 inputs.
+void ldmatrix_x4(uint32_t out[4], const void* row, bool trans);
+void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], bool bf16);
 // Runs `kernel` over every thread of every block; 0, or -1 with the reason in last_error().
 int run(const Launch& launch, const std::function<void()>& kernel);
 

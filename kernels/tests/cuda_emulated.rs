@@ -10,12 +10,15 @@
 //! as in a batch.
 #![cfg(feature = "emu")]
 
-use baton_kernels::cuda::plan::{self, AttentionPlan, ROW_THREADS, TOKEN_THREADS};
+use baton_kernels::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
 use baton_kernels::emu::{self, Launch};
-use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
-use support::{rel_err, scattered_tables, sequence_kv, values};
+use baton_kernels::{Backend, CpuBackend, KvDtype, KvLayout};
+use support::{rel_err, values};
 
 mod support;
+// The attention kernels (CUDA cores and tensor cores) against the CPU backend.
+#[path = "emulated/attention.rs"]
+mod attention;
 
 fn launch(g: plan::Geometry) -> Launch {
     Launch::new(g.grid, g.block, g.shared_bytes as usize)
@@ -137,111 +140,6 @@ fn emu_kv_write(arena: &mut [u8], layout: KvLayout, layer: usize, k: &[f32], v: 
             KvDtype::F16 => emu::kv_write_f16(&l, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),
             KvDtype::BF16 => emu::kv_write_bf16(&l, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),
             KvDtype::F8E4M3 => emu::kv_write_e4m3(&l, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),
-        }
-    }
-}
-
-/// Attention on an emulated arena, launched as `CudaBackend::attention` launches it.
-#[allow(clippy::too_many_arguments)]
-fn emu_attention(arena: &[u8], layout: KvLayout, layer: usize, q: &[f32], rows: &[AttnRow], n_heads: usize, scale: f32) -> Vec<f32> {
-    let hd = layout.head_dim;
-    let p = AttentionPlan::new(rows, layout.block_tokens, hd, n_heads, layout.kv_heads);
-    let slots = p.partial_slots(n_heads);
-    let (mut part_acc, mut part_ml) = (vec![f32::NAN; slots * hd], vec![f32::NAN; slots * 2]);
-    let mut out = vec![0f32; rows.len() * n_heads * hd];
-    let (layer, layers, bt, kvh, hd_i, nh, mp) = (layer as i32, layout.layers as i32, layout.block_tokens as i32, layout.kv_heads as i32, hd as i32, n_heads as i32, p.max_parts as i32);
-    let (a, qp, t, o, pos) = (arena.as_ptr(), q.as_ptr(), p.tables.as_ptr(), p.offsets.as_ptr(), p.positions.as_ptr());
-    let (acc, ml) = (part_acc.as_mut_ptr(), part_ml.as_mut_ptr());
-    let l = launch(p.partial);
-    unsafe {
-        if p.tiled {
-            let (s, n) = (p.run_start.as_ptr(), p.run_len.as_ptr());
-            match layout.dtype {
-                KvDtype::F32 => emu::attn_partial_tiled_f32(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-                KvDtype::F16 => emu::attn_partial_tiled_f16(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-                KvDtype::BF16 => emu::attn_partial_tiled_bf16(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-                KvDtype::F8E4M3 => emu::attn_partial_tiled_e4m3(&l, a, qp, t, o, pos, s, n, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-            }
-        } else {
-            match layout.dtype {
-                KvDtype::F32 => emu::attn_partial_f32(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-                KvDtype::F16 => emu::attn_partial_f16(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-                KvDtype::BF16 => emu::attn_partial_bf16(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-                KvDtype::F8E4M3 => emu::attn_partial_e4m3(&l, a, qp, t, o, pos, layer, layers, bt, kvh, hd_i, nh, scale, mp, acc, ml),
-            }
-        }
-        emu::attn_combine(&launch(p.combine), acc, ml, pos, nh, hd_i, mp, out.as_mut_ptr());
-    }
-    out
-}
-
-/// The same tokens written into the CPU arena and by the emulated kernels give
-/// the same bytes in every KV dtype; then attention for a decode batch of
-/// different lengths (up to 3 partitions) and for a prefill chunk (the tiled
-/// kernel) matches the CPU backend, and a row alone gives the same bits as in
-/// its batch or chunk. Head shapes: grouped queries of 2, 3 and 10 (more than
-/// one block's group of 8) query heads per KV head, plain multi-head, and head
-/// sizes of 32, 64 and 128 (a value element per thread, or shared by several).
-#[test]
-fn kv_writes_and_attention_match_the_cpu_for_every_dtype() {
-    let c = CpuBackend::new(1).unwrap();
-    let cases = [
-        (KvDtype::F32, 2, 4, 64),
-        (KvDtype::F16, 2, 4, 64),
-        (KvDtype::BF16, 2, 4, 64),
-        (KvDtype::F8E4M3, 2, 4, 64),
-        (KvDtype::F16, 3, 9, 64),
-        (KvDtype::BF16, 1, 10, 32),
-        (KvDtype::F32, 2, 2, 128),
-    ];
-    for (dtype, kv_heads, n_heads, hd) in cases {
-        let what = format!("{dtype:?}, {n_heads} heads over {kv_heads}, head size {hd}");
-        let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads, head_dim: hd, dtype };
-        let (layer, blocks) = (1, 64);
-        let mut kc = c.kv(layout, blocks).unwrap();
-        let mut arena = arena_bytes(&c, &kc, layout, blocks);
-        let lens = [600usize, 150, 1];
-        let tables = scattered_tables(&lens, blocks, 5);
-        let te = layout.token_elems();
-        for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
-            let (k, v, slots) = sequence_kv(s, len, table, te);
-            c.kv_write(&mut kc, layer, &k, &v, &slots);
-            emu_kv_write(&mut arena, layout, layer, &k, &v, &slots);
-            // Layer 0 (not attended below): values past e4m3's 448 and in f16's
-            // subnormals, so saturation and rounding are compared too.
-            let wide: Vec<f32> = k.iter().enumerate().map(|(i, v)| v * [1.0, 600.0, 1e-5, 7e4][i % 4]).collect();
-            c.kv_write(&mut kc, 0, &wide, &v, &slots);
-            emu_kv_write(&mut arena, layout, 0, &wide, &v, &slots);
-        }
-        assert!(arena == arena_bytes(&c, &kc, layout, blocks), "{what}: KV bytes differ from the CPU arena's");
-
-        let scale = 1.0 / (hd as f32).sqrt();
-        let w = n_heads * hd;
-        let emulated = |q: &[f32], rows: &[AttnRow]| emu_attention(&arena, layout, layer, q, rows, n_heads, scale);
-        // The emulated kernels' output for `rows`, checked against the CPU backend's.
-        let checked = |q: &Vec<f32>, rows: &[AttnRow], kind: &str| {
-            let mut want = c.tensor(0);
-            c.attention(&kc, layer, q, rows, n_heads, scale, None, &mut want);
-            let got = emulated(q, rows);
-            let e = rel_err(&got, &want[..q.len()]);
-            assert!(e <= 1e-5, "{what}: {kind} attention: {e}");
-            got
-        };
-
-        let rows: Vec<AttnRow> = lens.iter().zip(&tables).map(|(&len, t)| AttnRow { block_table: t, pos: len - 1 }).collect();
-        let q = values(rows.len() * w, 9);
-        let batch = checked(&q, &rows, "decode");
-        assert_eq!(emulated(&q[..w], &rows[..1]), batch[..w], "{what}: attention depends on the batch");
-
-        // Prefill: positions 240..276 of the first sequence as one chunk (runs of 16, 16 and 4
-        // rows; the partition boundary at 256 falls inside the second run).
-        let chunk: Vec<AttnRow> = (240..276).map(|p| AttnRow { block_table: &tables[0], pos: p }).collect();
-        let q = values(chunk.len() * w, 10);
-        let chunk_out = checked(&q, &chunk, "prefill");
-        // A chunk row (tiled kernel) equals the same position alone (the grouped decode kernel).
-        for &i in &[0usize, 15, 16, 35] {
-            let alone = emulated(&q[i * w..(i + 1) * w], &chunk[i..i + 1]);
-            assert_eq!(alone, chunk_out[i * w..(i + 1) * w], "{what}: prefill row {i} depends on its chunk");
         }
     }
 }

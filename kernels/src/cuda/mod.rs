@@ -49,7 +49,7 @@ use crate::quant::WeightFormat;
 pub const GEMM_ROWS: usize = 128;
 
 pub use plan::ATTN_PART;
-use plan::{AttentionPlan, Geometry, ROW_THREADS, TOKEN_THREADS};
+use plan::{AttentionPlan, AttnKernel, Geometry, ROW_THREADS, TOKEN_THREADS};
 
 fn cuda_error(op: &str, e: impl std::fmt::Debug) -> KernelError {
     KernelError::BackendUnavailable { backend: "cuda", reason: format!("{op}: {e:?}") }
@@ -100,6 +100,8 @@ struct Kernels {
     kv_unpack: CudaFunction,
     attn_partial: [CudaFunction; 4],
     attn_partial_tiled: [CudaFunction; 4],
+    /// The tensor-core kernels (sm_80 on), indexed by [`mma_index`]; `None` before sm_80.
+    attn_mma: Option<Vec<CudaFunction>>,
     attn_combine: CudaFunction,
     argmax_rows: CudaFunction,
     softmax_rows: CudaFunction,
@@ -111,6 +113,19 @@ struct Scratch {
     acts_bf16: Option<CudaSlice<u16>>,
     part_acc: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
+}
+
+/// Where the tensor-core kernel for a KV type and head size sits in
+/// `Kernels::attn_mma` (`attn_mma_{f16,bf16,e4m3}_d{32,64,128}`); `None` for
+/// f32 KV, which keeps the CUDA-core kernels' full precision.
+fn mma_index(dtype: KvDtype, head_dim: usize) -> Option<usize> {
+    let d = match dtype {
+        KvDtype::F16 => 0,
+        KvDtype::BF16 => 1,
+        KvDtype::F8E4M3 => 2,
+        KvDtype::F32 => return None,
+    };
+    Some(d * plan::MMA_HEAD_DIMS.len() + plan::MMA_HEAD_DIMS.iter().position(|&h| h == head_dim)?)
 }
 
 /// The number the kernels use for a KV element type (`KV_*` in common.cuh).
@@ -198,6 +213,22 @@ impl CudaBackend {
                 get("attention", "attn_partial_tiled_bf16")?,
                 get("attention", "attn_partial_tiled_e4m3")?,
             ],
+            attn_mma: if major >= 8 {
+                let mut fs = Vec::new();
+                for dtype in ["f16", "bf16", "e4m3"] {
+                    for hd in plan::MMA_HEAD_DIMS {
+                        let f = get("attention", &format!("attn_mma_{dtype}_d{hd}"))?;
+                        // Two buffers of keys and values pass the default 48 KiB of shared memory at head size 128.
+                        let bytes = plan::mma_shared_bytes(hd) as i32;
+                        f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+                            .map_err(|e| cuda_error(&format!("allowing attn_mma_{dtype}_d{hd} {bytes} bytes of shared memory"), e))?;
+                        fs.push(f);
+                    }
+                }
+                Some(fs)
+            } else {
+                None
+            },
             attn_combine: get("attention", "attn_combine")?,
             argmax_rows: get("sampling", "argmax_rows")?,
             softmax_rows: get("sampling", "softmax_rows")?,
@@ -584,10 +615,9 @@ impl Backend for CudaBackend {
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
-        // Only the Llama-family ops have kernels here so far; models needing
-        // more are refused at load, so the methods below are never reached.
-        let _ = op;
-        false
+        // Beyond the Llama-family ops, only sliding-window attention has kernels here so
+        // far; models needing more are refused at load, so the methods below are never reached.
+        matches!(op, OptionalOp::SlidingWindow)
     }
 
     fn gelu_mul(&self, _: &CudaSlice<f32>, _: &CudaSlice<f32>, _: usize, _: &mut CudaSlice<f32>) {
@@ -640,14 +670,16 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&self, kv: &CudaKv, layer: usize, q: &CudaSlice<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut CudaSlice<f32>) {
-        assert!(window.is_none(), "{}: refused at load (Backend::supports)", OptionalOp::SlidingWindow.name());
         if rows.is_empty() {
             return;
         }
         let l = &kv.layout;
         let hd = l.head_dim;
         self.ensure_len(out, rows.len() * n_heads * hd);
-        let p = AttentionPlan::new(rows, l.block_tokens, hd, n_heads, l.kv_heads);
+        let mma = self.k.attn_mma.as_ref().zip(mma_index(l.dtype, hd)).map(|(fs, i)| &fs[i]);
+        let p = AttentionPlan::for_gpu(rows, l.block_tokens, hd, n_heads, l.kv_heads, mma.is_some());
+        // 0 is no window; a window as long as i32 allows covers every position the arena holds.
+        let window_i = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let max_parts = p.max_parts;
         let (tables, offsets, positions) = (self.upload_u32(&p.tables), self.upload_u32(&p.offsets), self.upload_u32(&p.positions));
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
@@ -658,23 +690,36 @@ impl Backend for CudaBackend {
         let (part_acc, part_ml) = (part_acc.as_mut().expect("grown"), part_ml.as_mut().expect("grown"));
         let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
             (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);
-        if p.tiled {
+        match p.kernel {
+            // Decode rows and prefill chunks alike on the tensor cores: every query head of
+            // a KV head's group, and every row of a run, from one read of its keys and values.
+            AttnKernel::Mma => {
+                let (starts, lens) = (self.upload_u32(&p.run_start), self.upload_u32(&p.run_len));
+                let mut b = self.stream.launch_builder(mma.expect("planned only where the kernel exists"));
+                #[rustfmt::skip]
+                args::attn_mma(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
+                    &layer_i, &layers_i, &bt, &kvh, &nh, &scale, &window_i, &mp, &mut *part_acc, &mut *part_ml);
+                unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_mma", e));
+            }
             // Prefill chunks: each key and value is read once per run of rows, not once per row.
-            let (starts, lens) = (self.upload_u32(&p.run_start), self.upload_u32(&p.run_len));
-            let mut b = self.stream.launch_builder(&self.k.attn_partial_tiled[kv_code(l.dtype)]);
-            #[rustfmt::skip]
-            args::attn_partial_tiled(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
-                &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &mp, &mut *part_acc, &mut *part_ml);
-            unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial_tiled", e));
-        } else {
-            let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
-            #[rustfmt::skip]
-            args::attn_partial(&mut b, &kv.arena, q, &tables, &offsets, &positions,
-                &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &mp, &mut *part_acc, &mut *part_ml);
-            unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial", e));
+            AttnKernel::Tiled => {
+                let (starts, lens) = (self.upload_u32(&p.run_start), self.upload_u32(&p.run_len));
+                let mut b = self.stream.launch_builder(&self.k.attn_partial_tiled[kv_code(l.dtype)]);
+                #[rustfmt::skip]
+                args::attn_partial_tiled(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
+                    &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &window_i, &mp, &mut *part_acc, &mut *part_ml);
+                unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial_tiled", e));
+            }
+            AttnKernel::Rows => {
+                let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
+                #[rustfmt::skip]
+                args::attn_partial(&mut b, &kv.arena, q, &tables, &offsets, &positions,
+                    &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &window_i, &mp, &mut *part_acc, &mut *part_ml);
+                unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial", e));
+            }
         }
         let mut b = self.stream.launch_builder(&self.k.attn_combine);
-        args::attn_combine(&mut b, &*part_acc, &*part_ml, &positions, &nh, &hd_i, &mp, out);
+        args::attn_combine(&mut b, &*part_acc, &*part_ml, &positions, &nh, &hd_i, &window_i, &mp, out);
         unsafe { b.launch(config(p.combine)) }.unwrap_or_else(|e| fail("attn_combine", e));
     }
 

@@ -18,6 +18,13 @@ pub const ATTN_KEY_CHUNK: usize = 32;
 pub const ATTN_TILED_MAX_HEAD_DIM: usize = 128;
 /// Query heads of one KV head per block of `attn_partial` (`ATTN_GROUP` in attention.cu).
 pub const ATTN_GROUP: usize = 8;
+/// The tensor-core kernel (`attn_mma_*`, sm_80 on): keys per tile, query rows
+/// ((row, head) pairs) per block and threads per block (`MMA_KEYS`, `MMA_ROWS`,
+/// `MMA_THREADS` in attention.cu), and the head sizes it is built for.
+pub const MMA_KEYS: usize = 64;
+pub const MMA_ROWS: usize = 64;
+pub const MMA_THREADS: u32 = 128;
+pub const MMA_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// Threads per row of the row-wise kernels (`SAMPLING_THREADS` in sampling.cu for argmax).
 pub const ROW_THREADS: u32 = 256;
 /// Threads per token of rope and kv_write.
@@ -50,6 +57,29 @@ pub fn kv_copy(span_bytes: usize, blocks: usize) -> Geometry {
     g
 }
 
+/// Which partial kernel an attention call launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// `attn_partial`: a block per (row, query heads of a KV head, partition), CUDA cores.
+    Rows,
+    /// `attn_partial_tiled`: runs of up to [`ATTN_TILE_ROWS`] rows of one table per block, CUDA cores.
+    Tiled,
+    /// `attn_mma_*`: runs of (row, head) pairs on the tensor cores, decode rows and prefill chunks alike.
+    Mma,
+}
+
+/// Shared memory of an `attn_mma_*` block: two buffers of [`MMA_KEYS`] keys and
+/// as many values, `head_dim + 8` 16-bit elements each (attention.cu).
+pub fn mma_shared_bytes(head_dim: usize) -> u32 {
+    (2 * 2 * MMA_KEYS * (head_dim + 8) * 2) as u32
+}
+
+/// Whether the tensor-core kernel serves this shape, given a GPU and KV type
+/// that have it (`tensor_cores`: sm_80 or later, 16-bit or FP8 KV).
+pub fn mma_serves(tensor_cores: bool, head_dim: usize, n_heads: usize, kv_heads: usize) -> bool {
+    tensor_cores && MMA_HEAD_DIMS.contains(&head_dim) && kv_heads > 0 && n_heads / kv_heads <= MMA_ROWS
+}
+
 /// What one attention call uploads and launches.
 #[derive(Debug)]
 pub struct AttentionPlan {
@@ -58,29 +88,41 @@ pub struct AttentionPlan {
     /// Per row: where its table starts in `tables`, and its position.
     pub offsets: Vec<u32>,
     pub positions: Vec<u32>,
-    /// Runs of consecutive rows on one table (at most [`ATTN_TILE_ROWS`]), for the tiled kernel.
+    /// Runs of consecutive rows on one table (at most [`ATTN_TILE_ROWS`] for the
+    /// tiled kernel; for the tensor-core kernel as many as fill [`MMA_ROWS`] with
+    /// their query heads of one KV head).
     pub run_start: Vec<u32>,
     pub run_len: Vec<u32>,
     /// Partitions of the longest row: the partial buffers hold rows x heads x this.
     pub max_parts: usize,
-    /// Whether `attn_partial_tiled` runs (some run has more than one row) instead of `attn_partial`.
-    pub tiled: bool,
+    pub kernel: AttnKernel,
     pub partial: Geometry,
     pub combine: Geometry,
 }
 
 impl AttentionPlan {
-    /// Panics if a row's block table is shorter than its position needs, or
-    /// if `n_heads` is not a multiple of `kv_heads`.
+    /// The CUDA-core kernels' plan (f32 KV, GPUs before sm_80).
     pub fn new(rows: &[AttnRow], block_tokens: usize, head_dim: usize, n_heads: usize, kv_heads: usize) -> AttentionPlan {
+        AttentionPlan::for_gpu(rows, block_tokens, head_dim, n_heads, kv_heads, false)
+    }
+
+    /// The plan on a GPU and KV type with (`tensor_cores`) or without tensor
+    /// cores for attention: the tensor-core kernel wherever it serves the shape
+    /// ([`mma_serves`]), for decode rows and prefill chunks alike, so a position
+    /// gets the same bits from either. Panics if a row's block table is shorter
+    /// than its position needs, or if `n_heads` is not a multiple of `kv_heads`.
+    pub fn for_gpu(rows: &[AttnRow], block_tokens: usize, head_dim: usize, n_heads: usize, kv_heads: usize, tensor_cores: bool) -> AttentionPlan {
         assert!(kv_heads > 0 && n_heads.is_multiple_of(kv_heads), "attention: {n_heads} query heads over {kv_heads} KV heads");
+        let group = n_heads / kv_heads;
+        let mma = mma_serves(tensor_cores, head_dim, n_heads, kv_heads);
+        let max_run = if mma { (MMA_ROWS / group).clamp(1, MMA_ROWS) } else { ATTN_TILE_ROWS };
         let (mut tables, mut offsets, mut positions) = (Vec::new(), Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
         let (mut run_start, mut run_len): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
         let mut last: Option<(*const u32, usize)> = None;
         for (i, r) in rows.iter().enumerate() {
             let same_table = last.is_some_and(|(p, _)| std::ptr::eq(p, r.block_table.as_ptr()));
             match run_len.last_mut() {
-                Some(n) if same_table && (*n as usize) < ATTN_TILE_ROWS => *n += 1,
+                Some(n) if same_table && (*n as usize) < max_run => *n += 1,
                 _ => {
                     run_start.push(i as u32);
                     run_len.push(1);
@@ -101,8 +143,16 @@ impl AttentionPlan {
             positions.push(r.pos as u32);
         }
         let max_parts = rows.iter().map(|r| r.pos / ATTN_PART + 1).max().unwrap_or(1);
-        let tiled = run_start.len() < rows.len() && head_dim <= ATTN_TILED_MAX_HEAD_DIM;
-        let partial = if tiled {
+        let kernel = if mma {
+            AttnKernel::Mma
+        } else if run_start.len() < rows.len() && head_dim <= ATTN_TILED_MAX_HEAD_DIM {
+            AttnKernel::Tiled
+        } else {
+            AttnKernel::Rows
+        };
+        let partial = if kernel == AttnKernel::Mma {
+            Geometry { grid: (run_start.len() as u32, kv_heads as u32, max_parts as u32), block: MMA_THREADS, shared_bytes: mma_shared_bytes(head_dim) }
+        } else if kernel == AttnKernel::Tiled {
             Geometry {
                 grid: (run_start.len() as u32, n_heads as u32, max_parts as u32),
                 block: ATTN_THREADS,
@@ -110,7 +160,6 @@ impl AttentionPlan {
             }
         } else {
             // A block per (row, up to ATTN_GROUP query heads of one KV head, partition).
-            let group = n_heads / kv_heads;
             let per_block = group.min(ATTN_GROUP);
             Geometry {
                 grid: (rows.len() as u32, (kv_heads * group.div_ceil(ATTN_GROUP)) as u32, max_parts as u32),
@@ -119,7 +168,7 @@ impl AttentionPlan {
             }
         };
         let combine = Geometry { grid: (rows.len() as u32, n_heads as u32, 1), block: head_dim.next_multiple_of(32).min(256) as u32, shared_bytes: 0 };
-        AttentionPlan { tables, offsets, positions, run_start, run_len, max_parts, tiled, partial, combine }
+        AttentionPlan { tables, offsets, positions, run_start, run_len, max_parts, kernel, partial, combine }
     }
 
     /// Entries of the partial buffers: `part_acc` holds this many x head_dim floats, `part_ml` x 2.
@@ -143,13 +192,13 @@ mod tests {
         assert_eq!((p.offsets[0], p.offsets[19], p.offsets[20]), (0, 0, 40));
         assert_eq!((p.run_start, p.run_len), (vec![0, 16, 20], vec![16, 4, 1]));
         assert_eq!(p.max_parts, 2);
-        assert!(p.tiled);
+        assert_eq!(p.kernel, AttnKernel::Tiled);
         assert_eq!(p.partial.grid, (3, 10, 2), "tiled: a block per (run, query head, partition)");
 
         // Decode rows: a block per (row, up to ATTN_GROUP heads of a KV head, partition).
         let decode = [AttnRow { block_table: &a, pos: 600 }, AttnRow { block_table: &b, pos: 0 }];
         let p = AttentionPlan::new(&decode, 16, 64, 10, 1);
-        assert!(!p.tiled);
+        assert_eq!(p.kernel, AttnKernel::Rows);
         assert_eq!(p.partial.grid, (2, 2, 3), "10 heads of one KV head: blocks of 8 and 2");
         assert_eq!(p.partial.shared_bytes, ((8 * 64 + 8 * ATTN_PART + 32) * 4) as u32);
         let p = AttentionPlan::new(&decode, 16, 128, 32, 8);
@@ -157,5 +206,26 @@ mod tests {
         assert_eq!(p.partial.shared_bytes, ((4 * 128 + 4 * ATTN_PART + 32) * 4) as u32);
         assert_eq!(p.combine.grid, (2, 32, 1));
         assert_eq!(p.partial_slots(32), 2 * 32 * 3);
+    }
+
+    #[test]
+    fn tensor_core_plans_fill_a_block_with_query_heads() {
+        let (a, b): (Vec<u32>, Vec<u32>) = ((0..200).collect(), (200..260).collect());
+        // A 40-row chunk of Llama-3-8B's shape (4 query heads per KV head): runs of 16 rows.
+        let mut rows: Vec<AttnRow> = (3000..3040).map(|pos| AttnRow { block_table: &a, pos }).collect();
+        rows.push(AttnRow { block_table: &b, pos: 900 });
+        let p = AttentionPlan::for_gpu(&rows, 16, 128, 32, 8, true);
+        assert_eq!(p.kernel, AttnKernel::Mma);
+        assert_eq!((p.run_start, p.run_len), (vec![0, 16, 32, 40], vec![16, 16, 8, 1]));
+        assert_eq!(p.partial.grid, (4, 8, 12), "a block per (run, KV head, partition)");
+        assert_eq!((p.partial.block, p.partial.shared_bytes), (MMA_THREADS, 69_632));
+        // SmolLM2's 3 query heads per KV head: 21 rows fill 63 of a block's 64 query rows.
+        let p = AttentionPlan::for_gpu(&rows[..30], 16, 64, 9, 3, true);
+        assert_eq!(p.run_len, vec![21, 9]);
+        assert_eq!(p.partial.shared_bytes, 36_864);
+        // Shapes it does not serve fall back to the CUDA-core kernels.
+        assert_eq!(AttentionPlan::for_gpu(&rows, 16, 256, 8, 1, true).kernel, AttnKernel::Rows, "head size 256");
+        assert_eq!(AttentionPlan::for_gpu(&rows[40..], 16, 64, 130, 2, true).kernel, AttnKernel::Rows, "65 heads a group");
+        assert_eq!(AttentionPlan::for_gpu(&rows, 16, 128, 32, 8, false).kernel, AttnKernel::Tiled, "no tensor cores");
     }
 }

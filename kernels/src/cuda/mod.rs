@@ -113,6 +113,9 @@ struct Scratch {
     acts_bf16: Option<CudaSlice<u16>>,
     part_acc: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
+    /// The last attention call's index arrays, on the host and on the device
+    /// (`AttentionPlan::index_words`): the layers of a step reuse one upload.
+    attn_index: Option<(Vec<u32>, CudaSlice<u32>)>,
 }
 
 /// Where the tensor-core kernel for a KV type and head size sits in
@@ -239,6 +242,13 @@ impl CudaBackend {
         let products = products::Products::new(&ctx, stream.cu_stream(), streams)?;
         let staging = staging::Staging::new(&ctx, &stream, staging::STAGING_BYTES).map_err(|e| cuda_error("allocating KV staging", e))?;
         Ok(CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging), name, arch, driver })
+    }
+
+    /// Whether attention over `dtype` KV of heads of `head_dim` runs on the tensor
+    /// cores here (sm_80 or later; 16-bit or FP8 KV; a head size they are built
+    /// for): its query and probabilities are then rounded to 16 bits.
+    pub fn attention_on_tensor_cores(&self, dtype: KvDtype, head_dim: usize) -> bool {
+        self.k.attn_mma.is_some() && mma_index(dtype, head_dim).is_some()
     }
 
     /// Waits for every queued operation (benchmarks time with this).
@@ -681,20 +691,25 @@ impl Backend for CudaBackend {
         // 0 is no window; a window as long as i32 allows covers every position the arena holds.
         let window_i = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let max_parts = p.max_parts;
-        let (tables, offsets, positions) = (self.upload_u32(&p.tables), self.upload_u32(&p.offsets), self.upload_u32(&p.positions));
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let (words, ranges) = p.index_words();
+        if s.attn_index.as_ref().is_none_or(|(last, _)| *last != words) {
+            let on_device = self.upload_u32(&words);
+            s.attn_index = Some((words, on_device));
+        }
         let slots = p.partial_slots(n_heads);
         grow(&self.stream, &mut s.part_acc, slots * hd, "attention partials");
         grow(&self.stream, &mut s.part_ml, slots * 2, "attention partials");
-        let Scratch { part_acc, part_ml, .. } = &mut *s;
+        let Scratch { part_acc, part_ml, attn_index, .. } = &mut *s;
         let (part_acc, part_ml) = (part_acc.as_mut().expect("grown"), part_ml.as_mut().expect("grown"));
+        let index = &attn_index.as_ref().expect("uploaded").1;
+        let [tables, offsets, positions, starts, lens] = ranges.map(|r| index.slice(r));
         let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
             (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);
         match p.kernel {
             // Decode rows and prefill chunks alike on the tensor cores: every query head of
             // a KV head's group, and every row of a run, from one read of its keys and values.
             AttnKernel::Mma => {
-                let (starts, lens) = (self.upload_u32(&p.run_start), self.upload_u32(&p.run_len));
                 let mut b = self.stream.launch_builder(mma.expect("planned only where the kernel exists"));
                 #[rustfmt::skip]
                 args::attn_mma(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
@@ -703,7 +718,6 @@ impl Backend for CudaBackend {
             }
             // Prefill chunks: each key and value is read once per run of rows, not once per row.
             AttnKernel::Tiled => {
-                let (starts, lens) = (self.upload_u32(&p.run_start), self.upload_u32(&p.run_len));
                 let mut b = self.stream.launch_builder(&self.k.attn_partial_tiled[kv_code(l.dtype)]);
                 #[rustfmt::skip]
                 args::attn_partial_tiled(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,

@@ -171,6 +171,24 @@ impl AttentionPlan {
         AttentionPlan { tables, offsets, positions, run_start, run_len, max_parts, kernel, partial, combine }
     }
 
+    /// Every index array the kernels read, end to end in one buffer (tables,
+    /// offsets, positions, run starts, run lengths), and where each sits: one
+    /// upload per call, and none when a call's rows repeat the previous call's,
+    /// as every layer of a forward pass after the first does (the backend
+    /// keeps the last buffer on the device). An upload from ordinary memory
+    /// waits for the GPU's queue to drain, so this is what lets the host queue
+    /// a step's layers ahead of the GPU.
+    pub fn index_words(&self) -> (Vec<u32>, [std::ops::Range<usize>; 5]) {
+        let parts = [&self.tables, &self.offsets, &self.positions, &self.run_start, &self.run_len];
+        let mut words = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+        let ranges = parts.map(|p| {
+            let start = words.len();
+            words.extend_from_slice(p);
+            start..words.len()
+        });
+        (words, ranges)
+    }
+
     /// Entries of the partial buffers: `part_acc` holds this many x head_dim floats, `part_ml` x 2.
     pub fn partial_slots(&self, n_heads: usize) -> usize {
         self.positions.len() * n_heads * self.max_parts
@@ -206,6 +224,14 @@ mod tests {
         assert_eq!(p.partial.shared_bytes, ((4 * 128 + 4 * ATTN_PART + 32) * 4) as u32);
         assert_eq!(p.combine.grid, (2, 32, 1));
         assert_eq!(p.partial_slots(32), 2 * 32 * 3);
+
+        let (words, ranges) = p.index_words();
+        assert_eq!(ranges.clone().map(|r| words[r].to_vec()), [p.tables.clone(), p.offsets.clone(), p.positions.clone(), p.run_start.clone(), p.run_len.clone()]);
+        assert_eq!(ranges[4].end, words.len());
+        // The next layer of the same step asks the same: the same words, so no upload.
+        assert_eq!(AttentionPlan::new(&decode, 16, 128, 32, 8).index_words().0, words);
+        let next_step = [AttnRow { block_table: &a, pos: 601 }, AttnRow { block_table: &b, pos: 1 }];
+        assert_ne!(AttentionPlan::new(&next_step, 16, 128, 32, 8).index_words().0, words);
     }
 
     #[test]

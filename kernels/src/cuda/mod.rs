@@ -113,9 +113,30 @@ struct Scratch {
     acts_bf16: Option<CudaSlice<u16>>,
     part_acc: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
-    /// The last attention call's index arrays, on the host and on the device
-    /// (`AttentionPlan::index_words`): the layers of a step reuse one upload.
-    attn_index: Option<(Vec<u32>, CudaSlice<u32>)>,
+    /// Index arrays of the last call of each kind: the layers of a forward pass
+    /// repeat them (`AttentionPlan::index_words`, rope's positions, kv_write's slots).
+    attn_index: ReusedUpload,
+    rope_positions: ReusedUpload,
+    kv_slots: ReusedUpload,
+}
+
+/// An index array kept on the device for the next call that asks for the same
+/// words. An upload from ordinary host memory first waits for everything the
+/// stream has queued; a forward pass asks the same indices of every layer, so
+/// uploading once per pass instead of once per layer lets the host queue the
+/// layers ahead of the GPU instead of waiting on each.
+#[derive(Default)]
+struct ReusedUpload(Option<(Vec<u32>, CudaSlice<u32>)>);
+
+impl ReusedUpload {
+    fn get(&mut self, stream: &Arc<CudaStream>, words: &[u32]) -> &CudaSlice<u32> {
+        if self.0.as_ref().is_none_or(|(last, _)| last.as_slice() != words) {
+            // The old buffer is freed in stream order, after the kernels queued on it.
+            let on_device = stream.memcpy_stod(words).unwrap_or_else(|e| fail("uploading indices", e));
+            self.0 = Some((words.to_vec(), on_device));
+        }
+        &self.0.as_ref().expect("uploaded above").1
+    }
 }
 
 /// Where the tensor-core kernel for a KV type and head size sits in
@@ -606,10 +627,11 @@ impl Backend for CudaBackend {
         if let Some(&p) = positions.iter().find(|&&p| p as usize >= rope.max_pos) {
             panic!("position {p} beyond the rope table ({})", rope.max_pos);
         }
-        let pos = self.upload_u32(positions);
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let pos = s.rope_positions.get(&self.stream, positions);
         let (heads_i, half_i) = (heads as i32, rope.half as i32);
         let mut b = self.stream.launch_builder(&self.k.rope);
-        args::rope(&mut b, x, &rope.cos, &rope.sin, &pos, &heads_i, &half_i);
+        args::rope(&mut b, x, &rope.cos, &rope.sin, pos, &heads_i, &half_i);
         unsafe { b.launch(config(plan::per_row(positions.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("rope", e));
     }
 
@@ -672,10 +694,11 @@ impl Backend for CudaBackend {
         let l = kv.layout;
         assert!(slots.iter().all(|&(b, s)| (b as usize) < kv.blocks && (s as usize) < l.block_tokens), "kv_write: slot out of range");
         let flat: Vec<u32> = slots.iter().flat_map(|&(b, s)| [b, s]).collect();
-        let flat = self.upload_u32(&flat);
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let flat = s.kv_slots.get(&self.stream, &flat);
         let (layer_i, layers_i, bt, te) = (layer as i32, l.layers as i32, l.block_tokens as i32, l.token_elems() as i32);
         let mut b = self.stream.launch_builder(&self.k.kv_write[kv_code(l.dtype)]);
-        args::kv_write(&mut b, &mut kv.arena, k, v, &flat, &layer_i, &layers_i, &bt, &te);
+        args::kv_write(&mut b, &mut kv.arena, k, v, flat, &layer_i, &layers_i, &bt, &te);
         unsafe { b.launch(config(plan::per_row(slots.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("kv_write", e));
     }
 
@@ -693,16 +716,13 @@ impl Backend for CudaBackend {
         let max_parts = p.max_parts;
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let (words, ranges) = p.index_words();
-        if s.attn_index.as_ref().is_none_or(|(last, _)| *last != words) {
-            let on_device = self.upload_u32(&words);
-            s.attn_index = Some((words, on_device));
-        }
+        s.attn_index.get(&self.stream, &words);
         let slots = p.partial_slots(n_heads);
         grow(&self.stream, &mut s.part_acc, slots * hd, "attention partials");
         grow(&self.stream, &mut s.part_ml, slots * 2, "attention partials");
         let Scratch { part_acc, part_ml, attn_index, .. } = &mut *s;
         let (part_acc, part_ml) = (part_acc.as_mut().expect("grown"), part_ml.as_mut().expect("grown"));
-        let index = &attn_index.as_ref().expect("uploaded").1;
+        let index = &attn_index.0.as_ref().expect("uploaded above").1;
         let [tables, offsets, positions, starts, lens] = ranges.map(|r| index.slice(r));
         let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
             (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);

@@ -135,6 +135,9 @@ pub struct Design {
     pub flop_efficiency: f64,
     /// Whether its FLOPs run on the tensor cores (else the FP32 pipe).
     pub tensor_cores: bool,
+    /// Whether its launch opts in to more than 48 KiB of shared memory a block
+    /// (`cuFuncSetAttribute`); without it such a launch fails.
+    pub smem_opt_in: bool,
 }
 
 /// Query heads, KV heads and head size of the reference shape (Llama-3-8B).
@@ -164,7 +167,7 @@ const SCALAR_F32: u32 = 32 * 4;
 const SCALAR_BF16: u32 = 32 * 2;
 
 const fn row(kernel: &'static str, launch: fn() -> Geometry, blocks_per_sm: (u32, u32), bytes_in_flight_per_warp: u32) -> Design {
-    Design { kernel, launch, blocks_per_sm, bytes_in_flight_per_warp, flop_efficiency: 1.0, tensor_cores: false }
+    Design { kernel, launch, blocks_per_sm, bytes_in_flight_per_warp, flop_efficiency: 1.0, tensor_cores: false, smem_opt_in: false }
 }
 
 /// Every kernel's design. A kernel without a row fails `tests/cuda_sass.rs`:
@@ -196,16 +199,14 @@ pub const DESIGNS: &[Design] = &[
         bytes_in_flight_per_warp: SCALAR_BF16,
         flop_efficiency: 0.03,
         tensor_cores: false,
+        smem_opt_in: false,
     },
     row("attn_combine", || reference_decode().combine, (16, 16), SCALAR_F32),
 ];
 
 /// The design row for `kernel`: an exact name, else the longest matching prefix.
 pub fn design(kernel: &str) -> Option<&'static Design> {
-    DESIGNS
-        .iter()
-        .filter(|d| d.kernel == kernel || (d.kernel.ends_with('_') && kernel.starts_with(d.kernel)))
-        .max_by_key(|d| d.kernel.len())
+    DESIGNS.iter().filter(|d| d.kernel == kernel || (d.kernel.ends_with('_') && kernel.starts_with(d.kernel))).max_by_key(|d| d.kernel.len())
 }
 
 impl Design {
@@ -362,11 +363,12 @@ pub fn attention_launches(p: &AttentionPlan, s: &AttentionShape, dtype: &str) ->
 
 /// The expected time of `launches` in order, summed.
 pub fn estimate_all(gpu: &Gpu, peaks: &Peaks, launches: &[Launch]) -> Estimate {
-    launches
-        .iter()
-        .map(|l| estimate(gpu, peaks, l))
-        .reduce(Estimate::then)
-        .unwrap_or(Estimate { roofline_s: 0.0, expected_s: 0.0, waves: 0.0, memory_bound: true })
+    launches.iter().map(|l| estimate(gpu, peaks, l)).reduce(Estimate::then).unwrap_or(Estimate {
+        roofline_s: 0.0,
+        expected_s: 0.0,
+        waves: 0.0,
+        memory_bound: true,
+    })
 }
 
 #[cfg(test)]
@@ -469,6 +471,7 @@ mod tests {
             bytes_in_flight_per_warp: 32 * 16 * 4,
             flop_efficiency: 1.0,
             tensor_cores: false,
+            smem_opt_in: false,
         };
         let wide = estimate(&SM90, &h200(), &Launch { design: &WIDE, ..l });
         assert!((wide.fraction() - 6144.0 / 1188.0 / 6.0).abs() < 0.01, "{}", wide.fraction());
@@ -497,6 +500,7 @@ mod tests {
             bytes_in_flight_per_warp: 32 * 16 * 4,
             flop_efficiency: 0.5,
             tensor_cores: true,
+            smem_opt_in: false,
         };
         let mma = estimate(&SM90, &h200(), &Launch { design: &MMA, ..l });
         assert!((0.5..0.52).contains(&mma.fraction()), "{}", mma.fraction());

@@ -36,6 +36,8 @@ pub struct Gpu {
     pub smem_per_block: u32,
     /// Shared memory the driver keeps per resident block (Nsight's "Driver Shared Memory Per Block").
     pub smem_reserved_per_block: u32,
+    /// Boost clock: with 128 FP32 lanes an SM, the CUDA cores' peak.
+    pub clock_hz: f64,
 }
 
 /// H100 SXM and H200 (132 SMs).
@@ -48,6 +50,7 @@ pub const SM90: Gpu = Gpu {
     smem_per_sm: 228 * 1024,
     smem_per_block: 227 * 1024,
     smem_reserved_per_block: 1024,
+    clock_hz: 1.98e9,
 };
 
 /// A100 (108 SMs).
@@ -60,7 +63,13 @@ pub const SM80: Gpu = Gpu {
     smem_per_sm: 164 * 1024,
     smem_per_block: 163 * 1024,
     smem_reserved_per_block: 1024,
+    clock_hz: 1.41e9,
 };
+
+/// The generation an architecture name ("sm_90") stands for; None for the ones not described.
+pub fn gpu_for(arch: &str) -> Option<Gpu> {
+    [SM90, SM80].into_iter().find(|g| g.arch == arch)
+}
 
 /// Shared memory a block may use without opting in.
 pub const DEFAULT_SMEM_PER_BLOCK: u32 = 48 * 1024;
@@ -235,9 +244,10 @@ pub struct Peaks {
 }
 
 impl Peaks {
-    /// FP32 peak of `gpu` at `clock_hz`.
-    pub fn fp32_of(gpu: &Gpu, clock_hz: f64) -> f64 {
-        gpu.sms as f64 * 128.0 * 2.0 * clock_hz
+    /// Peaks from the copy bandwidth (GB/s) and bf16 GEMM rate (TFLOP/s) measured
+    /// on `gpu`, its FP32 peak from its clock, and [`DRAM_LATENCY_S`].
+    pub fn measured(gpu: &Gpu, copy_gb_s: f64, gemm_tflop_s: f64) -> Peaks {
+        Peaks { bandwidth: copy_gb_s * 1e9, tensor_flops: gemm_tflop_s * 1e12, fp32_flops: gpu.sms as f64 * 128.0 * 2.0 * gpu.clock_hz, dram_latency: DRAM_LATENCY_S }
     }
 }
 
@@ -378,7 +388,7 @@ mod tests {
     /// An H200 as the 2026-12-04 run measured it (4,277 GB/s copy, 777 TFLOP/s
     /// bf16 GEMM, 1.98 GHz).
     fn h200() -> Peaks {
-        Peaks { bandwidth: 4277e9, tensor_flops: 777e12, fp32_flops: Peaks::fp32_of(&SM90, 1.98e9), dram_latency: DRAM_LATENCY_S }
+        Peaks::measured(&SM90, 4277.0, 777.0)
     }
 
     #[test]

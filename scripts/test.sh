@@ -83,6 +83,12 @@ export BATON_SMOLLM2_Q4_K_M_MODEL BATON_SMOLLM2_Q6_K_MODEL
 current="scripts/fetch-nvrtc.sh"
 bash scripts/fetch-nvrtc.sh >/dev/null
 export BATON_REQUIRE_NVRTC=1
+# ptxas, cuobjdump and nvdisasm (from PyPI): kernels/tests/cuda_sass.rs assembles every
+# kernel to SASS for sm_90 and sm_80 and checks spills, tensor-core instructions and
+# occupancy, no GPU needed, so it must not skip here either.
+current="scripts/fetch-cuda-tools.sh"
+bash scripts/fetch-cuda-tools.sh >/dev/null
+export BATON_REQUIRE_SASS=1
 step "cargo test --workspace" cargo test --workspace --release --locked "$@"
 # The RDMA transport is an off-by-default feature: build and test it too. Without an RDMA
 # device its device tests print "SKIPPED: no RDMA device (...)"; BATON_REQUIRE_RDMA=1 on a

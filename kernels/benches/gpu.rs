@@ -9,7 +9,11 @@
 //!   miss names its cause;
 //! - prefill tokens/s against the matrix-unit roofline: model FLOPs per token /
 //!   measured cuBLAS bf16 GEMM throughput;
-//! - KV blocks to and from host memory through the staging buffers.
+//! - KV blocks to and from host memory through the staging buffers;
+//! - the analytic model (`cuda::roofline`): per timed part, its roofline, the
+//!   time its kernels' designs lead one to expect (occupancy, loads in flight,
+//!   waves, the pipe they compute on) as a fraction of the roofline, beside the
+//!   measured fraction, so a miss says whether the design or its code falls short.
 //!
 //! Shapes: Llama-3-8B, and one GPU's slice of Llama-3-70B under tensor
 //! parallelism 8 (heads, KV heads, FFN and vocabulary divided by 8; the
@@ -20,6 +24,8 @@
 
 use std::time::Instant;
 
+use baton_kernels::cuda::plan::AttentionPlan;
+use baton_kernels::cuda::roofline::{self, AttentionShape, Estimate, Gpu, Peaks};
 use baton_kernels::cuda::{CudaBackend, CudaMatrix, GEMM_ROWS};
 use baton_kernels::{AttnRow, Backend, KvDtype, KvLayout};
 
@@ -235,6 +241,23 @@ fn kv_staging(g: &CudaBackend) {
     );
 }
 
+/// The model's estimate of one attention call, over every layer.
+fn attention_model(gpu: &Gpu, peaks: &Peaks, s: Shape, attn: &[AttnRow]) -> Estimate {
+    let plan = AttentionPlan::new(attn, BLOCK_TOKENS, s.head_dim, s.heads, s.kv_heads);
+    let shape = AttentionShape { heads: s.heads, kv_heads: s.kv_heads, head_dim: s.head_dim, kv_bytes: 2 };
+    let one = roofline::estimate_all(gpu, peaks, &roofline::attention_launches(&plan, &shape, "bf16"));
+    Estimate { roofline_s: one.roofline_s * s.layers as f64, expected_s: one.expected_s * s.layers as f64, ..one }
+}
+
+/// A row of the model table: roofline, expected (model) and measured, in ms and as fractions of the roofline.
+fn model_line(shape: &str, what: &str, e: Option<Estimate>, roofline_s: f64, measured_s: f64) -> String {
+    let expected = match e {
+        Some(e) => format!("{:.2} ({:.0}%) | {:.1} | {}", e.expected_s * 1e3, 100.0 * roofline_s / e.expected_s, e.waves, if e.memory_bound { "memory" } else { "compute" }),
+        None => "- (cuBLAS: not modelled) | - | -".to_string(),
+    };
+    format!("| {shape} | {what} | {:.2} | {expected} | {:.2} ({:.0}%) |", roofline_s * 1e3, measured_s * 1e3, 100.0 * roofline_s / measured_s)
+}
+
 fn main() {
     let g = match CudaBackend::new(0) {
         Ok(g) => g,
@@ -250,6 +273,11 @@ fn main() {
         "measured copy bandwidth {bw:.0} GB/s; bf16 GEMM 8192^3: one cuBLAS call {tflops:.0} TFLOP/s, the backend's matmul (f32 input, {GEMM_ROWS}-row calls) {one_stream:.0} TFLOP/s on one stream, {spread:.0} on {streams}"
     );
     kv_staging(&g);
+    let description = g.describe();
+    let arch = description.split(|c: char| !c.is_ascii_alphanumeric() && c != '_').find(|w| w.starts_with("sm_")).unwrap_or("sm_90");
+    let gpu = roofline::gpu_for(arch).unwrap_or(roofline::SM90);
+    let peaks = Peaks::measured(&gpu, bw, tflops);
+    let mut model_lines = Vec::new();
     println!();
     println!("| shape | batch | step ms | roofline ms | ratio | bytes read/step | products ms (weights GB/s) | attention ms (KV GB/s) |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
@@ -296,6 +324,11 @@ fn main() {
                 }
             });
             let kv_read = batch * (CONTEXT + 1) * s.kv_bytes_per_token();
+            let a_model = attention_model(&gpu, &peaks, s, &attn);
+            model_lines.push(model_line(s.name, &format!("decode attention, batch {batch}"), Some(a_model), a_model.roofline_s, attention));
+            let gemm_rows = batch.next_multiple_of(GEMM_ROWS) as f64;
+            let products_roof = (weight_bytes as f64 / peaks.bandwidth).max(2.0 * s.matrix_params() as f64 * gemm_rows / peaks.tensor_flops);
+            model_lines.push(model_line(s.name, &format!("decode products, batch {batch}"), None, products_roof, products));
             println!(
                 "| {} | {batch} | {:.2} | {:.2} | {:.2}x | {:.1} GB | {:.2} ({:.0}) | {:.2} ({:.0}) |",
                 s.name,
@@ -329,6 +362,14 @@ fn main() {
         }
         g.synchronize();
         let secs = t.elapsed().as_secs_f64() / reps as f64;
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let attention = best_of_five(&g, || {
+            for li in 0..s.layers {
+                g.attention(&kv, li, &a.q, &attn, s.heads, scale, None, &mut a.att);
+            }
+        });
+        let a_model = attention_model(&gpu, &peaks, s, &attn);
+        model_lines.push(model_line(s.name, &format!("prefill attention, {n} tokens"), Some(a_model), a_model.roofline_s, attention));
         // Matrix FLOPs (the LM head runs for the last token only) + causal attention (QK and PV).
         let layer_params = s.matrix_params() - s.vocab * s.dim;
         let flops = 2.0 * layer_params as f64 * n as f64
@@ -347,6 +388,18 @@ fn main() {
     println!("| shape | prompt tokens | prefill tok/s | achieved TFLOP/s | of measured GEMM |");
     println!("| --- | ---: | ---: | ---: | ---: |");
     for l in prefill_lines {
+        println!("{l}");
+    }
+    println!();
+    println!(
+        "model ({}, {} SMs; measured {bw:.0} GB/s, {tflops:.0} TFLOP/s; DRAM latency {:.0} ns): every layer; expected = what the kernels' designs allow (cuda::roofline)",
+        gpu.arch,
+        gpu.sms,
+        peaks.dram_latency * 1e9
+    );
+    println!("| shape | part | roofline ms | expected ms (of roofline) | waves | bound | measured ms (of roofline) |");
+    println!("| --- | --- | ---: | ---: | ---: | --- | ---: |");
+    for l in model_lines {
         println!("{l}");
     }
 }

@@ -24,6 +24,7 @@ pub mod blas;
 pub mod compile;
 pub mod nvrtc;
 pub mod plan;
+pub mod roofline;
 mod products;
 pub mod runtime;
 mod staging;

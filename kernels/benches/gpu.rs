@@ -242,8 +242,9 @@ fn kv_staging(g: &CudaBackend) {
 }
 
 /// The model's estimate of one attention call, over every layer.
-fn attention_model(gpu: &Gpu, peaks: &Peaks, s: Shape, attn: &[AttnRow]) -> Estimate {
-    let plan = AttentionPlan::new(attn, BLOCK_TOKENS, s.head_dim, s.heads, s.kv_heads);
+/// `tensor_cores`: whether the backend runs this call's attention on them (the plan it launches).
+fn attention_model(gpu: &Gpu, peaks: &Peaks, s: Shape, attn: &[AttnRow], tensor_cores: bool) -> Estimate {
+    let plan = AttentionPlan::for_gpu(attn, BLOCK_TOKENS, s.head_dim, s.heads, s.kv_heads, tensor_cores);
     let shape = AttentionShape { heads: s.heads, kv_heads: s.kv_heads, head_dim: s.head_dim, kv_bytes: 2 };
     let one = roofline::estimate_all(gpu, peaks, &roofline::attention_launches(&plan, &shape, "bf16"));
     Estimate { roofline_s: one.roofline_s * s.layers as f64, expected_s: one.expected_s * s.layers as f64, ..one }
@@ -324,7 +325,7 @@ fn main() {
                 }
             });
             let kv_read = batch * (CONTEXT + 1) * s.kv_bytes_per_token();
-            let a_model = attention_model(&gpu, &peaks, s, &attn);
+            let a_model = attention_model(&gpu, &peaks, s, &attn, g.attention_on_tensor_cores(KvDtype::BF16, s.head_dim));
             model_lines.push(model_line(s.name, &format!("decode attention, batch {batch}"), Some(a_model), a_model.roofline_s, attention));
             let gemm_rows = batch.next_multiple_of(GEMM_ROWS) as f64;
             let products_roof = (weight_bytes as f64 / peaks.bandwidth).max(2.0 * s.matrix_params() as f64 * gemm_rows / peaks.tensor_flops);
@@ -368,7 +369,7 @@ fn main() {
                 g.attention(&kv, li, &a.q, &attn, s.heads, scale, None, &mut a.att);
             }
         });
-        let a_model = attention_model(&gpu, &peaks, s, &attn);
+        let a_model = attention_model(&gpu, &peaks, s, &attn, g.attention_on_tensor_cores(KvDtype::BF16, s.head_dim));
         model_lines.push(model_line(s.name, &format!("prefill attention, {n} tokens"), Some(a_model), a_model.roofline_s, attention));
         // Matrix FLOPs (the LM head runs for the last token only) + causal attention (QK and PV).
         let layer_params = s.matrix_params() - s.vocab * s.dim;

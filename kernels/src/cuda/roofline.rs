@@ -18,7 +18,7 @@
 
 use crate::attention::AttnRow;
 
-use super::plan::{self, AttentionPlan, Geometry, ROW_THREADS, TOKEN_THREADS};
+use super::plan::{self, AttentionPlan, AttnKernel, Geometry, ROW_THREADS, TOKEN_THREADS};
 
 /// The resources of one GPU generation that bound occupancy (CUDA C
 /// Programming Guide, "Compute Capabilities", table of technical specifications).
@@ -156,19 +156,20 @@ pub const REFERENCE_CONTEXT: usize = 3000;
 pub const REFERENCE_PROMPT: usize = 2048;
 const BLOCK_TOKENS: usize = 16;
 
-/// The plan of one decode row at [`REFERENCE_CONTEXT`] (Llama-3-8B heads).
-pub fn reference_decode() -> AttentionPlan {
+/// The plan of one decode row at [`REFERENCE_CONTEXT`] (Llama-3-8B heads), on
+/// the tensor-core kernel or the CUDA-core ones.
+pub fn reference_decode(tensor_cores: bool) -> AttentionPlan {
     let table: Vec<u32> = (0..(REFERENCE_CONTEXT / BLOCK_TOKENS + 1) as u32).collect();
     let (h, kv, d) = REFERENCE_HEADS;
-    AttentionPlan::new(&[AttnRow { block_table: &table, pos: REFERENCE_CONTEXT }], BLOCK_TOKENS, d, h, kv)
+    AttentionPlan::for_gpu(&[AttnRow { block_table: &table, pos: REFERENCE_CONTEXT }], BLOCK_TOKENS, d, h, kv, tensor_cores)
 }
 
 /// The plan of a [`REFERENCE_PROMPT`]-token prefill chunk (Llama-3-8B heads).
-pub fn reference_prefill() -> AttentionPlan {
+pub fn reference_prefill(tensor_cores: bool) -> AttentionPlan {
     let table: Vec<u32> = (0..(REFERENCE_PROMPT / BLOCK_TOKENS) as u32).collect();
     let rows: Vec<AttnRow> = (0..REFERENCE_PROMPT).map(|pos| AttnRow { block_table: &table, pos }).collect();
     let (h, kv, d) = REFERENCE_HEADS;
-    AttentionPlan::new(&rows, BLOCK_TOKENS, d, h, kv)
+    AttentionPlan::for_gpu(&rows, BLOCK_TOKENS, d, h, kv, tensor_cores)
 }
 
 /// Scalar loads, one per lane in flight: the element-wise and row kernels.
@@ -197,20 +198,35 @@ pub const DESIGNS: &[Design] = &[
     row("softmax_rows", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
     // Decode: a warp per (key, head) dot product, one scalar KV load per lane at
     // a time. Registers allow 9 blocks (Nsight: 52 registers, 56% occupancy).
-    row("attn_partial_", || reference_decode().partial, (9, 9), SCALAR_BF16),
+    row("attn_partial_", || reference_decode(false).partial, (9, 9), SCALAR_BF16),
     // Prefill on CUDA cores: 41 KiB of shared memory a block allows 5 (Nsight:
     // 31% occupancy). Its useful FLOP rate is the Nsight run's: 1.9 TFLOP/s of
     // the H200's 67 FP32 TFLOP/s (warp shuffles and exponentials between FMAs).
     Design {
         kernel: "attn_partial_tiled_",
-        launch: || reference_prefill().partial,
+        launch: || reference_prefill(false).partial,
         blocks_per_sm: (5, 3),
         bytes_in_flight_per_warp: SCALAR_BF16,
         flop_efficiency: 0.03,
         tensor_cores: false,
         smem_opt_in: false,
     },
-    row("attn_combine", || reference_decode().combine, (16, 16), SCALAR_F32),
+    row("attn_combine", || reference_decode(false).combine, (16, 16), SCALAR_F32),
+    // Tensor cores (sm_80 on), decode and prefill alike: 212 registers a thread at
+    // head size 128 (ptxas 12.8, sm_90) and 68 KiB of shared memory (two 64-key
+    // buffers of keys and values, opted in) allow 2 blocks; smaller heads allow
+    // more. Each lane keeps a tile's 16 cp.async copies of 16 bytes in flight. Its
+    // FLOP efficiency is a guess until a GPU run measures it: mma.sync reaches
+    // about half of Hopper's wgmma peak, less the online softmax between products.
+    Design {
+        kernel: "attn_mma_",
+        launch: || reference_prefill(true).partial,
+        blocks_per_sm: (2, 2),
+        bytes_in_flight_per_warp: 32 * 16 * 16,
+        flop_efficiency: 0.35,
+        tensor_cores: true,
+        smem_opt_in: true,
+    },
 ];
 
 /// The design row for `kernel`: an exact name, else the longest matching prefix.
@@ -361,7 +377,11 @@ pub fn attention_launches(p: &AttentionPlan, s: &AttentionShape, dtype: &str) ->
     let parts_used: f64 = p.positions.iter().map(|&pos| (pos as usize / plan::ATTN_PART + 1) as f64).sum::<f64>() * h;
     let partial_out = parts_used * (hd + 2.0) * 4.0;
     let flops = 4.0 * h * hd * keys; // QK and PV, a multiply and an add each
-    let partial_kernel = if p.tiled { format!("attn_partial_tiled_{dtype}") } else { format!("attn_partial_{dtype}") };
+    let partial_kernel = match p.kernel {
+        AttnKernel::Mma => format!("attn_mma_{dtype}_d{}", s.head_dim),
+        AttnKernel::Tiled => format!("attn_partial_tiled_{dtype}"),
+        AttnKernel::Rows => format!("attn_partial_{dtype}"),
+    };
     let missing = |k: &str| panic!("no design row for {k}");
     let partial_design = design(&partial_kernel).unwrap_or_else(|| missing(&partial_kernel));
     let combine_design = design("attn_combine").unwrap_or_else(|| missing("attn_combine"));
@@ -426,7 +446,8 @@ mod tests {
         assert_eq!(design("kv_write_f16").unwrap().kernel, "kv_write_");
         assert_eq!(design("rmsnorm").unwrap().kernel, "rmsnorm");
         assert!(design("rmsnorm_fused").is_none(), "an exact name is not a prefix");
-        assert!(design("attn_mma_prefill_bf16").is_none());
+        assert_eq!(design("attn_mma_bf16_d128").unwrap().kernel, "attn_mma_");
+        assert!(design("attn_mmb_bf16").is_none());
         for d in DESIGNS {
             let g = (d.launch)();
             for gpu in [SM90, SM80] {
@@ -442,7 +463,7 @@ mod tests {
         // Batch 1, Llama-3-8B, 3,000-token context: 96 blocks of 4 warps, each with
         // one 64-byte warp load in flight, draw 384 x 64 B / 600 ns = 41 GB/s
         // (Nsight measured 37.6; the bench 36 over the whole call).
-        let p = reference_decode();
+        let p = reference_decode(false);
         assert_eq!(p.partial.grid, (1, 8, 12));
         let s = AttentionShape { heads: 32, kv_heads: 8, head_dim: 128, kv_bytes: 2 };
         let launches = attention_launches(&p, &s, "bf16");
@@ -476,7 +497,7 @@ mod tests {
         // but for the partial last wave.
         static WIDE: Design = Design {
             kernel: "wide_",
-            launch: || reference_decode().partial,
+            launch: || reference_decode(false).partial,
             blocks_per_sm: (9, 9),
             bytes_in_flight_per_warp: 32 * 16 * 4,
             flop_efficiency: 1.0,
@@ -490,8 +511,8 @@ mod tests {
 
     #[test]
     fn prefill_on_cuda_cores_is_compute_bound_and_tensor_cores_lift_it() {
-        let p = reference_prefill();
-        assert!(p.tiled);
+        let p = reference_prefill(false);
+        assert_eq!(p.kernel, AttnKernel::Tiled);
         let s = AttentionShape { heads: 32, kv_heads: 8, head_dim: 128, kv_bytes: 2 };
         let l = attention_launches(&p, &s, "bf16")[0];
         let causal_pairs = 2048.0 * 2049.0 / 2.0;
@@ -505,7 +526,7 @@ mod tests {
         // 190 MB, just over the FLOPs' 44 us), so it comes out at 51% of it.
         static MMA: Design = Design {
             kernel: "mma_",
-            launch: || reference_prefill().partial,
+            launch: || reference_prefill(false).partial,
             blocks_per_sm: (5, 3),
             bytes_in_flight_per_warp: 32 * 16 * 4,
             flop_efficiency: 0.5,
@@ -515,6 +536,29 @@ mod tests {
         let mma = estimate(&SM90, &h200(), &Launch { design: &MMA, ..l });
         assert!((0.5..0.52).contains(&mma.fraction()), "{}", mma.fraction());
         assert!(!mma.memory_bound && mma.expected_s < e.expected_s / 150.0);
+    }
+
+    #[test]
+    fn the_tensor_core_plan_reads_kv_at_the_bandwidth_from_batch_64() {
+        // Decode at batch 64, Llama-3-8B, 3,000-token contexts, on attn_mma_: the same
+        // 6,144 blocks as the CUDA-core kernel, each with a tile's 16 KiB of copies per
+        // warp in flight: 2 blocks on each of 132 SMs keep 8.6 MB in flight, over the
+        // 2.6 MB Little's law asks at 4.3 TB/s and 600 ns. Memory-bound at the copy
+        // bandwidth but for the partial last of 23.3 waves.
+        let table: Vec<u32> = (0..64 * 190).collect();
+        let rows: Vec<AttnRow> = (0..64).map(|r| AttnRow { block_table: &table[r * 190..(r + 1) * 190], pos: 3000 }).collect();
+        let p = AttentionPlan::for_gpu(&rows, 16, 128, 32, 8, true);
+        assert_eq!((p.kernel, p.partial.grid), (AttnKernel::Mma, (64, 8, 12)));
+        let s = AttentionShape { heads: 32, kv_heads: 8, head_dim: 128, kv_bytes: 2 };
+        let l = attention_launches(&p, &s, "bf16")[0];
+        assert_eq!(l.design.kernel, "attn_mma_");
+        let e = estimate(&SM90, &h200(), &l);
+        assert!(e.memory_bound && (e.waves - 6144.0 / 264.0).abs() < 1e-9);
+        assert!((0.9..1.0).contains(&e.fraction()), "{}", e.fraction());
+        // The prefill chunk on the tensor cores: compute-bound, far below the CUDA cores' 17 ms.
+        let pre = attention_launches(&reference_prefill(true), &s, "bf16")[0];
+        let e = estimate(&SM90, &h200(), &pre);
+        assert!(!e.memory_bound && e.expected_s < 0.5e-3, "{}", e.expected_s);
     }
 
     #[test]

@@ -17,8 +17,8 @@
 #   buffers in groups: identical; a row's result: the same bits
 #   alone as in a batch (matrix products and attention), and a product's on
 #   one stream as on several.
-# The engine on CUDA (engine/tests/cuda_engine.rs, the first 4 layers of SmolLM2 where
-# the host has no model): logits Pearson >= 0.98 against the CPU backend per row, the
+# The engine on CUDA (engine/tests/cuda_engine.rs, the first 4 layers of SmolLM2 and a
+# 2-layer cut of Gemma 3 where the host has no model): logits Pearson >= 0.98 against the CPU backend per row, the
 # same top token on >= 70% of rows, greedy tokens equal alone, chunked and batched.
 # compute-sanitizer memcheck over the conformance suite where the tool exists.
 # Targets (kernels/benches/gpu.rs): decode at batch 64 within 1.3x of the bandwidth
@@ -74,8 +74,9 @@ else
     timeout 90 bench/gpu/prebuilt/cuda_conformance --test-threads=1 2>&1 | tee -a "$log" || status=1
     # (the folder listing test reads the source tree at the path it was built in)
     timeout 60 bench/gpu/prebuilt/cuda_ptx --nocapture --skip every_cu_file_in_the_folder 2>&1 | tee -a "$log" || status=1
-    say "== the engine on CUDA against the CPU (the first 4 layers of SmolLM2)"
-    BATON_MODEL="$PWD/bench/gpu/prebuilt/smollm2-4-layers.gguf" timeout 120 bench/gpu/prebuilt/cuda_engine --test-threads=1 --nocapture 2>&1 | tee -a "$log" || status=1
+    say "== the engine on CUDA against the CPU (the first 4 layers of SmolLM2, 2 of Gemma 3)"
+    BATON_MODEL="$PWD/bench/gpu/prebuilt/smollm2-4-layers.gguf" BATON_GEMMA_MODEL="$PWD/bench/gpu/prebuilt/gemma3-2-layers.gguf" \
+        timeout 120 bench/gpu/prebuilt/cuda_engine --test-threads=1 --nocapture 2>&1 | tee -a "$log" || status=1
     if command -v compute-sanitizer >/dev/null; then
         say "== compute-sanitizer memcheck over the conformance suite"
         timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 bench/gpu/prebuilt/cuda_conformance --test-threads=1 2>&1 | tee -a "$log" | grep -E "^test |test result|ERROR SUMMARY|=========  *(Invalid|Out of)" | head -n 40 || true

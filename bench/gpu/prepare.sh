@@ -30,11 +30,11 @@ copy_artifacts "$(cargo build --release --locked -p baton-engine --features cuda
 
 model="$(bash scripts/fetch-model.sh | tail -n 1)"
 cargo run --release --locked -q -p baton-engine --example gguf_first_layers -- "$model" "$out/smollm2-4-layers.gguf" 4
-# Gemma 3 270M's embedding alone is over the limit: 2 layers, the first 16,384 tokens,
+# Gemma 3 270M's embedding alone is over the limit: 2 layers, the first 8,192 tokens,
 # and a 24-token window with every second layer global, so that the parity test
 # (cuda_engine's gemma3_forward_pass_matches_the_cpu) covers a local and a global
-# layer and a prompt past the window in about 19 MiB.
+# layer and a prompt past the window in 13 MiB.
 gemma="$(bash scripts/fetch-model.sh gemma3 | tail -n 1)"
 cargo run --release --locked -q -p baton-engine --example gguf_first_layers -- "$gemma" "$out/gemma3-2-layers.gguf" 2 \
-    --vocab 16384 --sliding-window 24 --sliding-window-pattern 2
+    --vocab 8192 --sliding-window 24 --sliding-window-pattern 2
 du -sh "$out"

@@ -64,7 +64,7 @@ fn one_forward_pass_matches_the_cpu() {
 
 /// Gemma 3 on the GPU: GeGLU, QK-norm, the embedding scale, post norms and its local
 /// and global layers (sliding-window attention, two rotary tables). On the GPU host
-/// `BATON_GEMMA_MODEL` is bench/gpu/prepare.sh's cut (2 layers, a 16,384-token
+/// `BATON_GEMMA_MODEL` is bench/gpu/prepare.sh's cut (2 layers, an 8,192-token
 /// vocabulary, a window of 24 tokens with every second layer global, so that it is
 /// carried under 64 MiB and a 120-token prompt crosses the window); the bounds are
 /// SmolLM2's above.

@@ -17,8 +17,9 @@ and red at sunset because the light then crosses so much air that most of the bl
 
 /// About `n` tokens of English for the model in `f`: its tokenizer, or for a
 /// SentencePiece vocabulary (Gemma's, which the engine does not tokenize yet)
-/// a greedy longest match over the pieces, as `gemma3.rs` does: not the exact
-/// segmentation, but valid tokens the model reads fine.
+/// a greedy longest match over the pieces, as `gemma3.rs` does, with byte tokens
+/// for a character no piece has (a vocabulary cut by `gguf_first_layers --vocab`):
+/// not the exact segmentation, but valid tokens the model reads fine.
 pub fn prompt_tokens(f: &GgufFile, n: usize) -> Vec<u32> {
     let text = TEXT.repeat(n / 40 + 1);
     let mut tokens = if f.opt_str("tokenizer.ggml.model") == Some("llama") {
@@ -39,7 +40,18 @@ pub fn prompt_tokens(f: &GgufFile, n: usize) -> Vec<u32> {
                     rest = &rest[end..];
                     break;
                 }
-                end = rest[..end].char_indices().last().map(|(i, _)| i).filter(|&i| i > 0).expect("no piece for a character");
+                match rest[..end].char_indices().last().map(|(i, _)| i).filter(|&i| i > 0) {
+                    Some(shorter) => end = shorter,
+                    // No piece for the character (a cut vocabulary): its bytes, as
+                    // SentencePiece's byte fallback writes them.
+                    None => {
+                        for b in rest[..end].bytes() {
+                            out.push(*index.get(format!("<0x{b:02X}>").as_str()).expect("no piece and no byte token for a character"));
+                        }
+                        rest = &rest[end..];
+                        break;
+                    }
+                }
             }
         }
         out

@@ -99,6 +99,8 @@ step "cargo test --features rdma" cargo test -p baton-kv-transport --release --l
 # The CUDA kernels compiled for the CPU (feature emu, kernels/emu) and checked against the
 # CPU backend: their logic is tested here even without a GPU.
 step "cargo test --features emu" cargo test -p baton-kernels --release --locked --features emu --test cuda_emulated "$@"
+# And a whole forward pass of SmolLM2 and Gemma 3 with those kernels (EmuBackend) against the CPU backend.
+step "cargo test --features emu (engine)" cargo test -p baton-engine --release --locked --features emu --test cuda_emulated_engine "$@"
 # The Kubernetes node identities (wildcard certificates, tls-layout.sh) with the binary just built.
 if [ $# -eq 0 ]; then
     step "deploy/k8s/identity-test.sh" bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"
@@ -112,7 +114,7 @@ if [ $# -eq 0 ]; then
     if cargo clippy --version >/dev/null 2>&1; then
         step "cargo clippy" cargo clippy --workspace --all-targets --release --locked -- -D warnings
         step "cargo clippy --features rdma" cargo clippy -p baton-kv-transport --features rdma --all-targets --release --locked -- -D warnings
-        step "cargo clippy --features emu" cargo clippy -p baton-kernels --features emu --all-targets --release --locked -- -D warnings
+        step "cargo clippy --features emu" cargo clippy -p baton-kernels -p baton-engine --features emu --all-targets --release --locked -- -D warnings
     else
         echo "cargo clippy: not part of this Rust toolchain (rustup component add clippy); lints skipped"
     fi

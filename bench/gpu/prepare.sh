@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the GPU check's binaries on this machine (no GPU needed) into
 # bench/gpu/prebuilt, for a GPU host without a Rust toolchain, and cuts the first
-# 4 layers of the default model for the engine's end-to-end check (the whole model
-# is over the device tool's 64 MiB). Carry that folder with the working tree and
-# run bench/gpu/run.sh there. The folder and the tracked tree come to about 61 MiB.
+# 4 layers of the default model and 2 of Gemma 3 270M for the engine's end-to-end
+# checks (the whole models are over the device tool's 64 MiB). Carry that folder
+# with the working tree and run bench/gpu/run.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=bench/gpu/prebuilt
@@ -31,4 +31,11 @@ copy_artifacts "$(cargo build --release --locked -p baton-engine --features cuda
 
 model="$(bash scripts/fetch-model.sh | tail -n 1)"
 cargo run --release --locked -q -p baton-engine --example gguf_first_layers -- "$model" "$out/smollm2-4-layers.gguf" 4
+# Gemma 3 270M's embedding alone is over the limit: 2 layers, the first 8,192 tokens,
+# and a 24-token window with every second layer global, so that the parity test
+# (cuda_engine's gemma3_forward_pass_matches_the_cpu) covers a local and a global
+# layer and a prompt past the window in 13 MiB.
+gemma="$(bash scripts/fetch-model.sh gemma3 | tail -n 1)"
+cargo run --release --locked -q -p baton-engine --example gguf_first_layers -- "$gemma" "$out/gemma3-2-layers.gguf" 2 \
+    --vocab 8192 --sliding-window 24 --sliding-window-pattern 2
 du -sh "$out"

@@ -1,6 +1,6 @@
-// The glue between matrix products: the SiLU-gated MLP's activation, residual
-// adds, row gathers, embedding lookups, and the f32 -> bf16 conversion of
-// activations that cuBLAS multiplies.
+// The glue between matrix products: the SiLU- and GELU-gated MLPs' activations,
+// residual and bias adds, scaling, row gathers, embedding lookups, and the
+// f32 -> bf16 conversion of activations that cuBLAS multiplies.
 
 // out = silu(gate) * up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, u64 n) {
@@ -10,9 +10,32 @@ extern "C" __global__ void silu_mul(const float* gate, const float* up, float* o
     }
 }
 
+// out = gelu_tanh(gate) * up (GeGLU, Gemma), with the CPU backend's arithmetic
+// (ops::gelu_mul): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) written as
+// g / (1 + e^(-2y)), the logistic form of the same function. Far negative gates
+// overflow e^(-2y) to infinity and give -0 where the CPU's clamped exponential
+// gives a value below 1e-36: the same to any tolerance.
+extern "C" __global__ void gelu_mul(const float* gate, const float* up, float* out, u64 n) {
+    FOR_EACH(i, n) {
+        float g = gate[i];
+        float y = -1.595769f * g * (1.f + 0.044715f * g * g);
+        out[i] = g / (1.f + expf(y)) * up[i];
+    }
+}
+
 // x += y
 extern "C" __global__ void add_inplace(float* x, const float* y, u64 n) {
     FOR_EACH(i, n) x[i] += y[i];
+}
+
+// x[r][j] += bias[j] over rows of `width` (the Q, K and V biases of Qwen2); n = rows x width.
+extern "C" __global__ void add_rows(float* x, const float* bias, u64 n, int width) {
+    FOR_EACH(i, n) x[i] += bias[i % (u64)width];
+}
+
+// x *= s (Gemma's embedding scale, sqrt(hidden)).
+extern "C" __global__ void scale_inplace(float* x, float s, u64 n) {
+    FOR_EACH(i, n) x[i] *= s;
 }
 
 extern "C" __global__ void to_bf16(const float* x, u16* out, u64 n) {

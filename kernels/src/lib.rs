@@ -19,6 +19,8 @@ pub mod fp8;
 pub mod cuda;
 #[cfg(feature = "emu")]
 pub mod emu;
+#[cfg(feature = "emu")]
+pub mod emu_backend;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
@@ -30,6 +32,8 @@ pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelErro
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
+#[cfg(feature = "emu")]
+pub use emu_backend::EmuBackend;
 pub use kv::{KvDtype, KvGroups, KvLayout, KvStorage, UNMAPPED};
 pub use matmul::QMatrix;
 pub use ops::RopeTable;

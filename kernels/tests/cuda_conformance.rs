@@ -342,3 +342,80 @@ fn an_embedding_lookup_matches_the_cpu() {
     let e = rel_err(&down(&g, &og, tokens.len() * dim), &oc[..tokens.len() * dim]);
     assert!(e <= 4e-3, "embed (bf16 table): {e}");
 }
+
+/// The operations of the families beyond Llama (what `supports` reports): the
+/// GELU-tanh gate (Gemma), Q/K/V bias rows (Qwen2), the embedding scale (Gemma),
+/// the row norm over each head (QK-norm: Qwen3, Gemma 3) and rotary tables with
+/// other bases and scalings (Gemma 3's local and global layers, Llama 3's factors).
+#[test]
+fn family_operations_match_the_cpu() {
+    use baton_kernels::OptionalOp;
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(2).unwrap();
+    for op in [OptionalOp::GeluMul, OptionalOp::BiasAdd, OptionalOp::Scale, OptionalOp::HeadNorm] {
+        assert!(g.supports(op), "{}", op.name());
+    }
+    let (rows, ffn) = (5, 2048);
+    let n = rows * ffn;
+    let mut gate: Vec<f32> = values(n, 31).iter().map(|v| v * 8.0).collect();
+    gate[..2401].iter_mut().enumerate().for_each(|(i, g)| *g = -120.0 + i as f32 * 0.1);
+    let up = values(n, 32);
+    let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+    c.gelu_mul(&gate, &up, n, &mut oc);
+    g.gelu_mul(&g.upload(&gate), &g.upload(&up), n, &mut og);
+    let got = down(&g, &og, n);
+    let e = rel_err(&got, &oc[..n]);
+    assert!(e <= 1e-5, "gelu_mul: {e}");
+    for ((x, w), o) in gate.iter().zip(&oc).zip(&got) {
+        assert!((w - o).abs() <= 1e-5 * w.abs() + 1e-30, "gelu_mul({x}): {o} vs the CPU's {w}");
+    }
+
+    for width in [896usize, 128] {
+        let rows = 9;
+        let x = values(rows * width, 33);
+        let bias = values(width, 34);
+        let mut xc = x.clone();
+        let mut xg = g.upload(&x);
+        c.add_rows(&mut xc, &bias, rows, width);
+        g.add_rows(&mut xg, &g.upload(&bias), rows, width);
+        assert_eq!(down(&g, &xg, rows * width), xc, "add_rows of width {width} is exact");
+    }
+
+    let hidden = 640;
+    let x = values(rows * hidden, 35);
+    let s = (hidden as f32).sqrt();
+    let mut xc = x.clone();
+    let mut xg = g.upload(&x);
+    c.scale(&mut xc, s, rows * hidden);
+    g.scale(&mut xg, s, rows * hidden);
+    assert_eq!(down(&g, &xg, rows * hidden), xc, "scale is exact");
+
+    for (heads, hd) in [(16usize, 128usize), (4, 256), (1, 256)] {
+        let x = values(rows * heads * hd, 36 + hd as u64);
+        let w = values(hd, 37);
+        let n_rows = rows * heads;
+        let (mut oc, mut og) = (c.tensor(0), g.tensor(1));
+        c.rmsnorm(&x, &w, 1e-6, n_rows, hd, &mut oc);
+        g.rmsnorm(&g.upload(&x), &g.upload(&w), 1e-6, n_rows, hd, &mut og);
+        let e = rel_err(&down(&g, &og, n_rows * hd), &oc[..n_rows * hd]);
+        assert!(e <= 1e-5, "head norm ({heads} heads of {hd}): {e}");
+    }
+
+    let positions: Vec<u32> = vec![0, 1, 511, 4095, 77];
+    let factors: Vec<f32> = (0..64).map(|i| 1.0 + i as f32 * 0.125).collect();
+    // (what, head size, base, linear scale, frequency factors)
+    type Rope<'a> = (&'a str, usize, f32, f32, Option<&'a [f32]>);
+    let tables: [Rope; 3] =
+        [("Gemma 3 local", 256, 10_000.0, 1.0, None), ("Gemma 3 global", 256, 1_000_000.0, 0.125, None), ("Llama 3 factors", 128, 500_000.0, 1.0, Some(&factors))];
+    for (what, hd, base, freq_scale, f) in tables {
+        let heads = 4;
+        let q = values(positions.len() * heads * hd, 38);
+        let (rc, rg) = (c.rope(RopeTable::scaled(hd, base, 4096, freq_scale, f)), g.rope(RopeTable::scaled(hd, base, 4096, freq_scale, f)));
+        let mut qc = q.clone();
+        let mut qg = g.upload(&q);
+        c.apply_rope(&rc, &mut qc, &positions, heads);
+        g.apply_rope(&rg, &mut qg, &positions, heads);
+        let e = rel_err(&down(&g, &qg, q.len()), &qc);
+        assert!(e <= 1e-5, "rope ({what}): {e}");
+    }
+}

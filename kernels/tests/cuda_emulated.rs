@@ -187,3 +187,86 @@ fn a_shuffle_in_a_partial_warp_is_reported() {
     let mut out = vec![0f32; 576];
     unsafe { emu::rmsnorm(&launch(plan::per_row(1, 48)), x.as_ptr(), w.as_ptr(), 1e-5, 576, out.as_mut_ptr()) };
 }
+
+/// The operations the other families add to Llama's forward pass, against the CPU
+/// backend: Gemma's GELU-tanh gate (over the whole range of gates, past where the
+/// exponential saturates), Qwen2's Q/K/V biases (exact), Gemma's embedding scale
+/// (exact), QK-norm (the row norm over each head: Qwen3's head size 128, Gemma 3's
+/// 256), and rotary tables per layer: Gemma 3's local and global bases, Llama 3's
+/// frequency factors and linear scaling.
+#[test]
+fn family_operations_match_the_cpu() {
+    let c = CpuBackend::new(1).unwrap();
+    let (rows, ffn) = (5, 2048);
+    let n = rows * ffn;
+    // Gates of the range activations take, then far out on both sides.
+    let mut gate: Vec<f32> = values(n, 31).iter().map(|v| v * 8.0).collect();
+    gate[..2401].iter_mut().enumerate().for_each(|(i, g)| *g = -120.0 + i as f32 * 0.1);
+    let up = values(n, 32);
+    let mut want = c.tensor(0);
+    c.gelu_mul(&gate, &up, n, &mut want);
+    let mut got = vec![0f32; n];
+    unsafe { emu::gelu_mul(&launch(plan::elementwise(n)), gate.as_ptr(), up.as_ptr(), got.as_mut_ptr(), n as u64) };
+    let e = rel_err(&got, &want[..n]);
+    assert!(e <= 1e-5, "gelu_mul: {e}");
+    // Element by element too: a relative error that the largest value would hide.
+    for ((g, w), o) in gate.iter().zip(&want).zip(&got) {
+        assert!((w - o).abs() <= 1e-5 * w.abs() + 1e-30, "gelu_mul({g}): {o} vs the CPU's {w}");
+    }
+
+    // Qwen2: q (14 heads of 64) and k/v (2 heads of 64) biases over 9 rows.
+    for width in [896usize, 128] {
+        let rows = 9;
+        let x = values(rows * width, 33);
+        let bias = values(width, 34);
+        let mut want = x.clone();
+        c.add_rows(&mut want, &bias, rows, width);
+        let mut got = x.clone();
+        unsafe { emu::add_rows(&launch(plan::elementwise(rows * width)), got.as_mut_ptr(), bias.as_ptr(), (rows * width) as u64, width as i32) };
+        assert_eq!(got, want, "add_rows of width {width} is exact");
+    }
+
+    let hidden = 640;
+    let x = values(rows * hidden, 35);
+    let s = (hidden as f32).sqrt();
+    let mut want = x.clone();
+    c.scale(&mut want, s, rows * hidden);
+    let mut got = x.clone();
+    unsafe { emu::scale_inplace(&launch(plan::elementwise(rows * hidden)), got.as_mut_ptr(), s, (rows * hidden) as u64) };
+    assert_eq!(got, want, "scale is exact");
+
+    // QK-norm: rows x heads rows of one head each, the backend's rmsnorm launch.
+    for (heads, hd) in [(16usize, 128usize), (4, 256), (1, 256)] {
+        let x = values(rows * heads * hd, 36 + hd as u64);
+        let w = values(hd, 37);
+        let n_rows = rows * heads;
+        let mut want = c.tensor(0);
+        c.rmsnorm(&x, &w, 1e-6, n_rows, hd, &mut want);
+        let mut got = vec![0f32; n_rows * hd];
+        unsafe { emu::rmsnorm(&launch(plan::per_row(n_rows, ROW_THREADS)), x.as_ptr(), w.as_ptr(), 1e-6, hd as i32, got.as_mut_ptr()) };
+        let e = rel_err(&got, &want[..n_rows * hd]);
+        assert!(e <= 1e-5, "head norm ({heads} heads of {hd}): {e}");
+    }
+
+    // Rotary tables of different layers: the kernel reads whichever table it is given.
+    let positions: Vec<u32> = vec![0, 1, 511, 4095, 77];
+    let factors: Vec<f32> = (0..64).map(|i| 1.0 + i as f32 * 0.125).collect();
+    let tables = [
+        ("Gemma 3 local", 256, baton_kernels::RopeTable::scaled(256, 10_000.0, 4096, 1.0, None)),
+        ("Gemma 3 global", 256, baton_kernels::RopeTable::scaled(256, 1_000_000.0, 4096, 0.125, None)),
+        ("Llama 3 factors", 128, baton_kernels::RopeTable::scaled(128, 500_000.0, 4096, 1.0, Some(&factors))),
+    ];
+    for (what, hd, table) in tables {
+        let heads = 4;
+        let q = values(positions.len() * heads * hd, 38);
+        let table = c.rope(table);
+        let mut want = q.clone();
+        c.apply_rope(&table, &mut want, &positions, heads);
+        let (cos, sin) = table.tables();
+        let mut got = q.clone();
+        #[rustfmt::skip]
+        unsafe { emu::rope(&launch(plan::per_row(positions.len(), TOKEN_THREADS)), got.as_mut_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), heads as i32, (hd / 2) as i32) };
+        let e = rel_err(&got, &want);
+        assert!(e <= 1e-5, "rope ({what}): {e}");
+    }
+}

@@ -10,6 +10,8 @@ use baton_engine::model::{Model, Scratch, StepInput};
 use baton_kernels::{AttnRow, Backend, CpuBackend, KvDtype, KvLayout};
 use std::path::PathBuf;
 
+pub mod families;
+
 /// The default model, or `None` (the test then says it is skipped). CI
 /// always fetches it first (scripts/fetch-model.sh). Resolved as that script
 /// does: `BATON_MODEL` (used as given), else `BATON_MODEL_CACHE`, `XDG_CACHE_HOME/baton/models`

@@ -90,7 +90,10 @@ struct Kernels {
     rmsnorm: CudaFunction,
     rope: CudaFunction,
     silu_mul: CudaFunction,
+    gelu_mul: CudaFunction,
     add_inplace: CudaFunction,
+    add_rows: CudaFunction,
+    scale_inplace: CudaFunction,
     to_bf16: CudaFunction,
     gather_rows: CudaFunction,
     embed_bf16: CudaFunction,
@@ -218,7 +221,10 @@ impl CudaBackend {
             rmsnorm: get("norm", "rmsnorm")?,
             rope: get("rope", "rope")?,
             silu_mul: get("elementwise", "silu_mul")?,
+            gelu_mul: get("elementwise", "gelu_mul")?,
             add_inplace: get("elementwise", "add_inplace")?,
+            add_rows: get("elementwise", "add_rows")?,
+            scale_inplace: get("elementwise", "scale_inplace")?,
             to_bf16: get("elementwise", "to_bf16")?,
             gather_rows: get("elementwise", "gather_rows")?,
             embed_bf16: get("elementwise", "embed_bf16")?,
@@ -648,21 +654,49 @@ impl Backend for CudaBackend {
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
-        // Beyond the Llama-family ops, only sliding-window attention has kernels here so
-        // far; models needing more are refused at load, so the methods below are never reached.
-        matches!(op, OptionalOp::SlidingWindow)
+        match op {
+            // QK-norm is `rmsnorm` over rows of one head (rows = tokens x heads,
+            // dim = head_dim): the row kernel serves it unchanged.
+            OptionalOp::GeluMul | OptionalOp::BiasAdd | OptionalOp::Scale | OptionalOp::HeadNorm => true,
+            // Every attention kernel masks the keys before a row's window.
+            OptionalOp::SlidingWindow => true,
+            // Not yet here: an arena whose layer groups map to units (attention, the
+            // KV writes and pack/unpack would read and write blocks through the unit map).
+            OptionalOp::GroupedKv => false,
+        }
     }
 
-    fn gelu_mul(&self, _: &CudaSlice<f32>, _: &CudaSlice<f32>, _: usize, _: &mut CudaSlice<f32>) {
-        unreachable!("{}: refused at load (Backend::supports)", OptionalOp::GeluMul.name())
+    fn gelu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, len: usize, out: &mut CudaSlice<f32>) {
+        if len == 0 {
+            return;
+        }
+        self.ensure_len(out, len);
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(&self.k.gelu_mul);
+        args::gelu_mul(&mut b, gate, up, out, &n);
+        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("gelu_mul", e));
     }
 
-    fn add_rows(&self, _: &mut CudaSlice<f32>, _: &CudaSlice<f32>, _: usize, _: usize) {
-        unreachable!("{}: refused at load (Backend::supports)", OptionalOp::BiasAdd.name())
+    fn add_rows(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize, width: usize) {
+        if rows == 0 || width == 0 {
+            return;
+        }
+        assert!(x.len() >= rows * width && bias.len() >= width, "add_rows: {rows} rows of {width} past the tensors");
+        let (n, width_i) = ((rows * width) as u64, width as i32);
+        let mut b = self.stream.launch_builder(&self.k.add_rows);
+        args::add_rows(&mut b, x, bias, &n, &width_i);
+        unsafe { b.launch(config(plan::elementwise(rows * width))) }.unwrap_or_else(|e| fail("add_rows", e));
     }
 
-    fn scale(&self, _: &mut CudaSlice<f32>, _: f32, _: usize) {
-        unreachable!("{}: refused at load (Backend::supports)", OptionalOp::Scale.name())
+    fn scale(&self, x: &mut CudaSlice<f32>, s: f32, len: usize) {
+        if len == 0 {
+            return;
+        }
+        assert!(x.len() >= len, "scale: {len} elements past the tensor");
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(&self.k.scale_inplace);
+        args::scale_inplace(&mut b, x, &s, &n);
+        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("scale_inplace", e));
     }
 
     fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) {

@@ -23,6 +23,7 @@ pub mod error;
 pub mod hardware;
 pub mod load;
 pub mod lru;
+pub mod planner;
 pub mod ring;
 pub mod rng;
 pub mod simulate;

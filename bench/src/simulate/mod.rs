@@ -696,6 +696,18 @@ mod tests {
     }
 
     #[test]
+    fn day_flags() {
+        let a = Cli::try_parse_from(["s", "--day", "--chart", "d.svg", "--load-time", "10m"])
+            .unwrap()
+            .args;
+        assert!(a.day && a.chart.is_some());
+        assert_eq!((a.load_time, a.day_fail_at), (600.0, 13.0 * 3_600.0));
+        // A chart belongs to the day run.
+        assert!(Cli::try_parse_from(["s", "--chart", "d.svg"]).is_err());
+        assert!(Cli::try_parse_from(["s", "--day", "--load-time", "soon"]).is_err());
+    }
+
+    #[test]
     fn same_seed_same_report() {
         let cfg = config(&["--conversations", "200", "--cache-tokens", "200000"]);
         let a = execute(&cfg).unwrap();

@@ -98,6 +98,21 @@ fn shape_averages_the_share_and_peaks_at_one() {
 }
 
 #[test]
+fn same_seed_same_day_and_no_failure_loses_nothing() {
+    let mut c = DayConfig::seed();
+    c.fail_at_s = 2.0 * 86_400.0;
+    let a = execute(&c).unwrap();
+    let b = execute(&c).unwrap();
+    for (x, y) in a.fleets.iter().zip(&b.fleets) {
+        assert_eq!((x.gpu_hours, x.good_turns), (y.gpu_hours, y.good_turns));
+        assert_eq!(x.lost_turns, 0.0);
+    }
+    c.seed = 2;
+    let other = execute(&c).unwrap();
+    assert_ne!(other.fleet(Fleet::Planner).turns, a.fleet(Fleet::Planner).turns);
+}
+
+#[test]
 fn bad_day_configs_are_refused() {
     let mut c = DayConfig::seed();
     c.mean_share = 1.5;

@@ -149,7 +149,7 @@ pub fn render(r: &DayReport) -> String {
     line("         0     3     6     9     12    15    18    21    24 h".into());
     line(String::new());
     line(format!(
-        "planner decisions that changed a target: {} (first 6 and the failure's, with reasons)",
+        "planner decisions that changed a target: {} (the first 6 and the first after the node failure, with reasons)",
         p.changes.len()
     ));
     let fail_t = c.fail_at_s;

@@ -39,6 +39,9 @@ enum Command {
     /// Simulate conversations over replicas with prefix caches: routing,
     /// second tier, prefill pools, failures.
     Simulate(baton_bench::SimulateArgs),
+    /// The autoscaling planner over a running cluster's Prometheus metrics, as a dry
+    /// run: prints the prefill and decode replica counts it would set, with reasons.
+    Plan(baton_bench::PlanArgs),
     /// Create development certificates for the KV transport's mutual TLS.
     Certs(certs::CertsArgs),
     /// A prefill node: computes prompt tails and ships their KV to decode nodes.
@@ -93,6 +96,7 @@ fn main() {
         Command::Bench(BenchCommand::Cluster(a)) => bench_cluster::run(a),
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
+        Command::Plan(a) => baton_bench::plan::run(a),
         Command::Certs(a) => certs::run(a),
         Command::Prefill(a) => node_cmd::run_prefill(a),
         Command::Decode(a) => node_cmd::run_decode(a),

@@ -23,6 +23,8 @@ pub mod error;
 pub mod hardware;
 pub mod load;
 pub mod lru;
+pub mod plan;
+pub mod planner;
 pub mod ring;
 pub mod rng;
 pub mod simulate;
@@ -30,6 +32,7 @@ pub mod simulate;
 pub use capacity::CapacityArgs;
 pub use error::{BenchError, Error, Result};
 pub use load::LoadArgs;
+pub use plan::PlanArgs;
 pub use simulate::SimulateArgs;
 
 /// Write a command's output to stdout. A closed pipe (`baton simulate | head`) ends the

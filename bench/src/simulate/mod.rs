@@ -12,6 +12,7 @@
 //! Configurations are independent and run in parallel (rayon); every random stream is
 //! seeded, so a given seed prints the same table on any machine and thread count.
 
+pub mod day;
 pub mod fleet;
 pub mod store;
 pub mod wheel;
@@ -137,6 +138,20 @@ pub struct SimulateArgs {
     /// Print the results as JSON instead of tables.
     #[arg(long, env = "BATON_SIMULATE_JSON")]
     pub json: bool,
+    /// Instead of the cache tables: a day of traffic averaging 40% of its peak on the
+    /// seed's fleet, with one decode-node failure, under the planner in the loop, fixed
+    /// fleets sized for the peak and for the mean, and an oracle.
+    #[arg(long, env = "BATON_SIMULATE_DAY")]
+    pub day: bool,
+    /// With --day: write an SVG chart of GPUs and SLO attainment over the day here.
+    #[arg(long, env = "BATON_SIMULATE_CHART", requires = "day")]
+    pub chart: Option<std::path::PathBuf>,
+    /// With --day: seconds from asking for a node to its serving (model load).
+    #[arg(long, env = "BATON_SIMULATE_LOAD_TIME", value_parser = parse_seconds, default_value = "300s")]
+    pub load_time: f64,
+    /// With --day: when a decode node fails (past 24h: never).
+    #[arg(long, env = "BATON_SIMULATE_DAY_FAIL_AT", value_parser = parse_seconds, default_value = "13h")]
+    pub day_fail_at: f64,
 }
 
 /// Parse `300`, `300s`, `2.5m` or `1h` as seconds.
@@ -540,12 +555,31 @@ pub fn render(r: &Report) -> String {
 
 /// Entry point of `baton simulate`.
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    if args.day {
+        return run_day(&args);
+    }
     let cfg = SimulateConfig::try_from(&args)?;
     let report = execute(&cfg)?;
     if args.json {
         crate::emit(&(serde_json::to_string_pretty(&report)? + "\n"))
     } else {
         crate::emit(&render(&report))
+    }
+}
+
+fn run_day(args: &SimulateArgs) -> anyhow::Result<()> {
+    let mut cfg = day::DayConfig::seed();
+    cfg.seed = args.seed;
+    cfg.planner.load_time_s = args.load_time;
+    cfg.fail_at_s = args.day_fail_at;
+    let report = day::execute(&cfg)?;
+    if let Some(path) = &args.chart {
+        day::render::chart(path, &report)?;
+    }
+    if args.json {
+        crate::emit(&(serde_json::to_string_pretty(&report)? + "\n"))
+    } else {
+        crate::emit(&day::render::render(&report))
     }
 }
 
@@ -659,6 +693,18 @@ mod tests {
         let v = serde_json::to_value(&report).unwrap();
         assert_eq!(v["beyond"][3]["routing"], "bounded");
         assert!(v["beyond"][0]["stats"]["turns"].as_u64().unwrap() > 0);
+    }
+
+    #[test]
+    fn day_flags() {
+        let a = Cli::try_parse_from(["s", "--day", "--chart", "d.svg", "--load-time", "10m"])
+            .unwrap()
+            .args;
+        assert!(a.day && a.chart.is_some());
+        assert_eq!((a.load_time, a.day_fail_at), (600.0, 13.0 * 3_600.0));
+        // A chart belongs to the day run.
+        assert!(Cli::try_parse_from(["s", "--chart", "d.svg"]).is_err());
+        assert!(Cli::try_parse_from(["s", "--day", "--load-time", "soon"]).is_err());
     }
 
     #[test]

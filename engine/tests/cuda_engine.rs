@@ -1,5 +1,5 @@
 //! The engine on the CUDA backend, with a real model, against the CPU backend. On a
-//! GPU host bench/gpu/run.sh points `BATON_MODEL` at the first 4 layers of SmolLM2
+//! GPU host bench/gpu/run.sh points `BATON_MODEL` at the first 2 layers of SmolLM2
 //! (cut by bench/gpu/prepare.sh: the full model does not travel to the device tool).
 //! Without a GPU every test says loudly that it was skipped (and fails when
 //! `BATON_REQUIRE_GPU=1`).

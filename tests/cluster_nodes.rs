@@ -11,7 +11,9 @@
 //!   (`over_models!`; on Gemma 3 turn 1 is longer than its 512-token sliding window, and
 //!   the local layers' out-of-window blocks are not shipped).
 //! - Faults: the prefill node killed mid-transfer -> the decode node falls
-//!   back to local prefill and releases its reservation; the decode node
+//!   back to local prefill and releases its reservation, and the decode node and a
+//!   gateway in front of it count the turn as `recomputed{transfer_failed}` (proof of
+//!   transfer; the other turns as `imported` or `warm`); the decode node
 //!   killed mid-stream -> the stream ends with an error within 5 s; a drained
 //!   prefill node reports idle only once the KV it computed has arrived.
 //! - Isolation: two users with the same system prompt share only its blocks;
@@ -75,8 +77,9 @@ over_models! {
         let turn1 = chat_past_the_window(&reference, SYSTEM, "Why is the sky blue? Explain Rayleigh scattering to a curious child.");
         assert!(turn1.len() >= THRESHOLD);
         let want1 = reference_tokens(&reference, &turn1, "alice", 24);
-        let (got1, fin1) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
+        let (got1, fin1, source1) = rt.block_on(generate_traced(cluster.plane("gateway"), grpc.clone(), generate_request(&turn1, "alice", "conv-a", 24)));
         assert_eq!(fin1.prefill_path, PrefillPath::Remote as i32, "turn 1 goes to the prefill node");
+        assert_eq!(source1, ("imported", "remote_prefill"), "turn 1's KV was shipped and used");
         assert_eq!(got1, want1, "turn 1: remote prefill vs single engine");
         // The local layers' blocks before the window were not shipped (none on a model
         // without sliding-window layers).
@@ -107,7 +110,8 @@ over_models! {
             "Then why are sunsets red and orange instead of blue? Please explain what changes when the sun is low on the horizon, how far the light travels through the air then, which colours get scattered away on the way, and whether dust or smoke from fires makes the colours stronger.",
         ));
         let want2 = reference_tokens(&reference, &turn2, "alice-ref", 24);
-        let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
+        let (got2, fin2, source2) = rt.block_on(generate_traced(cluster.plane("gateway"), grpc.clone(), generate_request(&turn2, "alice", "conv-a", 24)));
+        assert_eq!(source2, ("imported", "remote_prefill"), "turn 2's tail was shipped and used");
         let usage = fin2.usage.unwrap();
         let bt = reference.info.kv_layout.block_tokens;
         assert!(
@@ -125,8 +129,13 @@ over_models! {
         turn3.extend(&got2);
         turn3.extend(next_turn(&reference, "Thanks!"));
         let want3 = reference_tokens(&reference, &turn3, "alice-ref3", 16);
-        let (got3, fin3) = rt.block_on(generate(cluster.plane("gateway"), grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
+        let (got3, fin3, source3) = rt.block_on(generate_traced(cluster.plane("gateway"), grpc.clone(), generate_request(&turn3, "alice", "conv-a", 16)));
         assert_eq!(fin3.prefill_path, PrefillPath::Local as i32, "a short tail stays local");
+        assert_eq!(source3, ("warm", "prefix_cache"), "turn 3 found its prefix here");
+        let text = metrics(&decode.addr("http"));
+        for (pair, n) in [(r#"outcome="imported",reason="remote_prefill""#, 2.0), (r#"outcome="warm",reason="prefix_cache""#, 1.0)] {
+            assert_eq!(sample(&text, &format!("baton_decode_kv_source_total{{{pair}}}")), Some(n), "{pair}");
+        }
         assert_eq!(got3, want3, "turn 3: local prefill vs single engine");
 
         rt.block_on(async {
@@ -248,6 +257,80 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
     assert!(ended.is_ok(), "the stream did not end within 5 s of the kill");
     assert!(killed.elapsed() < Duration::from_secs(5));
     reference.shutdown();
+}
+
+/// Waits until the prefill node has begun shipping KV (its sender has put bytes on the
+/// wire): a kill now lands mid-transfer, not before it.
+fn wait_until_prefill_ships(prefill: &Proc) {
+    let http = prefill.addr("http");
+    let t0 = Instant::now();
+    while sample(&metrics(&http), r#"baton_kv_transport_bytes_total{transport="quic",side="sender"}"#).unwrap_or(0.0) == 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the prefill node never began shipping");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Proof of transfer when the handoff fails: a turn through a real gateway whose prefill
+/// node is killed while shipping the KV is still answered (recomputed on the decode node),
+/// and both the decode node and the gateway count it as `recomputed{transfer_failed}`,
+/// nothing as imported.
+#[test]
+fn a_handoff_killed_mid_transfer_is_counted_as_recomputed_transfer_failed_and_answered() {
+    let Some(cluster) = Cluster::start("prefill-0,decode-0", THRESHOLD) else { return };
+    // 30 layers at 150 ms each: the transfer takes several seconds.
+    let mut prefill = cluster.node("prefill", "prefill-0", &["--kv-layer-delay", "150ms"]);
+    let decode = cluster.node("decode", "decode-0", &["--kv-deadline", "20s"]);
+    let db = cluster.dir.path().join("gateway.db");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_baton")).args(["keys", "--db"]).arg(&db).args(["create", "--user", "alice"]).output().unwrap();
+    assert!(out.status.success(), "baton keys create: {}", String::from_utf8_lossy(&out.stderr));
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let port = |_| format!("127.0.0.1:{}", baton::harness::free_port().unwrap());
+    let (api, admin) = (port(0), port(1));
+    let gateway = gateway_command(&["--listen", &api, "--admin-listen", &admin], &cluster.url(), cluster.certs_dir(), &db, &cluster.model).spawn().unwrap();
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _gateway = Killed(gateway);
+    wait_healthy(&admin, Duration::from_secs(60));
+    let rt = runtime();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+
+    // A prompt well past the local-prefill threshold: the coordinator sends it remote.
+    let body = serde_json::json!({
+        "model": "baton",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What makes a rainbow appear after rain? Describe refraction and dispersion in water droplets."},
+        ],
+    });
+    let request = http.post(format!("http://{api}/v1/chat/completions")).bearer_auth(&key).json(&body);
+    let turn = rt.spawn(async move {
+        let r = request.send().await.unwrap();
+        (r.status(), r.json::<serde_json::Value>().await.unwrap())
+    });
+    wait_until_prefill_ships(&prefill);
+    prefill.kill9();
+    let (status, v) = rt.block_on(turn).unwrap();
+    assert!(status.is_success(), "the turn is still answered: {status} {v}");
+    assert!(!v["choices"][0]["message"]["content"].as_str().unwrap_or_default().is_empty(), "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().is_some_and(|n| n > 0), "{v}");
+
+    let failed = r#"{outcome="recomputed",reason="transfer_failed"}"#;
+    let imported = r#"{outcome="imported",reason="remote_prefill"}"#;
+    let node = metrics(&decode.addr("http"));
+    assert_eq!(sample(&node, &format!("baton_decode_kv_source_total{failed}")), Some(1.0), "{node}");
+    assert_eq!(sample(&node, &format!("baton_decode_kv_source_total{imported}")), Some(0.0));
+    assert_eq!(sample(&node, "baton_decode_prefill_fallbacks_total"), Some(1.0));
+    let edge = rt.block_on(text_of(http.get(format!("http://{admin}/metrics"))));
+    assert_eq!(sample(&edge, &format!("baton_gateway_kv_source_total{failed}")), Some(1.0), "the gateway learned it from the node:\n{edge}");
+    assert_eq!(sample(&edge, &format!("baton_gateway_kv_source_total{imported}")), Some(0.0));
+    rt.block_on(assert_no_leaks(|| Box::pin(decode_stats_owned(cluster.plane("operator"), decode.addr("grpc")))));
 }
 
 #[test]

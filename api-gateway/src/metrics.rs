@@ -73,6 +73,10 @@ pub const ROUTING_DEGRADED: &str = "baton_gateway_routing_degraded";
 /// Counter: turns routed on the last known membership because no coordinator answered.
 pub const DEGRADED_TURNS_TOTAL: &str = "baton_gateway_degraded_turns_total";
 
+/// Counter: turns by where their prompt KV came from, as the decode node reported it on the
+/// first token (`outcome`, `reason`: `baton_proto::kv_source::PAIRS`, or `unknown`).
+pub const KV_SOURCE_TOTAL: &str = "baton_gateway_kv_source_total";
+
 /// The window of [`ACTIVE_USERS`].
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(300);
 
@@ -138,7 +142,20 @@ fn build() -> Metrics {
     gauge(&m.recorder, EVICTION_TOMBSTONES, "Deleted conversations whose KV some node may still hold").set(0.0);
     set_routing_degraded(&m.recorder, false);
     let _ = degraded_turns(&m.recorder);
+    for &(outcome, reason) in baton_proto::kv_source::PAIRS {
+        let _ = kv_source_counter(&m.recorder, outcome, reason);
+    }
     m
+}
+
+fn kv_source_counter(r: &PrometheusRecorder, outcome: &'static str, reason: &'static str) -> Counter {
+    counter(r, KV_SOURCE_TOTAL, "Turns by where their prompt KV came from, as the decode node reported it", &[("outcome", outcome), ("reason", reason)])
+}
+
+/// A decode node said where a turn's prompt KV came from (labels from
+/// `baton_proto::kv_source::labels`: a fixed set whatever the node sent).
+pub fn kv_source(outcome: &'static str, reason: &'static str) {
+    kv_source_counter(&get().recorder, outcome, reason).increment(1);
 }
 
 fn set_routing_degraded(r: &PrometheusRecorder, degraded: bool) {

@@ -18,6 +18,7 @@
 pub mod drain;
 pub mod error;
 pub mod handoff;
+pub mod kv_source;
 pub mod metrics;
 mod service;
 pub mod warm;

@@ -35,6 +35,9 @@ pub struct Metrics {
     pub local_prefills: Count,
     /// `prefill_fallbacks_total`: remote prefills that failed and were recomputed here.
     pub fallbacks: Count,
+    /// `kv_source_total{outcome, reason}`: turns by where their prompt KV came from
+    /// (`crate::kv_source`), counted at the first token.
+    kv_source: Vec<((&'static str, &'static str), Counter)>,
     /// `generated_tokens_total`: tokens streamed to callers.
     pub generated: Counter,
     /// `time_to_first_token_seconds`: engine time from submission to the first token.
@@ -65,6 +68,13 @@ impl Metrics {
             remote_prefills: n.count("remote_prefills_total", "Turns whose tail a prefill node computed"),
             local_prefills: n.count("local_prefills_total", "Turns prefilled on this node"),
             fallbacks: n.count("prefill_fallbacks_total", "Remote prefills that failed and were recomputed here"),
+            kv_source: baton_proto::kv_source::PAIRS
+                .iter()
+                .map(|&(outcome, reason)| {
+                    let c = n.counter("kv_source_total", "Turns by where their prompt KV came from", &[("outcome", outcome), ("reason", reason)]);
+                    ((outcome, reason), c)
+                })
+                .collect(),
             generated: n.counter("generated_tokens_total", "Tokens streamed", &[]),
             ttft: n.histogram("time_to_first_token_seconds", "Engine time from submission to the first token"),
             itl: n.histogram("inter_token_latency_seconds", "Engine time between consecutive tokens of one reply"),
@@ -106,6 +116,14 @@ impl Metrics {
         self.outcome(outcome, 1);
         if let Some(d) = ttft {
             self.ttft.record(d.as_secs_f64());
+        }
+    }
+
+    /// One turn's KV source (proof of transfer); a pair outside the fixed set is not counted.
+    pub fn kv_source(&self, source: &baton_proto::node::KvSource) {
+        let labels = baton_proto::kv_source::labels(source);
+        if let Some((_, c)) = self.kv_source.iter().find(|(l, _)| *l == labels) {
+            c.increment(1);
         }
     }
 
@@ -170,6 +188,9 @@ mod tests {
         m.migration("moved", 7);
         m.migration("failed", 0);
         m.adopted(3);
+        use baton_proto::node::{KvOutcome, KvReason, KvSource};
+        m.kv_source(&KvSource { outcome: KvOutcome::Recomputed as i32, reason: KvReason::TransferFailed as i32 });
+        m.kv_source(&KvSource { outcome: 42, reason: 0 });
         m.window_skipped_bytes.record(3_000_000.0);
         m.window_saved_bytes.record(200_000.0);
         let text = node.render_own();
@@ -181,6 +202,9 @@ mod tests {
         assert_eq!(value(&text, "baton_decode_drain_migrated_blocks_total"), Some(7.0), "{text}");
         assert_eq!(value(&text, "baton_decode_adopted_prefixes_total"), Some(1.0), "{text}");
         assert_eq!(value(&text, "baton_decode_adopted_blocks_total"), Some(3.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_kv_source_total{outcome=\"recomputed\",reason=\"transfer_failed\"}"), Some(1.0), "{text}");
+        assert_eq!(value(&text, "baton_decode_kv_source_total{outcome=\"imported\",reason=\"remote_prefill\"}"), Some(0.0), "every pair is exported from the start: {text}");
+        assert!(!text.contains("unknown"), "a pair outside the set is not a series: {text}");
         assert_eq!(value(&text, "baton_decode_kv_window_skipped_bytes_sum"), Some(3_000_000.0), "{text}");
         assert_eq!(value(&text, "baton_decode_kv_window_skipped_bytes_bucket{le=\"4194304\"}"), Some(1.0), "{text}");
         assert_eq!(value(&text, "baton_decode_kv_window_saved_bytes_bucket{le=\"262144\"}"), Some(1.0), "{text}");

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_engine::{Engine, Event, RequestStream, SubmitOptions};
+use baton_engine::{Engine, Event, ImportUse, RequestStream, SubmitOptions};
 use baton_kv_transport::Grant;
 use baton_node_common::shell::{blocking, node_stats, Node};
 use baton_proto::node as pb;
@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use crate::handoff::{adopt, remote_prefill, Route, Router};
+use crate::kv_source::{classify, Facts, Pull, Routed};
 use crate::metrics::Metrics;
 use crate::warm::{WarmConversation, WarmTable};
 use baton_node_common::convert;
@@ -84,43 +85,47 @@ impl DecodeNode for DecodeService {
         let engine = self.engine.clone();
         let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
         let mut cached = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(|e| baton_proto::status(&e))?;
+        // This node served the conversation's last turn, of which a whole block could be
+        // cached for this prompt (the engine always computes the prompt's last token).
+        let bt = self.kv.layout.block_tokens as usize;
+        let shared = req.conversation.as_ref().map_or(0, |c| self.warm.shared_prefix(c, &req.prompt));
+        let served_before = shared.min(req.prompt.len().saturating_sub(1)) >= bt;
+        let mut pull = Pull::None;
         if !prefix_source.is_empty() && prefix_source != self.grpc_addr && req.conversation.is_some() {
-            cached = self.adopt_moved(&req, &prefix_source, cached).await;
+            (cached, pull) = self.adopt_moved(&req, &prefix_source, cached).await;
         }
-        let mut path = pb::PrefillPath::Local;
         let mut import = None;
-        if let Route::Remote { addr, node } = self.router.route(&req, cached, baton_node_common::shell::load_report(&self.engine)).await {
-            match remote_prefill(&self.kv, &self.plane, &req, cached, (&addr, node.as_deref()), &self.grpc_addr, self.kv_deadline).await {
-                Ok(p) => {
-                    import = Some(p.import);
-                    self.metrics.window_skipped_bytes.record(p.window_skipped_bytes as f64);
-                    path = pb::PrefillPath::Remote;
-                    self.metrics.remote_prefills.inc();
-                    self.metrics.imported(req.prompt.len().saturating_sub(cached) as u64);
-                }
-                Err(e) => {
-                    tracing::warn!(kind = e.label(), error = %e, "remote prefill failed; prefilling locally");
-                    path = pb::PrefillPath::Fallback;
-                    self.metrics.fallbacks.inc();
+        let routed = match self.router.route(&req, cached, baton_node_common::shell::load_report(&self.engine)).await {
+            Route::Local(why) => Routed::Local(why),
+            Route::Remote { addr, node } => {
+                match remote_prefill(&self.kv, &self.plane, &req, cached, (&addr, node.as_deref()), &self.grpc_addr, self.kv_deadline).await {
+                    Ok(p) => {
+                        import = Some(p.import);
+                        self.metrics.window_skipped_bytes.record(p.window_skipped_bytes as f64);
+                        self.metrics.imported(req.prompt.len().saturating_sub(cached) as u64);
+                        Routed::Remote(Ok(()))
+                    }
+                    Err(e) => {
+                        tracing::warn!(kind = e.label(), reason = ?e.reason(), error = %e, "remote prefill failed; prefilling locally");
+                        Routed::Remote(Err(e.reason()))
+                    }
                 }
             }
-        }
-        if path != pb::PrefillPath::Remote {
-            self.metrics.local_prefills.inc();
-        }
+        };
+        let mut facts = Facts { cached, pull, served_before, routed };
         let warm = WarmConversation::of(&req).map(|w| (w, self.warm.clone()));
         let sub = match self.engine.submit_with(req.clone(), SubmitOptions { import, export_from_block: None }) {
             Ok(s) => s,
             Err(baton_engine::EngineError::BadImport { what }) => {
                 tracing::warn!(what, "import refused; prefilling locally");
-                path = pb::PrefillPath::Fallback;
-                self.metrics.fallbacks.inc();
+                facts.import_refused();
                 self.engine.submit_with(req, SubmitOptions::default()).map_err(|e| baton_proto::status(&e))?
             }
             Err(e) => return Err(baton_proto::status(&e)),
         };
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(forward(sub.stream, tx, path, self.metrics.clone(), warm));
+        let source = Source { facts, import: sub.import };
+        tokio::spawn(forward(sub.stream, tx, source, self.metrics.clone(), warm));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
@@ -188,19 +193,52 @@ impl DecodeNode for DecodeService {
 impl DecodeService {
     /// The first turn of a conversation that moved here when this node joined:
     /// pulls the warm prefix from its previous owner. Returns the prompt tokens
-    /// cached here now; on any failure the turn just computes more itself.
-    async fn adopt_moved(&self, req: &baton_engine::Request, source: &str, cached: usize) -> usize {
+    /// cached here now and what the pull did; on any failure the turn just computes
+    /// more itself.
+    async fn adopt_moved(&self, req: &baton_engine::Request, source: &str, cached: usize) -> (usize, Pull) {
         match adopt::adopt(&self.engine, &self.kv, &self.plane, req.clone(), source, self.kv_deadline).await {
             Ok(a) if a.pulled_tokens > 0 => {
                 self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
-                cached.max(a.had_tokens + a.pulled_tokens)
+                (cached.max(a.had_tokens + a.pulled_tokens), Pull::Pulled)
             }
-            Ok(_) => cached,
+            Ok(_) => (cached, Pull::None),
             Err(e) => {
                 tracing::warn!(code = ?e.code(), message = e.message(), "pulling the moved conversation's prefix failed; computing it here");
-                cached
+                (cached, Pull::Failed)
             }
         }
+    }
+}
+
+/// What decides a turn's KV source: the facts gathered before submission, and the
+/// engine's word on the import (sent before the turn's first token).
+struct Source {
+    facts: Facts,
+    import: Option<tokio::sync::oneshot::Receiver<ImportUse>>,
+}
+
+impl Source {
+    /// The turn's KV source and prefill path, once the engine has admitted it (at its first
+    /// token); counted here, once per turn.
+    fn settle(&mut self, metrics: &Metrics) -> (pb::KvSource, pb::PrefillPath) {
+        let import = self.import.as_mut().and_then(|rx| rx.try_recv().ok());
+        let source = classify(&self.facts, import);
+        let path = if source.outcome == pb::KvOutcome::Imported as i32 {
+            metrics.remote_prefills.inc();
+            pb::PrefillPath::Remote
+        } else if self.facts.went_remote() {
+            metrics.fallbacks.inc();
+            pb::PrefillPath::Fallback
+        } else {
+            pb::PrefillPath::Local
+        };
+        if path != pb::PrefillPath::Remote {
+            metrics.local_prefills.inc();
+        }
+        metrics.kv_source(&source);
+        let (outcome, reason) = baton_proto::kv_source::labels(&source);
+        tracing::debug!(outcome, reason, "turn KV source");
+        (source, path)
     }
 }
 
@@ -210,12 +248,14 @@ impl DecodeService {
 async fn forward(
     mut stream: RequestStream,
     tx: mpsc::Sender<Result<pb::GenerateEvent, Status>>,
-    path: pb::PrefillPath,
+    mut source: Source,
     metrics: Arc<Metrics>,
     mut warm: Option<(WarmConversation, Arc<WarmTable>)>,
 ) {
     use pb::generate_event::Event as E;
     let mut timer = crate::metrics::TokenTimer::new(&metrics);
+    // Settled at the first token (or at a finish without one).
+    let mut path = None;
     loop {
         let ev = tokio::select! {
             _ = tx.closed() => {
@@ -232,10 +272,26 @@ async fn forward(
                 if let Some((w, _)) = warm.as_mut() {
                     w.tokens.push(t.id);
                 }
-                Ok(pb::GenerateEvent { event: Some(E::Token(convert::token(&t))) })
+                let kv_source = match path {
+                    None => {
+                        let (k, p) = source.settle(&metrics);
+                        path = Some(p);
+                        Some(k)
+                    }
+                    Some(_) => None,
+                };
+                Ok(pb::GenerateEvent { event: Some(E::Token(convert::token(&t))), kv_source })
             }
             Some(Event::Finished { reason, usage, ttft, trailing_text, window_saved_bytes, .. }) => {
                 metrics.finished(reason, ttft);
+                // A finish without a token settles the source here (and says it here).
+                let (kv_source, path) = match path {
+                    Some(p) => (None, p),
+                    None => {
+                        let (k, p) = source.settle(&metrics);
+                        (Some(k), p)
+                    }
+                };
                 metrics.window_saved_bytes.record(window_saved_bytes as f64);
                 let fin = pb::FinishedEvent {
                     reason: convert::finish_reason(reason) as i32,
@@ -251,7 +307,7 @@ async fn forward(
                 if let Some((w, table)) = warm.take() {
                     table.record(w);
                 }
-                let _ = tx.send(Ok(pb::GenerateEvent { event: Some(E::Finished(fin)) })).await;
+                let _ = tx.send(Ok(pb::GenerateEvent { event: Some(E::Finished(fin)), kv_source })).await;
                 return;
             }
             Some(Event::Failed(e)) => {

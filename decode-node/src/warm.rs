@@ -84,6 +84,19 @@ impl WarmTable {
         }
     }
 
+    /// Whether the table remembers `conversation` (this node served its latest turn).
+    pub fn contains(&self, conversation: &ConversationId) -> bool {
+        self.lock().entries.contains_key(conversation)
+    }
+
+    /// How many leading tokens of `prompt` the conversation's latest turn here had (0 when
+    /// the table does not remember it): what this node's cache would hold of `prompt` had
+    /// nothing been evicted.
+    pub fn shared_prefix(&self, conversation: &ConversationId, prompt: &[u32]) -> usize {
+        let g = self.lock();
+        g.entries.get(conversation).map_or(0, |e| e.warm.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count())
+    }
+
     /// Forgets a conversation (it was evicted).
     pub fn remove(&self, conversation: &ConversationId) {
         let mut g = self.lock();
@@ -165,7 +178,11 @@ mod tests {
     fn eviction_forgets() {
         let t = WarmTable::new(4, 1000);
         t.record(warm("a", &[1]));
+        assert!(t.contains(&ConversationId::parse("a").unwrap()));
+        assert_eq!(t.shared_prefix(&ConversationId::parse("a").unwrap(), &[1, 2]), 1);
+        assert_eq!(t.shared_prefix(&ConversationId::parse("b").unwrap(), &[1, 2]), 0);
         t.remove(&ConversationId::parse("a").unwrap());
         assert!(t.is_empty());
+        assert!(!t.contains(&ConversationId::parse("a").unwrap()));
     }
 }

@@ -7,7 +7,7 @@
 mod common;
 
 use baton_text::sampling::SamplingParams;
-use baton_engine::{Engine, EngineConfig, ImportedToken, KvImport, Request, SubmitOptions};
+use baton_engine::{Engine, EngineConfig, ImportUse, ImportedToken, KvImport, Request, SubmitOptions};
 use common::*;
 
 const SYSTEM: &str = "You are a careful assistant for a science museum. Answer in two or three sentences, with concrete facts and no filler.";
@@ -16,8 +16,12 @@ fn config() -> EngineConfig {
     EngineConfig { step_token_budget: 64, kv_memory_bytes: 64 << 20, max_context: Some(2048), tier2_bytes: 0, ..EngineConfig::default() }
 }
 
-fn decode_imported(engine: &Engine, req: Request, p: Prefilled) -> Outcome {
-    collect(engine.submit_with(req, SubmitOptions { import: Some(p.into_import()), export_from_block: None }).unwrap().stream)
+/// Decodes with `p` as the import; also what the engine said it did with the import.
+fn decode_imported(engine: &Engine, req: Request, p: Prefilled) -> (Outcome, ImportUse) {
+    let sub = engine.submit_with(req, SubmitOptions { import: Some(p.into_import()), export_from_block: None }).unwrap();
+    let mut said = sub.import.expect("an import is reported on");
+    let out = collect(sub.stream);
+    (out, said.try_recv().expect("the import's use is known once the sequence ran"))
 }
 
 fn seeded(prompt: Vec<u32>, max_tokens: usize) -> Request {
@@ -40,7 +44,8 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
     let p = prefill(&prefiller, request(prompt.clone(), "alice", 24), 0, None);
     assert_eq!(p.export.blocks.len(), prompt.len().div_ceil(bt));
     assert_eq!(p.first.id, local.tokens[0]);
-    let remote = decode_imported(&decoder, request(prompt.clone(), "alice", 24), p);
+    let (remote, used) = decode_imported(&decoder, request(prompt.clone(), "alice", 24), p);
+    assert_eq!(used, ImportUse::Used);
     assert_eq!(remote.tokens, local.tokens, "turn 1: remote prefill vs local");
     assert_eq!(remote.usage.cached_tokens, 0);
 
@@ -59,7 +64,8 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
     assert_eq!(pulled.blocks.len(), (k - have) / bt);
     let pulled = KvImport { start_block: pulled.start_block, blocks: pulled.blocks, first_token: None };
     let p2 = prefill(&prefiller, request(turn2.clone(), "alice", 24), k / bt, Some(pulled));
-    let remote2 = decode_imported(&decoder, request(turn2.clone(), "alice", 24), p2);
+    let (remote2, used) = decode_imported(&decoder, request(turn2.clone(), "alice", 24), p2);
+    assert_eq!(used, ImportUse::Used);
     assert_eq!(remote2.tokens, local2.tokens, "turn 2: pulled prefix + remote tail vs local");
     assert_eq!(remote2.usage.cached_tokens, k);
     // The prefiller now holds the pulled blocks in its own cache.
@@ -74,13 +80,14 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
     let mut p3 = prefill(&prefiller, request(prompt.clone(), "carol", 24), 0, None);
     p3.export.blocks.remove(0);
     p3.export.start_block = 1;
-    let fallback = decode_imported(&fresh, request(prompt.clone(), "carol", 24), p3);
+    let (fallback, used) = decode_imported(&fresh, request(prompt.clone(), "carol", 24), p3);
     assert_eq!(fallback.tokens, local.tokens, "gap: local recompute");
+    assert_eq!(used, ImportUse::NotContiguous, "the engine says it dropped the import");
 
     // Seeded sampling: the decoder continues the prefiller's generator.
     let seeded_local = collect(reference.submit(seeded(prompt.clone(), 16)).unwrap());
     let p4 = prefill(&prefiller, seeded(prompt.clone(), 16), 0, None);
-    let seeded_remote = decode_imported(&fresh, seeded(prompt.clone(), 16), p4);
+    let (seeded_remote, _) = decode_imported(&fresh, seeded(prompt.clone(), 16), p4);
     assert_eq!(seeded_remote.tokens, seeded_local.tokens, "seeded sampling across the handoff");
 
     for e in [&reference, &prefiller, &decoder, &fresh] {

@@ -33,9 +33,9 @@ impl DecodeNode for Fake {
 
     async fn generate(&self, _: Request<pb::GenerateRequest>) -> Result<Response<Events>, Status> {
         let mut events: Vec<Result<pb::GenerateEvent, Status>> = (0..TOKENS)
-            .map(|id| Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Token(pb::TokenEvent { id, text: " tok".into(), ..Default::default() })) }))
+            .map(|id| Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Token(pb::TokenEvent { id, text: " tok".into(), ..Default::default() })), kv_source: None }))
             .collect();
-        events.push(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Finished(pb::FinishedEvent::default())) }));
+        events.push(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Finished(pb::FinishedEvent::default())), kv_source: None }));
         Ok(Response::new(Box::pin(tokio_stream::iter(events))))
     }
     async fn export_prefix(&self, _: Request<pb::ExportPrefixRequest>) -> Result<Response<pb::ExportPrefixResponse>, Status> {

@@ -10,6 +10,7 @@
 //! - [`status()`] and [`kind_of`]: the one mapping between an error's [`baton_vocab::ErrorKind`]
 //!   and a gRPC status, both ways.
 //! - [`ids`]: the one place per ID where a wire string becomes a `baton-vocab` ID.
+//! - [`kv_source`]: a turn's KV source (proof of transfer) as metric labels.
 
 #[allow(clippy::all, missing_docs)]
 mod generated {
@@ -22,6 +23,7 @@ pub mod client;
 pub mod coordinators;
 pub mod error;
 pub mod ids;
+pub mod kv_source;
 pub mod plane;
 pub mod status;
 

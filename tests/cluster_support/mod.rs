@@ -458,13 +458,26 @@ pub async fn channel(plane: &Plane, addr: &str) -> Channel {
 
 /// Runs one turn on a decode node, as the gateway; returns its tokens and final event.
 pub async fn generate(gateway: Plane, grpc: String, req: pb::GenerateRequest) -> (Vec<u32>, FinishedEvent) {
+    let (tokens, fin, _) = generate_traced(gateway, grpc, req).await;
+    (tokens, fin)
+}
+
+/// [`generate`], also returning where the decode node said the turn's KV came from (the
+/// labels of `GenerateEvent.kv_source`, which it must send exactly once, with the first
+/// token).
+pub async fn generate_traced(gateway: Plane, grpc: String, req: pb::GenerateRequest) -> (Vec<u32>, FinishedEvent, (&'static str, &'static str)) {
     let mut c = DecodeNodeClient::new(channel(&gateway, &grpc).await);
     let mut s = c.generate(req).await.unwrap().into_inner();
     let mut tokens = Vec::new();
+    let mut source = None;
     while let Some(ev) = s.message().await.unwrap() {
+        if let Some(k) = &ev.kv_source {
+            assert!(source.is_none() && tokens.is_empty(), "kv_source comes once, on the first event");
+            source = Some(baton_proto::kv_source::labels(k));
+        }
         match ev.event {
             Some(GenEv::Token(t)) => tokens.push(t.id),
-            Some(GenEv::Finished(f)) => return (tokens, f),
+            Some(GenEv::Finished(f)) => return (tokens, f, source.expect("the turn said where its KV came from")),
             None => panic!("empty event"),
         }
     }

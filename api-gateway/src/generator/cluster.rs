@@ -13,6 +13,10 @@
 //! silent dead node can hold a stream open (a killed process on a reachable
 //! host is seen at once, from the connection reset). Dropping the returned
 //! stream resets the gRPC stream, which cancels the sequence on the node.
+//!
+//! The decode node says on a turn's first token where its prompt KV came from (imported,
+//! pulled, warm or recomputed, and why); the gateway counts it as
+//! `baton_gateway_kv_source_total`, mapped to a fixed label set whatever the node sent.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -277,8 +281,15 @@ impl Generator for ClusterGenerator {
             let node = node.clone();
             async move {
                 let mut s = state?;
-                match s.next().await {
-                    Some(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Token(t)) })) => {
+                let next = s.next().await;
+                if let Some(Ok(pb::GenerateEvent { kv_source: Some(k), .. })) = &next {
+                    // Proof of transfer: a peer's claim, counted only under the fixed labels.
+                    let (outcome, reason) = baton_proto::kv_source::labels(k);
+                    crate::metrics::kv_source(outcome, reason);
+                    tracing::debug!(node = %node, outcome, reason, "turn KV source");
+                }
+                match next {
+                    Some(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Token(t)), .. })) => {
                         let out = TokenOut {
                             id: t.id,
                             text: t.text,
@@ -288,7 +299,7 @@ impl Generator for ClusterGenerator {
                         };
                         Some((GenEvent::Token(out), Some(s)))
                     }
-                    Some(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Finished(f)) })) => {
+                    Some(Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Finished(f)), .. })) => {
                         let u = f.usage.unwrap_or_default();
                         let usage = Usage {
                             prompt_tokens: u.prompt_tokens as usize,
@@ -302,7 +313,7 @@ impl Generator for ClusterGenerator {
                         };
                         Some((GenEvent::Finished { reason, usage, trailing_text: f.trailing_text }, None))
                     }
-                    Some(Ok(pb::GenerateEvent { event: None })) => {
+                    Some(Ok(pb::GenerateEvent { event: None, .. })) => {
                         Some((GenEvent::Failed(GenerateError::Internal("empty event from the decode node".into())), None))
                     }
                     Some(Err(status)) => {

@@ -25,11 +25,13 @@ use baton_node_common::convert;
 use baton_node_common::kv::KvNode;
 
 pub use crate::error::Error as HandoffError;
+pub use crate::kv_source::LocalWhy;
 
 /// Where the tail of a turn is prefilled.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Route {
-    Local,
+    /// Here, and why.
+    Local(LocalWhy),
     /// A prefill node: its gRPC address, and its node name when the coordinator chose it
     /// (a static `--prefill-addr` has none).
     Remote {
@@ -58,7 +60,7 @@ impl Router {
         let tail = req.prompt.len() - cached;
         if tail == 0 {
             // Nothing to compute elsewhere (the engine recomputes the last token itself).
-            return Route::Local;
+            return Route::Local(LocalWhy::NothingToPrefill);
         }
         if let Some(c) = &self.coordinator {
             let ask = RoutePrefillRequest {
@@ -77,18 +79,18 @@ impl Router {
             return match tokio::time::timeout(Duration::from_secs(2), asked).await {
                 Ok(Ok(r)) => match r.choice {
                     Some(Choice::Remote(info)) => Route::Remote { node: info.node_id.map(|n| n.id), addr: info.grpc_addr },
-                    _ => Route::Local,
+                    _ => Route::Local(LocalWhy::Policy),
                 },
                 Ok(Err(e)) => {
                     tracing::warn!(code = ?e.status.code(), no_coordinator = e.unanswered, "RoutePrefill failed; prefilling locally");
-                    Route::Local
+                    Route::Local(LocalWhy::CoordinatorUnavailable)
                 }
-                Err(_) => Route::Local,
+                Err(_) => Route::Local(LocalWhy::CoordinatorUnavailable),
             };
         }
         match &self.static_prefill {
             Some(a) => Route::Remote { addr: a.clone(), node: None },
-            None => Route::Local,
+            None => Route::Local(LocalWhy::NoPrefillPool),
         }
     }
 }
@@ -147,7 +149,12 @@ pub async fn remote_prefill(
         let channel = plane.connect(&endpoint, expect).await.map_err(|e| HandoffError::Connect(e.to_string()))?;
         PrefillNodeClient::new(channel).prefill(ask).await.map_err(HandoffError::Prefill)
     };
-    let resp = tokio::time::timeout(deadline, call).await.map_err(|_| HandoffError::Deadline(deadline))??.into_inner();
+    let resp = match tokio::time::timeout(deadline, call).await {
+        Err(_) => return Err(HandoffError::Deadline(deadline)),
+        // The node had begun shipping here: the transfer is what broke.
+        Ok(Err(HandoffError::Prefill(s))) if reservation.transfer_began() => return Err(HandoffError::Shipping(s)),
+        Ok(r) => r?.into_inner(),
+    };
     let first = resp.first_token.ok_or(HandoffError::NoFirstToken)?;
     let left = deadline.saturating_sub(started.elapsed());
     let blocks =

@@ -29,7 +29,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 pub use cost::StepCost;
-pub use handoff::{ImportedToken, KvExport, KvImport, SubmitOptions, Submission};
+pub use handoff::{ImportUse, ImportedToken, KvExport, KvImport, SubmitOptions, Submission};
 pub use scheduler::PreemptionMode;
 
 /// How the engine uses memory and schedules work.
@@ -213,7 +213,7 @@ pub(crate) enum Command {
         id: SeqId,
         request: Box<Request>,
         events: tokio::sync::mpsc::UnboundedSender<Event>,
-        import: Option<Box<KvImport>>,
+        import: Option<(Box<KvImport>, tokio::sync::oneshot::Sender<ImportUse>)>,
         export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
     },
     PeekPrefix { query: PrefixQuery, reply: mpsc::Sender<usize> },
@@ -488,13 +488,20 @@ impl Engine {
             }
             None => (None, None),
         };
+        let (import, import_rx) = match options.import {
+            Some(i) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                (Some((Box::new(i), tx)), Some(rx))
+            }
+            None => (None, None),
+        };
         let tx = self.sender();
-        let cmd = Command::Submit { id, request: Box::new(request), events: etx, import: options.import.map(Box::new), export };
+        let cmd = Command::Submit { id, request: Box::new(request), events: etx, import, export };
         if tx.send(cmd).is_err() {
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::Stopped);
         }
-        Ok(Submission { stream: RequestStream { id, events: erx, cancel: tx, done: false }, export: export_rx })
+        Ok(Submission { stream: RequestStream { id, events: erx, cancel: tx, done: false }, export: export_rx, import: import_rx })
     }
 
     /// Prompt tokens (whole blocks, both tiers) an admission of `prompt` for

@@ -19,7 +19,7 @@ use super::sequence::{Parked, Sequence};
 use super::handoff::{plan_import, ImportPlan};
 use super::cost::{CostModel, RecentSteps, StepCost, StepShape};
 use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
-use super::{Command, EngineConfig, EngineError, Event, FinishReason, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
+use super::{Command, EngineConfig, EngineError, Event, FinishReason, ImportUse, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
 use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId, WindowRule};
 use crate::model::{Model, Scratch, StepInput};
 use super::arena::ArenaPlan;
@@ -267,9 +267,10 @@ impl<B: Backend> Worker<B> {
         id: SeqId,
         request: Request,
         events: tokio::sync::mpsc::UnboundedSender<Event>,
-        import: Option<Box<KvImport>>,
+        import: Option<(Box<KvImport>, tokio::sync::oneshot::Sender<ImportUse>)>,
         export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
     ) {
+        let (import, import_use) = import.unzip();
         let prompt_len = request.prompt.len();
         let mut sampling = request.sampling.clone();
         // Never generate past the context.
@@ -315,6 +316,7 @@ impl<B: Backend> Worker<B> {
             first_token: None,
             parked: None,
             import,
+            import_use,
             imported_first: None,
             local_layers_absent_below: 0,
             trimmed: 0,
@@ -511,9 +513,10 @@ impl<B: Backend> Worker<B> {
                 seq.registered = cached / bt;
                 if let Some(import) = seq.import.take() {
                     let has_first = import.first_token.is_some();
-                    match plan_import(matched, import.start_block, import.blocks.len(), bt, seq.prompt_len, has_first) {
+                    let used = match plan_import(matched, import.start_block, import.blocks.len(), bt, seq.prompt_len, has_first) {
                         ImportPlan::Gap => {
                             tracing::debug!(seq = seq.id.0, matched, start = import.start_block, "import not contiguous with the cache; computing locally");
+                            ImportUse::NotContiguous
                         }
                         ImportPlan::Use { first, end, computed }
                             if self
@@ -522,6 +525,7 @@ impl<B: Backend> Worker<B> {
                                 .is_err() =>
                         {
                             tracing::debug!(seq = seq.id.0, "no memory for the import's window layers; computing locally");
+                            ImportUse::NoWindowMemory
                         }
                         ImportPlan::Use { first, end, computed } => {
                             // Blocks behind every window of the rows after `computed` get
@@ -534,7 +538,13 @@ impl<B: Backend> Worker<B> {
                             seq.local_layers_absent_below = self.window.partial_blocks(computed).min(end);
                             seq.computed = computed;
                             seq.imported_first = import.first_token;
+                            ImportUse::Used
                         }
+                    };
+                    // Sent before the imported first token is: a caller reading the
+                    // token finds the answer already there.
+                    if let Some(tx) = seq.import_use.take() {
+                        let _ = tx.send(used);
                     }
                 }
                 if seq.cached_tokens.is_none() {

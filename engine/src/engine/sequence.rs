@@ -1,6 +1,6 @@
 //! One sequence in the engine: its tokens, its KV blocks and where it stands.
 
-use super::{Event, FinishReason, ImportedToken, KvExport, KvImport, Request, TokenOut, Usage};
+use super::{Event, FinishReason, ImportUse, ImportedToken, KvExport, KvImport, Request, TokenOut, Usage};
 use crate::kv::{BlockId, ChainLink, HashChain, SeqId, SwapHandle};
 use baton_text::sampling::{Sampler, StopMatcher};
 use baton_text::tokenizer::IncrementalDecoder;
@@ -43,6 +43,8 @@ pub(crate) struct Sequence {
     pub parked: Option<Parked>,
     /// KV computed elsewhere, applied (or dropped) at first admission.
     pub import: Option<Box<KvImport>>,
+    /// Where to say what became of `import`.
+    pub import_use: Option<tokio::sync::oneshot::Sender<ImportUse>>,
     /// The imported first token, accepted right after admission.
     pub imported_first: Option<ImportedToken>,
     /// Blocks below this index came in an import that may lack their sliding-window

@@ -72,6 +72,22 @@ pub struct Submission {
     /// The export, when one was asked for. Fails (sender dropped) if the
     /// sequence ended before its first token.
     pub export: Option<tokio::sync::oneshot::Receiver<KvExport>>,
+    /// With an import: whether the engine used it, decided at the sequence's first
+    /// admission and sent before its first token. Fails (sender dropped) if the
+    /// sequence ended before it was admitted.
+    pub import: Option<tokio::sync::oneshot::Receiver<ImportUse>>,
+}
+
+/// What the engine did with an import at admission (an import that is dropped is
+/// recomputed locally, giving the same tokens: callers learn it only from this).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImportUse {
+    /// Its blocks were copied in (past what the prefix cache already held).
+    Used,
+    /// It did not start where the cache match ended: a gap no one computed.
+    NotContiguous,
+    /// No memory for its blocks' sliding-window layers.
+    NoWindowMemory,
 }
 
 /// Checks an import's shape against the prompt.

@@ -24,6 +24,13 @@ impl Reservation {
         *self.entry.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender);
     }
 
+    /// Whether a sender's link opened this reservation (its `Open` frame was accepted): the
+    /// transfer began, whatever became of it since. Tells a sender that failed while
+    /// shipping from one that never got that far.
+    pub fn transfer_began(&self) -> bool {
+        self.entry.lock().attached
+    }
+
     /// The reserved blocks, in reservation order.
     pub fn blocks(&self) -> &[BlockId] {
         &self.grant.blocks

@@ -80,6 +80,24 @@ for q in QUESTIONS[1:]:
 print("chain cached_tokens:", [r.usage.input_tokens_details.cached_tokens for r in chain[1:]],
       "of input_tokens:", [r.usage.input_tokens for r in chain[1:]])
 
+# A 4-turn chain by conversation (one made through the Conversations API's create).
+conv = alice.conversations.create()
+by_conv = []
+for q in QUESTIONS:
+    r = alice.responses.create(model=model, input=q, conversation=conv.id, max_output_tokens=12, temperature=0)
+    assert r.conversation.id == conv.id and r.id.split("__")[0] == "resp_" + conv.id
+    if by_conv:
+        prev = by_conv[-1]
+        earlier = prev.usage.input_tokens + prev.usage.output_tokens
+        assert r.usage.input_tokens_details.cached_tokens >= earlier - 16, (r.usage, prev.usage)
+    by_conv.append(r)
+assert [r.output_text for r in by_conv] == [r.output_text for r in chain], "the same greedy chain either way"
+expect(openai.NotFoundError, lambda: bob.responses.create(model=model, input="x", conversation=conv.id), "conversation")
+assert alice.conversations.retrieve(conv.id).id == conv.id
+expect(openai.NotFoundError, lambda: bob.conversations.retrieve(conv.id))
+alice.conversations.delete(conv.id)
+expect(openai.NotFoundError, lambda: alice.responses.retrieve(by_conv[0].id))
+
 # Retrieve, input items, a resumed stream.
 got = alice.responses.retrieve(chain[2].id)
 assert got.output_text == chain[2].output_text and got.previous_response_id == chain[1].id

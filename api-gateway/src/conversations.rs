@@ -14,6 +14,7 @@
 //! turn whose replica died takes it over and generates it again.
 
 use crate::auth::AuthUser;
+use crate::conv_common::{busy, delete_owned, follower_slot, owned, parse_conversation_id, parse_turn_id};
 use crate::error::ApiError;
 use crate::listen::read_body;
 use crate::polled::{self, stored_events};
@@ -46,34 +47,6 @@ struct CreateBody {
 fn conv_json(c: &Conversation) -> Value {
     json!({"id": c.id, "object": "conversation", "title": c.title, "system_prompt_version": c.system_prompt_version,
            "created_at": c.created_at, "updated_at": c.updated_at, "summary": c.summary})
-}
-
-/// The API's rule for IDs a client names (narrower than an ID's own rules: these
-/// also appear in URLs), checked before the ID's own `parse`.
-fn check_id(id: &str) -> Result<(), ApiError> {
-    if id.is_empty() || id.len() > 128 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-        return Err(ApiError::bad_request("IDs are 1 to 128 characters of [A-Za-z0-9_-]"));
-    }
-    Ok(())
-}
-
-/// A conversation ID from a path (or one the gateway minted): where it becomes an ID.
-fn parse_conversation_id(id: &str) -> Result<ConversationId, ApiError> {
-    check_id(id)?;
-    ConversationId::parse(id).map_err(|e| ApiError::bad_request(e.to_string()))
-}
-
-/// A turn ID from a path, a body or a header: where it becomes an ID.
-fn parse_turn_id(id: &str) -> Result<TurnId, ApiError> {
-    check_id(id)?;
-    TurnId::parse(id).map_err(|e| ApiError::bad_request(e.to_string()))
-}
-
-/// The conversation `id` names, if `owner` owns it.
-async fn owned(app: &App, owner: &OwnerId, id: &str) -> Result<(ConversationId, Conversation), ApiError> {
-    let conversation = parse_conversation_id(id)?;
-    let c = app.store.get_conversation(owner.as_str(), conversation.as_str()).await?.ok_or_else(|| ApiError::not_found("conversation"))?;
-    Ok((conversation, c))
 }
 
 pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, body: Body) -> Result<Response, ApiError> {
@@ -126,23 +99,7 @@ pub async fn get(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(
 pub async fn delete(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, Path(id): Path<String>) -> Result<Response, ApiError> {
     metrics::request("conversations_delete");
     let (conversation, _) = owned(&app, &user, &id).await?;
-    let _admission = app.admission.lock(&id).await;
-    // Stop a turn in progress and wait until it is stored, so that nothing
-    // is written or cached for the conversation after the delete.
-    if let Some(live) = app.live.get(&conversation) {
-        live.stop();
-        let mut events = Box::pin(live.follow(app.config.resume_grace, 0));
-        while let Some((_, ev)) = events.next().await {
-            if matches!(ev, TurnEvent::End(_)) {
-                break;
-            }
-        }
-    }
-    if !app.store.delete_conversation(user.as_str(), &id, app.evictions.first_retry_ms()).await? {
-        return Err(ApiError::not_found("conversation")); // a concurrent delete won
-    }
-    let kv_evicted = app.evictions.attempt(&id, 0, &[], "delete").await;
-    tracing::info!(conversation = %id, kv_evicted, "conversation deleted");
+    let kv_evicted = delete_owned(&app, &user, &conversation).await?;
     let status = if kv_evicted { StatusCode::OK } else { StatusCode::ACCEPTED };
     Ok((status, Json(json!({"id": id, "object": "conversation.deleted", "deleted": true, "kv_evicted": kv_evicted}))).into_response())
 }
@@ -344,25 +301,12 @@ pub async fn add_turn(
     Ok(respond_live(app, live, from, stream, None).await)
 }
 
-/// The 409 for a turn while another of the same conversation is admitted or streams.
-fn busy() -> ApiError {
-    ApiError { retry_after: Some(std::time::Duration::from_secs(1)), ..ApiError::conflict("another turn of this conversation is in progress") }
-}
-
 /// Follows a turn that another gateway replica runs, through the store.
 async fn attach_stored(app: Arc<App>, owner: &OwnerId, id: ConversationId, turn_id: TurnId, from: usize, stream: bool) -> Result<Response, ApiError> {
     let slot = follower_slot(&app, owner)?;
     metrics::turn("attached");
     let events = polled::follow(app, id.into_string(), turn_id.into_string(), from);
     Ok(respond_events(events, stream, Some(slot)).await)
-}
-
-/// An open-stream slot for a client that follows a turn already running.
-fn follower_slot(app: &App, owner: &OwnerId) -> Result<crate::limits::Permit, ApiError> {
-    app.limiter.attach(owner.as_str()).map_err(|r| {
-        metrics::rate_limited(r.limit);
-        ApiError::rate_limited(r.limit, r.retry_after)
-    })
 }
 
 /// Asks the model for a summary of the history up to and including `last`

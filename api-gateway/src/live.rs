@@ -71,6 +71,19 @@ impl LiveTurn {
         self.count.send_replace(n);
     }
 
+    /// Resolves once the end event is in the list, without counting as a follower (a
+    /// watcher that acts after the turn, like deleting an unstored response, must not
+    /// keep a turn whose clients left from being stopped).
+    pub async fn ended(&self) {
+        let mut rx = self.count.subscribe();
+        loop {
+            let done = matches!(self.events.lock().unwrap_or_else(|p| p.into_inner()).last(), Some(TurnEvent::End(_)));
+            if done || rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Asks the runner to stop the reply now.
     pub fn stop(&self) {
         self.cancel.notify_one();

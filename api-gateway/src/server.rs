@@ -1,13 +1,13 @@
 //! The HTTP server: the router, the retention job, and serving (plain HTTP, or
 //! HTTPS when the config has TLS) until shutdown. The one module that imports the
-//! handler modules (`openai`, `conversations`); the state they share is
+//! handler modules (`openai`, `completions`, `conversations`, `responses`); the state they share is
 //! [`crate::state::App`].
 
 use crate::error::ApiError;
 use baton_vocab::ErrorKind;
 use crate::generator::Generator;
 use crate::state::App;
-use crate::{completions, conversations, metrics, openai};
+use crate::{completions, conversations, metrics, openai, responses};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
@@ -69,6 +69,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/responses/{id}/input_items", get(responses::input_items))
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get).delete(conversations::delete))
         .route("/v1/conversations/{id}/turns", post(conversations::add_turn))

@@ -1,0 +1,79 @@
+//! What the two stateful APIs (`conversations.rs`, Baton's own, and `responses.rs`,
+//! OpenAI's Responses API over the same store) share: where a client-named ID becomes
+//! an ID, the owner check that makes another user's conversation a 404, the 409 of a
+//! busy conversation, a follower's open-stream slot, and deletion (stop the live turn,
+//! delete every row with a tombstone, evict the KV everywhere). Its own module, so that
+//! neither handler module imports the other.
+
+use crate::error::ApiError;
+use crate::live::TurnEvent;
+use crate::state::App;
+use crate::store::Conversation;
+use baton_vocab::{ConversationId, OwnerId, TurnId};
+use futures::StreamExt;
+
+/// The API's rule for IDs a client names (narrower than an ID's own rules: these
+/// also appear in URLs), checked before the ID's own `parse`.
+pub fn check_id(id: &str) -> Result<(), ApiError> {
+    if id.is_empty() || id.len() > 128 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err(ApiError::bad_request("IDs are 1 to 128 characters of [A-Za-z0-9_-]"));
+    }
+    Ok(())
+}
+
+/// A conversation ID from a path (or one the gateway minted): where it becomes an ID.
+pub fn parse_conversation_id(id: &str) -> Result<ConversationId, ApiError> {
+    check_id(id)?;
+    ConversationId::parse(id).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// A turn ID from a path, a body or a header: where it becomes an ID.
+pub fn parse_turn_id(id: &str) -> Result<TurnId, ApiError> {
+    check_id(id)?;
+    TurnId::parse(id).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// The conversation `id` names, if `owner` owns it; another owner's is a 404, exactly
+/// like one that does not exist.
+pub async fn owned(app: &App, owner: &OwnerId, id: &str) -> Result<(ConversationId, Conversation), ApiError> {
+    let conversation = parse_conversation_id(id)?;
+    let c = app.store.get_conversation(owner.as_str(), conversation.as_str()).await?.ok_or_else(|| ApiError::not_found("conversation"))?;
+    Ok((conversation, c))
+}
+
+/// The 409 for a turn while another of the same conversation is admitted or streams.
+pub fn busy() -> ApiError {
+    ApiError { retry_after: Some(std::time::Duration::from_secs(1)), ..ApiError::conflict("another turn of this conversation is in progress") }
+}
+
+/// An open-stream slot for a client that follows a turn already running.
+pub fn follower_slot(app: &App, owner: &OwnerId) -> Result<crate::limits::Permit, ApiError> {
+    app.limiter.attach(owner.as_str()).map_err(|r| {
+        crate::metrics::rate_limited(r.limit);
+        ApiError::rate_limited(r.limit, r.retry_after)
+    })
+}
+
+/// Deletes `owner`'s conversation: stops a turn in progress and waits until it is
+/// stored (so nothing is written or cached for it after the delete), deletes every row
+/// leaving a tombstone, then evicts its KV everywhere. Whether every node acknowledged
+/// the eviction now (else the tombstone's retries finish it).
+pub async fn delete_owned(app: &App, owner: &OwnerId, conversation: &ConversationId) -> Result<bool, ApiError> {
+    let id = conversation.as_str();
+    let _admission = app.admission.lock(id).await;
+    if let Some(live) = app.live.get(conversation) {
+        live.stop();
+        let mut events = Box::pin(live.follow(app.config.resume_grace, 0));
+        while let Some((_, ev)) = events.next().await {
+            if matches!(ev, TurnEvent::End(_)) {
+                break;
+            }
+        }
+    }
+    if !app.store.delete_conversation(owner.as_str(), id, app.evictions.first_retry_ms()).await? {
+        return Err(ApiError::not_found("conversation")); // a concurrent delete won
+    }
+    let kv_evicted = app.evictions.attempt(id, 0, &[], "delete").await;
+    tracing::info!(conversation = %id, kv_evicted, "conversation deleted");
+    Ok(kv_evicted)
+}

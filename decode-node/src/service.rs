@@ -20,6 +20,8 @@ use crate::metrics::Metrics;
 use crate::warm::{WarmConversation, WarmTable};
 use baton_node_common::convert;
 use baton_node_common::kv::{parse_endpoint, ExportSource, KvNode};
+use baton_node_common::prefix_pull::{expect_caller, first_importable_block};
+use baton_proto::plane::{Expect, Role as IdRole};
 
 /// State shared by the node's services.
 pub struct DecodeService {
@@ -89,7 +91,12 @@ impl DecodeNode for DecodeService {
         }
         let mut path = pb::PrefillPath::Local;
         let mut import = None;
-        if let Route::Remote { addr, node } = self.router.route(&req, cached, baton_node_common::shell::load_report(&self.engine)).await {
+        // A tail prefilled elsewhere is published here under the turn's scopes: one that
+        // covers platform blocks would let a prefill node plant the KV every user's turn
+        // reads. Until this node holds its platform prefix, it computes the turn itself.
+        let platform_held = cached / self.kv.layout.block_tokens as usize >= first_importable_block(req.platform_prefix_len, self.kv.layout.block_tokens as usize);
+        let route = if platform_held { self.router.route(&req, cached, baton_node_common::shell::load_report(&self.engine)).await } else { Route::Local };
+        if let Route::Remote { addr, node } = route {
             match remote_prefill(&self.kv, &self.plane, &req, cached, (&addr, node.as_deref()), &self.grpc_addr, self.kv_deadline).await {
                 Ok(p) => {
                     import = Some(p.import);
@@ -147,13 +154,16 @@ impl DecodeNode for DecodeService {
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
+        // The source is the caller (a draining node hands over its own conversations):
+        // an address naming another node is dialled, but only the caller is trusted there.
+        let holder = expect_caller(&request);
         let r = request.into_inner();
         if r.source.is_empty() {
             return Err(Status::invalid_argument("source is empty"));
         }
         let req = adopt::request(r.turn)?;
         let warm = WarmConversation::of(&req).ok_or_else(|| Status::invalid_argument("an adopted prefix needs its conversation"))?;
-        let a = adopt::adopt(&self.engine, &self.kv, &self.plane, req, &r.source, self.kv_deadline).await?;
+        let a = adopt::adopt(&self.engine, &self.kv, &self.plane, req, (r.source.as_str(), holder), self.kv_deadline).await?;
         if a.pulled_tokens > 0 {
             self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
         }
@@ -190,7 +200,10 @@ impl DecodeService {
     /// pulls the warm prefix from its previous owner. Returns the prompt tokens
     /// cached here now; on any failure the turn just computes more itself.
     async fn adopt_moved(&self, req: &baton_engine::Request, source: &str, cached: usize) -> usize {
-        match adopt::adopt(&self.engine, &self.kv, &self.plane, req.clone(), source, self.kv_deadline).await {
+        // `source` is the gateway's (the coordinator's previous node for this
+        // conversation); any decode node may answer there, and no platform block is taken.
+        let holder = Expect::Role(IdRole::Decode);
+        match adopt::adopt(&self.engine, &self.kv, &self.plane, req.clone(), (source, holder), self.kv_deadline).await {
             Ok(a) if a.pulled_tokens > 0 => {
                 self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
                 cached.max(a.had_tokens + a.pulled_tokens)

@@ -95,6 +95,7 @@ fn node(id: &str, role: Role, grpc_addr: String) -> NodeInfo {
         block_tokens: 16,
         kv_blocks_total: 1000,
         load: None,
+        identity_key: Vec::new(),
     }
 }
 

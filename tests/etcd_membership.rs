@@ -39,6 +39,7 @@ fn node(id: &str, role: Role) -> NodeInfo {
         block_tokens: 16,
         kv_blocks_total: 1000,
         load: None,
+        identity_key: Vec::new(),
     }
 }
 

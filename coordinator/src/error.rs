@@ -28,6 +28,8 @@ pub enum Error {
     },
     #[error("server: {0}")]
     Serve(String),
+    #[error("registration refused: {0}")]
+    Binding(#[from] crate::membership::binding::Refusal),
 }
 
 impl Error {
@@ -42,6 +44,7 @@ impl Error {
             Error::CorruptRecord { .. } => "corrupt_record",
             Error::Bind { .. } => "bind",
             Error::Serve(_) => "serve",
+            Error::Binding(_) => "name_binding",
         }
     }
 }
@@ -56,6 +59,7 @@ impl HasKind for Error {
             Error::NoNodes { .. } | Error::CorruptRecord { .. } | Error::Bind { .. } | Error::Serve(_) => ErrorKind::Unavailable,
             #[cfg(feature = "etcd")]
             Error::Etcd(_) => ErrorKind::Unavailable,
+            Error::Binding(r) => r.kind(),
         }
     }
 }

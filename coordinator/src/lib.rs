@@ -119,6 +119,11 @@ pub struct Args {
     /// coordinator identity (NAME.coordinator.baton).
     #[arg(long, env = "BATON_TLS_NAME", default_value = "coordinator")]
     pub tls_name: String,
+    /// How many node names one pool (wildcard, `*.ROLE.baton`) certificate may hold; 0
+    /// refuses pool certificates, so each node needs its own. A pool certificate's key is
+    /// shared by every pod: opt in only where per-pod certificates cannot be issued.
+    #[arg(long, env = "BATON_POOL_CERTIFICATE_NAMES", default_value_t = 0)]
+    pub pool_certificate_names: usize,
     /// INSECURE: serve gRPC without TLS, identities or authorization; anyone who can reach
     /// the port may register nodes, route and evict. Only for a network of trusted processes.
     #[arg(long, env = "BATON_INSECURE_PLAINTEXT_INTERNAL")]
@@ -148,6 +153,8 @@ pub struct Config {
     pub explain_capacity: usize,
     pub evict_timeout: Duration,
     pub evict_departed_window: Duration,
+    /// Names one pool certificate may hold (0: pool certificates may not register).
+    pub pool_certificate_names: usize,
     /// The internal plane: mutual TLS as this coordinator, or plaintext.
     pub plane: Plane,
     /// Opens /debug/routing; `None`: it is off.
@@ -172,6 +179,7 @@ impl Config {
             explain_capacity: 4096,
             evict_timeout: Duration::from_secs(5),
             evict_departed_window: Duration::from_secs(3600),
+            pool_certificate_names: 0,
             plane,
             admin_key: None,
         }
@@ -227,6 +235,7 @@ impl TryFrom<Args> for Config {
             explain_capacity: a.explain_capacity,
             evict_timeout: a.evict_timeout,
             evict_departed_window: a.evict_departed_window,
+            pool_certificate_names: a.pool_certificate_names,
             plane: Plane::from_flags(&a.certs_dir, &a.tls_name, IdRole::Coordinator, a.insecure_plaintext_internal)
                 .map_err(|e| Error::Config { field: "certs_dir", why: e.to_string() })?,
             admin_key: AdminKey::from_env_or_file(a.admin_key_file.as_deref())

@@ -12,13 +12,14 @@ use baton_proto::common::{LoadReport, NodeId, NodeInfo, Role};
 use baton_proto::coordinator as pb;
 use baton_proto::coordinator::coordinator_server::Coordinator as CoordinatorRpc;
 use baton_proto::ids;
-use baton_proto::plane::authz::{caller, claim_node};
+use baton_proto::plane::authz::{caller, caller_key, claim_node};
 use baton_proto::plane::Role as IdRole;
 use baton_vocab::ConversationId;
 use tonic::{Request, Response, Status};
 
 use crate::error::{Error, Result};
 use crate::evict::NodeEvictor;
+use crate::membership::binding::{self, Claimant};
 use crate::membership::{node_id_of, Member, Membership};
 use crate::metrics::Metrics;
 use crate::placements::{Claim, SharedPlacement, SharedPlacements};
@@ -86,6 +87,11 @@ pub struct State {
     ledger: Mutex<Ledger>,
     /// Deleted conversations not yet evicted everywhere (in etcd: every replica's).
     tombstones: Arc<dyn Tombstones>,
+    /// Names one pool certificate may hold (`--pool-certificate-names`; 0: none).
+    pool_certificate_names: usize,
+    /// Serializes the last check of a name's binding with the write of its lease, so two
+    /// registrations of one name through this replica cannot both pass the check.
+    registering: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for State {
@@ -144,6 +150,8 @@ impl State {
             loads: Mutex::new(HashMap::new()),
             ledger: Mutex::new(Ledger::new(config.evict_departed_window)),
             tombstones,
+            pool_certificate_names: config.pool_certificate_names,
+            registering: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -387,6 +395,15 @@ impl State {
         r
     }
 
+    /// Whether the certificate with `key` may register `name` now (`membership::binding`).
+    async fn check_binding(&self, name: &str, key: &[u8], pool: bool) -> Result<()> {
+        let members = self.membership.members().await?;
+        binding::check(&members, name, Claimant { key, pool }, self.pool_certificate_names).map_err(|refusal| {
+            tracing::warn!(node = %name, pool, error = %refusal, "registration refused: the name is bound to another certificate or the certificate holds its limit");
+            Error::Binding(refusal)
+        })
+    }
+
     pub(crate) fn explain(&self, conversation: &ConversationId, limit: usize) -> Vec<ExplainRecord> {
         lock(&self.routing).explain.for_key(conversation, limit)
     }
@@ -485,6 +502,16 @@ impl CoordinatorService {
         const EITHER: &[IdRole] = &[IdRole::Prefill, IdRole::Decode];
         // The membership's own list: no loads to merge, no gauges to refresh on a renewal.
         let member = self.state.membership.members().await?.into_iter().find(|m| m.lease_id == lease_id);
+        if let Some(m) = &member {
+            // The lease is the key's that registered it; and a renewal reports load only
+            // under the lease's own node.
+            if caller_key(req).is_some_and(|k| m.info.identity_key != k) {
+                return Err(Status::permission_denied(format!("lease {lease_id} was registered by another certificate")));
+            }
+            if named.is_some_and(|n| n.id != node_id_of(&m.info)) {
+                return Err(Status::permission_denied(format!("lease {lease_id} does not hold the node the request names")));
+            }
+        }
         let mut claims: Vec<(String, &[IdRole])> = Vec::new();
         if let Some(m) = &member {
             let role: &[IdRole] = if m.info.role == Role::Prefill as i32 { &[IdRole::Prefill] } else { &[IdRole::Decode] };
@@ -505,7 +532,7 @@ impl CoordinatorService {
 #[tonic::async_trait]
 impl CoordinatorRpc for CoordinatorService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
-        let info = req.get_ref().node.clone().ok_or(Error::InvalidRequest { what: "node is missing" })?;
+        let mut info = req.get_ref().node.clone().ok_or(Error::InvalidRequest { what: "node is missing" })?;
         // Node names are read off the wire through `ids::node`, like every ID.
         ids::node(node_id_of(&info).to_string())?;
         valid_node(&info)?;
@@ -513,6 +540,14 @@ impl CoordinatorRpc for CoordinatorService {
         let role = if info.role == Role::Prefill as i32 { IdRole::Prefill } else { IdRole::Decode };
         claim_node(&req, node_id_of(&info), role)?;
         let id = node_id_of(&info).to_string();
+        // The name is bound to the certificate's key (`membership::binding`): the key
+        // comes from the handshake, never from the request.
+        let key = caller_key(&req);
+        info.identity_key = key.map_or_else(Vec::new, |k| k.to_vec());
+        let pool = caller(&req).is_some_and(|c| c.is_pool());
+        if key.is_some() {
+            self.state.check_binding(&id, &info.identity_key, pool).await?;
+        }
         // A (re)joining node may hold KV of conversations deleted while it was away:
         // it evicts every tombstoned one before it is a member, so nothing is routed to
         // it (nor pulled from it) in between. If it cannot, it is not admitted yet.
@@ -530,7 +565,13 @@ impl CoordinatorRpc for CoordinatorService {
         if let Some(l) = info.load {
             lock(&self.state.loads).insert(id.clone(), l);
         }
+        let serial = self.state.registering.lock().await;
+        if key.is_some() {
+            // Again, as the lease is written: another registration may have come first.
+            self.state.check_binding(&id, &info.identity_key, pool).await?;
+        }
         let lease = self.state.membership.register(info).await?;
+        drop(serial);
         ticket.admitted = true;
         drop(ticket);
         self.state.metrics.registration();
@@ -576,6 +617,13 @@ impl CoordinatorRpc for CoordinatorService {
     // checked as a `NodeId`); below this the coordinator only sees the typed ID (and
     // keeps only its hash).
     async fn route_decode(&self, req: Request<pb::RouteDecodeRequest>) -> Result<Response<pb::RouteDecodeResponse>, Status> {
+        // A decode node (draining) may move a conversation away from itself only: an
+        // exclude list naming other nodes would let it steer a conversation to itself.
+        if let Some(id) = caller(&req).filter(|id| id.role() == IdRole::Decode) {
+            if let Some(other) = req.get_ref().exclude.iter().find(|n| !id.may_act_as(&n.id)) {
+                return Err(Status::permission_denied(format!("a decode node may exclude only itself, not {:?}", other.id)));
+            }
+        }
         let mut req = req.into_inner();
         let conversation = ids::conversation(std::mem::take(&mut req.routing_key))?;
         for node in &req.exclude {
@@ -624,3 +672,7 @@ impl CoordinatorRpc for CoordinatorService {
         Ok(Response::new(pb::ExplainResponse { records }))
     }
 }
+
+#[cfg(test)]
+#[path = "service_tests.rs"]
+mod tests;

@@ -134,7 +134,10 @@ impl Drainer {
         if target.node_id.as_ref().is_some_and(|n| n.id == self.node_id) {
             return Err(Status::failed_precondition("the coordinator routed the conversation back to the draining node"));
         }
-        let mut client = crate::handoff::adopt::connect(&self.plane, &target.grpc_addr).await?;
+        // The node the coordinator chose, by its certificate, whatever its address says.
+        let name = target.node_id.as_ref().map(|n| n.id.clone()).unwrap_or_default();
+        let expect = baton_proto::plane::Expect::Node { role: baton_proto::plane::Role::Decode, name };
+        let mut client = crate::handoff::adopt::connect(&self.plane, &target.grpc_addr, expect).await?;
         let adopt = pb::AdoptPrefixRequest {
             turn: Some(pb::Turn {
                 prompt: w.tokens[..cached + 1].to_vec(),

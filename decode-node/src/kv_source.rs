@@ -29,7 +29,9 @@ use baton_proto::node::{KvOutcome, KvReason, KvSource};
 pub enum LocalWhy {
     /// The prefix cache held the whole prompt (but the token the engine computes itself).
     NothingToPrefill,
-    /// The coordinator chose local prefill (a short tail, a saturated pool, no prefill node).
+    /// The coordinator chose local prefill (a short tail, a saturated pool, no prefill
+    /// node), or this node does: it lacks its platform prefix, which no imported tail may
+    /// cover (a prefill node could otherwise plant the KV every user's turn reads).
     Policy,
     /// No coordinator and no `--prefill-addr`: this node prefills every tail.
     NoPrefillPool,

@@ -16,11 +16,13 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use crate::handoff::{adopt, remote_prefill, Route, Router};
-use crate::kv_source::{classify, Facts, Pull, Routed};
+use crate::kv_source::{classify, Facts, LocalWhy, Pull, Routed};
 use crate::metrics::Metrics;
 use crate::warm::{WarmConversation, WarmTable};
 use baton_node_common::convert;
 use baton_node_common::kv::{parse_endpoint, ExportSource, KvNode};
+use baton_node_common::prefix_pull::{expect_caller, first_importable_block};
+use baton_proto::plane::{Expect, Role as IdRole};
 
 /// State shared by the node's services.
 pub struct DecodeService {
@@ -95,7 +97,12 @@ impl DecodeNode for DecodeService {
             (cached, pull) = self.adopt_moved(&req, &prefix_source, cached).await;
         }
         let mut import = None;
-        let routed = match self.router.route(&req, cached, baton_node_common::shell::load_report(&self.engine)).await {
+        // A tail prefilled elsewhere is published here under the turn's scopes: one that
+        // covers platform blocks would let a prefill node plant the KV every user's turn
+        // reads. Until this node holds its platform prefix, it computes the turn itself.
+        let platform_held = cached / bt >= first_importable_block(req.platform_prefix_len, bt);
+        let route = if platform_held { self.router.route(&req, cached, baton_node_common::shell::load_report(&self.engine)).await } else { Route::Local(LocalWhy::Policy) };
+        let routed = match route {
             Route::Local(why) => Routed::Local(why),
             Route::Remote { addr, node } => {
                 match remote_prefill(&self.kv, &self.plane, &req, cached, (&addr, node.as_deref()), &self.grpc_addr, self.kv_deadline).await {
@@ -152,13 +159,16 @@ impl DecodeNode for DecodeService {
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
+        // The source is the caller (a draining node hands over its own conversations):
+        // an address naming another node is dialled, but only the caller is trusted there.
+        let holder = expect_caller(&request);
         let r = request.into_inner();
         if r.source.is_empty() {
             return Err(Status::invalid_argument("source is empty"));
         }
         let req = adopt::request(r.turn)?;
         let warm = WarmConversation::of(&req).ok_or_else(|| Status::invalid_argument("an adopted prefix needs its conversation"))?;
-        let a = adopt::adopt(&self.engine, &self.kv, &self.plane, req, &r.source, self.kv_deadline).await?;
+        let a = adopt::adopt(&self.engine, &self.kv, &self.plane, req, (r.source.as_str(), holder), self.kv_deadline).await?;
         if a.pulled_tokens > 0 {
             self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
         }
@@ -196,7 +206,10 @@ impl DecodeService {
     /// cached here now and what the pull did; on any failure the turn just computes
     /// more itself.
     async fn adopt_moved(&self, req: &baton_engine::Request, source: &str, cached: usize) -> (usize, Pull) {
-        match adopt::adopt(&self.engine, &self.kv, &self.plane, req.clone(), source, self.kv_deadline).await {
+        // `source` is the gateway's (the coordinator's previous node for this
+        // conversation); any decode node may answer there, and no platform block is taken.
+        let holder = Expect::Role(IdRole::Decode);
+        match adopt::adopt(&self.engine, &self.kv, &self.plane, req.clone(), (source, holder), self.kv_deadline).await {
             Ok(a) if a.pulled_tokens > 0 => {
                 self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
                 (cached.max(a.had_tokens + a.pulled_tokens), Pull::Pulled)

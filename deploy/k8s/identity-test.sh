@@ -4,7 +4,8 @@
 #    wildcard certificate per pool: *.decode.baton, *.prefill.baton, *.coordinator.baton,
 #    *.gateway.baton);
 #  - laid out for --certs-dir by base/tls-layout.sh, as the pods' initContainer does;
-#  - node names POD_NAME.prefill.baton / POD_NAME.decode.baton, as the pods use.
+#  - node names POD_NAME.prefill.baton / POD_NAME.decode.baton, as the pods use, with the
+#    coordinator's pool-certificate opt-in (--pool-certificate-names) as base/ sets it.
 # A turn whose uncached tail goes to the prefill node must ship its KV blocks over QUIC
 # (mutual TLS; the dialler checks the peer's name) with no local fallback; every gRPC call
 # runs over the internal plane's mutual TLS (the coordinator and gateway read their Secret
@@ -77,7 +78,8 @@ run_cluster() {
     coord="127.0.0.1:$(port)"
     coord_http="127.0.0.1:$(port)"
     "$bin" coordinator --listen "$coord" --http-listen "$coord_http" \
-        --local-prefill-threshold 16 --certs-dir secret-coordinator >coordinator.log 2>&1 &
+        --local-prefill-threshold 16 --certs-dir secret-coordinator \
+        --pool-certificate-names 16 >coordinator.log 2>&1 &
     pids+=($!)
     prefill_name=baton-prefill-7d9f8-x2kqp.prefill.baton
     decode_name=baton-decode-0.decode.baton

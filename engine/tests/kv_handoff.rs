@@ -106,6 +106,14 @@ fn bad_imports_are_refused() {
     assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes - 1]; 4], first_token: first.clone() }), Some("bad_import"));
     assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 2], first_token: first }), Some("bad_import"));
     assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 4], first_token: None }), Some("bad_import"));
+    // A prefill node's first token outside the vocabulary (it panicked the engine's
+    // thread, leaving a node in the ring with a dead engine), or one with a NaN logprob.
+    let vocab = e.info.vocab as u32;
+    for first in [ImportedToken { id: vocab, logprob: 0.0, top_logprobs: vec![] }, ImportedToken { id: 5, logprob: 0.0, top_logprobs: vec![(u32::MAX, -1.0)] }, ImportedToken { id: 5, logprob: f32::NAN, top_logprobs: vec![] }] {
+        assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 4], first_token: Some(first) }), Some("bad_import"));
+    }
+    // The engine is alive and serves.
+    assert!(!collect(e.submit(request(prompt.clone(), "u", 2)).unwrap()).tokens.is_empty());
     assert!(e.submit_with(request(prompt.clone(), "u", 4), SubmitOptions { import: None, export_from_block: Some(4) }).is_err());
     assert_no_leaks(&e);
     e.shutdown();

@@ -125,6 +125,18 @@ impl Identity {
         found.ok_or(Error::NoIdentity)
     }
 
+    /// The certificate's key: SHA-256 over its SubjectPublicKeyInfo. A node's name is bound
+    /// to the key that first registered it, so a certificate re-issued for the same key
+    /// (cert-manager's renewal) keeps the name, and a different key never takes it.
+    pub fn key_of_cert_der(der: &[u8]) -> Result<[u8; 32]> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| Error::Parse(e.to_string()))?;
+        let spki = cert.tbs_certificate.subject_pki.raw;
+        let d = ring::digest::digest(&ring::digest::SHA256, spki);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(d.as_ref());
+        Ok(out)
+    }
+
     /// Whether this identity may call itself `node` (a node's registered name): its own
     /// name or full identity name; for a pool, any `LABEL.ROLE.baton`. A pool member
     /// must use the full form, so it can never take the name of another role's node.

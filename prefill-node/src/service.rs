@@ -21,7 +21,8 @@ use tonic::{Request, Response, Status};
 use crate::metrics::Metrics;
 use baton_node_common::convert;
 use baton_node_common::kv::{parse_endpoint, ExportSource, KvNode};
-use baton_node_common::prefix_pull::{connect_decode_node, pull_prefix};
+use baton_node_common::prefix_pull::{connect_decode_node, expect_caller, first_importable_block, pull_prefix};
+use baton_proto::plane::Expect;
 
 pub struct PrefillService {
     /// How this node pulls prefixes from decode nodes.
@@ -58,7 +59,10 @@ impl PrefillNode for PrefillService {
             return Err(Status::unavailable("the node is draining"));
         }
         self.metrics.turns.increment(1);
-        let r = self.prefill_inner(request.into_inner()).await;
+        // A prefix is pulled only from the decode node that asked (`prefix_source` is
+        // its address): a caller cannot point the pull at a node it chose.
+        let holder = expect_caller(&request);
+        let r = self.prefill_inner(request.into_inner(), holder).await;
         if r.is_err() {
             self.metrics.failures.increment(1);
         }
@@ -71,7 +75,7 @@ impl PrefillNode for PrefillService {
 }
 
 impl PrefillService {
-    async fn prefill_inner(&self, r: pb::PrefillRequest) -> Result<pb::PrefillResponse, Status> {
+    async fn prefill_inner(&self, r: pb::PrefillRequest, holder: Expect) -> Result<pb::PrefillResponse, Status> {
         let started = Instant::now();
         let mut req = convert::request(r.turn, r.sampling)?;
         let grant = Grant::from_bytes(&r.grant).map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -95,8 +99,10 @@ impl PrefillService {
         let (prompt, owner, platform) = (req.prompt.clone(), req.owner.clone(), req.platform_prefix_len);
         let have = blocking(move || engine.cached_prefix_tokens(&prompt, &owner, platform)).await?.map_err(|e| baton_proto::status(&e))?.min(k);
         let mut pulled = None;
-        if have < k && !r.prefix_source.is_empty() {
-            match self.pull_prefix(&req.prompt[..k], &req.owner, req.platform_prefix_len, have / bt, &r.prefix_source).await {
+        // The platform prefix is never pulled (its blocks are every user's): without it
+        // here, this node computes the prefix itself.
+        if have < k && !r.prefix_source.is_empty() && have / bt >= first_importable_block(req.platform_prefix_len, bt) {
+            match self.pull_prefix(&req.prompt[..k], &req.owner, req.platform_prefix_len, have / bt, (r.prefix_source.as_str(), holder)).await {
                 Ok(i) => {
                     self.metrics.pulled.increment(1);
                     pulled = Some(i);
@@ -160,12 +166,12 @@ impl PrefillService {
     }
 
     /// Pulls prefix blocks `[start_block, prefix.len() / bt)` from the decode node at `source`.
-    async fn pull_prefix(&self, prefix: &[u32], owner: &OwnerId, platform: usize, start_block: usize, source: &str) -> Result<KvImport, Status> {
+    async fn pull_prefix(&self, prefix: &[u32], owner: &OwnerId, platform: usize, start_block: usize, (source, holder): (&str, Expect)) -> Result<KvImport, Status> {
         let started = Instant::now();
-        let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(&self.plane, source))
+        let mut client = tokio::time::timeout(self.pull_deadline, connect_decode_node(&self.plane, source, holder.clone()))
             .await
             .map_err(|_| Status::deadline_exceeded("prefix pull"))??;
         let left = self.pull_deadline.saturating_sub(started.elapsed());
-        pull_prefix(&self.kv, &mut client, prefix, owner, platform, start_block, left).await
+        pull_prefix(&self.kv, &mut client, holder, prefix, owner, platform, start_block, left).await
     }
 }

@@ -64,6 +64,7 @@ fn decode_info(name: &str) -> NodeInfo {
         block_tokens: 16,
         kv_blocks_total: 1000,
         load: None,
+        identity_key: Vec::new(),
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use baton_proto::common::NodeInfo;
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, LeaseGrantOptions, PutOptions, WatchOptions};
 use prost::Message;
 use tokio::sync::watch;
 
@@ -168,7 +168,9 @@ impl Membership for EtcdMembership {
         let node = node_id_of(&info).to_string();
         let mut c = self.client.clone();
         let old = c.get(self.key(&node), None).await?.kvs().first().map(|kv| kv.lease());
-        let lease = c.lease_grant(self.ttl.as_secs() as i64, None).await?;
+        // A random ID (etcd's own are predictable): see `super::new_lease_id`.
+        let opts = LeaseGrantOptions::new().with_id(super::new_lease_id() as i64);
+        let lease = c.lease_grant(self.ttl.as_secs() as i64, Some(opts)).await?;
         c.put(self.key(&node), info.encode_to_vec(), Some(PutOptions::new().with_lease(lease.id()))).await?;
         if let Some(old) = old.filter(|&o| o != 0 && o != lease.id()) {
             // The node's previous lease holds nothing now; drop it (it may be gone).

@@ -25,20 +25,25 @@ struct Entry {
 /// Leases by ID with deadlines, and the node each one holds.
 #[derive(Debug, Default)]
 pub struct LeaseTable {
-    next_id: u64,
     leases: HashMap<u64, Entry>,
     by_node: BTreeMap<String, u64>,
 }
 
 impl LeaseTable {
     pub fn new() -> Self {
-        Self { next_id: 1, ..Self::default() }
+        Self::default()
     }
 
-    /// Registers `info` until `now + ttl`, replacing the node's previous lease.
+    /// Registers `info` until `now + ttl`, replacing the node's previous lease. Lease IDs
+    /// are random ([`super::new_lease_id`]): renewing or dropping a lease needs its ID,
+    /// which only the node that registered it learnt.
     pub fn register(&mut self, info: NodeInfo, now: Instant, ttl: Duration) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = loop {
+            let id = super::new_lease_id();
+            if !self.leases.contains_key(&id) {
+                break id;
+            }
+        };
         let node = node_id_of(&info).to_string();
         if let Some(old) = self.by_node.insert(node, id) {
             self.leases.remove(&old);

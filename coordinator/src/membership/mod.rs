@@ -6,6 +6,7 @@
 //! leaves; renewing an unknown lease answers `false`, which tells the node to register
 //! again. Every change bumps a generation number that [`Membership::subscribe`] exposes.
 
+pub mod binding;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod memory;
@@ -44,6 +45,18 @@ impl Member {
     /// The node's ID string.
     pub fn id(&self) -> &str {
         node_id_of(&self.info)
+    }
+}
+
+/// A fresh lease ID: 63 random bits from a CSPRNG (positive as etcd's signed IDs, never
+/// 0). A lease ID is what renews and drops a lease, so it must not be guessable by other
+/// holders of a pool certificate.
+pub fn new_lease_id() -> u64 {
+    loop {
+        let id = rand::random::<u64>() >> 1;
+        if id != 0 {
+            return id;
+        }
     }
 }
 

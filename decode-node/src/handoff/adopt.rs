@@ -11,7 +11,9 @@
 //!
 //! What is adopted is the whole blocks both the prompt and the source hold,
 //! short of the prompt's last token (the engine computes at least one prompt
-//! token itself). A pull that fails
+//! token itself), past the platform prefix: that one is only ever computed
+//! here, and without it nothing is adopted. The source of an `AdoptPrefix` is
+//! its caller (the draining node), whatever address the request names. A pull that fails
 //! leaves nothing behind: the reservation is released by the transport, and
 //! the next turn simply starts cold.
 
@@ -24,8 +26,8 @@ use tonic::Status;
 use baton_node_common::convert;
 use baton_node_common::kv::KvNode;
 pub(crate) use baton_node_common::prefix_pull::connect_decode_node as connect;
-use baton_node_common::prefix_pull::pull_prefix;
-use baton_proto::plane::Plane;
+use baton_node_common::prefix_pull::{first_importable_block, pull_prefix};
+use baton_proto::plane::{Expect, Plane};
 
 /// What an adoption did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,13 +50,15 @@ fn one_token() -> Result<(baton_text::sampling::ValidSamplingParams, bool), Stat
 }
 
 /// Makes `req.prompt`'s whole blocks (all but its last token) warm here, as
-/// far as the decode node at `source` holds them, pulling what is missing.
+/// far as the decode node at `source` holds them, pulling what is missing. The
+/// source must be the node `holder` names (the caller of `AdoptPrefix`), and the
+/// platform prefix is never pulled: without it here, nothing is adopted.
 pub async fn adopt(
     engine: &std::sync::Arc<Engine>,
     kv: &KvNode,
     plane: &Plane,
     mut req: Request,
-    source: &str,
+    (source, holder): (&str, Expect),
     deadline: Duration,
 ) -> Result<Adopted, Status> {
     let started = Instant::now();
@@ -76,8 +80,14 @@ pub async fn adopt(
     if had_blocks >= (req.prompt.len() - 1) / bt {
         return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
     }
+    if had_blocks < first_importable_block(req.platform_prefix_len, bt) {
+        // Imported blocks would be published under platform scope, which every user's
+        // turns read: the conversation's next turn computes its platform prefix here.
+        tracing::debug!(had_blocks, "the platform prefix is not held here; nothing adopted");
+        return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
+    }
     let mut client =
-        tokio::time::timeout(deadline, connect(plane, source)).await.map_err(|_| Status::deadline_exceeded("connecting to the prefix source"))??;
+        tokio::time::timeout(deadline, connect(plane, source, holder.clone())).await.map_err(|_| Status::deadline_exceeded("connecting to the prefix source"))??;
     let peek = pb::CachedPrefixRequest {
         tokens: req.prompt.clone(),
         owner: req.owner.as_str().to_string(),
@@ -92,7 +102,7 @@ pub async fn adopt(
         return Ok(Adopted { had_tokens: had, pulled_tokens: 0 });
     }
     let left = deadline.saturating_sub(started.elapsed());
-    let import = pull_prefix(kv, &mut client, &req.prompt[..whole * bt], &req.owner, req.platform_prefix_len, had_blocks, left).await?;
+    let import = pull_prefix(kv, &mut client, holder, &req.prompt[..whole * bt], &req.owner, req.platform_prefix_len, had_blocks, left).await?;
     let pulled_tokens = import.blocks.len() * bt;
     // One token past the adopted blocks, so the engine computes exactly it.
     req.prompt.truncate(whole * bt + 1);

@@ -468,6 +468,9 @@ impl Engine {
         let layout = self.info.kv_layout;
         if let Some(import) = &options.import {
             handoff::validate_import(import, request.prompt.len(), layout.block_tokens, layout.block_bytes())?;
+            if let Some(first) = &import.first_token {
+                handoff::validate_first_token(first, self.info.vocab)?;
+            }
         }
         if let Some(start) = options.export_from_block {
             if start >= request.prompt.len().div_ceil(layout.block_tokens) {

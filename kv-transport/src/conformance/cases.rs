@@ -510,6 +510,22 @@ pub async fn hostile_frames_are_rejected(kind: Kind) {
     rig.finish(&src, &dst);
 }
 
+/// A stream's first frame is read under the limits of a link that has not opened: a data
+/// header announcing a 60 MiB payload is refused from its header alone, before anything
+/// is allocated or read (the receiver used to allocate the payload first, for any
+/// certificate of the cluster, on each of 1,024 streams per connection).
+pub async fn a_first_frame_cannot_make_the_receiver_allocate(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let res = rig.receiver.reserve(4, LONG).unwrap();
+    let mut claim = data(&res, 0, 0, 0, 0);
+    claim.header.payload_len = 60 << 20;
+    // The payload never follows: a receiver waiting for it would not answer in time.
+    let reply = raw_exchange(&rig, vec![claim]).await;
+    assert_eq!(failure_kind(reply), "unexpected_frame");
+    assert_eq!(rig.receiver.live_reservations(), 1, "the reservation is untouched");
+    drop(res);
+}
+
 pub async fn concurrent_transfers_are_isolated(kind: Kind) {
     let rig = Rig::new(kind, SMALL).await;
     let sizes = [1usize, 17, 64, 90];

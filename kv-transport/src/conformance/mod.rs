@@ -314,4 +314,5 @@ suite!(
     incomplete_transfer_is_rejected,
     hostile_frames_are_rejected,
     concurrent_transfers_are_isolated,
+    a_first_frame_cannot_make_the_receiver_allocate,
 );

@@ -90,6 +90,13 @@ pub struct FrameLimits {
     pub max_payload: u32,
 }
 
+impl FrameLimits {
+    /// What a link accepts before its `Open` frame: no `Data` payload at all (an `Open`
+    /// frame's payload has its own fixed length). A stream's first frame can then never
+    /// make the receiver allocate more than a header and an `Open` payload, whoever sent it.
+    pub const OPENING: FrameLimits = FrameLimits { max_payload: 0 };
+}
+
 impl Default for FrameLimits {
     fn default() -> Self {
         FrameLimits {

@@ -368,7 +368,17 @@ impl KvReceiver {
             Ok(Ok(Some(f))) => f,
             Ok(Ok(None)) => return,
             Ok(Err(e)) => {
+                // A first frame refused before its payload was read (a data frame before
+                // open): say why, as for a whole frame refused below.
                 tracing::debug!(error = %e, "link failed before opening");
+                if matches!(e, Error::UnexpectedFrame { .. } | Error::FrameTooLarge { .. } | Error::FrameMalformed { .. }) {
+                    for s in [&inner.stats, &ls] {
+                        s.add(&s.rejected_frames, 1);
+                        s.record_failure(&e);
+                    }
+                    let _ = send_bounded(&mut *tx, Frame::failed(ReservationId(0), Epoch(0), e.to_wire())).await;
+                    linger(&mut *rx, inner.config.linger).await;
+                }
                 return;
             }
             Err(_) => {
@@ -392,6 +402,10 @@ impl KvReceiver {
                 return;
             }
         };
+        // From here on a data frame carries at most one layer of this reservation's
+        // blocks: a larger one is refused before its payload is read.
+        let most = entry.blocks.len() as u64 * inner.layout.bytes_per_block_layer() as u64;
+        rx.limit(FrameLimits { max_payload: u32::try_from(most).unwrap_or(u32::MAX) });
         // Whatever ends this task (return, panic, abort by a listener shutdown) ends the
         // reservation if it is still open.
         let _guard = LinkGuard {

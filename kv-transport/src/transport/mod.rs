@@ -13,8 +13,9 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 
-use crate::error::Result;
-use crate::handoff::frame::Frame;
+use crate::error::{Error, Result};
+use crate::handoff::frame::{Frame, FrameLimits};
+use crate::types::ReservationId;
 
 pub mod inproc;
 pub mod quic;
@@ -36,6 +37,54 @@ pub trait LinkTx: Send {
 pub trait LinkRx: Send {
     /// The next frame; `Ok(None)` when the peer closed the link cleanly.
     fn recv(&mut self) -> BoxFuture<'_, Result<Option<Frame>>>;
+    /// Tightens what later frames may carry, checked before anything is allocated (the
+    /// receiver calls it once a link opened a reservation: no data frame may exceed one
+    /// layer of that reservation). Links that do not read from a byte stream ignore it.
+    fn limit(&mut self, _limits: FrameLimits) {}
+}
+
+/// Which limits apply to a stream link's next frame: [`FrameLimits::OPENING`] until a
+/// first frame arrived, then the link's own.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StreamLimits {
+    opened: bool,
+    limits: FrameLimits,
+}
+
+impl StreamLimits {
+    pub(crate) fn new(limits: FrameLimits) -> Self {
+        StreamLimits { opened: false, limits }
+    }
+
+    /// The limits for the next frame.
+    pub(crate) fn next(&self) -> FrameLimits {
+        if self.opened {
+            self.limits
+        } else {
+            FrameLimits::OPENING
+        }
+    }
+
+    /// What reading one frame under [`StreamLimits::next`] gave: a data payload before
+    /// the link opened is the unexpected frame it is (refused before its payload was
+    /// read), as a receiver fed whole frames would say.
+    pub(crate) fn read<T>(&mut self, r: Result<Option<T>>) -> Result<Option<T>> {
+        match r {
+            Err(Error::FrameTooLarge { .. }) if !self.opened => {
+                Err(Error::UnexpectedFrame { reservation: ReservationId(0), what: "data before open" })
+            }
+            Ok(Some(f)) => {
+                self.opened = true;
+                Ok(Some(f))
+            }
+            other => other,
+        }
+    }
+
+    /// Tightens (never widens) the limits for later frames.
+    pub(crate) fn tighten(&mut self, limits: FrameLimits) {
+        self.limits.max_payload = self.limits.max_payload.min(limits.max_payload);
+    }
 }
 
 /// One transfer's channel of frames in both directions.

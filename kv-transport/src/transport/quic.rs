@@ -29,7 +29,7 @@ use crate::certs::NodeTls;
 use crate::error::{Error, Result};
 use crate::handoff::frame::{read_frame, Frame, FrameLimits};
 use crate::handoff::KvReceiver;
-use crate::transport::{BoxFuture, Connector, Link, LinkRx, LinkTx, Listener, Peer};
+use crate::transport::{BoxFuture, Connector, Link, LinkRx, LinkTx, Listener, Peer, StreamLimits};
 
 const NAME: &str = "quic";
 
@@ -195,7 +195,7 @@ pub(crate) fn endpoint(
 struct QuicTx(quinn::SendStream);
 struct QuicRx {
     recv: quinn::RecvStream,
-    limits: FrameLimits,
+    limits: StreamLimits,
 }
 
 impl LinkTx for QuicTx {
@@ -216,14 +216,21 @@ impl LinkTx for QuicTx {
 
 impl LinkRx for QuicRx {
     fn recv(&mut self) -> BoxFuture<'_, Result<Option<Frame>>> {
-        Box::pin(async move { read_frame(&mut self.recv, &self.limits).await })
+        Box::pin(async move {
+            let frame = read_frame(&mut self.recv, &self.limits.next()).await;
+            self.limits.read(frame)
+        })
+    }
+
+    fn limit(&mut self, limits: FrameLimits) {
+        self.limits.tighten(limits);
     }
 }
 
 fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits, peer: Option<Identity>) -> Link {
     Link {
         tx: Box::new(QuicTx(send)),
-        rx: Box::new(QuicRx { recv, limits }),
+        rx: Box::new(QuicRx { recv, limits: StreamLimits::new(limits) }),
         transport: NAME,
         peer,
     }

@@ -20,7 +20,7 @@ use crate::certs::NodeTls;
 use crate::error::{Error, Result};
 use crate::handoff::frame::{read_frame, write_frame, Frame, FrameLimits};
 use crate::handoff::KvReceiver;
-use crate::transport::{BoxFuture, Connector, Link, LinkRx, LinkTx, Listener, Peer};
+use crate::transport::{BoxFuture, Connector, Link, LinkRx, LinkTx, Listener, Peer, StreamLimits};
 
 const NAME: &str = "tls_tcp";
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -28,7 +28,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 struct StreamTx<W>(W);
 struct StreamRx<R> {
     r: R,
-    limits: FrameLimits,
+    limits: StreamLimits,
 }
 
 impl<W: AsyncWrite + Unpin + Send> LinkTx for StreamTx<W> {
@@ -45,7 +45,14 @@ impl<W: AsyncWrite + Unpin + Send> LinkTx for StreamTx<W> {
 
 impl<R: AsyncRead + Unpin + Send> LinkRx for StreamRx<R> {
     fn recv(&mut self) -> BoxFuture<'_, Result<Option<Frame>>> {
-        Box::pin(async move { read_frame(&mut self.r, &self.limits).await })
+        Box::pin(async move {
+            let frame = read_frame(&mut self.r, &self.limits.next()).await;
+            self.limits.read(frame)
+        })
+    }
+
+    fn limit(&mut self, limits: FrameLimits) {
+        self.limits.tighten(limits);
     }
 }
 
@@ -56,7 +63,7 @@ where
     let (r, w): (ReadHalf<S>, WriteHalf<S>) = tokio::io::split(stream);
     Link {
         tx: Box::new(StreamTx(w)),
-        rx: Box::new(StreamRx { r, limits }),
+        rx: Box::new(StreamRx { r, limits: StreamLimits::new(limits) }),
         transport: NAME,
         peer,
     }

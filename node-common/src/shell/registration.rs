@@ -30,6 +30,7 @@ pub(super) fn register(node: &Node, role: IdRole, kv_endpoint: &str, ready: &Arc
         block_tokens: node.kv.layout.block_tokens,
         kv_blocks_total: node.engine.info.kv_blocks as u64,
         load: None,
+        identity_key: Vec::new(),
     };
     let e = node.engine.clone();
     let handle = MembershipClient::replicas(node.config.coordinators.clone(), info, node.plane.clone()).with_load(move || load_report(&e)).spawn();

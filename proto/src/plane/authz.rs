@@ -4,7 +4,7 @@
 //!
 //! The table grants by role. What a role may do with a method's fields is the handler's
 //! second check: a node registers, renews and leaves only under the name and role of its
-//! certificate ([`claim_node`]).
+//! certificate ([`claim_node`]) and only with the key that holds the name ([`caller_key`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -44,7 +44,7 @@ pub const RULES: &[Rule] = &[
     Rule { method: "/baton.coordinator.Coordinator/Register", allow: &[R(Prefill), R(Decode)], why: "a node joins, under the name and role of its certificate" },
     Rule { method: "/baton.coordinator.Coordinator/KeepAlive", allow: &[R(Prefill), R(Decode)], why: "a node renews its own lease" },
     Rule { method: "/baton.coordinator.Coordinator/Deregister", allow: &[R(Prefill), R(Decode)], why: "a node leaves, releasing its own lease" },
-    Rule { method: "/baton.coordinator.Coordinator/RouteDecode", allow: &[R(Gateway), R(Decode)], why: "the gateway routes each turn; a draining decode node asks where each conversation goes" },
+    Rule { method: "/baton.coordinator.Coordinator/RouteDecode", allow: &[R(Gateway), R(Decode)], why: "the gateway routes each turn; a draining decode node asks where each of its conversations goes, excluding only itself" },
     Rule { method: "/baton.coordinator.Coordinator/RoutePrefill", allow: &[R(Decode)], why: "a decode node asks where to prefill a long tail" },
     Rule { method: "/baton.coordinator.Coordinator/EvictConversation", allow: &[R(Gateway)], why: "a user deleted a conversation" },
     Rule { method: "/baton.coordinator.Coordinator/ListNodes", allow: &[R(Gateway), R(Operator)], why: "fleet inspection" },
@@ -93,6 +93,11 @@ pub struct Caller(pub Identity);
 /// The identity of the caller of `req` (None in plaintext mode).
 pub fn caller<T>(req: &tonic::Request<T>) -> Option<&Identity> {
     req.extensions().get::<Caller>().map(|c| &c.0)
+}
+
+/// The caller's certificate key ([`PeerInfo::key`]; None in plaintext mode).
+pub fn caller_key<T>(req: &tonic::Request<T>) -> Option<[u8; 32]> {
+    req.extensions().get::<PeerInfo>().and_then(|p| p.key)
 }
 
 /// Whether the caller of `req` may act as node `node_id` in `role`; always true in
@@ -204,7 +209,7 @@ mod tests {
     use super::*;
 
     fn peer(role: Role, name: &str, remote: &str) -> PeerInfo {
-        PeerInfo { remote: Some(remote.parse().unwrap()), identity: Some(Identity::new(role, name).unwrap()) }
+        PeerInfo { remote: Some(remote.parse().unwrap()), identity: Some(Identity::new(role, name).unwrap()), key: Some([7; 32]) }
     }
 
     /// Every `rpc` of proto/*.proto has exactly one rule, and every rule names an `rpc`.
@@ -251,7 +256,7 @@ mod tests {
         assert!(decide(m, Some(&peer(Decode, "decode-0", "10.0.0.1:1")), None).is_ok());
         let e = decide(m, Some(&peer(Gateway, "gateway", "10.0.0.1:1")), None).unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        let e = decide(m, Some(&PeerInfo { remote: None, identity: None }), None).unwrap_err();
+        let e = decide(m, Some(&PeerInfo { remote: None, identity: None, key: None }), None).unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let e = decide("/baton.node.DecodeNode/Shutdown", Some(&peer(Operator, "ops", "10.0.0.1:1")), None).unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);

@@ -24,6 +24,9 @@ pub struct PeerInfo {
     pub remote: Option<SocketAddr>,
     /// The identity the client's certificate names (None in plaintext mode).
     pub identity: Option<Identity>,
+    /// SHA-256 of the client certificate's public key ([`Identity::key_of_cert_der`]):
+    /// what tells two holders of one identity apart (None in plaintext mode).
+    pub key: Option<[u8; 32]>,
 }
 
 /// An accepted connection: TLS, or plain TCP in plaintext mode.
@@ -148,7 +151,7 @@ impl Plane {
                 };
                 let _ = tcp.set_nodelay(true);
                 let Security::Mtls { acceptor, .. } = &*security else {
-                    let conn = PlaneConn { io: MaybeTls::Plain(tcp), peer: PeerInfo { remote: Some(remote), identity: None } };
+                    let conn = PlaneConn { io: MaybeTls::Plain(tcp), peer: PeerInfo { remote: Some(remote), identity: None, key: None } };
                     if tx.send(Ok(conn)).await.is_err() {
                         return;
                     }
@@ -168,14 +171,15 @@ impl Plane {
                     };
                     // The chain was checked against the cluster CA in the handshake; the
                     // certificate must also name an identity.
-                    let identity = match tls.get_ref().1.peer_certificates().and_then(|c| c.first()) {
+                    let (identity, key) = match tls.get_ref().1.peer_certificates().and_then(|c| c.first()) {
                         None => return reject(&stats, ConnectionRefusal::NoCertificate, Some(remote), &"no client certificate"),
-                        Some(cert) => match Identity::from_cert_der(cert) {
-                            Ok(id) => id,
+                        Some(cert) => match Identity::from_cert_der(cert).and_then(|id| Ok((id, Identity::key_of_cert_der(cert)?))) {
+                            Ok(found) => found,
                             Err(e) => return reject(&stats, ConnectionRefusal::NoIdentity, Some(remote), &e),
                         },
                     };
-                    let conn = PlaneConn { io: MaybeTls::Tls(Box::new(tls)), peer: PeerInfo { remote: Some(remote), identity: Some(identity) } };
+                    let peer = PeerInfo { remote: Some(remote), identity: Some(identity), key: Some(key) };
+                    let conn = PlaneConn { io: MaybeTls::Tls(Box::new(tls)), peer };
                     let _ = tx.send(Ok(conn)).await;
                 });
             }

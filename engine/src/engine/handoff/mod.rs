@@ -109,6 +109,20 @@ pub(crate) fn validate_import(import: &KvImport, prompt_len: usize, block_tokens
     Ok(())
 }
 
+/// The first token another node sampled is data from a peer: an ID outside this
+/// engine's vocabulary would index past its tables (it panicked the engine's thread), and a
+/// logprob must be one (finite or -inf, never above 0, never NaN).
+pub(crate) fn validate_first_token(first: &ImportedToken, vocab: usize) -> Result<(), EngineError> {
+    let logprob_ok = |l: f32| !l.is_nan() && l <= 0.0;
+    if first.id as usize >= vocab || first.top_logprobs.iter().any(|&(id, _)| id as usize >= vocab) {
+        return Err(EngineError::BadImport { what: "the imported first token is outside the vocabulary" });
+    }
+    if !logprob_ok(first.logprob) || first.top_logprobs.iter().any(|&(_, l)| !logprob_ok(l)) {
+        return Err(EngineError::BadImport { what: "the imported first token's logprob is not a log-probability" });
+    }
+    Ok(())
+}
+
 /// How an import is applied once the cache matched `matched` blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ImportPlan {
@@ -157,6 +171,22 @@ mod tests {
         bad.blocks[1].push(0);
         assert!(validate_import(&bad, 40, 16, 8).is_err());
         assert!(validate_import(&import(0, 0, false), 40, 16, 8).is_err());
+    }
+
+    #[test]
+    fn a_first_token_from_a_peer_is_checked() {
+        let ok = ImportedToken { id: 9, logprob: -0.5, top_logprobs: vec![(9, -0.5), (3, f32::NEG_INFINITY)] };
+        assert!(validate_first_token(&ok, 10).is_ok());
+        for bad in [
+            ImportedToken { id: 10, ..ok.clone() },
+            ImportedToken { id: u32::MAX, ..ok.clone() },
+            ImportedToken { top_logprobs: vec![(10, -1.0)], ..ok.clone() },
+            ImportedToken { logprob: f32::NAN, ..ok.clone() },
+            ImportedToken { logprob: 3.0, ..ok.clone() },
+            ImportedToken { top_logprobs: vec![(1, f32::NAN)], ..ok.clone() },
+        ] {
+            assert!(validate_first_token(&bad, 10).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -9,17 +9,19 @@ use super::*;
 impl Inner {
     pub(super) fn accept_open(&self, f: &Frame, peer: Option<&baton_identity::Identity>) -> Result<Arc<Entry>> {
         let h = f.header;
+        // The kind first: a link's first frame is refused for what it is, whatever its
+        // payload (a byte-stream transport refuses a data payload before reading it).
+        if h.kind != FrameKind::Open {
+            return Err(Error::UnexpectedFrame {
+                reservation: h.reservation,
+                what: h.kind.name(),
+            });
+        }
         if !f.verify() {
             return Err(Error::FrameChecksum {
                 reservation: h.reservation,
                 layer: h.layer,
                 block: h.first_block,
-            });
-        }
-        if h.kind != FrameKind::Open {
-            return Err(Error::UnexpectedFrame {
-                reservation: h.reservation,
-                what: h.kind.name(),
             });
         }
         let entry = self.lookup(h.reservation, h.epoch)?;

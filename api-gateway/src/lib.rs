@@ -28,6 +28,7 @@ pub mod markdown;
 pub mod metrics;
 pub mod openai;
 pub mod openai_common;
+pub mod page;
 pub mod params;
 pub mod pipeline;
 pub mod polled;
@@ -67,7 +68,7 @@ pub struct Args {
     pub listen: SocketAddr,
     /// The store of keys, conversations and turns: a SQLite file path, or a
     /// `postgres://user:password@host:port/db` URL (several replicas share it).
-    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
+    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db", hide_env_values = true)]
     pub db: PathBuf,
     /// Replicas sharing one PostgreSQL: a replica whose heartbeat is older than this is
     /// dead, and a retry of a turn it was streaming takes the turn over (at least 2s;

@@ -278,3 +278,28 @@ fn logprobs_carry_nothing_the_sanitizer_removed() {
     assert_eq!(texts[0].1, reply);
     assert!(reply.starts_with(&texts[1].1) && texts[1].1.len() >= reply.len() - 16, "{:?}", texts[1].1);
 }
+
+#[test]
+fn the_page_cannot_be_framed_or_run_other_scripts() {
+    let Some(g) = start(&[]) else { return };
+    let mut s = TcpStream::connect(g.addr).unwrap();
+    write!(s, "GET / HTTP/1.0\r\nHost: gateway\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let head = resp.split_once("\r\n\r\n").unwrap().0.to_ascii_lowercase();
+    for h in ["content-security-policy: default-src 'none'; script-src 'sha256-", "frame-ancestors 'none'", "x-frame-options: deny", "x-content-type-options: nosniff"] {
+        assert!(head.contains(h), "{h} missing in\n{head}");
+    }
+    assert!(!head.contains("unsafe-inline"), "{head}");
+}
+
+#[test]
+fn help_shows_no_secret_from_the_environment() {
+    use clap::CommandFactory;
+    // The one test in this binary that sets the environment (help reads it).
+    std::env::set_var("BATON_DB", "postgres://baton:hunter2-db-password@db.internal/baton");
+    let help = Wrap::command().render_long_help().to_string();
+    std::env::remove_var("BATON_DB");
+    assert!(help.contains("BATON_DB"), "the flag still names its variable");
+    assert!(!help.contains("hunter2"), "{help}");
+}

@@ -106,7 +106,7 @@ pub enum KeysCommand {
 #[derive(Args, Debug)]
 pub struct KeysArgs {
     /// The gateway's store: a SQLite file or a `postgres://` URL.
-    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
+    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db", hide_env_values = true)]
     pub db: PathBuf,
     #[command(subcommand)]
     pub command: KeysCommand,
@@ -169,7 +169,7 @@ pub struct ChatArgs {
     /// The gateway's base URL.
     #[arg(long, env = "BATON_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
-    #[arg(long, env = "BATON_API_KEY")]
+    #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
     pub key: String,
     /// Continue this conversation instead of starting one.
     #[arg(long)]

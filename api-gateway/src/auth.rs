@@ -86,30 +86,47 @@ impl FromRequestParts<Arc<App>> for AuthUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<App>) -> Result<Self, ApiError> {
-        let address = parts.extensions.get::<crate::listen::ClientAddr>().map(|a| a.0);
-        let failed = |app: &Arc<App>| match address.and_then(|a| app.key_cache.failed(a)) {
-            Some(wait) => ApiError::rate_limited("failed_key_lookups", wait),
-            None => ApiError::unauthorized(),
-        };
         let Some(key) = bearer(parts) else {
-            return Err(failed(app));
+            // No key: the anonymous budget of the client's (real) address, which nothing a
+            // keyed request needs draws on.
+            let address = client_address(parts, app);
+            return Err(match address.and_then(|a| app.lookups.anonymous(a)) {
+                Some(wait) => refuse(wait),
+                None => ApiError::unauthorized(),
+            });
         };
         let h = hash_key(&key);
         if let Some(u) = app.key_cache.get(&h) {
             return Ok(AuthUser(owner_of(u)?, KeyHash(h)));
         }
-        // An address that keeps presenting unknown keys waits before its next store lookup.
-        if let Some(wait) = address.and_then(|a| app.key_cache.blocked(a)) {
-            return Err(ApiError::rate_limited("failed_key_lookups", wait));
-        }
+        // A key that keeps failing waits before its next store read; so does a key never
+        // valid here while failed lookups of everyone have spent the global budget.
+        app.lookups.before_lookup(&h).map_err(refuse)?;
         match app.store.user_for_key(&h).await? {
             Some(u) => {
+                app.lookups.valid(&h);
                 app.key_cache.put(h.clone(), u.clone());
                 Ok(AuthUser(owner_of(u)?, KeyHash(h)))
             }
-            None => Err(failed(app)),
+            None => {
+                app.lookups.failed(&h);
+                Err(ApiError::unauthorized())
+            }
         }
     }
+}
+
+/// The refusal of a request the lookup limits hold back (a 429 with Retry-After).
+fn refuse(wait: crate::lookup_limits::Wait) -> ApiError {
+    crate::metrics::rate_limited(wait.limit());
+    ApiError::rate_limited(wait.limit(), wait.retry_after())
+}
+
+/// The client's address: the connection's peer, or behind a trusted proxy the client it
+/// names ([`crate::proxy`]).
+pub fn client_address(parts: &Parts, app: &App) -> Option<std::net::IpAddr> {
+    let peer = parts.extensions.get::<crate::listen::ClientAddr>()?.0;
+    Some(app.config.trusted_proxies.client_address(peer, &parts.headers))
 }
 
 #[cfg(test)]

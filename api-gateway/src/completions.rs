@@ -172,7 +172,7 @@ pub async fn completions(State(app): State<Arc<App>>, AuthUser(user, api_key): A
     let prompt = Prompt { ids, platform_prefix_len: 0 };
     let mut reply = app.start_reply(&user, &api_key, prompt, key, req.sampling.clone()).await?;
     let logprobs = req.sampling.logprobs;
-    let mut format = TextChunks { app: app.clone(), logprobs, text_offset: 0 };
+    let mut format = TextChunks { logprobs, text_offset: 0 };
     if req.stream {
         return Ok(sse_response(reply, envelope, req.include_usage, format).into_response());
     }
@@ -202,23 +202,23 @@ impl LegacyLogprobs {
 
 /// Completions' choices: `text` deltas and legacy logprobs.
 struct TextChunks {
-    app: Arc<App>,
     logprobs: bool,
     /// Characters of the completion's tokens so far (the next token's `text_offset`).
     text_offset: usize,
 }
 
 impl TextChunks {
-    fn token_text(&self, id: u32) -> String {
-        String::from_utf8_lossy(&self.app.context.tokenizer.token_bytes(id).unwrap_or_default()).into_owned()
-    }
-
     /// Appends a token's entry: its logprob, the top alternatives and, as OpenAI does,
     /// the sampled token among them even when it is not in the top.
     fn push_logprob(&mut self, lps: &mut LegacyLogprobs, t: &TokenInfo) {
         let Some(lp) = t.logprob else { return };
-        let text = self.token_text(t.id);
-        let mut top: Map<String, Value> = t.top_logprobs.iter().map(|&(id, lp)| (self.token_text(id), json!(lp))).collect();
+        // Filtered text only ([`TokenInfo`]); alternatives whose text is the same (e.g.
+        // empty) keep the most likely one's log-probability.
+        let text = t.text.clone();
+        let mut top = Map::new();
+        for a in &t.top_logprobs {
+            top.entry(a.text.clone()).or_insert(json!(a.logprob));
+        }
         top.entry(text.clone()).or_insert(json!(lp));
         lps.text_offset.push(self.text_offset);
         self.text_offset += text.chars().count();

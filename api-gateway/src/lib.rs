@@ -9,6 +9,7 @@
 //! `run(config, generator, shutdown)`.
 
 pub mod admission;
+pub mod alternatives;
 pub mod auth;
 pub mod checks;
 pub mod client;
@@ -23,13 +24,16 @@ pub mod key_cache;
 pub mod limits;
 pub mod listen;
 pub mod live;
+pub mod lookup_limits;
 pub mod markdown;
 pub mod metrics;
 pub mod openai;
 pub mod openai_common;
+pub mod page;
 pub mod params;
 pub mod pipeline;
 pub mod polled;
+pub mod proxy;
 pub mod responses;
 pub mod server;
 pub mod slo;
@@ -66,7 +70,7 @@ pub struct Args {
     pub listen: SocketAddr,
     /// The store of keys, conversations and turns: a SQLite file path, or a
     /// `postgres://user:password@host:port/db` URL (several replicas share it).
-    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db")]
+    #[arg(long, env = "BATON_DB", default_value = "baton-gateway.db", hide_env_values = true)]
     pub db: PathBuf,
     /// Replicas sharing one PostgreSQL: a replica whose heartbeat is older than this is
     /// dead, and a retry of a turn it was streaming takes the turn over (at least 2s;
@@ -135,6 +139,11 @@ pub struct Args {
     /// Client connections open at once; past it a new connection is closed at once.
     #[arg(long, env = "BATON_MAX_CONNECTIONS", default_value_t = 8192)]
     pub max_connections: usize,
+    /// Reverse proxies (addresses or CIDRs, comma-separated) whose `X-Forwarded-For`
+    /// names the client; from any other peer the header is ignored. Per-address budgets
+    /// (requests without a key) then count the real client, not the proxy.
+    #[arg(long, env = "BATON_TRUSTED_PROXIES", value_delimiter = ',')]
+    pub trusted_proxies: Vec<String>,
     /// Client connections open at once from one IP address.
     #[arg(long, env = "BATON_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = 256)]
     pub max_connections_per_address: usize,
@@ -198,6 +207,8 @@ pub struct Config {
     pub max_tokens_ceiling: usize,
     /// Open connections, header and body deadlines.
     pub connections: listen::ConnLimits,
+    /// Peers whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: proxy::TrustedProxies,
     /// Operators' listener (/metrics, /healthz without a key).
     pub admin_listen: Option<SocketAddr>,
     /// Opens /metrics on the public listener.
@@ -241,6 +252,7 @@ impl TryFrom<Args> for Config {
             Some(p) => RuleCheck::load(p)?,
             None => RuleCheck::default(),
         };
+        let trusted_proxies = proxy::TrustedProxies::parse(&a.trusted_proxies).map_err(|e| anyhow::anyhow!("--trusted-proxies: {e}"))?;
         let tls = tls::TlsConfig::from_flags(a.tls_cert.as_deref(), a.tls_key.as_deref())?;
         anyhow::ensure!(a.admin_listen != Some(a.listen), "--admin-listen must differ from --listen");
         let admin_key = AdminKey::from_env_or_file(a.admin_key_file.as_deref()).context("the admin key")?;
@@ -276,6 +288,7 @@ impl TryFrom<Args> for Config {
                 max_per_address: a.max_connections_per_address,
                 header_timeout: Duration::from_secs(a.header_timeout_seconds),
             },
+            trusted_proxies,
             evict_retry: evictions::Backoff { min: a.evict_retry_min, max: a.evict_retry_max },
             slo: slo::SloTargets { ttft: a.slo_ttft, itl: a.slo_itl },
         })

@@ -166,12 +166,12 @@ pub async fn chat_completions(
     let envelope = Envelope::new(&app, "chatcmpl", "chat.completion");
     tracing::info!(request = %envelope.id, user = %crate::auth::user_log_id(user.as_str()), prompt_tokens = prompt.ids.len(), "chat completion");
     let mut reply = app.start_reply(&user, &api_key, prompt, key, chat.sampling.clone()).await?;
-    let format = ChatChunks { app: app.clone() };
+    let format = ChatChunks;
     if chat.stream {
         return Ok(sse_response(reply, envelope.chunks("chat.completion.chunk"), chat.include_usage, format).into_response());
     }
     let (content, tokens, end) = collect_reply(&mut reply).await?;
-    let logprobs = chat.sampling.logprobs.then(|| json!({"content": tokens.iter().filter_map(|t| logprob_entry(&app, t)).collect::<Vec<_>>()}));
+    let logprobs = chat.sampling.logprobs.then(|| json!({"content": tokens.iter().filter_map(logprob_entry).collect::<Vec<_>>()}));
     let choice = json!({
         "index": 0,
         "message": {"role": "assistant", "content": content},
@@ -181,22 +181,21 @@ pub async fn chat_completions(
     Ok(Json(envelope.body(json!([choice]), Some(usage_json(&end)))).into_response())
 }
 
-fn token_json(app: &App, id: u32, logprob: f32) -> Value {
-    let bytes = app.context.tokenizer.token_bytes(id).unwrap_or_default();
-    json!({"token": String::from_utf8_lossy(&bytes), "logprob": logprob, "bytes": bytes})
+/// One `logprobs.content` entry: the token's filtered text ([`TokenInfo`]), never the
+/// tokenizer's spelling of its ID.
+fn token_json(text: &str, logprob: f32) -> Value {
+    json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
 }
 
-fn logprob_entry(app: &App, t: &TokenInfo) -> Option<Value> {
+fn logprob_entry(t: &TokenInfo) -> Option<Value> {
     let lp = t.logprob?;
-    let mut v = token_json(app, t.id, lp);
-    v["top_logprobs"] = Value::Array(t.top_logprobs.iter().map(|&(id, lp)| token_json(app, id, lp)).collect());
+    let mut v = token_json(&t.text, lp);
+    v["top_logprobs"] = Value::Array(t.top_logprobs.iter().map(|a| token_json(&a.text, a.logprob)).collect());
     Some(v)
 }
 
 /// Chat's chunks: a role delta first, then content deltas with `logprobs.content`.
-struct ChatChunks {
-    app: Arc<App>,
-}
+struct ChatChunks;
 
 impl ChunkFormat for ChatChunks {
     fn opening(&mut self) -> Option<Value> {
@@ -204,7 +203,7 @@ impl ChunkFormat for ChatChunks {
     }
 
     fn delta(&mut self, text: String, token: Option<&TokenInfo>) -> Option<Value> {
-        let lp = token.and_then(|t| logprob_entry(&self.app, t));
+        let lp = token.and_then(logprob_entry);
         if text.is_empty() && lp.is_none() {
             return None;
         }

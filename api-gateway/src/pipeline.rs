@@ -5,6 +5,7 @@
 //! Dropping a [`Reply`] drops the generator stream (the engine cancels the
 //! sequence) and the limits permit, and meters what was generated.
 
+use crate::alternatives::{Alternative, AlternativesFilter};
 use crate::checks::{Filtered, OutputFilter};
 use crate::context::Prompt;
 use crate::error::ApiError;
@@ -22,12 +23,18 @@ use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// A generated token as sent to the client.
+/// A generated token as sent to the client. Its strings are filtered output, never the
+/// tokenizer's spelling of an ID ([`crate::alternatives`]): whatever renders a
+/// `logprobs` field must take its text from here.
 #[derive(Clone, Debug)]
 pub struct TokenInfo {
     pub id: u32,
     pub logprob: Option<f32>,
-    pub top_logprobs: Vec<(u32, f32)>,
+    /// What this token released of the reply's filtered text (may be empty: held back,
+    /// removed, or a special token).
+    pub text: String,
+    /// The top alternatives, each with the text it released in its rank's own filter.
+    pub top_logprobs: Vec<Alternative>,
 }
 
 /// What a reply yields.
@@ -56,6 +63,8 @@ pub struct Reply {
     user: String,
     events: Option<GenerationStream>,
     filter: OutputFilter,
+    /// The filters of the top alternatives' ranks (when the request asked for them).
+    alternatives: AlternativesFilter,
     permit: Option<Permit>,
     prompt_len: usize,
     /// When the request started and when its tokens arrived (TTFT, ITL, the SLO).
@@ -102,6 +111,7 @@ impl App {
             user: owner.as_str().to_string(),
             events: Some(events),
             filter: OutputFilter::new(self.checks.clone(), self.links.clone(), self.check_window),
+            alternatives: AlternativesFilter::new(self.context.tokenizer.clone(), self.checks.clone(), self.links.clone(), self.check_window),
             permit: Some(permit),
             prompt_len,
             clock: TurnClock::start(started),
@@ -166,10 +176,14 @@ impl Reply {
             Some(GenEvent::Token(t)) => {
                 metrics::token(&mut self.clock);
                 self.output_ids.push(t.id);
-                let token = Some(TokenInfo { id: t.id, logprob: t.logprob, top_logprobs: t.top_logprobs });
-                match self.filter.push(&t.text) {
+                // A special token (end of turn and the like) is never text, whatever the
+                // node that sent it says.
+                let raw = if self.app.context.tokenizer.is_special(t.id) { "" } else { t.text.as_str() };
+                match self.filter.push(raw) {
                     Filtered::Text(text) => {
                         self.text.push_str(&text);
+                        let top_logprobs = self.alternatives.push(&t.top_logprobs);
+                        let token = Some(TokenInfo { id: t.id, logprob: t.logprob, text: text.clone(), top_logprobs });
                         Piece::Delta { text, token }
                     }
                     Filtered::Blocked(reason) => {

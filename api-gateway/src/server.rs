@@ -10,17 +10,13 @@ use crate::state::App;
 use crate::{completions, conversations, metrics, openai, responses};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-
-async fn index() -> Html<&'static str> {
-    Html(include_str!("web/index.html"))
-}
 
 async fn metrics_text() -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], metrics::encode()).into_response()
@@ -63,7 +59,7 @@ async fn fallback() -> ApiError {
 /// The router over `app`.
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
-        .route("/", get(index))
+        .route("/", get(crate::page::index))
         .route("/healthz", get(health))
         .route("/metrics", get(public_metrics))
         .route("/v1/models", get(openai::models))

@@ -34,6 +34,8 @@ pub struct App {
     /// Bytes of reply tail the output check needs to see.
     pub check_window: usize,
     pub key_cache: KeyCache,
+    /// Budgets of requests without a valid key (never charged to valid keys).
+    pub lookups: crate::lookup_limits::LookupLimits,
     pub live: Registry,
     /// Per-conversation turn admission (idempotency decisions of one conversation see
     /// each other; different conversations never wait on each other).
@@ -68,6 +70,7 @@ pub fn build_app(
         check_window,
         context,
         key_cache: KeyCache::new(Duration::from_secs(10)),
+        lookups: Default::default(),
         live: Default::default(),
         admission: Default::default(),
         model_id,

@@ -36,7 +36,7 @@ pub struct LoadArgs {
     #[arg(long, env = "BATON_BENCH_URL", default_value = "http://127.0.0.1:8080/v1")]
     pub url: String,
     /// Bearer token sent with every request.
-    #[arg(long, env = "BATON_API_KEY")]
+    #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Model name to request; default: the first one `/models` lists.
     #[arg(long)]

@@ -137,6 +137,8 @@ pub struct Args {
     #[arg(long, env = "BATON_MAX_TOKENS_CEILING", default_value_t = 4096)]
     pub max_tokens_ceiling: usize,
     /// Client connections open at once; past it a new connection is closed at once.
+    /// Lowered at start, with a warning, to fit the open-files limit (less 512 for the
+    /// process's own files), after raising the soft limit to the hard one.
     #[arg(long, env = "BATON_MAX_CONNECTIONS", default_value_t = 8192)]
     pub max_connections: usize,
     /// Reverse proxies (addresses or CIDRs, comma-separated) whose `X-Forwarded-For`

@@ -2,7 +2,9 @@
 //! gateway away from everyone else:
 //! - at most `max_connections` open connections, and `max_per_address` from one client
 //!   address; a connection past either is closed at once (counted in
-//!   `baton_gateway_connections_refused_total{reason}`);
+//!   `baton_gateway_connections_refused_total{reason}`). At start the soft limit on open
+//!   files is raised to the hard one and `max_connections` kept under it
+//!   ([`ConnLimits::within`]), so the cap engages before the kernel stops accepting;
 //! - a request's headers must arrive within `header_timeout`, which also closes a
 //!   keep-alive connection idle for that long between requests;
 //! - TLS handshakes run in the connection's own task, bounded by
@@ -48,6 +50,40 @@ impl Default for ConnLimits {
     fn default() -> Self {
         ConnLimits { max_connections: 8192, max_per_address: 256, header_timeout: Duration::from_secs(15) }
     }
+}
+
+/// Descriptors kept out of the client connections' reach, for the process's own files:
+/// the store, gRPC channels to the coordinators and nodes, listeners, logs.
+pub const RESERVED_DESCRIPTORS: u64 = 512;
+
+impl ConnLimits {
+    /// These limits with `max_connections` lowered where needed so that every connection
+    /// and the process's own files fit `open_files` (the soft limit on open files). Past
+    /// that limit `accept` fails in the kernel: new connections, real clients' among them,
+    /// wait in its queue, and the gateway's own cap, which would close them at once, never
+    /// engages.
+    pub fn within(self, open_files: u64) -> ConnLimits {
+        let room = open_files.saturating_sub(RESERVED_DESCRIPTORS).max(1);
+        ConnLimits { max_connections: self.max_connections.min(usize::try_from(room).unwrap_or(usize::MAX)), ..self }
+    }
+}
+
+/// Raises this process's soft limit on open files to its hard limit (which needs no
+/// privilege), and returns the soft limit then in force.
+pub fn raise_open_files_limit() -> std::io::Result<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read or write only the struct passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    Ok(lim.rlim_cur)
 }
 
 /// Open connections, in all and per client address.
@@ -192,5 +228,34 @@ pub async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<B
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
         Err(_) => Err(ApiError::bad_request("could not read the request body")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_cap_fits_under_the_open_files_limit() {
+        let asked = ConnLimits::default();
+        // A container's common soft limit: 8,192 connections would exhaust it first.
+        assert_eq!(asked.within(1024).max_connections, 1024 - RESERVED_DESCRIPTORS as usize);
+        assert_eq!(asked.within(4096).max_connections, 4096 - RESERVED_DESCRIPTORS as usize);
+        // A large limit leaves the flag as given; the other limits never change.
+        assert_eq!(asked.within(1 << 20), asked);
+        assert_eq!(asked.within(1024).max_per_address, asked.max_per_address);
+        // Below the reserve, one connection at a time rather than none.
+        assert_eq!(asked.within(100).max_connections, 1);
+    }
+
+    #[test]
+    fn the_soft_open_files_limit_is_raised_to_the_hard_one() {
+        let soft = raise_open_files_limit().unwrap();
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes only the struct passed.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+        assert_eq!(soft, lim.rlim_cur, "the limit in force is the one returned");
+        // (An unlimited hard limit cannot be the soft one for open files: it stays as it was.)
+        assert!(lim.rlim_cur == lim.rlim_max || lim.rlim_max == libc::RLIM_INFINITY, "{} of {}", lim.rlim_cur, lim.rlim_max);
     }
 }

@@ -122,7 +122,22 @@ pub async fn serve_with_admin(
         tracing::info!(cert = %t.cert.display(), "gateway serves HTTPS");
         t.acceptor()
     });
-    let limits = app.config.connections;
+    let mut limits = app.config.connections;
+    match crate::listen::raise_open_files_limit() {
+        Ok(open_files) => {
+            let fitted = limits.within(open_files);
+            if fitted.max_connections < limits.max_connections {
+                tracing::warn!(
+                    asked = limits.max_connections,
+                    allowed = fitted.max_connections,
+                    open_files,
+                    "--max-connections lowered to fit the open-files limit (raise the hard limit, e.g. LimitNOFILE or ulimit -Hn, for more)"
+                );
+            }
+            limits = fitted;
+        }
+        Err(e) => tracing::warn!(error = %e, "could not read the open-files limit; --max-connections kept as given"),
+    }
     // One shutdown for both listeners.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {

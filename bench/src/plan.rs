@@ -197,22 +197,7 @@ pub fn planner(a: &PlanArgs) -> Result<Planner> {
         max: a.max_nodes,
         spare,
     };
-    Ok(Planner::new(PlannerConfig {
-        cost,
-        prefill: limits,
-        decode: limits,
-        interval_s: a.interval,
-        load_time_s: a.load_time,
-        scale_down_delay_s: a.scale_down_delay,
-        scale_down_step: 0.1,
-        queue_per_node: 8.0,
-        kv_high: 0.9,
-        correction_alpha: 0.2,
-        forecast_alpha: 0.3,
-        forecast_beta: 0.02,
-        shape: None,
-        predict: true,
-    })?)
+    Ok(Planner::new(PlannerConfig::tuned(cost, limits, a.interval, a.load_time, a.scale_down_delay))?)
 }
 
 /// One decision from the cluster's current metrics.

@@ -89,6 +89,29 @@ pub struct PlannerConfig {
 }
 
 impl PlannerConfig {
+    /// The planner's tuning as `baton plan` runs it (and the day simulator measures it):
+    /// shed at most 10% of a pool an interval, grow prefill past 8 queued turns a node and
+    /// decode past 90% KV occupancy, smooth corrections by 0.2 and the forecast by Holt's
+    /// 0.3 / 0.02, no daily shape, sizing for the forecast peak.
+    pub fn tuned(cost: CostModel, limits: PoolLimits, interval_s: f64, load_time_s: f64, scale_down_delay_s: f64) -> PlannerConfig {
+        PlannerConfig {
+            cost,
+            prefill: limits,
+            decode: limits,
+            interval_s,
+            load_time_s,
+            scale_down_delay_s,
+            scale_down_step: 0.1,
+            queue_per_node: 8.0,
+            kv_high: 0.9,
+            correction_alpha: 0.2,
+            forecast_alpha: 0.3,
+            forecast_beta: 0.02,
+            shape: None,
+            predict: true,
+        }
+    }
+
     fn validate(&self) -> Result<(), BenchError> {
         for (name, l) in [
             ("prefill limits", self.prefill),

@@ -81,22 +81,7 @@ impl DayConfig {
                 host_tier_ratio: 3.0,
                 drain_s: 60.0,
             },
-            planner: PlannerConfig {
-                cost,
-                prefill: limits,
-                decode: limits,
-                interval_s: 30.0,
-                load_time_s: 300.0,
-                scale_down_delay_s: 600.0,
-                scale_down_step: 0.1,
-                queue_per_node: 8.0,
-                kv_high: 0.9,
-                correction_alpha: 0.2,
-                forecast_alpha: 0.3,
-                forecast_beta: 0.02,
-                shape: None,
-                predict: true,
-            },
+            planner: PlannerConfig::tuned(cost, limits, 30.0, 300.0, 600.0),
             seed: 1,
         }
     }

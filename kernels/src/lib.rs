@@ -26,6 +26,7 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod quant;
+pub mod step;
 
 pub use attention::AttnRow;
 pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, OptionalOp};
@@ -38,3 +39,4 @@ pub use kv::{KvDtype, KvGroups, KvLayout, KvStorage, UNMAPPED};
 pub use matmul::QMatrix;
 pub use ops::RopeTable;
 pub use quant::WeightFormat;
+pub use step::StepInput;

@@ -21,6 +21,8 @@ pub mod cuda;
 pub mod emu;
 #[cfg(feature = "emu")]
 pub mod emu_backend;
+#[cfg(feature = "emu")]
+mod emu_steps;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
@@ -35,6 +37,8 @@ pub use error::{Error, Result};
 pub use cuda::CudaBackend;
 #[cfg(feature = "emu")]
 pub use emu_backend::EmuBackend;
+#[cfg(feature = "emu")]
+pub use emu_steps::EmuStepStats;
 pub use kv::{KvDtype, KvGroups, KvLayout, KvStorage, UNMAPPED};
 pub use matmul::QMatrix;
 pub use ops::RopeTable;

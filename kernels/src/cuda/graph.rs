@@ -214,12 +214,8 @@ impl CudaBackend {
             drop((s, guard));
             return body(kv);
         }
-        if !s.step_words.contains_key(&key) {
-            // Not counted as an allocation: no other shape's graph holds this buffer.
-            let words = self.stream.alloc_zeros::<u32>(layout.words).unwrap_or_else(|e| fail("allocating step inputs", e));
-            s.step_words.insert(key, words);
-        }
-        let dst = s.step_words.get_mut(&key).expect("inserted above");
+        // Not counted as an allocation: no other shape's graph holds this buffer.
+        let dst = s.step_words.entry(key).or_insert_with(|| self.stream.alloc_zeros::<u32>(layout.words).unwrap_or_else(|e| fail("allocating step inputs", e)));
         g.stage(&self.ctx, &self.stream, dst).unwrap_or_else(|e| fail("copying step inputs", e));
         s.active = Some(ActiveStep { key, layout, limits });
         drop(s);

@@ -267,10 +267,16 @@ impl CudaBackend {
     fn capture_step(&self, kv: &mut CudaKv, body: &mut dyn FnMut(&mut CudaKv)) -> Result<CudaGraph, String> {
         self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| format!("cuStreamBeginCapture: {e:?}"))?;
         self.capture.arm();
-        body(kv);
+        // An operation the capture invalidated fails, and the backend panics on a failed
+        // operation: caught here, so that the step falls back to eager instead.
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(kv)));
         let refused = self.capture.disarm();
         // Graphs hold no allocations (the guard refuses them), so freeing on launch changes nothing.
         let ended = self.stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        if let Err(panic) = ran {
+            let why = panic.downcast_ref::<String>().map(String::as_str).or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("a panic");
+            return Err(format!("an operation failed during capture: {why}"));
+        }
         if !refused.is_empty() {
             return Err(format!("refused during capture: {}", refused.join(", ")));
         }

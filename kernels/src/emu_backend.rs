@@ -151,9 +151,9 @@ impl Backend for EmuBackend {
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
-        // Every op the kernels implement; attention and the arena are the CPU's.
-        let _ = op;
-        true
+        // Every op the kernels implement; attention and the arena are the CPU's. With decode
+        // steps, a plain arena as on the GPU (a grouped one has no spare block for padding rows).
+        !(op == OptionalOp::GroupedKv && self.steps.is_some())
     }
 
     fn tensor(&self, len: usize) -> Vec<f32> {

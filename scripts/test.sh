@@ -100,7 +100,7 @@ step "cargo test --features rdma" cargo test -p baton-kv-transport --release --l
 # CPU backend: their logic is tested here even without a GPU.
 step "cargo test --features emu" cargo test -p baton-kernels --release --locked --features emu --test cuda_emulated "$@"
 # And a whole forward pass of SmolLM2 and Gemma 3 with those kernels (EmuBackend) against the CPU backend.
-step "cargo test --features emu (engine)" cargo test -p baton-engine --release --locked --features emu --test cuda_emulated_engine "$@"
+step "cargo test --features emu (engine)" cargo test -p baton-engine --release --locked --features emu --test cuda_emulated_engine --test decode_steps_emulated "$@"
 # The Kubernetes node identities (wildcard certificates, tls-layout.sh) with the binary just built.
 if [ $# -eq 0 ]; then
     step "deploy/k8s/identity-test.sh" bash deploy/k8s/identity-test.sh "${CARGO_TARGET_DIR:-target}/release/baton" "$BATON_MODEL"

@@ -9,6 +9,9 @@
 //!   miss names its cause;
 //! - prefill tokens/s against the matrix-unit roofline: model FLOPs per token /
 //!   measured cuBLAS bf16 GEMM throughput;
+//! - the same decode steps as CUDA graphs (`cuda::graph`: captured once per
+//!   shape, replayed) beside the eager steps, and whether their logits are the
+//!   same bits;
 //! - KV blocks to and from host memory through the staging buffers;
 //! - the analytic model (`cuda::roofline`): per timed part, its roofline, the
 //!   time its kernels' designs lead one to expect (occupancy, loads in flight,
@@ -27,7 +30,7 @@ use std::time::Instant;
 use baton_kernels::cuda::plan::AttentionPlan;
 use baton_kernels::cuda::roofline::{self, AttentionShape, Estimate, Gpu, Peaks};
 use baton_kernels::cuda::{CudaBackend, CudaMatrix, GEMM_ROWS};
-use baton_kernels::{AttnRow, Backend, KvDtype, KvLayout};
+use baton_kernels::{AttnRow, Backend, KvDtype, KvLayout, StepInput};
 
 #[derive(Clone, Copy)]
 struct Shape {
@@ -130,6 +133,46 @@ fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a:
     g.gather_rows(&a.x, s.dim, logits_rows, &mut a.att);
     g.rmsnorm(&a.att, &m.norm, 1e-5, logits_rows.len(), s.dim, &mut a.h);
     g.matmul(&a.h, logits_rows.len(), &mut [(&m.head, &mut a.logits)]);
+}
+
+/// One decode step eager and as a CUDA graph (after a warm-up step and the
+/// capture), from the same starting activations `x0`: the seconds of each
+/// (mean of three), whether the graph's logits are the eager step's bits, and the
+/// backend's graph counts.
+#[allow(clippy::too_many_arguments)]
+fn graph_step(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a: &mut Acts, x0: &<CudaBackend as Backend>::Tensor, attn: &[AttnRow], slots: &[(u32, u32)], positions: &[u32], logits_rows: &[usize]) -> (f64, f64, bool, String) {
+    let tokens = vec![0u32; attn.len()];
+    let step = StepInput { tokens: &tokens, positions, slots, attn, logit_rows: logits_rows };
+    let program = a as *const Acts as usize;
+    let logits = |a: &Acts| {
+        let mut out = vec![0f32; logits_rows.len() * m.s.vocab];
+        g.download(&a.logits, &mut out);
+        out
+    };
+    let run = |a: &mut Acts, kv: &mut <CudaBackend as Backend>::Kv, graphs: bool| {
+        g.set_graphs(graphs);
+        g.copy(x0, &mut a.x);
+        g.decode_step(kv, &step, program, &mut |kv| forward(g, m, kv, a, attn, slots, positions, logits_rows));
+    };
+    // Few steps: the check's time is bounded (bench/gpu/run.sh), and a step of batch 256 is long.
+    let time = |a: &mut Acts, kv: &mut <CudaBackend as Backend>::Kv, graphs: bool| {
+        for _ in 0..if graphs { 3 } else { 1 } {
+            run(a, kv, graphs); // with graphs: the shape's eager step, its capture, a first replay
+        }
+        g.synchronize();
+        let t = Instant::now();
+        for _ in 0..3 {
+            run(a, kv, graphs);
+        }
+        g.synchronize();
+        t.elapsed().as_secs_f64() / 3.0
+    };
+    let eager = time(a, kv, false);
+    let want = logits(a);
+    let graph = time(a, kv, true);
+    let same = logits(a).iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
+    let st = g.graph_stats();
+    (eager, graph, same, format!("{} captured, {} replayed, {} eager fallbacks", st.captures, st.replays, st.fallbacks))
 }
 
 /// The matrix products of one forward pass alone (every layer, and the head for `logits_rows`).
@@ -283,6 +326,7 @@ fn main() {
     println!("| shape | batch | step ms | roofline ms | ratio | bytes read/step | products ms (weights GB/s) | attention ms (KV GB/s) |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut prefill_lines = Vec::new();
+    let mut graph_lines = Vec::new();
     for s in [LLAMA_8B, LLAMA_70B_TP8] {
         let m = build(&g, s);
         let weight_bytes = s.matrix_params() * 2;
@@ -314,6 +358,12 @@ fn main() {
             }
             g.synchronize();
             let step = t.elapsed().as_secs_f64() / steps as f64;
+            if g.set_graphs(true) {
+                let x0 = g.upload(&vec![0.01; batch * s.dim]);
+                let (eager, graph, same, counts) = graph_step(&g, &m, &mut kv, &mut a, &x0, &attn, &slots, &positions, &logits_rows);
+                let same = if same { "yes" } else { "NO" };
+                graph_lines.push(format!("| {} | {batch} | {:.2} | {:.2} | {:.2}x | {same} | {counts} |", s.name, eager * 1e3, graph * 1e3, eager / graph));
+            }
             let bytes = weight_bytes + batch * (CONTEXT + 1) * s.kv_bytes_per_token();
             let roof = bytes as f64 / (bw * 1e9);
             // Where the step goes: the same products alone, and attention over every layer alone.
@@ -384,6 +434,17 @@ fn main() {
             achieved,
             100.0 * achieved / tflops
         ));
+    }
+    println!();
+    if graph_lines.is_empty() {
+        println!("decode steps as CUDA graphs: off (BATON_CUDA_GRAPHS=0)");
+    } else {
+        println!("decode step eager and as a CUDA graph (same inputs; logits compared bit for bit):");
+        println!("| shape | batch | eager step ms | graph step ms | speedup | same bits | graphs |");
+        println!("| --- | ---: | ---: | ---: | ---: | --- | --- |");
+        for l in graph_lines {
+            println!("{l}");
+        }
     }
     println!();
     println!("| shape | prompt tokens | prefill tok/s | achieved TFLOP/s | of measured GEMM |");

@@ -13,6 +13,7 @@ use crate::matmul::{matmul_many, Acts, QMatrix};
 use crate::ops::{self, RopeTable};
 use crate::pool::Pool;
 use crate::quant::{QuantizedActs, WeightFormat};
+use crate::step::StepInput;
 
 /// Operations that only some architectures use, which a backend may lack;
 /// a model needing one the backend lacks is refused at load
@@ -144,6 +145,27 @@ pub trait Backend: Send + Sync {
     }
     fn kv_block_layer_out(&self, kv: &Self::Kv, block: usize, layer: usize, out: &mut [u8]);
     fn kv_block_layer_in(&self, kv: &mut Self::Kv, block: usize, layer: usize, data: &[u8]);
+
+    /// The rows a step of `input` runs as: `Some(bucket)` when the backend may
+    /// replay it from a capture (a decode-shaped step, [`crate::step::decode_rows`]),
+    /// in which case the caller pads it to that many rows
+    /// ([`crate::step::PaddedStep`]) and runs it through [`Backend::decode_step`];
+    /// `None`, the default, runs it as it is.
+    fn decode_step_rows(&self, input: &StepInput) -> Option<usize> {
+        let _ = input;
+        None
+    }
+
+    /// Runs `body`, a forward pass over the padded decode step `input` that
+    /// queues its operations on this backend, or replays what an earlier call of
+    /// the same `program` (the caller's buffers: one body over the same tensors
+    /// every time) and shape captured, in which case `body` is not called; the
+    /// kernels read the step's inputs from where this call staged them. A row's
+    /// results are the same bits either way. The default calls `body`.
+    fn decode_step(&self, kv: &mut Self::Kv, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut Self::Kv)) {
+        let _ = (input, program);
+        body(kv)
+    }
 }
 
 /// The CPU backend: host memory, a spinning fork-join pool, SIMD kernels chosen at run

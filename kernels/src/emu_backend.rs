@@ -13,27 +13,60 @@
 //!
 //! For tests only: every kernel runs on the calling thread, one fiber per
 //! GPU thread.
+//!
+//! Made with [`EmuBackend::with_decode_steps`], it also runs decode steps the
+//! way the CUDA backend captures and replays them (`emu_steps`).
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use crate::attention::AttnRow;
 use crate::backend::{Backend, CpuBackend, KernelError, OptionalOp};
 use crate::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
 use crate::emu::{self, Launch};
+use crate::emu_steps::{self, EmuStepStats, EmuSteps};
 use crate::kv::{KvGroups, KvLayout, KvStorage};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
 use crate::quant::WeightFormat;
+use crate::step::{CaptureGuard, StepInput};
 
 /// The CUDA kernels on the CPU; see the module docs.
 pub struct EmuBackend {
     cpu: CpuBackend,
+    /// Replayable decode steps, when made with them.
+    steps: Option<Mutex<EmuSteps>>,
+    capture: CaptureGuard,
 }
 
 impl EmuBackend {
     /// `threads`: the CPU backend's, for the products and attention.
     pub fn new(threads: usize) -> Result<Self, KernelError> {
-        Ok(EmuBackend { cpu: CpuBackend::new(threads)? })
+        Ok(EmuBackend { cpu: CpuBackend::new(threads)?, steps: None, capture: CaptureGuard::default() })
+    }
+
+    /// The backend with the CUDA backend's replayable decode steps (`emu_steps`):
+    /// decode-shaped steps padded to buckets, their inputs read from staged words.
+    pub fn with_decode_steps(threads: usize) -> Result<Self, KernelError> {
+        Ok(EmuBackend { steps: Some(Mutex::default()), ..EmuBackend::new(threads)? })
+    }
+
+    /// What the decode steps did so far (all zero without them).
+    pub fn step_stats(&self) -> EmuStepStats {
+        self.steps.as_ref().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).stats.clone()).unwrap_or_default()
+    }
+
+    /// Runs `f` on the staged words of the step under way, if there is one;
+    /// otherwise records the upload from host memory the CUDA backend would make
+    /// (refused during a capture) and returns `None`.
+    fn staged<R>(&self, f: impl FnOnce(&emu_steps::Staged) -> R) -> Option<R> {
+        let st = self.steps.as_ref().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()));
+        match st.as_ref().and_then(|s| s.active.as_ref()) {
+            Some(staged) => Some(f(staged)),
+            None => {
+                self.capture.allow("index upload");
+                None
+            }
+        }
     }
 }
 
@@ -97,10 +130,15 @@ impl Backend for EmuBackend {
     }
 
     fn kv(&self, layout: KvLayout, blocks: usize) -> Result<KvStorage, KernelError> {
-        self.cpu.kv(layout, blocks)
+        self.capture.alloc("the KV arena");
+        // With decode steps, a spare block past the engine's for padding rows, as on the GPU.
+        self.cpu.kv(layout, blocks + usize::from(self.steps.is_some()))
     }
 
     fn kv_grouped(&self, layout: KvLayout, blocks: usize, units: usize, groups: KvGroups) -> Result<KvStorage, KernelError> {
+        if self.steps.is_some() {
+            return Err(KernelError::BackendUnavailable { backend: "emulated cuda", reason: "decode steps over a grouped KV arena are not emulated (the CUDA backend has no grouped arena)".into() });
+        }
         self.cpu.kv_grouped(layout, blocks, units, groups)
     }
 
@@ -113,16 +151,18 @@ impl Backend for EmuBackend {
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
-        // Every op the kernels implement; attention and the arena are the CPU's.
-        let _ = op;
-        true
+        // Every op the kernels implement; attention and the arena are the CPU's. With decode
+        // steps, a plain arena as on the GPU (a grouped one has no spare block for padding rows).
+        !(op == OptionalOp::GroupedKv && self.steps.is_some())
     }
 
     fn tensor(&self, len: usize) -> Vec<f32> {
+        self.capture.alloc("a tensor");
         vec![0.0; len]
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {
+        self.capture.alloc("an uploaded tensor");
         data.to_vec()
     }
 
@@ -132,6 +172,7 @@ impl Backend for EmuBackend {
 
     fn ensure_len(&self, t: &mut Vec<f32>, len: usize) {
         if t.len() < len {
+            self.capture.alloc("growing a tensor");
             t.resize(len, 0.0);
         }
     }
@@ -143,6 +184,7 @@ impl Backend for EmuBackend {
         assert!(tokens.iter().all(|&t| (t as usize) < table.q.n), "token beyond the embedding table ({})", table.q.n);
         let k = table.q.k;
         self.ensure_len(out, tokens.len() * k);
+        let tokens = self.staged(|s| s.words(&s.layout.tokens).to_vec()).unwrap_or_else(|| tokens.to_vec());
         // SAFETY: the table holds n x k values, `out` tokens x k, every token < n (checked).
         unsafe { emu::embed_bf16(&launch(plan::per_row(tokens.len(), ROW_THREADS)), table.bf16().as_ptr(), tokens.as_ptr(), k as i32, out.as_mut_ptr()) };
     }
@@ -158,6 +200,9 @@ impl Backend for EmuBackend {
     }
 
     fn matmul(&self, x: &Vec<f32>, rows: usize, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        for (m, out) in outs.iter_mut() {
+            self.ensure_len(out, rows * m.q.n);
+        }
         let mut cpu: Vec<(&QMatrix, &mut Vec<f32>)> = outs.iter_mut().map(|(m, o)| (&m.q, &mut **o)).collect();
         self.cpu.matmul(x, rows, &mut cpu);
     }
@@ -170,6 +215,7 @@ impl Backend for EmuBackend {
             panic!("position {p} beyond the rope table ({})", rope.max_pos);
         }
         assert!(x.len() >= positions.len() * heads * rope.head_dim, "apply_rope: rows past the tensor");
+        let positions = self.staged(|s| s.words(&s.layout.positions).to_vec()).unwrap_or_else(|| positions.to_vec());
         let (cos, sin) = rope.tables();
         // SAFETY: x holds a row of heads x head_dim per position, the tables max_pos rows (checked).
         #[rustfmt::skip]
@@ -229,17 +275,33 @@ impl Backend for EmuBackend {
         }
         assert!(rows.iter().all(|&r| (r + 1) * width <= x.len()), "gather_rows: a row past the tensor");
         self.ensure_len(out, rows.len() * width);
-        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let ids = self.staged(|s| s.words(&s.layout.logit_rows).to_vec()).unwrap_or_else(|| rows.iter().map(|&r| r as u32).collect());
         // SAFETY: every picked row is within x (checked), out holds rows x width values.
         unsafe { emu::gather_rows(&launch(plan::per_row(rows.len(), ROW_THREADS)), x.as_ptr(), ids.as_ptr(), width as i32, out.as_mut_ptr()) };
     }
 
     fn kv_write(&self, kv: &mut KvStorage, layer: usize, k: &Vec<f32>, v: &Vec<f32>, slots: &[(u32, u32)]) {
-        self.cpu.kv_write(kv, layer, k, v, slots);
+        let slots = self.staged(|s| s.slots()).unwrap_or_else(|| slots.to_vec());
+        self.cpu.kv_write(kv, layer, k, v, &slots);
     }
 
     fn attention(&self, kv: &KvStorage, layer: usize, q: &Vec<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut Vec<f32>) {
-        self.cpu.attention(kv, layer, q, rows, n_heads, scale, window, out);
+        self.ensure_len(out, rows.len() * n_heads * kv.layout.head_dim);
+        let staged = self.staged(|s| self.cpu.attention(kv, layer, q, &s.attn_rows(), n_heads, scale, window, out));
+        if staged.is_none() {
+            self.cpu.attention(kv, layer, q, rows, n_heads, scale, window, out);
+        }
+    }
+
+    fn decode_step_rows(&self, input: &StepInput) -> Option<usize> {
+        self.steps.as_ref().and_then(|_| crate::step::decode_rows(input))
+    }
+
+    fn decode_step(&self, kv: &mut KvStorage, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut KvStorage)) {
+        match &self.steps {
+            Some(steps) => emu_steps::decode_step(steps, &self.capture, kv, input, program, body),
+            None => body(kv),
+        }
     }
 
     fn kv_copy_block_out(&self, kv: &KvStorage, block: usize, out: &mut [u8]) {

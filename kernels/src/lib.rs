@@ -21,11 +21,14 @@ pub mod cuda;
 pub mod emu;
 #[cfg(feature = "emu")]
 pub mod emu_backend;
+#[cfg(feature = "emu")]
+mod emu_steps;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod quant;
+pub mod step;
 
 pub use attention::AttnRow;
 pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, OptionalOp};
@@ -34,7 +37,10 @@ pub use error::{Error, Result};
 pub use cuda::CudaBackend;
 #[cfg(feature = "emu")]
 pub use emu_backend::EmuBackend;
+#[cfg(feature = "emu")]
+pub use emu_steps::EmuStepStats;
 pub use kv::{KvDtype, KvGroups, KvLayout, KvStorage, UNMAPPED};
 pub use matmul::QMatrix;
 pub use ops::RopeTable;
 pub use quant::WeightFormat;
+pub use step::StepInput;

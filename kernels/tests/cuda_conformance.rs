@@ -419,3 +419,110 @@ fn family_operations_match_the_cpu() {
         assert!(e <= 1e-5, "rope ({what}): {e}");
     }
 }
+
+/// Buffers and weights of `mini_step`: a two-layer decoder's decode step.
+struct Mini {
+    embed: <CudaBackend as Backend>::Matrix,
+    wq: <CudaBackend as Backend>::Matrix,
+    wk: <CudaBackend as Backend>::Matrix,
+    wv: <CudaBackend as Backend>::Matrix,
+    wo: <CudaBackend as Backend>::Matrix,
+    head: <CudaBackend as Backend>::Matrix,
+    norm: <CudaBackend as Backend>::Tensor,
+    rope: <CudaBackend as Backend>::Rope,
+    t: [<CudaBackend as Backend>::Tensor; 9],
+}
+
+const MINI: (usize, usize, usize, usize, usize) = (256, 8, 2, 64, 512); // hidden, heads, KV heads, head size, vocab
+
+/// Every operation a decode step reads its step's inputs in: the embedding,
+/// rope, KV writes, attention and the gather for logits, between products.
+fn mini_step(g: &CudaBackend, m: &mut Mini, kv: &mut <CudaBackend as Backend>::Kv, s: &baton_kernels::StepInput) {
+    let (hid, heads, kvh, hd, _) = MINI;
+    let rows = s.tokens.len();
+    let [x, h, q, k, v, att, o, last, logits] = &mut m.t;
+    g.embed(&m.embed, s.tokens, x);
+    for layer in 0..2 {
+        g.rmsnorm(x, &m.norm, 1e-5, rows, hid, h);
+        g.matmul(h, rows, &mut [(&m.wq, &mut *q), (&m.wk, &mut *k), (&m.wv, &mut *v)]);
+        g.apply_rope(&m.rope, q, s.positions, heads);
+        g.apply_rope(&m.rope, k, s.positions, kvh);
+        g.kv_write(kv, layer, k, v, s.slots);
+        g.attention(kv, layer, q, s.attn, heads, 1.0 / (hd as f32).sqrt(), None, att);
+        g.matmul(att, rows, &mut [(&m.wo, &mut *o)]);
+        g.add(x, o, rows * hid);
+    }
+    g.gather_rows(x, hid, s.logit_rows, last);
+    g.matmul(last, s.logit_rows.len(), &mut [(&m.head, &mut *logits)]);
+}
+
+/// Decode steps replayed as CUDA graphs (`cuda::graph`) against the same steps
+/// run eagerly and unpadded: the same logits bit for bit at batches of 5 and 2
+/// (buckets 8 and 2), through the first step of each shape (eager, from the
+/// staged inputs), its capture and its replays, while the contexts grow; one
+/// capture per shape and no eager fallback.
+#[test]
+fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
+    use baton_kernels::step::{decode_rows, pad_tables, PaddedStep};
+    let Some(g) = gpu() else { return };
+    if !g.set_graphs(true) {
+        println!("CUDA graphs are off (BATON_CUDA_GRAPHS=0): not tested");
+        return;
+    }
+    let (hid, heads, kvh, hd, vocab) = MINI;
+    let mat = |n: usize, k: usize, seed: u64| g.matrix_from_f32(n, k, values(n * k, seed).iter().map(|v| v / (k as f32).sqrt()).collect()).unwrap();
+    let mut m = Mini {
+        embed: mat(vocab, hid, 1),
+        wq: mat(heads * hd, hid, 2),
+        wk: mat(kvh * hd, hid, 3),
+        wv: mat(kvh * hd, hid, 4),
+        wo: mat(hid, heads * hd, 5),
+        head: mat(vocab, hid, 6),
+        norm: g.upload(&vec![1.0; hid]),
+        rope: g.rope(RopeTable::new(hd, 10_000.0, 4096)),
+        t: std::array::from_fn(|_| g.tensor(1)),
+    };
+    let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads: kvh, head_dim: hd, dtype: KvDtype::BF16 };
+    let lens = [600usize, 150, 1, 290, 20];
+    let mut kv = g.kv(layout, 64 * lens.len()).unwrap();
+    let tables: Vec<Vec<u32>> = (0..lens.len()).map(|s| ((s * 64) as u32..((s + 1) * 64) as u32).collect()).collect();
+    for (s, (&len, table)) in lens.iter().zip(&tables).enumerate() {
+        let (k, v, slots) = sequence_kv(s, len, table, layout.token_elems());
+        for layer in 0..2 {
+            g.kv_write(&mut kv, layer, &g.upload(&k), &g.upload(&v), &slots);
+        }
+    }
+    let (mut pos, mut next) = (lens.to_vec(), vec![7u32; lens.len()]);
+    let schedule: Vec<Vec<usize>> = [vec![vec![0, 1, 2, 3, 4]; 5], vec![vec![3, 1]; 4]].concat();
+    for (i, seqs) in schedule.iter().enumerate() {
+        let n = seqs.len();
+        let tokens: Vec<u32> = seqs.iter().map(|&s| next[s]).collect();
+        let positions: Vec<u32> = seqs.iter().map(|&s| pos[s] as u32).collect();
+        let slots: Vec<(u32, u32)> = seqs.iter().map(|&s| (tables[s][pos[s] / 16], (pos[s] % 16) as u32)).collect();
+        let attn: Vec<AttnRow> = seqs.iter().map(|&s| AttnRow { block_table: &tables[s], pos: pos[s] }).collect();
+        let logit_rows: Vec<usize> = (0..n).collect();
+        let input = baton_kernels::StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
+        g.set_graphs(false);
+        mini_step(&g, &mut m, &mut kv, &input);
+        let eager = down(&g, &m.t[8], n * vocab);
+        g.set_graphs(true);
+        let rows = g.decode_step_rows(&input).expect("a decode-shaped step is bucketed");
+        assert_eq!((rows, decode_rows(&input)), (n.next_power_of_two(), Some(rows)));
+        let pads = pad_tables(rows - n);
+        let padded = PaddedStep::new(&input, rows, &pads);
+        let step = padded.input();
+        let program = &m as *const Mini as usize;
+        g.decode_step(&mut kv, &step, program, &mut |kv| mini_step(&g, &mut m, kv, &step));
+        let graph = down(&g, &m.t[8], n * vocab);
+        assert!(eager.iter().zip(&graph).all(|(a, b)| a.to_bits() == b.to_bits()), "step {i} ({n} rows, bucket {rows}): the graph's logits are not the eager step's bits");
+        for (r, &s) in seqs.iter().enumerate() {
+            let row = &eager[r * vocab..(r + 1) * vocab];
+            next[s] = row.iter().enumerate().fold((0, f32::MIN), |b, (j, &x)| if x > b.1 { (j, x) } else { b }).0 as u32;
+            pos[s] += 1;
+        }
+    }
+    let st = g.graph_stats();
+    println!("{st:?}");
+    // Shapes (8 rows, 4 partitions) and (2, 2): eager, captured, then replayed.
+    assert_eq!((st.captures, st.replays, st.fallbacks), (2, 3 + 2, 0), "{st:?}");
+}

@@ -19,6 +19,9 @@ mod support;
 // The attention kernels (CUDA cores and tensor cores) against the CPU backend.
 #[path = "emulated/attention.rs"]
 mod attention;
+// A captured decode step's attention (padded rows, fixed capacity) against the exact launch.
+#[path = "emulated/step.rs"]
+mod step;
 
 fn launch(g: plan::Geometry) -> Launch {
     Launch::new(g.grid, g.block, g.shared_bytes as usize)

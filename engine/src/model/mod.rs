@@ -8,6 +8,10 @@
 //! running sequence) and prefill rows (a chunk of a prompt), each row with its
 //! own position, KV slot and block table. Logits are computed only for the
 //! rows that need sampling, which is what makes long prefills cheap.
+//!
+//! A decode-shaped step (every row its own sequence) on a backend that replays
+//! captured steps (CUDA graphs) is padded to the backend's batch bucket and run
+//! through [`Backend::decode_step`]; the padding rows' logits are never returned.
 
 pub mod arch;
 mod config;
@@ -19,7 +23,9 @@ pub use config::{ConfigError, HfConfig, ModelConfig};
 pub use format::weight_format;
 pub use load::{config_from_gguf, export_hf, load_gguf, load_gguf_weights, load_hf_dir, LoadedModel, ModelError};
 
-use baton_kernels::{AttnRow, Backend};
+use baton_kernels::step::{pad_tables, PaddedStep};
+use baton_kernels::Backend;
+pub use baton_kernels::StepInput;
 
 /// Weights of one transformer layer. The `Option`s are present exactly when
 /// the family has that part.
@@ -54,20 +60,6 @@ pub struct Model<B: Backend> {
     pub layer_rope: Vec<usize>,
     /// Bytes of all weights as prepared on the backend.
     pub weight_bytes: usize,
-}
-
-/// What one forward step computes.
-pub struct StepInput<'a> {
-    /// Token of each row.
-    pub tokens: &'a [u32],
-    /// Position of each row in its sequence.
-    pub positions: &'a [u32],
-    /// `(block, slot)` that receives each row's keys and values.
-    pub slots: &'a [(u32, u32)],
-    /// Block table and position of each row, for attention.
-    pub attn: &'a [AttnRow<'a>],
-    /// Rows whose logits are wanted, in the order they are returned.
-    pub logit_rows: &'a [usize],
 }
 
 /// Reusable activation buffers of a forward pass.
@@ -113,6 +105,32 @@ impl<B: Backend> Model<B> {
     /// (`logit_rows.len() x vocab`, row-major). Must run inside
     /// `backend.run`.
     pub fn forward(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>) -> Vec<f32> {
+        let n = input.logit_rows.len();
+        match backend.decode_step_rows(input) {
+            Some(rows) => {
+                let pads = pad_tables(rows - input.tokens.len());
+                let padded = PaddedStep::new(input, rows, &pads);
+                let step = padded.input();
+                // The program is this scratch: the buffers a captured step writes.
+                let program = s as *const Scratch<B> as usize;
+                backend.decode_step(kv, &step, program, &mut |kv| self.compute(backend, kv, &step, s));
+            }
+            None => self.compute(backend, kv, input, s),
+        }
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut out = vec![0f32; n * self.config.vocab];
+        backend.download(&s.logits, &mut out);
+        if let Some(cap) = self.config.logit_softcap {
+            // On the host: element-wise, so no backend needs a kernel for it.
+            baton_kernels::ops::softcap(&mut out, cap);
+        }
+        out
+    }
+
+    /// Queues one step on the backend, its logits (for `input.logit_rows`) left in `s.logits`.
+    fn compute(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>) {
         let c = &self.config;
         let rows = input.tokens.len();
         debug_assert_eq!(rows, input.positions.len());
@@ -156,19 +174,12 @@ impl<B: Backend> Model<B> {
         }
         let n = input.logit_rows.len();
         if n == 0 {
-            return Vec::new();
+            return;
         }
         backend.gather_rows(&s.x, hid, input.logit_rows, &mut s.last);
         backend.rmsnorm(&s.last, &self.out_norm, c.rms_eps, n, hid, &mut s.h);
         let head = self.output.as_ref().unwrap_or(&self.embed);
         backend.matmul(&s.h, n, &mut [(head, &mut s.logits)]);
-        let mut out = vec![0f32; n * c.vocab];
-        backend.download(&s.logits, &mut out);
-        if let Some(cap) = c.logit_softcap {
-            // On the host: element-wise, so no backend needs a kernel for it.
-            baton_kernels::ops::softcap(&mut out, cap);
-        }
-        out
     }
 
     /// `x += o`, or `x += rmsnorm(o)` with a post norm.

@@ -1,6 +1,12 @@
 //! cuBLAS, bound by hand: a handle and `cublasGemmEx`, for CUDA 12 or 13
 //! (cudarc's generated bindings fix one version; see `nvrtc` for why that
 //! breaks). The enum values below are the C headers', unchanged since CUDA 11.
+//!
+//! Every handle has a workspace of its own, [`WORKSPACE_BYTES`], set with
+//! `cublasSetWorkspace`: cuBLAS then never allocates while a product is queued,
+//! which a CUDA graph capture requires (`graph.rs`), and every handle chooses
+//! its kernels with the same workspace, so a product's bits do not depend on
+//! the handle that ran it.
 
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
@@ -41,6 +47,7 @@ pub struct Cublas {
     create: Symbol<unsafe extern "C" fn(*mut Handle) -> Status>,
     destroy: Symbol<unsafe extern "C" fn(Handle) -> Status>,
     set_stream: Symbol<unsafe extern "C" fn(Handle, *mut c_void) -> Status>,
+    set_workspace: Symbol<unsafe extern "C" fn(Handle, *mut c_void, usize) -> Status>,
     gemm_ex: Symbol<GemmEx>,
     _lib: Library,
 }
@@ -61,6 +68,7 @@ impl Cublas {
                 create: lib.get(b"cublasCreate_v2\0").map_err(|e| missing("cublasCreate_v2", e))?,
                 destroy: lib.get(b"cublasDestroy_v2\0").map_err(|e| missing("cublasDestroy_v2", e))?,
                 set_stream: lib.get(b"cublasSetStream_v2\0").map_err(|e| missing("cublasSetStream_v2", e))?,
+                set_workspace: lib.get(b"cublasSetWorkspace_v2\0").map_err(|e| missing("cublasSetWorkspace_v2", e))?,
                 gemm_ex: lib.get(b"cublasGemmEx\0").map_err(|e| missing("cublasGemmEx", e))?,
                 found: found.clone(),
                 _lib: lib,
@@ -69,11 +77,17 @@ impl Cublas {
     }
 }
 
-/// One cuBLAS handle, bound to one stream. The CUDA context it was made in
-/// must be current on the thread that uses it.
+/// Bytes of each handle's workspace: what cuBLAS takes by default on Hopper
+/// (and recommends giving it there), more than it needs on older GPUs.
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// One cuBLAS handle, bound to one stream, with its own workspace. The CUDA
+/// context it was made in must be current on the thread that uses it.
 pub struct BlasHandle {
     lib: &'static Cublas,
     handle: Handle,
+    /// Device memory of [`WORKSPACE_BYTES`] (0 until set), freed after the handle.
+    workspace: u64,
 }
 
 // SAFETY: a cuBLAS handle may move between threads; the backend uses it under a mutex.
@@ -90,11 +104,20 @@ impl BlasHandle {
         if rc != SUCCESS {
             return Err(fail("cublasCreate", rc));
         }
-        let h = BlasHandle { lib, handle };
+        let mut h = BlasHandle { lib, handle, workspace: 0 };
         // SAFETY: a live handle; the stream belongs to the current context.
         let rc = unsafe { (lib.set_stream)(h.handle, stream) };
         if rc != SUCCESS {
             return Err(fail("cublasSetStream", rc));
+        }
+        // After cublasSetStream, which resets the workspace to cuBLAS's own pool.
+        // SAFETY: a plain allocation in the current context.
+        h.workspace = unsafe { cudarc::driver::result::malloc_sync(WORKSPACE_BYTES) }
+            .map_err(|e| KernelError::BackendUnavailable { backend: "cuda", reason: format!("allocating a {} MiB cuBLAS workspace: {e:?}", WORKSPACE_BYTES >> 20) })?;
+        // SAFETY: a live handle and a live allocation of that many bytes, freed only after the handle.
+        let rc = unsafe { (lib.set_workspace)(h.handle, h.workspace as *mut c_void, WORKSPACE_BYTES) };
+        if rc != SUCCESS {
+            return Err(fail("cublasSetWorkspace", rc));
         }
         Ok(h)
     }
@@ -149,5 +172,10 @@ impl Drop for BlasHandle {
     fn drop(&mut self) {
         // SAFETY: the handle is live and destroyed once.
         unsafe { (self.lib.destroy)(self.handle) };
+        if self.workspace != 0 {
+            // SAFETY: allocated by cuMemAlloc in `new`, freed once, after the handle; cuMemFree
+            // waits for the work queued on the device, the handle's products included.
+            let _ = unsafe { cudarc::driver::result::free_sync(self.workspace) };
+        }
     }
 }

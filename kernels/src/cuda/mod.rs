@@ -13,6 +13,9 @@
 //!   Blocks leave and enter it in groups through page-locked host buffers
 //!   (`staging`), one DMA per group.
 //!
+//! - A pure-decode step may run as a CUDA graph captured per batch bucket and
+//!   replayed, its inputs in fixed device buffers (`graph`, `step_inputs`).
+//!
 //! Construction checks for the driver, a GPU, NVRTC and cuBLAS before cudarc
 //! is touched (`runtime`), so a machine without them gets an error, not a panic.
 //! Device failures after that (a launch error, an ECC fault) panic with the
@@ -22,12 +25,14 @@
 mod args;
 pub mod blas;
 pub mod compile;
+pub mod graph;
 pub mod nvrtc;
 pub mod plan;
 pub mod roofline;
 mod products;
 pub mod runtime;
 mod staging;
+pub mod step_inputs;
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -40,6 +45,7 @@ use crate::kv::{KvDtype, KvLayout};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
 use crate::quant::WeightFormat;
+use crate::step::{CaptureGuard, StepInput};
 
 /// Rows of every cuBLAS call: a batch runs as whole calls of this many rows,
 /// the last one padded, so cuBLAS chooses the same kernel for every call with
@@ -122,6 +128,16 @@ struct Scratch {
     attn_index: ReusedUpload,
     rope_positions: ReusedUpload,
     kv_slots: ReusedUpload,
+    /// Each captured step shape's inputs (`graph`), and the step under way.
+    step_words: std::collections::HashMap<graph::GraphKey, CudaSlice<u32>>,
+    active: Option<graph::ActiveStep>,
+}
+
+impl Scratch {
+    /// The step under way's inputs, where a kernel reads them instead of the host's slices.
+    fn step(&self) -> Option<(&graph::ActiveStep, &CudaSlice<u32>)> {
+        self.active.as_ref().map(|a| (a, &self.step_words[&a.key]))
+    }
 }
 
 /// An index array kept on the device for the next call that asks for the same
@@ -133,8 +149,9 @@ struct Scratch {
 struct ReusedUpload(Option<(Vec<u32>, CudaSlice<u32>)>);
 
 impl ReusedUpload {
-    fn get(&mut self, stream: &Arc<CudaStream>, words: &[u32]) -> &CudaSlice<u32> {
-        if self.0.as_ref().is_none_or(|(last, _)| last.as_slice() != words) {
+    fn get(&mut self, stream: &Arc<CudaStream>, guard: &CaptureGuard, words: &[u32]) -> &CudaSlice<u32> {
+        // During a capture (refused) the stale buffer is launched with; the capture is thrown away.
+        if self.0.as_ref().is_none_or(|(last, _)| last.as_slice() != words) && (guard.allow("index upload") || self.0.is_none()) {
             // The old buffer is freed in stream order, after the kernels queued on it.
             let on_device = stream.memcpy_stod(words).unwrap_or_else(|e| fail("uploading indices", e));
             self.0 = Some((words.to_vec(), on_device));
@@ -175,13 +192,19 @@ pub struct CudaBackend {
     scratch: Mutex<Scratch>,
     /// Page-locked host buffers for KV blocks that leave or enter the arena.
     staging: Mutex<staging::Staging>,
+    /// Captured decode steps (`graph`), and the guard that keeps allocations out of a capture.
+    graphs: Mutex<graph::Graphs>,
+    capture: CaptureGuard,
+    /// Whether the main stream can be captured (not the legacy default stream).
+    capturable: bool,
     name: String,
     arch: &'static str,
     driver: runtime::DriverInfo,
 }
 
-fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(stream: &Arc<CudaStream>, buf: &mut Option<CudaSlice<T>>, len: usize, op: &str) {
-    if buf.as_ref().is_none_or(|b| b.len() < len) {
+fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(stream: &Arc<CudaStream>, guard: &CaptureGuard, buf: &mut Option<CudaSlice<T>>, len: usize, op: &'static str) {
+    // Refused during a capture: the capture is thrown away and the step rerun eagerly, which grows it.
+    if buf.as_ref().is_none_or(|b| b.len() < len) && guard.alloc(op) {
         *buf = None; // free before allocating the larger one
         *buf = Some(stream.alloc_zeros::<T>(len.max(1)).unwrap_or_else(|e| fail(op, e)));
     }
@@ -207,6 +230,11 @@ impl CudaBackend {
             return Err(cuda_error("opening the GPU", format!("GPU {ordinal} requested; the driver sees {}", driver.devices)));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_error("creating a context", e))?;
+        // One main stream, ordered by hand with the side streams (`products`): cudarc's
+        // per-buffer events would add waits on events recorded outside a graph capture.
+        // SAFETY: before any buffer of this context exists.
+        unsafe { ctx.disable_event_tracking() };
+        let graphs_on = graph::graphs_enabled().map_err(|e| cuda_error("reading BATON_CUDA_GRAPHS", e))?;
         let (major, minor) = ctx.compute_capability().map_err(|e| cuda_error("reading the compute capability", e))?;
         let arch = compile::arch_for(major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
@@ -264,12 +292,17 @@ impl CudaBackend {
             argmax_rows: get("sampling", "argmax_rows")?,
             softmax_rows: get("sampling", "softmax_rows")?,
         };
-        let stream = ctx.default_stream();
+        // A capture needs a stream of its own; with graphs off, the legacy default stream as before.
+        let stream = if graphs_on { ctx.new_stream().map_err(|e| cuda_error("creating a stream", e))? } else { ctx.default_stream() };
         ctx.bind_to_thread().map_err(|e| cuda_error("binding the context", e))?;
         let streams = std::env::var("BATON_CUDA_GEMM_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(products::DEFAULT_STREAMS).max(1);
         let products = products::Products::new(&ctx, stream.cu_stream(), streams)?;
         let staging = staging::Staging::new(&ctx, &stream, staging::STAGING_BYTES).map_err(|e| cuda_error("allocating KV staging", e))?;
-        Ok(CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging), name, arch, driver })
+        let graphs = graph::Graphs::new(&ctx, graphs_on).map_err(|e| cuda_error("allocating step staging", e))?;
+        #[rustfmt::skip]
+        let backend = CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging),
+            graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, name, arch, driver };
+        Ok(backend)
     }
 
     /// Whether attention over `dtype` KV of heads of `head_dim` runs on the tensor
@@ -307,8 +340,9 @@ impl CudaBackend {
         Ok(CudaMatrix { n, k, w })
     }
 
-    fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
-        self.stream.memcpy_stod(data).unwrap_or_else(|e| fail("uploading indices", e))
+    /// `None` during a capture (refused: the op skips its launch, the capture is thrown away).
+    fn upload_u32(&self, data: &[u32]) -> Option<CudaSlice<u32>> {
+        self.capture.allow("index upload").then(|| self.stream.memcpy_stod(data).unwrap_or_else(|e| fail("uploading indices", e)))
     }
 
     /// The index of each row's largest value (ties to the lowest index).
@@ -366,7 +400,7 @@ impl CudaBackend {
     fn pack_group(&self, kv: &CudaKv, blocks: &[u32], layers: &std::ops::Range<usize>, st: &mut staging::Staging, half: usize) {
         let l = &kv.layout;
         let span = layers.len() * l.block_layer_bytes();
-        let ids = self.upload_u32(blocks);
+        let ids = self.upload_u32(blocks).unwrap_or_else(|| fail("kv_pack", "called inside a CUDA graph capture"));
         let (wpbl, nl, l0, l1) = ((l.block_layer_bytes() / 4) as u64, l.layers as i32, layers.start as i32, layers.end as i32);
         let cfg = config(plan::kv_copy(span, blocks.len()));
         // SAFETY: the arena's bytes are viewed as words (block_layer_bytes % 4 == 0, checked in `kv`).
@@ -400,7 +434,7 @@ impl CudaBackend {
                 packed.copy_from_slice(d);
             }
             st.upload(&self.stream, g % 2, range.len() * span).unwrap_or_else(|e| fail("kv_unpack upload", e));
-            let ids = self.upload_u32(&blocks[range.clone()]);
+            let ids = self.upload_u32(&blocks[range.clone()]).unwrap_or_else(|| fail("kv_unpack", "called inside a CUDA graph capture"));
             let cfg = config(plan::kv_copy(span, range.len()));
             // SAFETY: as in pack_group.
             let mut arena = unsafe { kv.arena.transmute_mut::<u32>(n_words) }.expect("arena word view");
@@ -445,7 +479,7 @@ impl CudaBackend {
         let (bx, _rb) = x.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr_mut(&self.stream);
         products
-            .run(padded / call_rows, |handle, chunk| {
+            .run(padded / call_rows, self.capture.armed(), |handle, chunk| {
                 // Row-major out[rows][n] = x[rows][k] · w[n][k]ᵀ is, column-major,
                 // out (n x rows) = wᵀ (n x k) · x (k x rows).
                 let x_chunk = bx + (chunk * call_rows * w.k * 2) as u64;
@@ -496,13 +530,17 @@ impl Backend for CudaBackend {
             Some(why) => format!("pageable KV staging: {why}"),
         };
         let streams = self.products.lock().unwrap_or_else(|p| p.into_inner()).streams;
+        let graphs = match &*self.graphs.lock().unwrap_or_else(|p| p.into_inner()) {
+            g if !g.enabled => "decode steps eager".to_string(),
+            g => format!("decode steps as CUDA graphs{}", g.pageable_because.as_ref().map_or(String::new(), |why| format!(" (pageable step staging: {why})"))),
+        };
         format!(
-            "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS on {streams} stream{}, {staging})",
+            "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS on {streams} stream{}, {staging}, {graphs})",
             self.name,
             self.arch,
             self.driver.version / 1000,
             self.driver.version % 1000 / 10,
-            if streams == 1 { "" } else { "s" }
+            if streams == 1 { "" } else { "s" },
         )
     }
 
@@ -541,8 +579,10 @@ impl Backend for CudaBackend {
         if !layout.block_layer_bytes().is_multiple_of(4) {
             return Err(cuda_error("allocating the KV arena", "a block's layer must be a whole number of 32-bit words"));
         }
-        let bytes = layout.block_bytes() * blocks;
-        let arena = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| {
+        // One block more than asked: padding rows of captured steps write and read it (`graph`).
+        let bytes = layout.block_bytes() * (blocks + 1);
+        self.capture.alloc("the KV arena");
+        let arena = self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
             let (free, _) = self.memory();
             cuda_error(&format!("allocating {} MiB of KV blocks ({} MiB free)", bytes >> 20, free >> 20), e)
         })?;
@@ -557,6 +597,10 @@ impl Backend for CudaBackend {
     }
 
     fn tensor(&self, len: usize) -> CudaSlice<f32> {
+        // A capture's buffers exist before it (`ensure_len` skips growing inside one).
+        if !self.capture.alloc("a tensor") {
+            fail("allocating a tensor", "inside a CUDA graph capture");
+        }
         self.stream.alloc_zeros::<f32>(len.max(1)).unwrap_or_else(|e| fail("allocating a tensor", e))
     }
 
@@ -576,7 +620,8 @@ impl Backend for CudaBackend {
     }
 
     fn ensure_len(&self, t: &mut CudaSlice<f32>, len: usize) {
-        if t.len() < len {
+        // Refused during a capture: it is thrown away and the step rerun eagerly, which grows `t`.
+        if t.len() < len && self.capture.allow("growing a tensor") {
             *t = self.tensor(len);
         }
     }
@@ -587,7 +632,21 @@ impl Backend for CudaBackend {
         }
         assert!(tokens.iter().all(|&t| (t as usize) < table.n), "token beyond the embedding table ({})", table.n);
         self.ensure_len(out, tokens.len() * table.k);
-        let ids = self.upload_u32(tokens);
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = s.active.as_mut() {
+            a.limits.tokens(table.n);
+        }
+        let uploaded;
+        let ids = match s.step() {
+            Some((a, words)) => words.slice(a.layout.tokens.clone()),
+            None => match self.upload_u32(tokens) {
+                Some(ids) => {
+                    uploaded = ids;
+                    uploaded.slice(..)
+                }
+                None => return,
+            },
+        };
         let width = table.k as i32;
         let mut b = self.stream.launch_builder(&self.k.embed_bf16);
         args::embed_bf16(&mut b, &table.w, &ids, &width, out);
@@ -615,8 +674,8 @@ impl Backend for CudaBackend {
         // output row depends on its own input row alone.
         let padded = rows.next_multiple_of(GEMM_ROWS);
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        grow(&self.stream, &mut s.acts_bf16, padded * k, "bf16 activations");
-        let xb = s.acts_bf16.as_mut().expect("grown above");
+        grow(&self.stream, &self.capture, &mut s.acts_bf16, padded * k, "bf16 activations");
+        let Some(xb) = s.acts_bf16.as_mut().filter(|b| b.len() >= padded * k) else { return };
         let len = (rows * k) as u64;
         let mut b = self.stream.launch_builder(&self.k.to_bf16);
         args::to_bf16(&mut b, x, &mut *xb, &len);
@@ -635,10 +694,16 @@ impl Backend for CudaBackend {
             panic!("position {p} beyond the rope table ({})", rope.max_pos);
         }
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let pos = s.rope_positions.get(&self.stream, positions);
+        if let Some(a) = s.active.as_mut() {
+            a.limits.positions(rope.max_pos);
+        }
+        let pos = match s.active.is_some() {
+            true => s.step().map(|(a, words)| words.slice(a.layout.positions.clone())).expect("a step is active"),
+            false => s.rope_positions.get(&self.stream, &self.capture, positions).slice(..),
+        };
         let (heads_i, half_i) = (heads as i32, rope.half as i32);
         let mut b = self.stream.launch_builder(&self.k.rope);
-        args::rope(&mut b, x, &rope.cos, &rope.sin, pos, &heads_i, &half_i);
+        args::rope(&mut b, x, &rope.cos, &rope.sin, &pos, &heads_i, &half_i);
         unsafe { b.launch(config(plan::per_row(positions.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("rope", e));
     }
 
@@ -714,8 +779,18 @@ impl Backend for CudaBackend {
             return;
         }
         self.ensure_len(out, rows.len() * width);
-        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let ids = self.upload_u32(&ids);
+        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let uploaded;
+        let ids = match s.step() {
+            Some((a, words)) => words.slice(a.layout.logit_rows.clone()),
+            None => match self.upload_u32(&rows.iter().map(|&r| r as u32).collect::<Vec<_>>()) {
+                Some(ids) => {
+                    uploaded = ids;
+                    uploaded.slice(..)
+                }
+                None => return,
+            },
+        };
         let width_i = width as i32;
         let mut b = self.stream.launch_builder(&self.k.gather_rows);
         args::gather_rows(&mut b, x, &ids, &width_i, out);
@@ -727,13 +802,19 @@ impl Backend for CudaBackend {
             return;
         }
         let l = kv.layout;
-        assert!(slots.iter().all(|&(b, s)| (b as usize) < kv.blocks && (s as usize) < l.block_tokens), "kv_write: slot out of range");
-        let flat: Vec<u32> = slots.iter().flat_map(|&(b, s)| [b, s]).collect();
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let flat = s.kv_slots.get(&self.stream, &flat);
+        // A step's slots were checked when they were staged (padding rows' mapped to the spare block).
+        let flat = match s.active.is_some() {
+            true => s.step().map(|(a, words)| words.slice(a.layout.slots.clone())).expect("a step is active"),
+            false => {
+                assert!(slots.iter().all(|&(b, s)| (b as usize) < kv.blocks && (s as usize) < l.block_tokens), "kv_write: slot out of range");
+                let flat: Vec<u32> = slots.iter().flat_map(|&(b, s)| [b, s]).collect();
+                s.kv_slots.get(&self.stream, &self.capture, &flat).slice(..)
+            }
+        };
         let (layer_i, layers_i, bt, te) = (layer as i32, l.layers as i32, l.block_tokens as i32, l.token_elems() as i32);
         let mut b = self.stream.launch_builder(&self.k.kv_write[kv_code(l.dtype)]);
-        args::kv_write(&mut b, &mut kv.arena, k, v, flat, &layer_i, &layers_i, &bt, &te);
+        args::kv_write(&mut b, &mut kv.arena, k, v, &flat, &layer_i, &layers_i, &bt, &te);
         unsafe { b.launch(config(plan::per_row(slots.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("kv_write", e));
     }
 
@@ -745,19 +826,33 @@ impl Backend for CudaBackend {
         let hd = l.head_dim;
         self.ensure_len(out, rows.len() * n_heads * hd);
         let mma = self.k.attn_mma.as_ref().zip(mma_index(l.dtype, hd)).map(|(fs, i)| &fs[i]);
-        let p = AttentionPlan::for_gpu(rows, l.block_tokens, hd, n_heads, l.kv_heads, mma.is_some());
+        let mut p = AttentionPlan::for_gpu(rows, l.block_tokens, hd, n_heads, l.kv_heads, mma.is_some());
         // 0 is no window; a window as long as i32 allows covers every position the arena holds.
         let window_i = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let max_parts = p.max_parts;
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let (words, ranges) = p.index_words();
-        s.attn_index.get(&self.stream, &words);
+        // A step's index arrays are staged at fixed places, its grid sized for the shape's capacity.
+        let ranges = match s.active.as_ref() {
+            Some(a) => {
+                assert_eq!(p.run_start.len(), rows.len(), "a captured step's rows each on a table of their own");
+                p = p.with_capacity(a.layout.shape.parts);
+                a.layout.attention_ranges()
+            }
+            None => {
+                let (words, ranges) = p.index_words();
+                s.attn_index.get(&self.stream, &self.capture, &words);
+                ranges
+            }
+        };
+        let max_parts = p.max_parts;
         let slots = p.partial_slots(n_heads);
-        grow(&self.stream, &mut s.part_acc, slots * hd, "attention partials");
-        grow(&self.stream, &mut s.part_ml, slots * 2, "attention partials");
-        let Scratch { part_acc, part_ml, attn_index, .. } = &mut *s;
-        let (part_acc, part_ml) = (part_acc.as_mut().expect("grown"), part_ml.as_mut().expect("grown"));
-        let index = &attn_index.0.as_ref().expect("uploaded above").1;
+        grow(&self.stream, &self.capture, &mut s.part_acc, slots * hd, "attention partials");
+        grow(&self.stream, &self.capture, &mut s.part_ml, slots * 2, "attention partials");
+        let Scratch { part_acc, part_ml, attn_index, step_words, active, .. } = &mut *s;
+        let (Some(part_acc), Some(part_ml)) = (part_acc.as_mut(), part_ml.as_mut()) else { return };
+        let index = match active {
+            Some(a) => &step_words[&a.key],
+            None => &attn_index.0.as_ref().expect("uploaded above").1,
+        };
         let [tables, offsets, positions, starts, lens] = ranges.map(|r| index.slice(r));
         let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
             (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);
@@ -818,6 +913,15 @@ impl Backend for CudaBackend {
 
     fn kv_block_layer_in(&self, kv: &mut CudaKv, block: usize, layer: usize, data: &[u8]) {
         self.kv_unpack(kv, &[block as u32], layer..layer + 1, &[data]);
+    }
+
+    fn decode_step_rows(&self, input: &StepInput) -> Option<usize> {
+        let on = self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled;
+        on.then(|| crate::step::decode_rows(input)).flatten()
+    }
+
+    fn decode_step(&self, kv: &mut CudaKv, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut CudaKv)) {
+        self.run_decode_step(kv, input, program, body);
     }
 }
 

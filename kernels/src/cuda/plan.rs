@@ -193,6 +193,17 @@ impl AttentionPlan {
     pub fn partial_slots(&self, n_heads: usize) -> usize {
         self.positions.len() * n_heads * self.max_parts
     }
+
+    /// The same launch sized for `parts` partitions a row (at least `max_parts`):
+    /// a captured step's geometry, fixed while its rows' contexts grow. A block
+    /// past its row's keys exits without writing and `attn_combine` reads each
+    /// row's own partitions, so the output has the same bits as the exact grid's.
+    pub fn with_capacity(mut self, parts: usize) -> AttentionPlan {
+        assert!(parts >= self.max_parts, "a capacity of {parts} partitions for rows that need {}", self.max_parts);
+        self.max_parts = parts;
+        self.partial.grid.2 = parts as u32;
+        self
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@
 //! over a few side streams that run at once, each with its own cuBLAS handle
 //! and workspace. Every call is still the same call on the same shape, so a
 //! row's bits do not depend on which stream ran it or how many there were.
-//! A decode step (at most one call per product) stays on the main stream.
+//! A decode step (at most one call per product) stays on the main stream, and
+//! so does every product of a step being captured as a CUDA graph (`graph.rs`):
+//! a capture records one stream's work, with no side streams to fork and join.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -97,12 +99,13 @@ impl Products {
     /// Runs calls `0..calls`, each `call(handle, index)` queuing one cuBLAS
     /// call on `handle`'s stream; with more than one call and lane, the calls
     /// go round-robin over the lanes, which start after the main stream's work
-    /// so far and which the main stream then waits for.
-    pub fn run<E>(&self, calls: usize, mut call: impl FnMut(&BlasHandle, usize) -> Result<(), E>) -> Result<(), KernelError>
+    /// so far and which the main stream then waits for. `main_only` keeps every
+    /// call on the main stream (a step being captured).
+    pub fn run<E>(&self, calls: usize, main_only: bool, mut call: impl FnMut(&BlasHandle, usize) -> Result<(), E>) -> Result<(), KernelError>
     where
         E: std::fmt::Debug,
     {
-        let lanes = self.streams.min(self.lanes.len()).min(calls);
+        let lanes = if main_only { 1 } else { self.streams.min(self.lanes.len()).min(calls) };
         if lanes <= 1 {
             for c in 0..calls {
                 call(&self.main, c).map_err(|e| product_failed(&e))?;

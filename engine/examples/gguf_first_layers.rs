@@ -9,8 +9,9 @@
 //! Options for a model whose embedding alone is over the limit (Gemma 3 270M: 262,144
 //! tokens x 640):
 //! - `--vocab V`: keeps the first V rows of the embedding (and of an untied output
-//!   head) and the first V entries of the tokenizer's arrays. For SentencePiece
-//!   vocabularies (Gemma's) only: a BPE vocabulary's merges would name dropped tokens.
+//!   head) and the first V entries of the tokenizer's arrays. A BPE vocabulary
+//!   (SmolLM2's) keeps only the merges whose two parts and result are all kept, in
+//!   their order, so the cut tokenizer still loads and still merges what it can.
 //! - `--sliding-window W`, `--sliding-window-pattern P`: rewrites the window and the
 //!   local/global period, so that a cut of a few layers still has a global layer and a
 //!   short prompt still reaches past the window (a parity check then covers both kinds
@@ -22,6 +23,26 @@ use baton_text::gguf::writer::{write_gguf, TensorSpec};
 use baton_text::gguf::{GgufFile, MetaValue};
 
 type Error = Box<dyn std::error::Error>;
+
+/// The merges of a BPE vocabulary cut to its first `vocab` tokens: those whose two
+/// parts and whose result are all still tokens (a merge naming a dropped token would
+/// make the tokenizer refuse the file), in their original order (the order is the rank).
+fn kept_merges(f: &GgufFile, merges: &[MetaValue], vocab: usize) -> Result<Vec<MetaValue>, Error> {
+    let Some(MetaValue::Array(tokens)) = f.get("tokenizer.ggml.tokens") else {
+        return Err("tokenizer.ggml.tokens is not an array".into());
+    };
+    let kept: std::collections::HashSet<&str> =
+        tokens[..vocab].iter().map(|t| if let MetaValue::String(s) = t { Ok(s.as_str()) } else { Err("a token is not a string") }).collect::<Result<_, _>>()?;
+    let mut out = Vec::new();
+    for m in merges {
+        let MetaValue::String(m) = m else { return Err("a merge is not a string".into()) };
+        let (a, b) = m.split_once(' ').ok_or_else(|| format!("merge {m:?} is not two tokens"))?;
+        if kept.contains(a) && kept.contains(b) && kept.contains(format!("{a}{b}").as_str()) {
+            out.push(MetaValue::String(m.clone()));
+        }
+    }
+    Ok(out)
+}
 
 /// The command line: positional arguments and the options above.
 struct Args {
@@ -69,7 +90,6 @@ fn main() -> Result<(), Error> {
     let n_vocab = f.opt_array_len("tokenizer.ggml.tokens").ok_or("the file has no tokenizer.ggml.tokens")?;
     let vocab = match a.vocab {
         Some(v) if v == 0 || v as u64 > n_vocab => return Err(format!("--vocab must be 1..={n_vocab}").into()),
-        Some(_) if f.get("tokenizer.ggml.merges").is_some() => return Err("--vocab cuts SentencePiece vocabularies only (this one has BPE merges)".into()),
         Some(v) => v as u64,
         None => n_vocab,
     };
@@ -83,6 +103,7 @@ fn main() -> Result<(), Error> {
             _ if *k == key("block_count") => MetaValue::U32(a.layers),
             _ if *k == key("vocab_size") => MetaValue::U32(vocab as u32),
             MetaValue::Array(items) if k.starts_with("tokenizer.ggml.") && items.len() as u64 == n_vocab => MetaValue::Array(items[..vocab as usize].to_vec()),
+            MetaValue::Array(merges) if k == "tokenizer.ggml.merges" && vocab < n_vocab => MetaValue::Array(kept_merges(&f, merges, vocab as usize)?),
             other => other.clone(),
         };
         metadata.push((k.clone(), v));

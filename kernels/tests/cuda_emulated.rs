@@ -19,6 +19,9 @@ mod support;
 // The attention kernels (CUDA cores and tensor cores) against the CPU backend.
 #[path = "emulated/attention.rs"]
 mod attention;
+// The fused kernels against the unfused sequences they replace.
+#[path = "emulated/fused.rs"]
+mod fused;
 
 fn launch(g: plan::Geometry) -> Launch {
     Launch::new(g.grid, g.block, g.shared_bytes as usize)

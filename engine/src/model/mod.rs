@@ -19,7 +19,7 @@ pub use config::{ConfigError, HfConfig, ModelConfig};
 pub use format::weight_format;
 pub use load::{config_from_gguf, export_hf, load_gguf, load_gguf_weights, load_hf_dir, LoadedModel, ModelError};
 
-use baton_kernels::{AttnRow, Backend};
+use baton_kernels::{AttnRow, Backend, Glu};
 
 /// Weights of one transformer layer. The `Option`s are present exactly when
 /// the family has that part.
@@ -84,7 +84,7 @@ pub struct Scratch<B: Backend> {
     act: B::Tensor,
     last: B::Tensor,
     logits: B::Tensor,
-    /// Second buffer for QK-norm's output.
+    /// Second buffer: QK-norm's output, a post norm's (Gemma).
     t: B::Tensor,
 }
 
@@ -124,9 +124,16 @@ impl<B: Backend> Model<B> {
         if c.family.embed_scale {
             backend.scale(&mut s.x, (hid as f32).sqrt(), rows * hid);
         }
+        // The output of the last block (attention or feed-forward) waits in `o` to be
+        // added to `x` by the next norm's fused operation, `Some(post norm)` when
+        // it is normed first (Gemma); `None` before the first block.
+        let mut pending: Option<Option<&B::Tensor>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            backend.rmsnorm(&s.x, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h);
-            backend.matmul(&s.h, rows, &mut [(&layer.wq, &mut s.q), (&layer.wk, &mut s.k), (&layer.wv, &mut s.v)]);
+            let qkv = &mut [(&layer.wq, &mut s.q), (&layer.wk, &mut s.k), (&layer.wv, &mut s.v)];
+            match pending.map(|post| self.block_output(backend, post, rows, &s.o, &mut s.t)) {
+                Some(y) => backend.add_norm_matmul(&mut s.x, y, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h, qkv),
+                None => backend.norm_matmul(&s.x, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h, qkv),
+            }
             if let Some([bq, bk, bv]) = &layer.qkv_bias {
                 backend.add_rows(&mut s.q, bq, rows, qw);
                 backend.add_rows(&mut s.k, bk, rows, kvw);
@@ -139,20 +146,22 @@ impl<B: Backend> Model<B> {
                 std::mem::swap(&mut s.k, &mut s.t);
             }
             let rope = &self.ropes[self.layer_rope[li]];
-            backend.apply_rope(rope, &mut s.q, input.positions, c.n_heads);
-            backend.apply_rope(rope, &mut s.k, input.positions, c.n_kv_heads);
-            backend.kv_write(kv, li, &s.k, &s.v, input.slots);
+            backend.rope_kv_write(kv, li, rope, &mut s.q, c.n_heads, &mut s.k, c.n_kv_heads, &s.v, input.positions, input.slots);
             backend.attention(kv, li, &s.q, input.attn, c.n_heads, c.attn_scale, c.layers[li].window, &mut s.attn);
             backend.matmul(&s.attn, rows, &mut [(&layer.wo, &mut s.o)]);
-            self.residual(backend, layer.post_norms.as_ref().map(|n| &n[0]), rows, s);
-            backend.rmsnorm(&s.x, &layer.ffn_norm, c.rms_eps, rows, hid, &mut s.h);
-            backend.matmul(&s.h, rows, &mut [(&layer.w_gate, &mut s.gate), (&layer.w_up, &mut s.up)]);
-            match c.family.activation {
-                Activation::SiluGlu => backend.silu_mul(&s.gate, &s.up, rows * ffn, &mut s.act),
-                Activation::GeluTanhGlu => backend.gelu_mul(&s.gate, &s.up, rows * ffn, &mut s.act),
-            }
-            backend.matmul(&s.act, rows, &mut [(&layer.w_down, &mut s.o)]);
-            self.residual(backend, layer.post_norms.as_ref().map(|n| &n[1]), rows, s);
+            let y = self.block_output(backend, layer.post_norms.as_ref().map(|n| &n[0]), rows, &s.o, &mut s.t);
+            let gate_up = &mut [(&layer.w_gate, &mut s.gate), (&layer.w_up, &mut s.up)];
+            backend.add_norm_matmul(&mut s.x, y, &layer.ffn_norm, c.rms_eps, rows, hid, &mut s.h, gate_up);
+            let glu = match c.family.activation {
+                Activation::SiluGlu => Glu::Silu,
+                Activation::GeluTanhGlu => Glu::GeluTanh,
+            };
+            backend.glu_matmul(glu, &s.gate, &s.up, rows, ffn, &mut s.act, &mut [(&layer.w_down, &mut s.o)]);
+            pending = Some(layer.post_norms.as_ref().map(|n| &n[1]));
+        }
+        if let Some(post) = pending {
+            let y = self.block_output(backend, post, rows, &s.o, &mut s.t);
+            backend.add(&mut s.x, y, rows * hid);
         }
         let n = input.logit_rows.len();
         if n == 0 {
@@ -171,15 +180,15 @@ impl<B: Backend> Model<B> {
         out
     }
 
-    /// `x += o`, or `x += rmsnorm(o)` with a post norm.
-    fn residual(&self, backend: &B, post_norm: Option<&B::Tensor>, rows: usize, s: &mut Scratch<B>) {
-        let hid = self.config.hidden;
+    /// What a block adds to the residual stream: its output `o`, or with a post
+    /// norm `rmsnorm(o)` (written to `t`).
+    fn block_output<'a>(&self, backend: &B, post_norm: Option<&B::Tensor>, rows: usize, o: &'a B::Tensor, t: &'a mut B::Tensor) -> &'a B::Tensor {
         match post_norm {
             Some(w) => {
-                backend.rmsnorm(&s.o, w, self.config.rms_eps, rows, hid, &mut s.h);
-                backend.add(&mut s.x, &s.h, rows * hid);
+                backend.rmsnorm(o, w, self.config.rms_eps, rows, self.config.hidden, t);
+                t
             }
-            None => backend.add(&mut s.x, &s.o, rows * hid),
+            None => o,
         }
     }
 }

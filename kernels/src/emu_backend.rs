@@ -404,11 +404,15 @@ impl Backend for EmuBackend {
 
     #[rustfmt::skip]
     fn add_norm_matmul(&self, x: &mut Vec<f32>, y: &Vec<f32>, weight: &Vec<f32>, eps: f32, rows: usize, dim: usize, h: &mut Vec<f32>, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
-        if !self.fuse || outs.is_empty() {
+        if !self.fuse {
             return fused::add_norm_matmul(self, x, y, weight, eps, rows, dim, h, outs);
         }
         if rows == 0 {
             return;
+        }
+        if outs.is_empty() {
+            // As the CUDA backend: the add is still owed; the norm has no reader.
+            return self.add(x, y, rows * dim);
         }
         assert!(x.len() >= rows * dim && y.len() >= rows * dim && weight.len() >= dim, "add_norm_matmul: {rows} rows of {dim} past the tensors");
         let mut xb = vec![0u16; rows * dim];

@@ -128,12 +128,12 @@ fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a:
             if li == 0 {
                 g.norm_matmul(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h, qkv);
             } else {
-                g.add_norm_matmul(&mut a.x, &a.o, &m.norm, 1e-5, rows, s.dim, &mut a.h, qkv);
+                g.add_norm_matmul(&mut a.x, &a.o, None, &m.norm, 1e-5, rows, s.dim, &mut a.h, qkv);
             }
             g.rope_kv_write(kv, li, &m.rope, &mut a.q, s.heads, &mut a.k, s.kv_heads, &a.v, positions, slots);
             g.attention(kv, li, &a.q, attn, s.heads, scale, None, &mut a.att);
             g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
-            g.add_norm_matmul(&mut a.x, &a.o, &m.norm, 1e-5, rows, s.dim, &mut a.h, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
+            g.add_norm_matmul(&mut a.x, &a.o, None, &m.norm, 1e-5, rows, s.dim, &mut a.h, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
             g.glu_matmul(Glu::Silu, &a.gate, &a.up, rows, s.ffn, &mut a.act, &mut [(&l.down, &mut a.o)]);
             launches += 1 + gemms(3, rows) + 1 + 2 + 1 + gemms(1, rows) + 1 + gemms(2, rows) + 1 + gemms(1, rows);
         } else {

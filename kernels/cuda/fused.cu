@@ -5,6 +5,8 @@
 //   written straight as the bf16 input of the products that follow it.
 // - add_rmsnorm_bf16 = add_inplace, then rmsnorm_bf16: a block's residual add
 //   and the next block's norm, one read of the row instead of three.
+// - norm_add_rmsnorm_bf16 = rmsnorm of a block's output by its post norm
+//   (Gemma), then add_rmsnorm_bf16.
 // - silu_mul_bf16 / gelu_mul_bf16 = silu_mul / gelu_mul, then to_bf16: the
 //   gated activation as the down projection's bf16 input.
 // - rope_kv_write_* = rope of the queries, rope of the keys, then kv_write:
@@ -40,6 +42,30 @@ extern "C" __global__ void add_rmsnorm_bf16(float* x, const float* y, const floa
         ss = sum_squares_step(ss, v);
     }
     ss = block_sum(ss, scratch);
+    float scale = rms_factor(ss, dim, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = f32_to_bf16(rms_apply(xr[i], scale, w[i]));
+}
+
+// x += rmsnorm(y) * wy; out (bf16) = rmsnorm(x) * w: a block's post-normed output
+// added to the residual stream and the next block's norm. The add is __fadd_rn:
+// the unfused sequence stores the normed y before adding it, so the multiply
+// into it must not be contracted into an FMA with the add here either.
+extern "C" __global__ void norm_add_rmsnorm_bf16(float* x, const float* y, const float* wy, const float* w, float eps, int dim, u16* out) {
+    __shared__ float scratch[32];
+    float* xr = x + (u64)blockIdx.x * dim;
+    const float* yr = y + (u64)blockIdx.x * dim;
+    u16* o = out + (u64)blockIdx.x * dim;
+    float ssy = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ssy = sum_squares_step(ssy, yr[i]);
+    ssy = block_sum(ssy, scratch);
+    float fy = rms_factor(ssy, dim, eps);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = __fadd_rn(xr[i], rms_apply(yr[i], fy, wy[i]));
+        xr[i] = v;
+        ss = sum_squares_step(ss, v);
+    }
+    ss = block_sum(ss, scratch);  // its first barrier keeps the first sum's readers ahead of its writes
     float scale = rms_factor(ss, dim, eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = f32_to_bf16(rms_apply(xr[i], scale, w[i]));
 }

@@ -157,11 +157,12 @@ pub trait Backend: Send + Sync {
     fn norm_matmul(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32, rows: usize, dim: usize, h: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
         fused::norm_matmul(self, x, weight, eps, rows, dim, h, outs);
     }
-    /// `x += y` (a block's residual), then [`Backend::norm_matmul`] of the new `x`
-    /// (the next block's norm and products).
+    /// `x += y` (a block's output into the residual stream), or with `y_norm` (a
+    /// post norm) `x += rmsnorm(y) * y_norm`; then [`Backend::norm_matmul`] of the
+    /// new `x` (the next block's norm and products).
     #[allow(clippy::too_many_arguments)]
-    fn add_norm_matmul(&self, x: &mut Self::Tensor, y: &Self::Tensor, weight: &Self::Tensor, eps: f32, rows: usize, dim: usize, h: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
-        fused::add_norm_matmul(self, x, y, weight, eps, rows, dim, h, outs);
+    fn add_norm_matmul(&self, x: &mut Self::Tensor, y: &Self::Tensor, y_norm: Option<&Self::Tensor>, weight: &Self::Tensor, eps: f32, rows: usize, dim: usize, h: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
+        fused::add_norm_matmul(self, x, y, y_norm, weight, eps, rows, dim, h, outs);
     }
     /// `outs[i] = (glu(gate) * up) · wᵢᵀ` over `rows` rows of `width`, through the scratch `a`.
     #[allow(clippy::too_many_arguments)]

@@ -403,21 +403,25 @@ impl Backend for EmuBackend {
     }
 
     #[rustfmt::skip]
-    fn add_norm_matmul(&self, x: &mut Vec<f32>, y: &Vec<f32>, weight: &Vec<f32>, eps: f32, rows: usize, dim: usize, h: &mut Vec<f32>, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
-        if !self.fuse {
-            return fused::add_norm_matmul(self, x, y, weight, eps, rows, dim, h, outs);
+    fn add_norm_matmul(&self, x: &mut Vec<f32>, y: &Vec<f32>, y_norm: Option<&Vec<f32>>, weight: &Vec<f32>, eps: f32, rows: usize, dim: usize, h: &mut Vec<f32>, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        if !self.fuse || outs.is_empty() {
+            // Without products, the CUDA backend runs the sequence too (the norm has no reader).
+            return fused::add_norm_matmul(self, x, y, y_norm, weight, eps, rows, dim, h, outs);
         }
         if rows == 0 {
             return;
         }
-        if outs.is_empty() {
-            // As the CUDA backend: the add is still owed; the norm has no reader.
-            return self.add(x, y, rows * dim);
-        }
         assert!(x.len() >= rows * dim && y.len() >= rows * dim && weight.len() >= dim, "add_norm_matmul: {rows} rows of {dim} past the tensors");
+        assert!(y_norm.is_none_or(|wy| wy.len() >= dim), "add_norm_matmul: a post norm shorter than {dim}");
         let mut xb = vec![0u16; rows * dim];
-        // SAFETY: x, y and xb hold rows x dim values, the weight dim (checked above).
-        unsafe { emu::add_rmsnorm_bf16(&launch(plan::per_row(rows, ROW_THREADS)), x.as_mut_ptr(), y.as_ptr(), weight.as_ptr(), eps, dim as i32, xb.as_mut_ptr()) };
+        let g = launch(plan::per_row(rows, ROW_THREADS));
+        // SAFETY: x, y and xb hold rows x dim values, the weights dim (checked above).
+        unsafe {
+            match y_norm {
+                None => emu::add_rmsnorm_bf16(&g, x.as_mut_ptr(), y.as_ptr(), weight.as_ptr(), eps, dim as i32, xb.as_mut_ptr()),
+                Some(wy) => emu::norm_add_rmsnorm_bf16(&g, x.as_mut_ptr(), y.as_ptr(), wy.as_ptr(), weight.as_ptr(), eps, dim as i32, xb.as_mut_ptr()),
+            }
+        }
         self.count(1);
         self.products(&xb, rows, outs);
     }

@@ -28,12 +28,14 @@ pub fn norm_matmul<B: Backend + ?Sized>(b: &B, x: &B::Tensor, weight: &B::Tensor
     b.matmul(h, rows, outs);
 }
 
-/// `x += y`, then [`norm_matmul`] of the new `x`.
+/// `x += y`, or with `y_norm` `x += rmsnorm(y) * y_norm` (through `h`), then
+/// [`norm_matmul`] of the new `x`.
 #[allow(clippy::too_many_arguments)]
 pub fn add_norm_matmul<B: Backend + ?Sized>(
     b: &B,
     x: &mut B::Tensor,
     y: &B::Tensor,
+    y_norm: Option<&B::Tensor>,
     weight: &B::Tensor,
     eps: f32,
     rows: usize,
@@ -41,7 +43,13 @@ pub fn add_norm_matmul<B: Backend + ?Sized>(
     h: &mut B::Tensor,
     outs: &mut [(&B::Matrix, &mut B::Tensor)],
 ) {
-    b.add(x, y, rows * dim);
+    match y_norm {
+        Some(wy) => {
+            b.rmsnorm(y, wy, eps, rows, dim, h);
+            b.add(x, h, rows * dim);
+        }
+        None => b.add(x, y, rows * dim),
+    }
     norm_matmul(b, x, weight, eps, rows, dim, h, outs);
 }
 

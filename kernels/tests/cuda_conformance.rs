@@ -446,9 +446,20 @@ fn fused_operations_give_the_unfused_bits() {
     g.add(&mut x1, &yg, rows * dim);
     g.rmsnorm(&x1, &wg, 1e-5, rows, dim, &mut h);
     g.matmul(&h, rows, &mut [(&m, &mut want)]);
-    g.add_norm_matmul(&mut x2, &yg, &wg, 1e-5, rows, dim, &mut h, &mut [(&m, &mut got)]);
+    g.add_norm_matmul(&mut x2, &yg, None, &wg, 1e-5, rows, dim, &mut h, &mut [(&m, &mut got)]);
     assert!(bits(&down(&g, &x2, rows * dim), &down(&g, &x1, rows * dim)), "add_norm_matmul: the residual stream");
     assert!(bits(&down(&g, &got, rows * n), &down(&g, &want, rows * n)), "add_norm_matmul: the products");
+
+    // With a post norm of y (Gemma): x += rmsnorm(y) * wy, then the norm of x.
+    let wy = g.upload(&values(dim, 67));
+    let (mut x1, mut x2, mut t) = (g.upload(&x), g.upload(&x), g.tensor(1));
+    g.rmsnorm(&yg, &wy, 1e-5, rows, dim, &mut t);
+    g.add(&mut x1, &t, rows * dim);
+    g.rmsnorm(&x1, &wg, 1e-5, rows, dim, &mut h);
+    g.matmul(&h, rows, &mut [(&m, &mut want)]);
+    g.add_norm_matmul(&mut x2, &yg, Some(&wy), &wg, 1e-5, rows, dim, &mut h, &mut [(&m, &mut got)]);
+    assert!(bits(&down(&g, &x2, rows * dim), &down(&g, &x1, rows * dim)), "add_norm_matmul with a post norm: the residual stream");
+    assert!(bits(&down(&g, &got, rows * n), &down(&g, &want, rows * n)), "add_norm_matmul with a post norm: the products");
 
     // The gate over the activations' range (x scaled), the up projection y.
     let gate = g.upload(&x.iter().map(|v| v * 8.0).collect::<Vec<_>>());

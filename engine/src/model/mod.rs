@@ -84,7 +84,7 @@ pub struct Scratch<B: Backend> {
     act: B::Tensor,
     last: B::Tensor,
     logits: B::Tensor,
-    /// Second buffer: QK-norm's output, a post norm's (Gemma).
+    /// Second buffer for QK-norm's output.
     t: B::Tensor,
 }
 
@@ -130,8 +130,8 @@ impl<B: Backend> Model<B> {
         let mut pending: Option<Option<&B::Tensor>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let qkv = &mut [(&layer.wq, &mut s.q), (&layer.wk, &mut s.k), (&layer.wv, &mut s.v)];
-            match pending.map(|post| self.block_output(backend, post, rows, &s.o, &mut s.t)) {
-                Some(y) => backend.add_norm_matmul(&mut s.x, y, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h, qkv),
+            match pending {
+                Some(post) => backend.add_norm_matmul(&mut s.x, &s.o, post, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h, qkv),
                 None => backend.norm_matmul(&s.x, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h, qkv),
             }
             if let Some([bq, bk, bv]) = &layer.qkv_bias {
@@ -149,9 +149,9 @@ impl<B: Backend> Model<B> {
             backend.rope_kv_write(kv, li, rope, &mut s.q, c.n_heads, &mut s.k, c.n_kv_heads, &s.v, input.positions, input.slots);
             backend.attention(kv, li, &s.q, input.attn, c.n_heads, c.attn_scale, c.layers[li].window, &mut s.attn);
             backend.matmul(&s.attn, rows, &mut [(&layer.wo, &mut s.o)]);
-            let y = self.block_output(backend, layer.post_norms.as_ref().map(|n| &n[0]), rows, &s.o, &mut s.t);
+            let post = layer.post_norms.as_ref().map(|n| &n[0]);
             let gate_up = &mut [(&layer.w_gate, &mut s.gate), (&layer.w_up, &mut s.up)];
-            backend.add_norm_matmul(&mut s.x, y, &layer.ffn_norm, c.rms_eps, rows, hid, &mut s.h, gate_up);
+            backend.add_norm_matmul(&mut s.x, &s.o, post, &layer.ffn_norm, c.rms_eps, rows, hid, &mut s.h, gate_up);
             let glu = match c.family.activation {
                 Activation::SiluGlu => Glu::Silu,
                 Activation::GeluTanhGlu => Glu::GeluTanh,
@@ -159,9 +159,13 @@ impl<B: Backend> Model<B> {
             backend.glu_matmul(glu, &s.gate, &s.up, rows, ffn, &mut s.act, &mut [(&layer.w_down, &mut s.o)]);
             pending = Some(layer.post_norms.as_ref().map(|n| &n[1]));
         }
-        if let Some(post) = pending {
-            let y = self.block_output(backend, post, rows, &s.o, &mut s.t);
-            backend.add(&mut s.x, y, rows * hid);
+        match pending {
+            Some(Some(w)) => {
+                backend.rmsnorm(&s.o, w, c.rms_eps, rows, hid, &mut s.h);
+                backend.add(&mut s.x, &s.h, rows * hid);
+            }
+            Some(None) => backend.add(&mut s.x, &s.o, rows * hid),
+            None => {}
         }
         let n = input.logit_rows.len();
         if n == 0 {
@@ -178,17 +182,5 @@ impl<B: Backend> Model<B> {
             baton_kernels::ops::softcap(&mut out, cap);
         }
         out
-    }
-
-    /// What a block adds to the residual stream: its output `o`, or with a post
-    /// norm `rmsnorm(o)` (written to `t`).
-    fn block_output<'a>(&self, backend: &B, post_norm: Option<&B::Tensor>, rows: usize, o: &'a B::Tensor, t: &'a mut B::Tensor) -> &'a B::Tensor {
-        match post_norm {
-            Some(w) => {
-                backend.rmsnorm(o, w, self.config.rms_eps, rows, self.config.hidden, t);
-                t
-            }
-            None => o,
-        }
     }
 }

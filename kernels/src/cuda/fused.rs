@@ -1,7 +1,8 @@
 //! The CUDA backend's fused operations (`kernels/cuda/fused.cu`): the norms
 //! and gated activations that feed a matrix product write its bf16 input
 //! directly (no f32 tensor written, read back and converted by `to_bf16`),
-//! the residual add runs in the next norm's kernel, and the keys are rotated
+//! the residual add (with Gemma's post norm before it) runs in the next norm's
+//! kernel, and the keys are rotated
 //! on their way into the arena in the launch that rotates the queries.
 //!
 //! Each gives exactly the bits of the unfused sequence of the backend's own
@@ -20,6 +21,7 @@ use crate::fused::Glu;
 pub(super) struct FusedKernels {
     rmsnorm_bf16: CudaFunction,
     add_rmsnorm_bf16: CudaFunction,
+    norm_add_rmsnorm_bf16: CudaFunction,
     silu_mul_bf16: CudaFunction,
     gelu_mul_bf16: CudaFunction,
     /// Indexed by [`kv_code`].
@@ -32,6 +34,7 @@ impl FusedKernels {
         Ok(FusedKernels {
             rmsnorm_bf16: get("fused", "rmsnorm_bf16")?,
             add_rmsnorm_bf16: get("fused", "add_rmsnorm_bf16")?,
+            norm_add_rmsnorm_bf16: get("fused", "norm_add_rmsnorm_bf16")?,
             silu_mul_bf16: get("fused", "silu_mul_bf16")?,
             gelu_mul_bf16: get("fused", "gelu_mul_bf16")?,
             rope_kv_write: [
@@ -76,31 +79,45 @@ impl CudaBackend {
         });
     }
 
-    /// [`crate::Backend::add_norm_matmul`]: `add_rmsnorm_bf16`, then the products.
+    /// [`crate::Backend::add_norm_matmul`]: `add_rmsnorm_bf16` (or with a post norm
+    /// `norm_add_rmsnorm_bf16`), then the products.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_add_norm_matmul(
         &self,
         x: &mut CudaSlice<f32>,
         y: &CudaSlice<f32>,
+        y_norm: Option<&CudaSlice<f32>>,
         weight: &CudaSlice<f32>,
         eps: f32,
         rows: usize,
         dim: usize,
+        h: &mut CudaSlice<f32>,
         outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)],
     ) {
         if rows == 0 {
             return;
         }
         assert!(x.len() >= rows * dim && y.len() >= rows * dim && weight.len() >= dim, "add_norm_matmul: {rows} rows of {dim} past the tensors");
+        assert!(y_norm.is_none_or(|wy| wy.len() >= dim), "add_norm_matmul: a post norm shorter than {dim}");
         if outs.is_empty() {
             // The add is still owed; the norm has no reader.
-            return self.add(x, y, rows * dim);
+            return crate::fused::add_norm_matmul(self, x, y, y_norm, weight, eps, rows, dim, h, outs);
         }
         self.products_from_bf16(dim, rows, outs, |xb| {
             let dim_i = dim as i32;
-            let mut b = self.stream.launch_builder(&self.k.fused.add_rmsnorm_bf16);
-            args::add_rmsnorm_bf16(&mut b, x, y, weight, &eps, &dim_i, xb);
-            unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("add_rmsnorm_bf16", e));
+            let cfg = config(plan::per_row(rows, ROW_THREADS));
+            match y_norm {
+                None => {
+                    let mut b = self.stream.launch_builder(&self.k.fused.add_rmsnorm_bf16);
+                    args::add_rmsnorm_bf16(&mut b, x, y, weight, &eps, &dim_i, xb);
+                    unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("add_rmsnorm_bf16", e));
+                }
+                Some(wy) => {
+                    let mut b = self.stream.launch_builder(&self.k.fused.norm_add_rmsnorm_bf16);
+                    args::norm_add_rmsnorm_bf16(&mut b, x, y, wy, weight, &eps, &dim_i, xb);
+                    unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("norm_add_rmsnorm_bf16", e));
+                }
+            }
         });
     }
 

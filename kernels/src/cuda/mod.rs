@@ -831,8 +831,8 @@ impl Backend for CudaBackend {
     }
 
     #[rustfmt::skip]
-    fn add_norm_matmul(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32, rows: usize, dim: usize, _h: &mut CudaSlice<f32>, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
-        self.fused_add_norm_matmul(x, y, w, eps, rows, dim, outs);
+    fn add_norm_matmul(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, y_norm: Option<&CudaSlice<f32>>, w: &CudaSlice<f32>, eps: f32, rows: usize, dim: usize, h: &mut CudaSlice<f32>, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
+        self.fused_add_norm_matmul(x, y, y_norm, w, eps, rows, dim, h, outs);
     }
 
     #[rustfmt::skip]

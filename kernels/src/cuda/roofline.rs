@@ -204,6 +204,7 @@ pub const DESIGNS: &[Design] = &[
     // (ptxas 12.8: 18-24 registers; rope_kv_write_* 32, just inside 16 blocks).
     row("rmsnorm_bf16", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
     row("add_rmsnorm_bf16", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
+    row("norm_add_rmsnorm_bf16", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
     row("silu_mul_bf16", || plan::elementwise(1 << 20), (8, 8), SCALAR_F32),
     row("gelu_mul_bf16", || plan::elementwise(1 << 20), (8, 8), SCALAR_F32),
     row("rope_kv_write_", || plan::per_row(1, TOKEN_THREADS), (16, 16), SCALAR_F32),

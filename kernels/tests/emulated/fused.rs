@@ -61,6 +61,20 @@ fn add_rmsnorm_bf16_gives_the_bits_of_add_then_the_norm() {
         unsafe { emu::add_rmsnorm_bf16(&launch(plan::per_row(rows, ROW_THREADS)), got_x.as_mut_ptr(), y.as_ptr(), w.as_ptr(), 1e-5, dim as i32, got.as_mut_ptr()) };
         assert_eq!(got_x, want_x, "add_rmsnorm_bf16: the residual stream, rows of {dim}");
         assert_eq!(got, want, "add_rmsnorm_bf16: the normed product input, rows of {dim}");
+
+        // With a post norm of y first (Gemma): rmsnorm of y into a tensor, then the above.
+        let wy = values(dim, 4);
+        let mut normed_y = vec![0f32; rows * dim];
+        unsafe { emu::rmsnorm(&launch(plan::per_row(rows, ROW_THREADS)), y.as_ptr(), wy.as_ptr(), 1e-6, dim as i32, normed_y.as_mut_ptr()) };
+        let mut want_x = x.clone();
+        let mut want = vec![0u16; rows * dim];
+        #[rustfmt::skip]
+        unsafe { emu::add_rmsnorm_bf16(&launch(plan::per_row(rows, ROW_THREADS)), want_x.as_mut_ptr(), normed_y.as_ptr(), w.as_ptr(), 1e-6, dim as i32, want.as_mut_ptr()) };
+        let mut got_x = x.clone();
+        #[rustfmt::skip]
+        unsafe { emu::norm_add_rmsnorm_bf16(&launch(plan::per_row(rows, ROW_THREADS)), got_x.as_mut_ptr(), y.as_ptr(), wy.as_ptr(), w.as_ptr(), 1e-6, dim as i32, got.as_mut_ptr()) };
+        assert_eq!(got_x, want_x, "norm_add_rmsnorm_bf16: the residual stream, rows of {dim}");
+        assert_eq!(got, want, "norm_add_rmsnorm_bf16: the normed product input, rows of {dim}");
     }
 }
 

@@ -26,7 +26,8 @@
 #   KV bytes written by both backends, and blocks moved through the staging
 #   buffers in groups: identical; a row's result: the same bits
 #   alone as in a batch (matrix products and attention), and a product's on
-#   one stream as on several.
+#   one stream as on several; the fused operations (fused.cu): the bits of the
+#   unfused sequences they replace.
 # The engine on CUDA (engine/tests/cuda_engine.rs, the first 2 layers of SmolLM2 and a
 # 2-layer cut of Gemma 3): logits Pearson >= 0.98 against the CPU backend per row, the
 # same top token on >= 70% of rows, greedy tokens equal alone, chunked and batched.

@@ -2,7 +2,9 @@
 //! built from the backend's own operations, timed against what the GPU can do
 //! at best (measured in the same run):
 //!
-//! - decode step time at batch 1, 64 and 256 with 3,000-token contexts, against
+//! - decode step time at batch 1, 64 and 256 with 3,000-token contexts (the step
+//!   as the engine runs it, with the fused operations; beside it, in a table of
+//!   its own, the step op by op and each one's launches per step), against
 //!   the bandwidth roofline: (bytes of weights + KV read per step) / measured
 //!   device copy bandwidth; beside it the step's matrix products alone and its
 //!   attention alone, each with the bandwidth it reached (weights, KV), so a
@@ -30,7 +32,7 @@ use std::time::Instant;
 use baton_kernels::cuda::plan::AttentionPlan;
 use baton_kernels::cuda::roofline::{self, AttentionShape, Estimate, Gpu, Peaks};
 use baton_kernels::cuda::{CudaBackend, CudaMatrix, GEMM_ROWS};
-use baton_kernels::{AttnRow, Backend, KvDtype, KvLayout, StepInput};
+use baton_kernels::{AttnRow, Backend, Glu, KvDtype, KvLayout, StepInput};
 
 #[derive(Clone, Copy)]
 struct Shape {
@@ -109,30 +111,59 @@ struct Acts {
     logits: <CudaBackend as Backend>::Tensor,
 }
 
-/// One forward pass over `rows` tokens (their positions and block tables in `attn`).
+/// One forward pass over `rows` tokens (their positions and block tables in `attn`):
+/// with `fused`, through the backend's fused operations as the engine runs it
+/// (fused.cu: the residual add in the next norm, norms and the SiLU gate written
+/// as the products' bf16 input, RoPE inside the KV write), else op by op. Returns
+/// its launches: kernels, and cuBLAS calls (one per GEMM_ROWS rows of a matrix),
+/// counted per operation as the backend launches them.
 #[allow(clippy::too_many_arguments)]
-fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a: &mut Acts, attn: &[AttnRow], slots: &[(u32, u32)], positions: &[u32], logits_rows: &[usize]) {
+fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a: &mut Acts, attn: &[AttnRow], slots: &[(u32, u32)], positions: &[u32], logits_rows: &[usize], fused: bool) -> usize {
     let s = m.s;
     let rows = attn.len();
     let scale = 1.0 / (s.head_dim as f32).sqrt();
+    // A matmul: to_bf16 (unless a fused kernel wrote its input), then its cuBLAS calls.
+    let gemms = |matrices: usize, rows: usize| matrices * rows.div_ceil(GEMM_ROWS);
+    let mut launches = 0;
     for (li, l) in m.layers.iter().enumerate() {
-        g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
-        g.matmul(&a.h, rows, &mut [(&l.wq, &mut a.q), (&l.wk, &mut a.k), (&l.wv, &mut a.v)]);
-        g.apply_rope(&m.rope, &mut a.q, positions, s.heads);
-        g.apply_rope(&m.rope, &mut a.k, positions, s.kv_heads);
-        g.kv_write(kv, li, &a.k, &a.v, slots);
-        g.attention(kv, li, &a.q, attn, s.heads, scale, None, &mut a.att);
-        g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
+        if fused {
+            let qkv = &mut [(&l.wq, &mut a.q), (&l.wk, &mut a.k), (&l.wv, &mut a.v)];
+            if li == 0 {
+                g.norm_matmul(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h, qkv);
+            } else {
+                g.add_norm_matmul(&mut a.x, &a.o, None, &m.norm, 1e-5, rows, s.dim, &mut a.h, qkv);
+            }
+            g.rope_kv_write(kv, li, &m.rope, &mut a.q, s.heads, &mut a.k, s.kv_heads, &a.v, positions, slots);
+            g.attention(kv, li, &a.q, attn, s.heads, scale, None, &mut a.att);
+            g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
+            g.add_norm_matmul(&mut a.x, &a.o, None, &m.norm, 1e-5, rows, s.dim, &mut a.h, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
+            g.glu_matmul(Glu::Silu, &a.gate, &a.up, rows, s.ffn, &mut a.act, &mut [(&l.down, &mut a.o)]);
+            launches += 1 + gemms(3, rows) + 1 + 2 + 1 + gemms(1, rows) + 1 + gemms(2, rows) + 1 + gemms(1, rows);
+        } else {
+            g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
+            g.matmul(&a.h, rows, &mut [(&l.wq, &mut a.q), (&l.wk, &mut a.k), (&l.wv, &mut a.v)]);
+            g.apply_rope(&m.rope, &mut a.q, positions, s.heads);
+            g.apply_rope(&m.rope, &mut a.k, positions, s.kv_heads);
+            g.kv_write(kv, li, &a.k, &a.v, slots);
+            g.attention(kv, li, &a.q, attn, s.heads, scale, None, &mut a.att);
+            g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
+            g.add(&mut a.x, &a.o, rows * s.dim);
+            g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
+            g.matmul(&a.h, rows, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
+            g.silu_mul(&a.gate, &a.up, rows * s.ffn, &mut a.act);
+            g.matmul(&a.act, rows, &mut [(&l.down, &mut a.o)]);
+            g.add(&mut a.x, &a.o, rows * s.dim);
+            launches += 1 + 1 + gemms(3, rows) + 2 + 1 + 2 + 1 + gemms(1, rows) + 1 + 1 + 1 + gemms(2, rows) + 1 + 1 + gemms(1, rows) + 1;
+        }
+    }
+    if fused && !m.layers.is_empty() {
         g.add(&mut a.x, &a.o, rows * s.dim);
-        g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
-        g.matmul(&a.h, rows, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
-        g.silu_mul(&a.gate, &a.up, rows * s.ffn, &mut a.act);
-        g.matmul(&a.act, rows, &mut [(&l.down, &mut a.o)]);
-        g.add(&mut a.x, &a.o, rows * s.dim);
+        launches += 1;
     }
     g.gather_rows(&a.x, s.dim, logits_rows, &mut a.att);
     g.rmsnorm(&a.att, &m.norm, 1e-5, logits_rows.len(), s.dim, &mut a.h);
     g.matmul(&a.h, logits_rows.len(), &mut [(&m.head, &mut a.logits)]);
+    launches + 3 + gemms(1, logits_rows.len())
 }
 
 /// One decode step eager and as a CUDA graph (after a warm-up step and the
@@ -152,7 +183,9 @@ fn graph_step(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv,
     let run = |a: &mut Acts, kv: &mut <CudaBackend as Backend>::Kv, graphs: bool| {
         g.set_graphs(graphs);
         g.copy(x0, &mut a.x);
-        g.decode_step(kv, &step, program, &mut |kv| forward(g, m, kv, a, attn, slots, positions, logits_rows));
+        g.decode_step(kv, &step, program, &mut |kv| {
+            forward(g, m, kv, a, attn, slots, positions, logits_rows, true);
+        });
     };
     // Few steps: the check's time is bounded (bench/gpu/run.sh), and a step of batch 256 is long.
     let time = |a: &mut Acts, kv: &mut <CudaBackend as Backend>::Kv, graphs: bool| {
@@ -327,6 +360,7 @@ fn main() {
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut prefill_lines = Vec::new();
     let mut graph_lines = Vec::new();
+    let mut fusion_lines = Vec::new();
     for s in [LLAMA_8B, LLAMA_70B_TP8] {
         let m = build(&g, s);
         let weight_bytes = s.matrix_params() * 2;
@@ -349,15 +383,26 @@ fn main() {
             let logits_rows: Vec<usize> = (0..batch).collect();
             let mut a = acts(&g, s, batch);
             a.x = g.upload(&vec![0.01; batch * s.dim]);
-            forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &logits_rows);
-            g.synchronize();
-            let steps = 5;
-            let t = Instant::now();
-            for _ in 0..steps {
-                forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &logits_rows);
-            }
-            g.synchronize();
-            let step = t.elapsed().as_secs_f64() / steps as f64;
+            // The step as the engine runs it (fused), and op by op as the baseline.
+            let mut timed = |fused: bool| {
+                let launches = forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &logits_rows, fused);
+                g.synchronize();
+                let steps = 5;
+                let t = Instant::now();
+                for _ in 0..steps {
+                    forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &logits_rows, fused);
+                }
+                g.synchronize();
+                (t.elapsed().as_secs_f64() / steps as f64, launches)
+            };
+            let (unfused_step, unfused_launches) = timed(false);
+            let (step, launches) = timed(true);
+            fusion_lines.push(format!(
+                "| {} | {batch} | {:.3} | {unfused_launches} | {:.3} | {launches} |",
+                s.name,
+                unfused_step * 1e3,
+                step * 1e3
+            ));
             if g.set_graphs(true) {
                 let x0 = g.upload(&vec![0.01; batch * s.dim]);
                 let (eager, graph, same, counts) = graph_step(&g, &m, &mut kv, &mut a, &x0, &attn, &slots, &positions, &logits_rows);
@@ -404,12 +449,12 @@ fn main() {
         let positions: Vec<u32> = (0..n as u32).collect();
         let mut a = acts(&g, s, n);
         a.x = g.upload(&vec![0.01; n * s.dim]);
-        forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &[n - 1]);
+        forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &[n - 1], true);
         g.synchronize();
         let t = Instant::now();
         let reps = 3;
         for _ in 0..reps {
-            forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &[n - 1]);
+            forward(&g, &m, &mut kv, &mut a, &attn, &slots, &positions, &[n - 1], true);
         }
         g.synchronize();
         let secs = t.elapsed().as_secs_f64() / reps as f64;
@@ -434,6 +479,13 @@ fn main() {
             achieved,
             100.0 * achieved / tflops
         ));
+    }
+    println!();
+    println!("decode step op by op and with the fused operations (fused.cu), in the same run; launches = kernels + cuBLAS calls");
+    println!("| shape | batch | unfused step ms | unfused launches | fused step ms | fused launches |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    for l in fusion_lines {
+        println!("{l}");
     }
     println!();
     if graph_lines.is_empty() {

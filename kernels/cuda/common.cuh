@@ -128,5 +128,34 @@ __device__ float block_max(float v, float* scratch) {
     return warp_max(lane < warps ? scratch[lane] : NEG_INF);
 }
 
+// The arithmetic that a kernel and its fused variant (fused.cu) share. Each
+// fused kernel must give exactly the bits of the kernels it replaces; the same
+// inlined expression gets the same FMA contraction from the compiler in both,
+// where two hand-written copies might not.
+
+// One element's term of RMSNorm's sum of squares.
+__device__ __forceinline__ float sum_squares_step(float ss, float v) { return ss + v * v; }
+
+// RMSNorm's factor from a row's block-summed squares.
+__device__ __forceinline__ float rms_factor(float ss, int dim, float eps) { return 1.f / sqrtf(ss / (float)dim + eps); }
+
+// A normed element: x * factor * weight.
+__device__ __forceinline__ float rms_apply(float x, float factor, float w) { return x * factor * w; }
+
+// silu(g) * u
+__device__ __forceinline__ float silu_gate(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+// gelu_tanh(g) * u in the logistic form (see gelu_mul in elementwise.cu).
+__device__ __forceinline__ float gelu_gate(float g, float u) {
+    float y = -1.595769f * g * (1.f + 0.044715f * g * g);
+    return g / (1.f + expf(y)) * u;
+}
+
+// One rotary pair (a, b) turned by the angle whose cosine and sine are c and s.
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, float* r0, float* r1) {
+    *r0 = a * c - b * s;
+    *r1 = a * s + b * c;
+}
+
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)(n); i += (u64)gridDim.x * blockDim.x)

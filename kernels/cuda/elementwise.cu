@@ -4,10 +4,7 @@
 
 // out = silu(gate) * up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, u64 n) {
-    FOR_EACH(i, n) {
-        float g = gate[i];
-        out[i] = g / (1.f + expf(-g)) * up[i];
-    }
+    FOR_EACH(i, n) out[i] = silu_gate(gate[i], up[i]);
 }
 
 // out = gelu_tanh(gate) * up (GeGLU, Gemma), with the CPU backend's arithmetic
@@ -16,11 +13,7 @@ extern "C" __global__ void silu_mul(const float* gate, const float* up, float* o
 // overflow e^(-2y) to infinity and give -0 where the CPU's clamped exponential
 // gives a value below 1e-36: the same to any tolerance.
 extern "C" __global__ void gelu_mul(const float* gate, const float* up, float* out, u64 n) {
-    FOR_EACH(i, n) {
-        float g = gate[i];
-        float y = -1.595769f * g * (1.f + 0.044715f * g * g);
-        out[i] = g / (1.f + expf(y)) * up[i];
-    }
+    FOR_EACH(i, n) out[i] = gelu_gate(gate[i], up[i]);
 }
 
 // x += y

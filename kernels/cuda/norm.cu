@@ -5,8 +5,8 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float eps, in
     const float* xr = x + (u64)blockIdx.x * dim;
     float* o = out + (u64)blockIdx.x * dim;
     float ss = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = sum_squares_step(ss, xr[i]);
     ss = block_sum(ss, scratch);
-    float scale = 1.f / sqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+    float scale = rms_factor(ss, dim, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = rms_apply(xr[i], scale, w[i]);
 }

@@ -11,8 +11,6 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
     for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
         int h = t / half, i = t - h * half;
         float* e = xr + h * half * 2 + 2 * i;
-        float a = e[0], b = e[1];
-        e[0] = a * c[i] - b * s[i];
-        e[1] = a * s[i] + b * c[i];
+        rope_pair(e[0], e[1], c[i], s[i], &e[0], &e[1]);
     }
 }

@@ -108,6 +108,8 @@ inline float __int_as_float(int i) { return emu::bits_to_float((uint32_t)i); }
 inline float __uint_as_float(unsigned u) { return emu::bits_to_float(u); }
 inline unsigned __float_as_uint(float f) { return emu::float_to_bits(f); }
 inline unsigned __float2uint_rn(float f) { return (unsigned)nearbyintf(f); }
+// An f32 add the GPU compiler may not contract into an FMA; the CPU build has no FMA to contract to.
+inline float __fadd_rn(float a, float b) { return a + b; }
 
 template <class T> inline T min(T a, T b) { return b < a ? b : a; }
 template <class T> inline T max(T a, T b) { return a < b ? b : a; }

@@ -7,6 +7,7 @@
 //! row results must not depend on how many rows are batched together.
 
 use crate::attention::{attention, AttnRow};
+use crate::fused::{self, Glu};
 use crate::kv::{KvGroups, KvLayout, KvStorage};
 pub use crate::error::Error as KernelError;
 use crate::matmul::{matmul_many, Acts, QMatrix};
@@ -165,6 +166,35 @@ pub trait Backend: Send + Sync {
     fn decode_step(&self, kv: &mut Self::Kv, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut Self::Kv)) {
         let _ = (input, program);
         body(kv)
+    }
+
+    // Fused operations: each is the sequence of plain operations in `crate::fused`
+    // unless a backend overrides it with fewer passes over memory. An override
+    // gives the sequence's results (on the CUDA backend: the same bits); the
+    // scratch tensor a sequence needs (`h`, `a`) and the keys `k` hold whatever
+    // the backend leaves there afterwards.
+
+    /// `outs[i] = rmsnorm(x) · wᵢᵀ`, through the scratch `h`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32, rows: usize, dim: usize, h: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
+        fused::norm_matmul(self, x, weight, eps, rows, dim, h, outs);
+    }
+    /// `x += y` (a block's output into the residual stream), or with `y_norm` (a
+    /// post norm) `x += rmsnorm(y) * y_norm`; then [`Backend::norm_matmul`] of the
+    /// new `x` (the next block's norm and products).
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm_matmul(&self, x: &mut Self::Tensor, y: &Self::Tensor, y_norm: Option<&Self::Tensor>, weight: &Self::Tensor, eps: f32, rows: usize, dim: usize, h: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
+        fused::add_norm_matmul(self, x, y, y_norm, weight, eps, rows, dim, h, outs);
+    }
+    /// `outs[i] = (glu(gate) * up) · wᵢᵀ` over `rows` rows of `width`, through the scratch `a`.
+    #[allow(clippy::too_many_arguments)]
+    fn glu_matmul(&self, glu: Glu, gate: &Self::Tensor, up: &Self::Tensor, rows: usize, width: usize, a: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
+        fused::glu_matmul(self, glu, gate, up, rows, width, a, outs);
+    }
+    /// [`Backend::apply_rope`] of `q` and `k`, then [`Backend::kv_write`] of `k` and `v`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv_write(&self, kv: &mut Self::Kv, layer: usize, rope: &Self::Rope, q: &mut Self::Tensor, q_heads: usize, k: &mut Self::Tensor, kv_heads: usize, v: &Self::Tensor, positions: &[u32], slots: &[(u32, u32)]) {
+        fused::rope_kv_write(self, kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
     }
 }
 

@@ -11,20 +11,39 @@
 //! `tests/cuda_emulated.rs`). The embedding is looked up, as on the GPU, from
 //! the table expanded to bf16.
 //!
+//! Products take their input as the GPU gives it to cuBLAS: rounded to bf16 by
+//! the `to_bf16` kernel, or written as bf16 by a fused kernel (`fused.cu`);
+//! [`EmuBackend::f32_products`] instead gives the CPU's products the f32 values
+//! (and runs no fused kernel), so that what is compared with the CPU backend
+//! is the kernels' arithmetic alone, not the GPU's bf16 inputs as well.
+//! The KV writes run the `kv_write` / `rope_kv_write` kernels on a scratch
+//! arena and copy each token's bytes into its slot of the CPU's arena.
+//!
+//! The fused operations run the fused kernels, or with [`EmuBackend::unfused`]
+//! the unfused sequences ([`crate::fused`]) of the plain kernels, so a test can
+//! check that a whole forward pass gives the same bits either way. The backend
+//! counts the launches the CUDA backend would make for what it ran
+//! ([`EmuBackend::launches`]): each emulated kernel, and for the products and
+//! attention that the CPU stands in for, the cuBLAS calls (one per [`GEMM_ROWS`]
+//! rows of each weight matrix) and the attention plan's two launches.
+//!
 //! For tests only: every kernel runs on the calling thread, one fiber per
 //! GPU thread.
 //!
 //! Made with [`EmuBackend::with_decode_steps`], it also runs decode steps the
 //! way the CUDA backend captures and replays them (`emu_steps`).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use crate::attention::AttnRow;
 use crate::backend::{Backend, CpuBackend, KernelError, OptionalOp};
 use crate::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
+use crate::cuda::GEMM_ROWS;
 use crate::emu::{self, Launch};
 use crate::emu_steps::{self, EmuStepStats, EmuSteps};
-use crate::kv::{KvGroups, KvLayout, KvStorage};
+use crate::fused::{self, Glu};
+use crate::kv::{KvDtype, KvGroups, KvLayout, KvStorage};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
 use crate::quant::WeightFormat;
@@ -36,12 +55,17 @@ pub struct EmuBackend {
     /// Replayable decode steps, when made with them.
     steps: Option<Mutex<EmuSteps>>,
     capture: CaptureGuard,
+    /// Whether the fused operations run the fused kernels (else their unfused sequences).
+    fuse: bool,
+    /// Whether products read their input rounded to bf16, as cuBLAS does on the GPU.
+    bf16_products: bool,
+    launches: AtomicUsize,
 }
 
 impl EmuBackend {
     /// `threads`: the CPU backend's, for the products and attention.
     pub fn new(threads: usize) -> Result<Self, KernelError> {
-        Ok(EmuBackend { cpu: CpuBackend::new(threads)?, steps: None, capture: CaptureGuard::default() })
+        Ok(EmuBackend { cpu: CpuBackend::new(threads)?, steps: None, capture: CaptureGuard::default(), fuse: true, bf16_products: true, launches: AtomicUsize::new(0) })
     }
 
     /// The backend with the CUDA backend's replayable decode steps (`emu_steps`):
@@ -66,6 +90,68 @@ impl EmuBackend {
                 self.capture.allow("index upload");
                 None
             }
+        }
+    }
+
+    /// The same backend with the fused operations run as their unfused
+    /// sequences of kernels ([`crate::fused`]), as a backend without fused kernels runs them.
+    pub fn unfused(threads: usize) -> Result<Self, KernelError> {
+        Ok(EmuBackend { fuse: false, ..Self::new(threads)? })
+    }
+
+    /// Unfused, and the products computed by the CPU backend from their f32
+    /// input (what the GPU rounds to bf16 first): the kernels' arithmetic against
+    /// the CPU's with nothing else between them.
+    pub fn f32_products(threads: usize) -> Result<Self, KernelError> {
+        Ok(EmuBackend { fuse: false, bf16_products: false, ..Self::new(threads)? })
+    }
+
+    /// Launches the CUDA backend would have made for the operations run so far
+    /// (see the module docs).
+    pub fn launches(&self) -> usize {
+        self.launches.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, launches: usize) {
+        self.launches.fetch_add(launches, Ordering::Relaxed);
+    }
+
+    /// The products of `outs` over `rows` rows of bf16 input `xb` (what cuBLAS
+    /// reads on the GPU), computed by the CPU backend from those values.
+    fn products(&self, xb: &[u16], rows: usize, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        if rows == 0 || outs.is_empty() {
+            return;
+        }
+        let x: Vec<f32> = xb.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let mut cpu: Vec<(&QMatrix, &mut Vec<f32>)> = outs.iter_mut().map(|(m, o)| (&m.q, &mut **o)).collect();
+        self.cpu.matmul(&x, rows, &mut cpu);
+        self.count(outs.len() * rows.div_ceil(GEMM_ROWS));
+    }
+
+    /// Runs `kernel` (a KV-writing kernel) on a scratch arena of one single-layer
+    /// block per row, row `i` going to slot `slots[i].1` of scratch block `i`, then
+    /// copies each row's keys and values into slot `slots[i]` of `layer` of `kv`.
+    /// `kernel(arena, flat slots, layout)` launches with layer 0 of `layout`.
+    fn write_kv(&self, kv: &mut KvStorage, layer: usize, slots: &[(u32, u32)], kernel: impl FnOnce(*mut u8, &[u32], KvLayout)) {
+        let l = kv.layout;
+        assert!(slots.iter().all(|&(b, s)| (b as usize) < kv.num_blocks && (s as usize) < l.block_tokens), "kv_write: slot out of range");
+        let one = KvLayout { layers: 1, ..l };
+        let lb = one.block_layer_bytes();
+        // Words, so that the kernel's f32 and 16-bit stores are aligned.
+        let mut arena = vec![0u32; (slots.len() * lb).div_ceil(4)];
+        let flat: Vec<u32> = slots.iter().enumerate().flat_map(|(i, &(_, s))| [i as u32, s]).collect();
+        kernel(arena.as_mut_ptr().cast(), &flat, one);
+        self.count(1);
+        // SAFETY: the words' bytes, as the kernel wrote them.
+        let bytes = unsafe { std::slice::from_raw_parts(arena.as_ptr().cast::<u8>(), slots.len() * lb) };
+        let tb = l.token_elems() * l.dtype.bytes();
+        for (i, &(b, s)) in slots.iter().enumerate() {
+            let mut layer_bytes = kv.block_layer_bytes(b as usize, layer).to_vec();
+            let from = &bytes[i * lb..(i + 1) * lb];
+            for at in [s as usize * tb, (l.block_tokens + s as usize) * tb] {
+                layer_bytes[at..at + tb].copy_from_slice(&from[at..at + tb]);
+            }
+            kv.set_block_layer_bytes(b as usize, layer, &layer_bytes);
         }
     }
 }
@@ -187,6 +273,7 @@ impl Backend for EmuBackend {
         let tokens = self.staged(|s| s.words(&s.layout.tokens).to_vec()).unwrap_or_else(|| tokens.to_vec());
         // SAFETY: the table holds n x k values, `out` tokens x k, every token < n (checked).
         unsafe { emu::embed_bf16(&launch(plan::per_row(tokens.len(), ROW_THREADS)), table.bf16().as_ptr(), tokens.as_ptr(), k as i32, out.as_mut_ptr()) };
+        self.count(1);
     }
 
     fn rmsnorm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, rows: usize, dim: usize, out: &mut Vec<f32>) {
@@ -197,14 +284,29 @@ impl Backend for EmuBackend {
         self.ensure_len(out, rows * dim);
         // SAFETY: x and out hold rows x dim values, the weight dim (checked above).
         unsafe { emu::rmsnorm(&launch(plan::per_row(rows, ROW_THREADS)), x.as_ptr(), weight.as_ptr(), eps, dim as i32, out.as_mut_ptr()) };
+        self.count(1);
     }
 
     fn matmul(&self, x: &Vec<f32>, rows: usize, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        let Some(k) = outs.first().map(|(w, _)| w.q.k) else { return };
+        if rows == 0 {
+            return;
+        }
         for (m, out) in outs.iter_mut() {
             self.ensure_len(out, rows * m.q.n);
         }
-        let mut cpu: Vec<(&QMatrix, &mut Vec<f32>)> = outs.iter_mut().map(|(m, o)| (&m.q, &mut **o)).collect();
-        self.cpu.matmul(x, rows, &mut cpu);
+        assert!(x.len() >= rows * k, "matmul: {rows} rows of {k} past the tensor");
+        if !self.bf16_products {
+            let mut cpu: Vec<(&QMatrix, &mut Vec<f32>)> = outs.iter_mut().map(|(m, o)| (&m.q, &mut **o)).collect();
+            self.cpu.matmul(x, rows, &mut cpu);
+            // The GPU's to_bf16 and cuBLAS calls.
+            return self.count(1 + outs.len() * rows.div_ceil(GEMM_ROWS));
+        }
+        let mut xb = vec![0u16; rows * k];
+        // SAFETY: x holds rows x k values, xb as many (checked above).
+        unsafe { emu::to_bf16(&launch(plan::elementwise(rows * k)), x.as_ptr(), xb.as_mut_ptr(), (rows * k) as u64) };
+        self.count(1);
+        self.products(&xb, rows, outs);
     }
 
     fn apply_rope(&self, rope: &RopeTable, x: &mut Vec<f32>, positions: &[u32], heads: usize) {
@@ -220,6 +322,7 @@ impl Backend for EmuBackend {
         // SAFETY: x holds a row of heads x head_dim per position, the tables max_pos rows (checked).
         #[rustfmt::skip]
         unsafe { emu::rope(&launch(plan::per_row(positions.len(), TOKEN_THREADS)), x.as_mut_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), heads as i32, (rope.head_dim / 2) as i32) };
+        self.count(1);
     }
 
     fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
@@ -230,6 +333,7 @@ impl Backend for EmuBackend {
         self.ensure_len(out, len);
         // SAFETY: every buffer holds len values (checked above).
         unsafe { emu::silu_mul(&launch(plan::elementwise(len)), gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), len as u64) };
+        self.count(1);
     }
 
     fn gelu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
@@ -240,6 +344,7 @@ impl Backend for EmuBackend {
         self.ensure_len(out, len);
         // SAFETY: every buffer holds len values (checked above).
         unsafe { emu::gelu_mul(&launch(plan::elementwise(len)), gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), len as u64) };
+        self.count(1);
     }
 
     fn add_rows(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, width: usize) {
@@ -249,6 +354,7 @@ impl Backend for EmuBackend {
         assert!(x.len() >= rows * width && bias.len() >= width, "add_rows: {rows} rows of {width} past the tensors");
         // SAFETY: x holds rows x width values, the bias width (checked above).
         unsafe { emu::add_rows(&launch(plan::elementwise(rows * width)), x.as_mut_ptr(), bias.as_ptr(), (rows * width) as u64, width as i32) };
+        self.count(1);
     }
 
     fn scale(&self, x: &mut Vec<f32>, s: f32, len: usize) {
@@ -258,6 +364,7 @@ impl Backend for EmuBackend {
         assert!(x.len() >= len, "scale: {len} elements past the tensor");
         // SAFETY: x holds len values (checked above).
         unsafe { emu::scale_inplace(&launch(plan::elementwise(len)), x.as_mut_ptr(), s, len as u64) };
+        self.count(1);
     }
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
@@ -267,6 +374,7 @@ impl Backend for EmuBackend {
         assert!(x.len() >= len && y.len() >= len, "add: {len} elements past the tensors");
         // SAFETY: both hold len values (checked above).
         unsafe { emu::add_inplace(&launch(plan::elementwise(len)), x.as_mut_ptr(), y.as_ptr(), len as u64) };
+        self.count(1);
     }
 
     fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {
@@ -278,11 +386,30 @@ impl Backend for EmuBackend {
         let ids = self.staged(|s| s.words(&s.layout.logit_rows).to_vec()).unwrap_or_else(|| rows.iter().map(|&r| r as u32).collect());
         // SAFETY: every picked row is within x (checked), out holds rows x width values.
         unsafe { emu::gather_rows(&launch(plan::per_row(rows.len(), ROW_THREADS)), x.as_ptr(), ids.as_ptr(), width as i32, out.as_mut_ptr()) };
+        self.count(1);
     }
 
     fn kv_write(&self, kv: &mut KvStorage, layer: usize, k: &Vec<f32>, v: &Vec<f32>, slots: &[(u32, u32)]) {
-        let slots = self.staged(|s| s.slots()).unwrap_or_else(|| slots.to_vec());
-        self.cpu.kv_write(kv, layer, k, v, &slots);
+        if slots.is_empty() {
+            return;
+        }
+        // A replayable step's slots are the staged ones (padding rows' on the spare block).
+        let slots = &self.staged(|s| s.slots()).unwrap_or_else(|| slots.to_vec())[..];
+        let te = kv.layout.token_elems();
+        assert!(k.len() >= slots.len() * te && v.len() >= slots.len() * te, "kv_write: rows past the tensors");
+        self.write_kv(kv, layer, slots, |arena, flat, l| {
+            let g = launch(plan::per_row(slots.len(), TOKEN_THREADS));
+            let (k, v, s, bt, te) = (k.as_ptr(), v.as_ptr(), flat.as_ptr(), l.block_tokens as i32, te as i32);
+            // SAFETY: the scratch arena holds one block per row, k and v a row each (checked above).
+            unsafe {
+                match l.dtype {
+                    KvDtype::F32 => emu::kv_write_f32(&g, arena, k, v, s, 0, 1, bt, te),
+                    KvDtype::F16 => emu::kv_write_f16(&g, arena, k, v, s, 0, 1, bt, te),
+                    KvDtype::BF16 => emu::kv_write_bf16(&g, arena, k, v, s, 0, 1, bt, te),
+                    KvDtype::F8E4M3 => emu::kv_write_e4m3(&g, arena, k, v, s, 0, 1, bt, te),
+                }
+            }
+        });
     }
 
     fn attention(&self, kv: &KvStorage, layer: usize, q: &Vec<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut Vec<f32>) {
@@ -290,6 +417,9 @@ impl Backend for EmuBackend {
         let staged = self.staged(|s| self.cpu.attention(kv, layer, q, &s.attn_rows(), n_heads, scale, window, out));
         if staged.is_none() {
             self.cpu.attention(kv, layer, q, rows, n_heads, scale, window, out);
+        }
+        if !rows.is_empty() {
+            self.count(2); // the partial kernel and the combine, whatever the plan's kernel
         }
     }
 
@@ -318,5 +448,107 @@ impl Backend for EmuBackend {
 
     fn kv_block_layer_in(&self, kv: &mut KvStorage, block: usize, layer: usize, data: &[u8]) {
         self.cpu.kv_block_layer_in(kv, block, layer, data);
+    }
+
+    fn norm_matmul(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, rows: usize, dim: usize, h: &mut Vec<f32>, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        if !self.fuse {
+            return fused::norm_matmul(self, x, weight, eps, rows, dim, h, outs);
+        }
+        if rows == 0 || outs.is_empty() {
+            return;
+        }
+        assert!(x.len() >= rows * dim && weight.len() >= dim, "norm_matmul: {rows} rows of {dim} past the tensors");
+        let mut xb = vec![0u16; rows * dim];
+        // SAFETY: x and xb hold rows x dim values, the weight dim (checked above).
+        unsafe { emu::rmsnorm_bf16(&launch(plan::per_row(rows, ROW_THREADS)), x.as_ptr(), weight.as_ptr(), eps, dim as i32, xb.as_mut_ptr()) };
+        self.count(1);
+        self.products(&xb, rows, outs);
+    }
+
+    #[rustfmt::skip]
+    fn add_norm_matmul(&self, x: &mut Vec<f32>, y: &Vec<f32>, y_norm: Option<&Vec<f32>>, weight: &Vec<f32>, eps: f32, rows: usize, dim: usize, h: &mut Vec<f32>, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        if !self.fuse || outs.is_empty() {
+            // Without products, the CUDA backend runs the sequence too (the norm has no reader).
+            return fused::add_norm_matmul(self, x, y, y_norm, weight, eps, rows, dim, h, outs);
+        }
+        if rows == 0 {
+            return;
+        }
+        assert!(x.len() >= rows * dim && y.len() >= rows * dim && weight.len() >= dim, "add_norm_matmul: {rows} rows of {dim} past the tensors");
+        assert!(y_norm.is_none_or(|wy| wy.len() >= dim), "add_norm_matmul: a post norm shorter than {dim}");
+        let mut xb = vec![0u16; rows * dim];
+        let g = launch(plan::per_row(rows, ROW_THREADS));
+        // SAFETY: x, y and xb hold rows x dim values, the weights dim (checked above).
+        unsafe {
+            match y_norm {
+                None => emu::add_rmsnorm_bf16(&g, x.as_mut_ptr(), y.as_ptr(), weight.as_ptr(), eps, dim as i32, xb.as_mut_ptr()),
+                Some(wy) => emu::norm_add_rmsnorm_bf16(&g, x.as_mut_ptr(), y.as_ptr(), wy.as_ptr(), weight.as_ptr(), eps, dim as i32, xb.as_mut_ptr()),
+            }
+        }
+        self.count(1);
+        self.products(&xb, rows, outs);
+    }
+
+    #[rustfmt::skip]
+    fn glu_matmul(&self, glu: Glu, gate: &Vec<f32>, up: &Vec<f32>, rows: usize, width: usize, a: &mut Vec<f32>, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        if !self.fuse {
+            return fused::glu_matmul(self, glu, gate, up, rows, width, a, outs);
+        }
+        let len = rows * width;
+        if len == 0 || outs.is_empty() {
+            return;
+        }
+        assert!(gate.len() >= len && up.len() >= len, "glu_matmul: {len} elements past the tensors");
+        let mut xb = vec![0u16; len];
+        let g = launch(plan::elementwise(len));
+        // SAFETY: gate, up and xb hold len values (checked above).
+        unsafe {
+            match glu {
+                Glu::Silu => emu::silu_mul_bf16(&g, gate.as_ptr(), up.as_ptr(), xb.as_mut_ptr(), len as u64),
+                Glu::GeluTanh => emu::gelu_mul_bf16(&g, gate.as_ptr(), up.as_ptr(), xb.as_mut_ptr(), len as u64),
+            }
+        }
+        self.count(1);
+        self.products(&xb, rows, outs);
+    }
+
+    #[rustfmt::skip]
+    fn rope_kv_write(&self, kv: &mut KvStorage, layer: usize, rope: &RopeTable, q: &mut Vec<f32>, q_heads: usize, k: &mut Vec<f32>, kv_heads: usize, v: &Vec<f32>, positions: &[u32], slots: &[(u32, u32)]) {
+        if !self.fuse {
+            return fused::rope_kv_write(self, kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
+        }
+        if slots.is_empty() {
+            return;
+        }
+        let l = kv.layout;
+        assert_eq!(positions.len(), slots.len(), "rope_kv_write: one position per slot");
+        assert_eq!(kv_heads, l.kv_heads, "rope_kv_write: keys of {kv_heads} heads for an arena of {}", l.kv_heads);
+        assert_eq!(rope.head_dim, l.head_dim, "rope_kv_write: a rotary table of head size {} for heads of {}", rope.head_dim, l.head_dim);
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= rope.max_pos) {
+            panic!("position {p} beyond the rope table ({})", rope.max_pos);
+        }
+        let (rows, te) = (slots.len(), l.token_elems());
+        assert!(q.len() >= rows * q_heads * l.head_dim && k.len() >= rows * te && v.len() >= rows * te, "rope_kv_write: rows past the tensors");
+        // A replayable step's positions and slots are the staged ones, as rope's and kv_write's.
+        let staged = self.staged(|s| (s.words(&s.layout.positions).to_vec(), s.slots()));
+        let (positions, slots) = match &staged {
+            Some((p, s)) => (&p[..], &s[..]),
+            None => (positions, slots),
+        };
+        let (cos, sin) = rope.tables();
+        self.write_kv(kv, layer, slots, |arena, flat, one| {
+            let g = launch(plan::per_row(rows, TOKEN_THREADS));
+            let (qp, kp, vp, c, s, p, f) = (q.as_mut_ptr(), k.as_ptr(), v.as_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), flat.as_ptr());
+            let (qh, half, bt, te) = (q_heads as i32, (l.head_dim / 2) as i32, one.block_tokens as i32, te as i32);
+            // SAFETY: the scratch arena holds one block per row; q, k and v a row each, the tables max_pos rows (checked above).
+            unsafe {
+                match one.dtype {
+                    KvDtype::F32 => emu::rope_kv_write_f32(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                    KvDtype::F16 => emu::rope_kv_write_f16(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                    KvDtype::BF16 => emu::rope_kv_write_bf16(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                    KvDtype::F8E4M3 => emu::rope_kv_write_e4m3(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                }
+            }
+        });
     }
 }

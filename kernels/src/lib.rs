@@ -15,6 +15,7 @@ pub mod blocks;
 pub mod error;
 pub mod exp;
 pub mod fp8;
+pub mod fused;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "emu")]
@@ -33,6 +34,7 @@ pub mod step;
 pub use attention::AttnRow;
 pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, OptionalOp};
 pub use error::{Error, Result};
+pub use fused::Glu;
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
 #[cfg(feature = "emu")]

@@ -11,6 +11,8 @@
 //!   against the CPU's f32 weights.
 //!   KV bytes written by the GPU must equal the CPU's bit for bit (both round
 //!   to nearest even), and a row's result must not depend on its batch.
+//! - The fused operations (fused.cu) against the GPU's own unfused sequences:
+//!   the same bits.
 #![cfg(feature = "cuda")]
 
 use std::io::Write;
@@ -525,4 +527,80 @@ fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
     println!("{st:?}");
     // Shapes (8 rows, 4 partitions) and (2, 2): eager, captured, then replayed.
     assert_eq!((st.captures, st.replays, st.fallbacks), (2, 3 + 2, 0), "{st:?}");
+}
+
+/// The fused operations (fused.cu) give exactly the bits of the unfused
+/// sequences they replace: the products read the same bf16 input, the residual
+/// stream, the rotated queries and the arena get the same values. The emulator
+/// checks the same on the CPU (tests/emulated/fused.rs); here the GPU's compiler
+/// has its say too (its FMA contraction of the helpers both share).
+#[test]
+fn fused_operations_give_the_unfused_bits() {
+    let Some(g) = gpu() else { return };
+    let (rows, dim, n) = (5, 576, 192);
+    let bits = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let (x, y, w) = (values(rows * dim, 60), values(rows * dim, 61), values(dim, 62));
+    let m = g.matrix_from_f32(n, dim, values(n * dim, 63)).unwrap();
+    let (xg, yg, wg) = (g.upload(&x), g.upload(&y), g.upload(&w));
+    let (mut h, mut want, mut got) = (g.tensor(1), g.tensor(1), g.tensor(1));
+
+    g.rmsnorm(&xg, &wg, 1e-5, rows, dim, &mut h);
+    g.matmul(&h, rows, &mut [(&m, &mut want)]);
+    g.norm_matmul(&xg, &wg, 1e-5, rows, dim, &mut h, &mut [(&m, &mut got)]);
+    assert!(bits(&down(&g, &got, rows * n), &down(&g, &want, rows * n)), "norm_matmul");
+
+    let (mut x1, mut x2) = (g.upload(&x), g.upload(&x));
+    g.add(&mut x1, &yg, rows * dim);
+    g.rmsnorm(&x1, &wg, 1e-5, rows, dim, &mut h);
+    g.matmul(&h, rows, &mut [(&m, &mut want)]);
+    g.add_norm_matmul(&mut x2, &yg, None, &wg, 1e-5, rows, dim, &mut h, &mut [(&m, &mut got)]);
+    assert!(bits(&down(&g, &x2, rows * dim), &down(&g, &x1, rows * dim)), "add_norm_matmul: the residual stream");
+    assert!(bits(&down(&g, &got, rows * n), &down(&g, &want, rows * n)), "add_norm_matmul: the products");
+
+    // With a post norm of y (Gemma): x += rmsnorm(y) * wy, then the norm of x.
+    let wy = g.upload(&values(dim, 67));
+    let (mut x1, mut x2, mut t) = (g.upload(&x), g.upload(&x), g.tensor(1));
+    g.rmsnorm(&yg, &wy, 1e-5, rows, dim, &mut t);
+    g.add(&mut x1, &t, rows * dim);
+    g.rmsnorm(&x1, &wg, 1e-5, rows, dim, &mut h);
+    g.matmul(&h, rows, &mut [(&m, &mut want)]);
+    g.add_norm_matmul(&mut x2, &yg, Some(&wy), &wg, 1e-5, rows, dim, &mut h, &mut [(&m, &mut got)]);
+    assert!(bits(&down(&g, &x2, rows * dim), &down(&g, &x1, rows * dim)), "add_norm_matmul with a post norm: the residual stream");
+    assert!(bits(&down(&g, &got, rows * n), &down(&g, &want, rows * n)), "add_norm_matmul with a post norm: the products");
+
+    // The gate over the activations' range (x scaled), the up projection y.
+    let gate = g.upload(&x.iter().map(|v| v * 8.0).collect::<Vec<_>>());
+    for glu in [baton_kernels::Glu::Silu, baton_kernels::Glu::GeluTanh] {
+        match glu {
+            baton_kernels::Glu::Silu => g.silu_mul(&gate, &yg, rows * dim, &mut h),
+            baton_kernels::Glu::GeluTanh => g.gelu_mul(&gate, &yg, rows * dim, &mut h),
+        }
+        g.matmul(&h, rows, &mut [(&m, &mut want)]);
+        g.glu_matmul(glu, &gate, &yg, rows, dim, &mut h, &mut [(&m, &mut got)]);
+        assert!(bits(&down(&g, &got, rows * n), &down(&g, &want, rows * n)), "glu_matmul {glu:?}");
+    }
+
+    let (q_heads, kv_heads, hd) = (9, 3, 64);
+    let positions: Vec<u32> = vec![0, 1, 17, 511, 4095];
+    let slots: Vec<(u32, u32)> = vec![(3, 0), (3, 1), (0, 15), (2, 7), (1, 9)];
+    let q = values(rows * q_heads * hd, 64);
+    let k: Vec<f32> = values(rows * kv_heads * hd, 65).iter().map(|v| v * 600.0).collect();
+    let v = values(rows * kv_heads * hd, 66);
+    let rope = g.rope(RopeTable::new(hd, 100_000.0, 4096));
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16, KvDtype::F8E4M3] {
+        let layout = KvLayout { layers: 2, block_tokens: 16, kv_heads, head_dim: hd, dtype };
+        let (mut kv1, mut kv2) = (g.kv(layout, 4).unwrap(), g.kv(layout, 4).unwrap());
+        let (mut q1, mut k1, mut q2, mut k2, vg) = (g.upload(&q), g.upload(&k), g.upload(&q), g.upload(&k), g.upload(&v));
+        g.apply_rope(&rope, &mut q1, &positions, q_heads);
+        g.apply_rope(&rope, &mut k1, &positions, kv_heads);
+        g.kv_write(&mut kv1, 1, &k1, &vg, &slots);
+        g.rope_kv_write(&mut kv2, 1, &rope, &mut q2, q_heads, &mut k2, kv_heads, &vg, &positions, &slots);
+        assert!(bits(&down(&g, &q2, q.len()), &down(&g, &q1, q.len())), "rope_kv_write {dtype:?}: the rotated queries");
+        for block in 0..4 {
+            let (mut a, mut b) = (vec![0u8; layout.block_bytes()], vec![0u8; layout.block_bytes()]);
+            g.kv_copy_block_out(&kv1, block, &mut a);
+            g.kv_copy_block_out(&kv2, block, &mut b);
+            assert!(a == b, "rope_kv_write {dtype:?}: block {block}'s bytes");
+        }
+    }
 }

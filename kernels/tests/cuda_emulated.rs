@@ -22,6 +22,9 @@ mod attention;
 // A captured decode step's attention (padded rows, fixed capacity) against the exact launch.
 #[path = "emulated/step.rs"]
 mod step;
+// The fused kernels against the unfused sequences they replace.
+#[path = "emulated/fused.rs"]
+mod fused;
 
 fn launch(g: plan::Geometry) -> Launch {
     Launch::new(g.grid, g.block, g.shared_bytes as usize)

@@ -24,7 +24,7 @@ pub use format::weight_format;
 pub use load::{config_from_gguf, export_hf, load_gguf, load_gguf_weights, load_hf_dir, LoadedModel, ModelError};
 
 use baton_kernels::step::{pad_tables, PaddedStep};
-use baton_kernels::Backend;
+use baton_kernels::{Backend, Glu};
 pub use baton_kernels::StepInput;
 
 /// Weights of one transformer layer. The `Option`s are present exactly when
@@ -142,9 +142,16 @@ impl<B: Backend> Model<B> {
         if c.family.embed_scale {
             backend.scale(&mut s.x, (hid as f32).sqrt(), rows * hid);
         }
+        // The output of the last block (attention or feed-forward) waits in `o` to be
+        // added to `x` by the next norm's fused operation, `Some(post norm)` when
+        // it is normed first (Gemma); `None` before the first block.
+        let mut pending: Option<Option<&B::Tensor>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            backend.rmsnorm(&s.x, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h);
-            backend.matmul(&s.h, rows, &mut [(&layer.wq, &mut s.q), (&layer.wk, &mut s.k), (&layer.wv, &mut s.v)]);
+            let qkv = &mut [(&layer.wq, &mut s.q), (&layer.wk, &mut s.k), (&layer.wv, &mut s.v)];
+            match pending {
+                Some(post) => backend.add_norm_matmul(&mut s.x, &s.o, post, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h, qkv),
+                None => backend.norm_matmul(&s.x, &layer.attn_norm, c.rms_eps, rows, hid, &mut s.h, qkv),
+            }
             if let Some([bq, bk, bv]) = &layer.qkv_bias {
                 backend.add_rows(&mut s.q, bq, rows, qw);
                 backend.add_rows(&mut s.k, bk, rows, kvw);
@@ -157,20 +164,26 @@ impl<B: Backend> Model<B> {
                 std::mem::swap(&mut s.k, &mut s.t);
             }
             let rope = &self.ropes[self.layer_rope[li]];
-            backend.apply_rope(rope, &mut s.q, input.positions, c.n_heads);
-            backend.apply_rope(rope, &mut s.k, input.positions, c.n_kv_heads);
-            backend.kv_write(kv, li, &s.k, &s.v, input.slots);
+            backend.rope_kv_write(kv, li, rope, &mut s.q, c.n_heads, &mut s.k, c.n_kv_heads, &s.v, input.positions, input.slots);
             backend.attention(kv, li, &s.q, input.attn, c.n_heads, c.attn_scale, c.layers[li].window, &mut s.attn);
             backend.matmul(&s.attn, rows, &mut [(&layer.wo, &mut s.o)]);
-            self.residual(backend, layer.post_norms.as_ref().map(|n| &n[0]), rows, s);
-            backend.rmsnorm(&s.x, &layer.ffn_norm, c.rms_eps, rows, hid, &mut s.h);
-            backend.matmul(&s.h, rows, &mut [(&layer.w_gate, &mut s.gate), (&layer.w_up, &mut s.up)]);
-            match c.family.activation {
-                Activation::SiluGlu => backend.silu_mul(&s.gate, &s.up, rows * ffn, &mut s.act),
-                Activation::GeluTanhGlu => backend.gelu_mul(&s.gate, &s.up, rows * ffn, &mut s.act),
+            let post = layer.post_norms.as_ref().map(|n| &n[0]);
+            let gate_up = &mut [(&layer.w_gate, &mut s.gate), (&layer.w_up, &mut s.up)];
+            backend.add_norm_matmul(&mut s.x, &s.o, post, &layer.ffn_norm, c.rms_eps, rows, hid, &mut s.h, gate_up);
+            let glu = match c.family.activation {
+                Activation::SiluGlu => Glu::Silu,
+                Activation::GeluTanhGlu => Glu::GeluTanh,
+            };
+            backend.glu_matmul(glu, &s.gate, &s.up, rows, ffn, &mut s.act, &mut [(&layer.w_down, &mut s.o)]);
+            pending = Some(layer.post_norms.as_ref().map(|n| &n[1]));
+        }
+        match pending {
+            Some(Some(w)) => {
+                backend.rmsnorm(&s.o, w, c.rms_eps, rows, hid, &mut s.h);
+                backend.add(&mut s.x, &s.h, rows * hid);
             }
-            backend.matmul(&s.act, rows, &mut [(&layer.w_down, &mut s.o)]);
-            self.residual(backend, layer.post_norms.as_ref().map(|n| &n[1]), rows, s);
+            Some(None) => backend.add(&mut s.x, &s.o, rows * hid),
+            None => {}
         }
         let n = input.logit_rows.len();
         if n == 0 {
@@ -180,17 +193,5 @@ impl<B: Backend> Model<B> {
         backend.rmsnorm(&s.last, &self.out_norm, c.rms_eps, n, hid, &mut s.h);
         let head = self.output.as_ref().unwrap_or(&self.embed);
         backend.matmul(&s.h, n, &mut [(head, &mut s.logits)]);
-    }
-
-    /// `x += o`, or `x += rmsnorm(o)` with a post norm.
-    fn residual(&self, backend: &B, post_norm: Option<&B::Tensor>, rows: usize, s: &mut Scratch<B>) {
-        let hid = self.config.hidden;
-        match post_norm {
-            Some(w) => {
-                backend.rmsnorm(&s.o, w, self.config.rms_eps, rows, hid, &mut s.h);
-                backend.add(&mut s.x, &s.h, rows * hid);
-            }
-            None => backend.add(&mut s.x, &s.o, rows * hid),
-        }
     }
 }

@@ -26,6 +26,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("kv", include_str!("../../cuda/kv.cu")),
     ("attention", include_str!("../../cuda/attention.cu")),
     ("sampling", include_str!("../../cuda/sampling.cu")),
+    ("fused", include_str!("../../cuda/fused.cu")),
 ];
 
 /// The architecture name NVRTC takes for compute capability `major.minor`.

@@ -26,6 +26,7 @@ mod args;
 pub mod blas;
 pub mod compile;
 pub mod graph;
+mod fused;
 pub mod nvrtc;
 pub mod plan;
 pub mod roofline;
@@ -41,6 +42,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use crate::attention::AttnRow;
 use crate::backend::{Backend, KernelError, OptionalOp};
+use crate::fused::Glu;
 use crate::kv::{KvDtype, KvLayout};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
@@ -115,6 +117,7 @@ struct Kernels {
     attn_combine: CudaFunction,
     argmax_rows: CudaFunction,
     softmax_rows: CudaFunction,
+    fused: fused::FusedKernels,
 }
 
 /// Device buffers reused across calls (one forward pass runs at a time).
@@ -291,6 +294,7 @@ impl CudaBackend {
             attn_combine: get("attention", "attn_combine")?,
             argmax_rows: get("sampling", "argmax_rows")?,
             softmax_rows: get("sampling", "softmax_rows")?,
+            fused: fused::FusedKernels::load(&get)?,
         };
         // A capture needs a stream of its own; with graphs off, the legacy default stream as before.
         let stream = if graphs_on { ctx.new_stream().map_err(|e| cuda_error("creating a stream", e))? } else { ctx.default_stream() };
@@ -922,6 +926,27 @@ impl Backend for CudaBackend {
 
     fn decode_step(&self, kv: &mut CudaKv, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut CudaKv)) {
         self.run_decode_step(kv, input, program, body);
+    }
+
+    // The fused operations: kernels of fused.cu, in `fused` (the scratch `h`/`a` is not used).
+
+    fn norm_matmul(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32, rows: usize, dim: usize, _h: &mut CudaSlice<f32>, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
+        self.fused_norm_matmul(x, w, eps, rows, dim, outs);
+    }
+
+    #[rustfmt::skip]
+    fn add_norm_matmul(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, y_norm: Option<&CudaSlice<f32>>, w: &CudaSlice<f32>, eps: f32, rows: usize, dim: usize, h: &mut CudaSlice<f32>, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
+        self.fused_add_norm_matmul(x, y, y_norm, w, eps, rows, dim, h, outs);
+    }
+
+    #[rustfmt::skip]
+    fn glu_matmul(&self, glu: Glu, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, rows: usize, width: usize, _a: &mut CudaSlice<f32>, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
+        self.fused_glu_matmul(glu, gate, up, rows, width, outs);
+    }
+
+    #[rustfmt::skip]
+    fn rope_kv_write(&self, kv: &mut CudaKv, layer: usize, rope: &CudaRope, q: &mut CudaSlice<f32>, q_heads: usize, k: &mut CudaSlice<f32>, kv_heads: usize, v: &CudaSlice<f32>, positions: &[u32], slots: &[(u32, u32)]) {
+        self.fused_rope_kv_write(kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
     }
 }
 

@@ -199,6 +199,15 @@ pub const DESIGNS: &[Design] = &[
     row("kv_unpack", || plan::kv_copy(1 << 16, 1), (8, 8), SCALAR_F32),
     row("argmax_rows", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
     row("softmax_rows", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
+    // The fused glue (fused.cu): the launches of the kernels they replace
+    // (rmsnorm, silu_mul / gelu_mul, rope and kv_write), and the same occupancy
+    // (ptxas 12.8: 18-24 registers; rope_kv_write_* 32, just inside 16 blocks).
+    row("rmsnorm_bf16", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
+    row("add_rmsnorm_bf16", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
+    row("norm_add_rmsnorm_bf16", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
+    row("silu_mul_bf16", || plan::elementwise(1 << 20), (8, 8), SCALAR_F32),
+    row("gelu_mul_bf16", || plan::elementwise(1 << 20), (8, 8), SCALAR_F32),
+    row("rope_kv_write_", || plan::per_row(1, TOKEN_THREADS), (16, 16), SCALAR_F32),
     // Decode: a warp per (key, head) dot product, one scalar KV load per lane at
     // a time. Registers allow 9 blocks (Nsight: 52 registers, 56% occupancy).
     row("attn_partial_", || reference_decode(false).partial, (9, 9), SCALAR_BF16),

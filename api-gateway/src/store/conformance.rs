@@ -38,7 +38,16 @@ fn turn(conv: &str, id: &str, seq: i64, hash: &str) -> Turn {
 
 /// A conversation of `owner`, created and last updated at `at` (Unix seconds).
 pub fn conv(id: &str, owner: &str, at: i64) -> Conversation {
-    Conversation { id: id.into(), owner: owner.into(), title: "t".into(), system_prompt_version: 1, created_at: at, updated_at: at, summary: None }
+    Conversation {
+        id: id.into(),
+        owner: owner.into(),
+        title: "t".into(),
+        system_prompt_version: 1,
+        created_at: at,
+        updated_at: at,
+        summary: None,
+        metadata: Map::new(),
+    }
 }
 
 /// How the suite ends a turn it no longer needs streaming: done, one token.
@@ -60,6 +69,8 @@ pub async fn run_all(s: &dyn ConversationStore) {
     conversations_are_owner_scoped(s).await;
     turns_are_idempotent_and_exact(s).await;
     one_turn_admitted_at_a_time(s).await;
+    metadata_is_stored_and_owner_scoped(s).await;
+    history_rewrites_are_owned_and_guarded(s).await;
     delete_leaves_no_row(s).await;
     retention(s).await;
     tombstones(s).await;
@@ -189,6 +200,66 @@ async fn one_turn_admitted_at_a_time(s: &dyn ConversationStore) {
     assert!(!s.turn_runs_elsewhere("c-adm", "t2").await.unwrap(), "a turn this store began does not run elsewhere");
     s.finish_turn("c-adm", "t2", &done).await.unwrap();
     s.finish_turn("c-adm2", "t2", &done).await.unwrap();
+}
+
+/// The Conversations API's metadata: stored with the conversation, replaced by its
+/// owner only (another user's update changes nothing and says so).
+async fn metadata_is_stored_and_owner_scoped(s: &dyn ConversationStore) {
+    let mut c = conv("c-meta", "alice", now_unix());
+    c.metadata.insert("topic".into(), "demo".into());
+    s.create_conversation(&c).await.unwrap();
+    let got = s.get_conversation("alice", "c-meta").await.unwrap().unwrap();
+    assert_eq!(got.metadata, c.metadata, "metadata must round-trip");
+    assert_eq!(s.list_conversations("alice").await.unwrap().iter().find(|x| x.id == "c-meta").unwrap().metadata, c.metadata);
+    let mut attack = Map::new();
+    attack.insert("topic".into(), "bob was here".into());
+    assert!(!s.set_metadata("bob", "c-meta", &attack).await.unwrap(), "another user must not update metadata");
+    assert_eq!(s.get_conversation("alice", "c-meta").await.unwrap().unwrap().metadata, c.metadata, "the victim's metadata is untouched");
+    let mut m = Map::new();
+    m.insert("k".into(), "v".into());
+    assert!(s.set_metadata("alice", "c-meta", &m).await.unwrap());
+    assert_eq!(s.get_conversation("alice", "c-meta").await.unwrap().unwrap().metadata, m);
+    assert!(s.set_metadata("alice", "c-meta", &Map::new()).await.unwrap());
+    assert!(s.get_conversation("alice", "c-meta").await.unwrap().unwrap().metadata.is_empty());
+    assert!(!s.set_metadata("alice", "c-missing", &m).await.unwrap());
+}
+
+/// `replace_turns`: only the owner rewrites history, never over a streaming turn or a
+/// turn admitted after the caller read the conversation; a rewrite that asks for it
+/// leaves a tombstone (the nodes' KV of the old history is evicted) and keeps the
+/// conversation.
+async fn history_rewrites_are_owned_and_guarded(s: &dyn ConversationStore) {
+    s.create_conversation(&conv("c-hist", "alice", now_unix())).await.unwrap();
+    let item = |id: &str, seq: i64, reason: &str| Turn {
+        state: TurnState::Done,
+        finish_reason: Some(reason.into()),
+        reply_text: if reason == ITEM_USER { String::new() } else { "r".into() },
+        output_ids: if reason == ITEM_USER { vec![] } else { vec![9, 9] },
+        ..turn("c-hist", id, seq, "")
+    };
+    let rows = [item("i0", 0, ITEM_PAIR), item("i1", 1, ITEM_USER)];
+    assert_eq!(s.replace_turns("bob", "c-hist", None, 0, &rows, None).await.unwrap(), Replaced::NotFound, "another user must not add turns");
+    assert!(s.list_turns("c-hist").await.unwrap().is_empty());
+    assert_eq!(s.replace_turns("alice", "c-hist", Some(3), 0, &rows, None).await.unwrap(), Replaced::Busy, "a stale view is refused");
+    assert_eq!(s.replace_turns("alice", "c-hist", None, 0, &rows, None).await.unwrap(), Replaced::Done);
+    let got = s.list_turns("c-hist").await.unwrap();
+    assert_eq!(got, rows.to_vec(), "rows are stored exactly as given");
+    assert!(got[0].added_as_items() && got[0].has_user_message() && got[0].has_reply());
+    assert!(got[1].has_user_message() && !got[1].has_reply());
+    // A turn streaming blocks a rewrite; once it is done, a rewrite from its place
+    // replaces it and what follows, with a tombstone in the same transaction.
+    assert!(matches!(s.begin_turn(&turn("c-hist", "t2", 2, "h")).await.unwrap(), BeginTurn::Created));
+    assert_eq!(s.replace_turns("alice", "c-hist", Some(2), 1, &rows[..1], Some(0)).await.unwrap(), Replaced::Busy);
+    s.finish_turn("c-hist", "t2", &done()).await.unwrap();
+    let before = s.count_tombstones().await.unwrap();
+    let shorter = [item("i1b", 1, ITEM_ASSISTANT)];
+    assert_eq!(s.replace_turns("alice", "c-hist", Some(2), 1, &shorter, Some(0)).await.unwrap(), Replaced::Done);
+    let got = s.list_turns("c-hist").await.unwrap();
+    assert_eq!(got.iter().map(|t| t.turn_id.as_str()).collect::<Vec<_>>(), ["i0", "i1b"]);
+    assert!(!got[1].has_user_message() && got[1].has_reply());
+    assert_eq!(s.count_tombstones().await.unwrap(), before + 1, "the old history's KV must be evicted");
+    assert!(s.get_conversation("alice", "c-hist").await.unwrap().is_some(), "a rewrite keeps the conversation");
+    assert!(s.clear_tombstone("c-hist").await.unwrap());
 }
 
 async fn delete_leaves_no_row(s: &dyn ConversationStore) {

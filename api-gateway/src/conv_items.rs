@@ -202,6 +202,7 @@ fn item_row(conv: &Conversation, turn_id: &str, seq: i64, user: Option<&str>, re
         cached_tokens: 0,
         completion_tokens: 0,
         created_at: crate::store::now_unix(),
+        metadata: Default::default(),
     }
 }
 

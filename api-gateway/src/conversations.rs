@@ -308,6 +308,7 @@ pub async fn add_turn(
         cached_tokens: 0,
         completion_tokens: 0,
         created_at: crate::store::now_unix(),
+        metadata: Default::default(),
     };
     let reply = app.start_reply(&user, &key, prompt, conversation.clone(), sampling).await?;
     match app.store.begin_turn(&row).await? {

@@ -18,7 +18,7 @@ async fn sqlite_file_conforms_and_uses_wal() {
     drop(store);
 }
 
-/// A database written before conversations had metadata (schema version 0) is migrated
+/// A database written before conversations and responses had metadata (schema version 0) is migrated
 /// in place at open: its conversations keep their rows and gain empty metadata, and the
 /// migration runs once.
 #[tokio::test(flavor = "multi_thread")]
@@ -47,5 +47,5 @@ async fn sqlite_migrates_a_database_without_metadata() {
     let store = SqliteStore::open(&path).unwrap();
     assert_eq!(store.get_conversation("alice", "c-old").await.unwrap().unwrap().metadata, m);
     let v: i64 = rusqlite::Connection::open(&path).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
-    assert_eq!(v, 1);
+    assert_eq!(v, 2, "both migrations (conversation and response metadata) applied");
 }

@@ -100,6 +100,10 @@ expect(openai.NotFoundError, lambda: bob.conversations.retrieve(conv.id))
 alice.conversations.delete(conv.id)
 expect(openai.NotFoundError, lambda: alice.responses.retrieve(by_conv[0].id))
 
+# A response's metadata is stored with it.
+tagged = alice.responses.create(model=model, input="Say hi.", max_output_tokens=4, temperature=0, metadata={"run": "t1"})
+assert tagged.metadata == {"run": "t1"} and alice.responses.retrieve(tagged.id).metadata == {"run": "t1"}
+
 # Retrieve, input items, a resumed stream.
 got = alice.responses.retrieve(chain[2].id)
 assert got.output_text == chain[2].output_text and got.previous_response_id == chain[1].id

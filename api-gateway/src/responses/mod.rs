@@ -81,7 +81,8 @@ async fn find(app: &App, owner: &OwnerId, id: &str) -> Result<(ConversationId, C
     Ok((c, conv, turns, turn))
 }
 
-/// What the store says about a response (the request's sampling fields are not kept).
+/// What the store says about a response (its metadata; the request's sampling fields
+/// are not kept).
 fn stored_meta(app: &App, conversation: &str, turns: &[Turn], t: &Turn) -> Meta {
     let previous = turns
         .iter()
@@ -95,6 +96,7 @@ fn stored_meta(app: &App, conversation: &str, turns: &[Turn], t: &Turn) -> Meta 
         created_at: t.created_at,
         model: app.model_id.clone(),
         previous_response_id: previous,
+        metadata: t.metadata.clone(),
         store: true,
         truncation: "disabled".into(),
         ..Meta::default()
@@ -361,6 +363,7 @@ async fn run_turn(
         cached_tokens: 0,
         completion_tokens: 0,
         created_at: meta.created_at,
+        metadata: req.metadata.clone(),
     };
     let reply = app.start_reply(&user, &key, prompt, conversation.clone(), req.sampling.clone()).await?;
     match app.store.begin_turn(&row).await? {

@@ -160,6 +160,9 @@ pub struct Turn {
     pub cached_tokens: i64,
     pub completion_tokens: i64,
     pub created_at: i64,
+    /// The client's key-value pairs of a response (the Responses API's `metadata`;
+    /// empty for other turns).
+    pub metadata: Map<String, Value>,
 }
 
 impl Turn {

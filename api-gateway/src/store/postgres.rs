@@ -51,7 +51,7 @@ pub const DEFAULT_DEAD_AFTER: Duration = Duration::from_secs(60);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 const TURN_COLS: &str = "conversation, turn_id, seq, request_hash, user_text, reply_text, prompt_ids, output_ids, \
-     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at";
+     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at, metadata";
 const CONV_COLS: &str = "id, owner, title, system_prompt_version, created_at, updated_at, summary, metadata";
 
 /// Whether `db` (the `--db` value) names a PostgreSQL server rather than a SQLite file.
@@ -143,6 +143,7 @@ fn turn_from_row(r: &Row) -> StoreResult<Turn> {
         cached_tokens: get(r, 12)?,
         completion_tokens: get(r, 13)?,
         created_at: get(r, 14)?,
+        metadata: metadata_from_json(get(r, 15)?)?,
     })
 }
 

@@ -98,10 +98,11 @@ fn blob_to_ids(b: &[u8]) -> Vec<u32> {
 }
 
 const TURN_COLS: &str = "conversation, turn_id, seq, request_hash, user_text, reply_text, prompt_ids, output_ids, \
-     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at";
+     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at, metadata";
 
-fn turn_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Turn, String)> {
+fn turn_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Turn, String, String)> {
     let state: String = r.get(9)?;
+    let metadata: String = r.get(15)?;
     let prompt: Vec<u8> = r.get(6)?;
     let output: Vec<u8> = r.get(7)?;
     Ok((
@@ -121,14 +122,17 @@ fn turn_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Turn, String)> {
             cached_tokens: r.get(12)?,
             completion_tokens: r.get(13)?,
             created_at: r.get(14)?,
+            metadata: Map::new(),
         },
         state,
+        metadata,
     ))
 }
 
-fn finish_turn_row(row: (Turn, String)) -> StoreResult<Turn> {
-    let (mut t, state) = row;
+fn finish_turn_row(row: (Turn, String, String)) -> StoreResult<Turn> {
+    let (mut t, state, metadata) = row;
     t.state = TurnState::parse(&state)?;
+    t.metadata = metadata_from_json(&metadata)?;
     Ok(t)
 }
 
@@ -136,7 +140,10 @@ const CONV_COLS: &str = "id, owner, title, system_prompt_version, created_at, up
 
 /// Schema changes after the first release, by `PRAGMA user_version`: each runs once, in
 /// order, in one transaction with the version bump (never edit one, append).
-const MIGRATIONS: &[(i64, &str)] = &[(1, "ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';")];
+const MIGRATIONS: &[(i64, &str)] = &[
+    (1, "ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';"),
+    (2, "ALTER TABLE turns ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';"),
+];
 
 fn migrate(conn: &mut Connection) -> StoreResult<()> {
     let tx = conn.transaction().map_err(db)?;
@@ -155,7 +162,7 @@ fn migrate(conn: &mut Connection) -> StoreResult<()> {
 /// Inserts one turn row as given, in state `state`.
 fn insert_turn(tx: &Connection, t: &Turn, state: TurnState) -> StoreResult<()> {
     tx.run(
-        &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"),
+        &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"),
         params![
             t.conversation,
             t.turn_id,
@@ -171,7 +178,8 @@ fn insert_turn(tx: &Connection, t: &Turn, state: TurnState) -> StoreResult<()> {
             t.prompt_tokens,
             t.cached_tokens,
             t.completion_tokens,
-            t.created_at
+            t.created_at,
+            metadata_to_json(&t.metadata)
         ],
     )
     .map_err(db)?;

@@ -76,7 +76,7 @@ impl PostgresStore {
     /// is the caller's to read.
     pub(super) async fn try_begin_turn(&self, c: &mut deadpool_postgres::Client, t: &Turn) -> Result<BeginTurn, BeginError> {
         let tx = c.transaction().await?;
-        // Column 15: whether a live replica holds the row (this one, or one whose heartbeat is fresh).
+        // Column 16: whether a live replica holds the row (this one, or one whose heartbeat is fresh).
         let select = tx
             .prepare_cached(&format!(
                 "SELECT {TURN_COLS}, instance IS NOT NULL AND (instance = $3 OR instance IN ({})) \
@@ -87,7 +87,7 @@ impl PostgresStore {
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&t.conversation, &t.turn_id, &self.instance, &self.dead_after_secs];
         if let Some(row) = tx.query_opt(&select, &params).await? {
             let existing = turn_from_row(&row)?;
-            let held: bool = get(&row, 15)?;
+            let held: bool = get(&row, 16)?;
             let retry = existing.request_hash == t.request_hash
                 && (existing.state == TurnState::Failed || (existing.state == TurnState::Streaming && !held));
             if !retry {
@@ -113,7 +113,7 @@ impl PostgresStore {
         tx.execute(&orphans, &params).await?;
         let insert = tx
             .prepare_cached(&format!(
-                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
                  ON CONFLICT (conversation, turn_id) DO NOTHING"
             ))
             .await?;
@@ -136,6 +136,7 @@ impl PostgresStore {
                     &t.cached_tokens,
                     &t.completion_tokens,
                     &t.created_at,
+                    &metadata_to_json(&t.metadata),
                     &self.instance,
                 ],
             )
@@ -180,7 +181,7 @@ impl PostgresStore {
         tx.execute(&del, &[&conversation, &from_seq]).await?;
         let insert = tx
             .prepare_cached(&format!(
-                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
             ))
             .await?;
         for t in turns {
@@ -202,6 +203,7 @@ impl PostgresStore {
                     &t.cached_tokens,
                     &t.completion_tokens,
                     &t.created_at,
+                    &metadata_to_json(&t.metadata),
                     &self.instance,
                 ],
             )

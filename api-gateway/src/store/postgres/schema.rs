@@ -116,6 +116,8 @@ CREATE UNIQUE INDEX turns_one_streaming ON turns (conversation) WHERE state = 's
         r#"
 -- The Conversations API's metadata (a JSON object of strings).
 ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
+-- The Responses API's metadata of a response (a turn).
+ALTER TABLE turns ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
 "#,
     ),
 ];

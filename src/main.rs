@@ -2,6 +2,7 @@
 
 mod bench_cluster;
 mod bench_engine;
+mod bench_responses;
 mod certs;
 mod chaos;
 mod coordinator_cmd;
@@ -78,6 +79,9 @@ enum BenchCommand {
     /// Multi-turn chat traffic against any OpenAI-compatible endpoint: TTFT, ITL,
     /// throughput, cached share and goodput per offered-load level.
     Load(baton_bench::LoadArgs),
+    /// Time to first token of turns 2.. of a Responses API chain (previous_response_id)
+    /// over a long history, beside the same turns sent statelessly to a cold cache.
+    Responses(bench_responses::BenchResponsesArgs),
 }
 
 fn main() {
@@ -94,6 +98,7 @@ fn main() {
         Command::Bench(BenchCommand::Engine(a)) => bench_engine::run(a),
         Command::Bench(BenchCommand::Load(a)) => baton_bench::load::run(a),
         Command::Bench(BenchCommand::Cluster(a)) => bench_cluster::run(a),
+        Command::Bench(BenchCommand::Responses(a)) => bench_responses::run(a),
         Command::Capacity(a) => baton_bench::capacity::run(a),
         Command::Simulate(a) => baton_bench::simulate::run(a),
         Command::Plan(a) => baton_bench::plan::run(a),

@@ -53,6 +53,18 @@ pub struct ContextBuilder {
     close_user_open_reply: Vec<u32>,
     /// Tokens of the platform span of a conversation's prompt.
     system_span: usize,
+    /// Those tokens: a stored prompt that starts with them began with the platform's
+    /// system prompt, and only then is its span platform-shared.
+    platform_prefix: Vec<u32>,
+}
+
+/// Where a stored history ends, for what is appended after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HistoryEnd {
+    /// Inside an assistant message (a reply, or an assistant item).
+    Reply,
+    /// Inside a user message the client added as an item, with no reply after it.
+    User,
 }
 
 impl ContextBuilder {
@@ -70,6 +82,7 @@ impl ContextBuilder {
             close_reply_open_user: vec![],
             close_user_open_reply: vec![],
             system_span: 0,
+            platform_prefix: vec![],
         };
         // A model without a chat template still serves raw prompts; every
         // chat request gets the template's `Missing` error instead.
@@ -81,7 +94,9 @@ impl ContextBuilder {
         // pieces: framing before each content, then the tail after the last one.
         b.close_reply_open_user = b.encode_framing(&pieces[3])?;
         b.close_user_open_reply = b.encode_framing(&pieces[4])?;
-        b.system_span = b.first_turn("")?.platform_prefix_len;
+        let first = b.first_turn("")?;
+        b.system_span = first.platform_prefix_len;
+        b.platform_prefix = first.ids[..first.platform_prefix_len].to_vec();
         Ok(b)
     }
 
@@ -213,24 +228,95 @@ impl ContextBuilder {
     /// The next prompt: the previous turn's prompt and output IDs, exactly,
     /// then the framing and the new message.
     pub fn next_turn(&self, prev_prompt: &[u32], prev_output: &[u32], message: &str) -> Result<Prompt, ContextError> {
+        self.continue_prompt(prev_prompt, prev_output, HistoryEnd::Reply, message)
+    }
+
+    /// The next prompt after a stored history that ends as `end` says: its prompt and
+    /// output IDs, exactly, then the framing and the new message. The system span is
+    /// platform-shared only when the history began with the platform's system prompt
+    /// (a conversation started with the client's own instructions shares nothing).
+    pub fn continue_prompt(&self, prev_prompt: &[u32], prev_output: &[u32], end: HistoryEnd, message: &str) -> Result<Prompt, ContextError> {
         if !self.template.is_present() {
             return Err(ContextError::Template(TemplateError::Missing.to_string()));
         }
         let mut ids = Vec::with_capacity(prev_prompt.len() + prev_output.len() + 64);
         ids.extend_from_slice(prev_prompt);
         ids.extend_from_slice(prev_output);
-        let mut close = self.close_reply_open_user.as_slice();
+        let close = match end {
+            HistoryEnd::Reply => self.close_reply_open_user.clone(),
+            HistoryEnd::User => self.framing_between(Some("user"), "user")?,
+        };
         // A reply that ended on the end-of-turn token already holds it.
-        if let (Some(&last), Some(&first)) = (prev_output.last(), close.first()) {
-            if last == first && self.tokenizer.is_special(last) {
-                close = &close[1..];
-            }
-        }
-        ids.extend_from_slice(close);
+        self.push_framing(&mut ids, &close);
         ids.extend(self.encode_content(message)?);
         ids.extend_from_slice(&self.close_user_open_reply);
-        let platform_prefix_len = self.system_span.min(prev_prompt.len());
+        let platform_prefix_len = if self.starts_with_platform_prompt(prev_prompt) { self.system_span } else { 0 };
         Ok(Prompt { ids, platform_prefix_len })
+    }
+
+    /// Whether a stored prompt began with the platform's system prompt (else with the
+    /// client's own instructions).
+    pub fn starts_with_platform_prompt(&self, ids: &[u32]) -> bool {
+        ids.starts_with(&self.platform_prefix)
+    }
+
+    /// Message content as the model reads it (never special tokens).
+    pub fn encode_text(&self, s: &str) -> Result<Vec<u32>, ContextError> {
+        self.encode_content(s)
+    }
+
+    /// The framing between a message of role `prev` (`None`: the system prompt) and
+    /// the content of one of role `next`, as the template renders them. A template
+    /// that refuses the pair (one that insists on alternating roles) is an error.
+    fn framing_between(&self, prev: Option<&str>, next: &str) -> Result<Vec<u32>, ContextError> {
+        let (probe, at) = match prev {
+            None => (vec![ChatMessage::system("s"), ChatMessage::new(next, "x")], 1),
+            Some(p) => (
+                vec![ChatMessage::system("s"), ChatMessage::user("u"), ChatMessage::assistant("r"), ChatMessage::new(p, "p"), ChatMessage::new(next, "x")],
+                4,
+            ),
+        };
+        let (_, pieces) = self.render_pieces(&probe, false)?;
+        self.encode_framing(&pieces[at])
+    }
+
+    /// The prompt and output IDs of a turn the client adds as items: after the stored
+    /// history `after` (prompt IDs, output IDs, how it ends; `None` for a new
+    /// conversation, which starts with the platform's system prompt), a user message,
+    /// a reply (already tokenized), or both. The turn's prompt ends where a generated
+    /// reply would begin (or inside the user message when there is no reply), so the
+    /// next turn appends to it exactly as it appends to a generated one.
+    pub fn item_turn(&self, after: Option<(&[u32], &[u32], HistoryEnd)>, user: Option<&str>, reply: Option<&[u32]>) -> Result<(Vec<u32>, Vec<u32>), ContextError> {
+        if !self.template.is_present() {
+            return Err(ContextError::Template(TemplateError::Missing.to_string()));
+        }
+        let (mut ids, mut last) = match after {
+            Some((p, o, end)) => ([p, o].concat(), Some(if end == HistoryEnd::User { "user" } else { "assistant" })),
+            None => {
+                let first = user.map_or("assistant", |_| "user");
+                let probe = [ChatMessage::system(self.system_prompt.clone()), ChatMessage::new(first, "x")];
+                let (_, pieces) = self.render_pieces(&probe, false)?;
+                let mut ids = self.encode_framing(&pieces[0])?;
+                ids.extend(self.encode_content(&self.system_prompt)?);
+                (ids, None)
+            }
+        };
+        if let Some(u) = user {
+            let framing = match last {
+                Some("assistant") => self.close_reply_open_user.clone(),
+                _ => self.framing_between(last, "user")?,
+            };
+            self.push_framing(&mut ids, &framing);
+            ids.extend(self.encode_content(u)?);
+            last = Some("user");
+        }
+        let Some(reply) = reply else { return Ok((ids, vec![])) };
+        let framing = match last {
+            Some("user") => self.close_user_open_reply.clone(),
+            _ => self.framing_between(last, "assistant")?,
+        };
+        self.push_framing(&mut ids, &framing);
+        Ok((ids, reply.to_vec()))
     }
 }
 
@@ -258,5 +344,63 @@ mod tests {
         no_template(b.encode_messages(&[ChatMessage::user("hi")]).unwrap_err());
         no_template(b.first_turn("hi").unwrap_err());
         no_template(b.next_turn(&[1, 2], &[3], "hi").unwrap_err());
+    }
+
+    /// A builder over a byte vocabulary with a ChatML template (framing is plain bytes
+    /// here, which is all these tests compare).
+    fn chatml(dir: &std::path::Path) -> ContextBuilder {
+        let path = dir.join("chatml.gguf");
+        let mut meta = byte_spm_vocab();
+        let t = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}\
+                 {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+        meta.push(("tokenizer.chat_template", baton_text::gguf::MetaValue::String(t.into())));
+        write_gguf(&path, &meta, &[]).unwrap();
+        let f = GgufFile::open(&path).unwrap();
+        let tok = Arc::new(Tokenizer::from_gguf(&f).unwrap());
+        let tmpl = Arc::new(ChatTemplate::from_gguf(&f).unwrap());
+        ContextBuilder::new(tok, tmpl, "You are helpful.".into(), 1).unwrap()
+    }
+
+    /// Turns added as items continue the history exactly as the template renders the
+    /// whole message list, whether a reply follows the user message or not.
+    #[test]
+    fn item_turns_continue_like_the_template() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = chatml(dir.path());
+        let sys = ChatMessage::system(b.system_prompt.clone());
+        let reply = b.encode_text("b").unwrap();
+        let (p, o) = b.item_turn(None, Some("a"), Some(&reply)).unwrap();
+        assert_eq!(p, b.first_turn("a").unwrap().ids, "a first item turn is the first turn's prompt");
+        let next = b.continue_prompt(&p, &o, HistoryEnd::Reply, "c").unwrap();
+        let whole = [sys.clone(), ChatMessage::user("a"), ChatMessage::assistant("b"), ChatMessage::user("c")];
+        assert_eq!(next.ids, b.encode_messages(&whole).unwrap().ids);
+        assert_eq!(next.platform_prefix_len, b.system_span);
+        // A user message alone, then another user message.
+        let (p, o) = b.item_turn(None, Some("a"), None).unwrap();
+        assert!(o.is_empty());
+        let next = b.continue_prompt(&p, &o, HistoryEnd::User, "c").unwrap();
+        assert_eq!(next.ids, b.encode_messages(&[sys.clone(), ChatMessage::user("a"), ChatMessage::user("c")]).unwrap().ids);
+        // An assistant message alone after a reply.
+        let (p2, o2) = b.item_turn(Some((&p, &o, HistoryEnd::User)), None, Some(&reply)).unwrap();
+        let next = b.continue_prompt(&p2, &o2, HistoryEnd::Reply, "c").unwrap();
+        let whole = [sys, ChatMessage::user("a"), ChatMessage::assistant("b"), ChatMessage::user("c")];
+        assert_eq!(next.ids, b.encode_messages(&whole).unwrap().ids);
+    }
+
+    /// A conversation started with the client's own instructions shares no span with
+    /// other users: its later turns mark no platform prefix (the attack: instructions
+    /// whose tokens would otherwise be cached under the platform's scope, where another
+    /// user's timing could probe them).
+    #[test]
+    fn only_the_platform_prompt_is_platform_shared() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = chatml(dir.path());
+        let own = b.encode_messages(&[ChatMessage::system("my secret instructions, long enough to fill the span"), ChatMessage::user("hi")]).unwrap();
+        assert_eq!(own.platform_prefix_len, 0);
+        let next = b.next_turn(&own.ids, &b.encode_text("ok").unwrap(), "more").unwrap();
+        assert_eq!(next.platform_prefix_len, 0, "the client's instructions must not be platform-shared");
+        let platform = b.first_turn("hi").unwrap();
+        assert!(platform.platform_prefix_len > 0);
+        assert_eq!(b.next_turn(&platform.ids, &[], "more").unwrap().platform_prefix_len, platform.platform_prefix_len);
     }
 }

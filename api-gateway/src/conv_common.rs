@@ -77,3 +77,27 @@ pub async fn delete_owned(app: &App, owner: &OwnerId, conversation: &Conversatio
     tracing::info!(conversation = %id, kv_evicted, "conversation deleted");
     Ok(kv_evicted)
 }
+
+/// A conversation as both APIs show it: OpenAI's Conversation object (`id`, `object`,
+/// `created_at`, `metadata`) with Baton's fields beside it, so one shape answers the
+/// official client and Baton's own.
+pub fn conversation_json(c: &Conversation) -> serde_json::Value {
+    serde_json::json!({"id": c.id, "object": "conversation", "created_at": c.created_at, "metadata": c.metadata, "title": c.title,
+                       "system_prompt_version": c.system_prompt_version, "updated_at": c.updated_at, "summary": c.summary})
+}
+
+/// OpenAI's metadata rule: at most 16 pairs, keys up to 64 characters, string values up
+/// to 512 (`null` is none); anything else is a 400 naming `field`.
+pub fn parse_metadata(field: &'static str, v: Option<&serde_json::Value>) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
+    use serde_json::Value;
+    let refuse = || ApiError::bad_param(field, format!("{field}: at most 16 pairs, keys up to 64 characters, string values up to 512"));
+    let m = match v {
+        None | Some(Value::Null) => return Ok(serde_json::Map::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(ApiError::bad_param(field, format!("{field}: must be an object of strings"))),
+    };
+    if m.len() > 16 || m.iter().any(|(k, v)| k.chars().count() > 64 || v.as_str().is_none_or(|s| s.chars().count() > 512)) {
+        return Err(refuse());
+    }
+    Ok(m.clone())
+}

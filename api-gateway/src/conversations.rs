@@ -38,18 +38,31 @@ use sha2::{Digest, Sha256};
 use std::convert::Infallible;
 use std::sync::Arc;
 
+/// The body of `POST /v1/conversations`: Baton's (`title`) and OpenAI's (`items`,
+/// `metadata`) in one; an unknown field is a 400 that names it.
 #[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct CreateBody {
     #[serde(default)]
     title: Option<String>,
+    #[serde(default)]
+    items: Option<Value>,
+    #[serde(default)]
+    metadata: Option<Value>,
+    /// An end-user label for the operator's logs; never an identity (as in responses).
+    #[serde(default)]
+    #[allow(dead_code)]
+    safety_identifier: Option<String>,
 }
 
 fn conv_json(c: &Conversation) -> Value {
-    json!({"id": c.id, "object": "conversation", "title": c.title, "system_prompt_version": c.system_prompt_version,
-           "created_at": c.created_at, "updated_at": c.updated_at, "summary": c.summary})
+    crate::conv_common::conversation_json(c)
 }
 
-pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, body: Body) -> Result<Response, ApiError> {
+/// `POST /v1/conversations`: a new conversation of the caller, with OpenAI's initial
+/// `items` (stored as turns, checked like a turn's input) and `metadata`.
+pub async fn create(State(app): State<Arc<App>>, auth: AuthUser, body: Body) -> Result<Response, ApiError> {
+    let AuthUser(user, _) = auth.clone();
     metrics::request("conversations_create");
     let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let b: CreateBody = if body.iter().all(u8::is_ascii_whitespace) {
@@ -59,16 +72,33 @@ pub async fn create(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser, bo
     };
     let now = crate::store::now_unix();
     let title: String = b.title.unwrap_or_default().chars().take(200).collect();
+    let metadata = crate::conv_common::parse_metadata("metadata", b.metadata.as_ref())?;
+    let mut items = match &b.items {
+        None | Some(Value::Null) => vec![],
+        Some(v) => crate::conv_items::parse_items(v)?,
+    };
+    crate::conv_items::check_items(&app, &mut items)?;
     let c = Conversation {
         id: parse_conversation_id(&format!("conv-{}", request_id()))?.into_string(),
-        owner: user.into_string(),
+        owner: user.as_str().to_string(),
         title,
         system_prompt_version: app.context.system_prompt_version,
         created_at: now,
         updated_at: now,
         summary: None,
+        metadata,
     };
     app.store.create_conversation(&c).await?;
+    if !items.is_empty() {
+        let conversation = parse_conversation_id(&c.id)?;
+        if let Err(e) = crate::conv_items::append_items(&app, &auth, &conversation, &c, &items).await {
+            // All or nothing: a conversation whose items were refused is not kept.
+            if let Err(d) = delete_owned(&app, &user, &conversation).await {
+                tracing::warn!(conversation = %conversation, error = %d.message, "removing a conversation whose items were refused failed");
+            }
+            return Err(e);
+        }
+    }
     Ok((StatusCode::CREATED, Json(conv_json(&c))).into_response())
 }
 
@@ -254,10 +284,10 @@ pub async fn add_turn(
                     new_summary = Some(summary);
                     prompt
                 }
-                None => app.context.next_turn(&p.prompt_ids, &p.output_ids, &body.message),
+                None => app.context.continue_prompt(&p.prompt_ids, &p.output_ids, crate::conv_items::history_end(p), &body.message),
             }
         }
-        Some(p) => app.context.next_turn(&p.prompt_ids, &p.output_ids, &body.message),
+        Some(p) => app.context.continue_prompt(&p.prompt_ids, &p.output_ids, crate::conv_items::history_end(p), &body.message),
         None => app.context.first_turn(&body.message),
     }
     .map_err(|e| ApiError::bad_request(e.to_string()))?;
@@ -278,6 +308,7 @@ pub async fn add_turn(
         cached_tokens: 0,
         completion_tokens: 0,
         created_at: crate::store::now_unix(),
+        metadata: Default::default(),
     };
     let reply = app.start_reply(&user, &key, prompt, conversation.clone(), sampling).await?;
     match app.store.begin_turn(&row).await? {
@@ -316,7 +347,7 @@ async fn attach_stored(app: Arc<App>, owner: &OwnerId, id: ConversationId, turn_
 async fn summarize(app: &Arc<App>, owner: &OwnerId, conversation: &ConversationId, last: &Turn) -> Result<Option<String>, ApiError> {
     let prompt = app
         .context
-        .next_turn(&last.prompt_ids, &last.output_ids, crate::context::SUMMARY_REQUEST)
+        .continue_prompt(&last.prompt_ids, &last.output_ids, crate::conv_items::history_end(last), crate::context::SUMMARY_REQUEST)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let sampling = SamplingParams { temperature: 0.0, max_tokens: app.config.summary_max_tokens, ..SamplingParams::default() };
     let mut events = app

@@ -189,7 +189,7 @@ mod tests {
         let generator = Arc::new(Scripted(Mutex::new(script)));
         let backoff = Backoff { min: Duration::from_millis(200), max: Duration::from_secs(60) };
         let ev = Evictions::new(store.clone(), generator, backoff);
-        let c = Conversation { id: "c1".into(), owner: "alice".into(), title: String::new(), system_prompt_version: 1, created_at: now_unix(), updated_at: now_unix(), summary: None };
+        let c = Conversation { id: "c1".into(), owner: "alice".into(), title: String::new(), system_prompt_version: 1, created_at: now_unix(), updated_at: now_unix(), summary: None, metadata: Default::default() };
         store.create_conversation(&c).await.unwrap();
         assert!(store.delete_conversation("alice", "c1", ev.first_retry_ms()).await.unwrap());
 
@@ -219,7 +219,7 @@ mod tests {
         let path = dir.path().join("gw.db");
         {
             let store = SqliteStore::open(&path).unwrap();
-            let c = Conversation { id: "c2".into(), owner: "bob".into(), title: String::new(), system_prompt_version: 1, created_at: now_unix(), updated_at: now_unix(), summary: None };
+            let c = Conversation { id: "c2".into(), owner: "bob".into(), title: String::new(), system_prompt_version: 1, created_at: now_unix(), updated_at: now_unix(), summary: None, metadata: Default::default() };
             store.create_conversation(&c).await.unwrap();
             assert!(store.delete_conversation("bob", "c2", now_unix_ms()).await.unwrap());
         }

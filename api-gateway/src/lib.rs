@@ -16,6 +16,8 @@ pub mod client;
 pub mod completions;
 pub mod context;
 pub mod conv_common;
+pub mod conv_items;
+pub mod conversation_items;
 pub mod conversations;
 pub mod error;
 pub mod evictions;

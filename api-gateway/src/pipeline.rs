@@ -124,6 +124,19 @@ impl App {
 }
 
 impl App {
+    /// Charges `tokens` stored without a generation (items a client adds to a
+    /// conversation) to the caller's limits like a turn's prompt: one turn, its tokens
+    /// against the prompt-token budget; refused (429) like a turn.
+    pub async fn charge_prompt_tokens(&self, owner: &OwnerId, key: &KeyHash, tokens: usize) -> Result<(), ApiError> {
+        let (bucket, overrides) = self.limits_for(owner.as_str(), key).await?;
+        let permit = self.limiter.admit_with(&bucket, tokens, overrides.as_ref()).map_err(|r| {
+            metrics::rate_limited(r.limit);
+            ApiError::rate_limited(r.limit, r.retry_after)
+        })?;
+        drop(permit); // nothing streams: the open-stream slot is given back at once
+        Ok(())
+    }
+
     /// The buckets a request is charged to and the overrides they run under:
     /// the user's overrides with its key's on top. A key with overrides of
     /// its own has its own buckets (its user's ID plus the key hash), so a

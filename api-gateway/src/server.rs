@@ -1,13 +1,13 @@
 //! The HTTP server: the router, the retention job, and serving (plain HTTP, or
 //! HTTPS when the config has TLS) until shutdown. The one module that imports the
-//! handler modules (`openai`, `completions`, `conversations`, `responses`); the state they share is
+//! handler modules (`openai`, `completions`, `conversations`, `conversation_items`, `responses`); the state they share is
 //! [`crate::state::App`].
 
 use crate::error::ApiError;
 use baton_vocab::ErrorKind;
 use crate::generator::Generator;
 use crate::state::App;
-use crate::{completions, conversations, metrics, openai, responses};
+use crate::{completions, conversation_items, conversations, metrics, openai, responses};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -70,7 +70,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/responses/{id}/input_items", get(responses::input_items))
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
-        .route("/v1/conversations/{id}", get(conversations::get).delete(conversations::delete))
+        .route("/v1/conversations/{id}", get(conversations::get).post(conversation_items::update).delete(conversations::delete))
+        .route("/v1/conversations/{id}/items", get(conversation_items::list_items).post(conversation_items::create_items))
+        .route("/v1/conversations/{id}/items/{item_id}", get(conversation_items::get_item).delete(conversation_items::delete_item))
         .route("/v1/conversations/{id}/turns", post(conversations::add_turn))
         .route("/v1/conversations/{id}/turns/{turn_id}/events", get(conversations::events))
         .route("/v1/conversations/{id}/turns/{turn_id}/stop", post(conversations::stop))

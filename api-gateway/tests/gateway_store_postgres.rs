@@ -139,3 +139,33 @@ async fn connect_failures_are_clear_and_hide_the_password() {
     let e = PostgresStore::connect("postgres://u@127.0.0.1:notaport/x").await.err().expect("bad URL");
     assert!(e.to_string().contains("invalid PostgreSQL URL"), "{e}");
 }
+
+/// A database at schema version 4 (before conversations had metadata) is migrated by
+/// the next gateway: its conversations keep their rows and gain empty metadata, which
+/// their owner (only) can then set.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_version_4_database_gains_metadata_and_keeps_its_rows() {
+    let Some(pg) = pg::TempPostgres::start() else { return };
+    let c = raw(&pg.url()).await;
+    c.batch_execute("CREATE TABLE baton_schema_migrations (version INTEGER PRIMARY KEY, applied_at BIGINT NOT NULL)").await.unwrap();
+    for (v, sql) in MIGRATIONS.iter().filter(|(v, _)| *v <= 4) {
+        c.batch_execute(sql).await.unwrap();
+        c.execute("INSERT INTO baton_schema_migrations VALUES ($1, 0)", &[v]).await.unwrap();
+    }
+    c.execute(
+        "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at) VALUES ('c-old', 'alice', 'before', 1, 5, 5)",
+        &[],
+    )
+    .await
+    .unwrap();
+    let store = PostgresStore::connect(&pg.url()).await.unwrap();
+    assert_eq!(store.schema_version().await.unwrap(), MIGRATIONS.last().unwrap().0);
+    let got = store.get_conversation("alice", "c-old").await.unwrap().expect("the old row must survive the migration");
+    assert_eq!((got.title.as_str(), got.created_at), ("before", 5));
+    assert!(got.metadata.is_empty());
+    let mut m = serde_json::Map::new();
+    m.insert("k".into(), "v".into());
+    assert!(!store.set_metadata("bob", "c-old", &m).await.unwrap(), "another user must not set metadata");
+    assert!(store.set_metadata("alice", "c-old", &m).await.unwrap());
+    assert_eq!(store.get_conversation("alice", "c-old").await.unwrap().unwrap().metadata, m);
+}

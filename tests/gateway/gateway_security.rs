@@ -183,7 +183,7 @@ async fn the_conversation_database_is_private_and_deletes_securely() {
     assert_eq!(mode & 0o077, 0, "mode {mode:o}");
     // A deleted conversation's text is gone from the file, not left in a free page.
     let marker = "zebra-quartz-7781-secret-title";
-    let conv = Conversation { id: "c1".into(), owner: "alice".into(), title: marker.into(), system_prompt_version: 1, created_at: 1, updated_at: 1, summary: Some(marker.repeat(40)) };
+    let conv = Conversation { id: "c1".into(), owner: "alice".into(), title: marker.into(), system_prompt_version: 1, created_at: 1, updated_at: 1, summary: Some(marker.repeat(40)), metadata: Default::default() };
     store.create_conversation(&conv).await.unwrap();
     assert!(store.delete_conversation("alice", "c1", 0).await.unwrap());
     drop(store);

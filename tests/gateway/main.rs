@@ -14,6 +14,7 @@ mod gateway_browser;
 mod gateway_checks;
 mod gateway_completions;
 mod gateway_isolation;
+mod gateway_items;
 mod gateway_postgres;
 mod gateway_python;
 mod gateway_replicas;

@@ -1,8 +1,10 @@
-"""The official `openai` Python client's Responses API against a running Baton gateway:
-create (plain, streamed, with the stream helper), chains by previous_response_id and by
-conversation with their cached tokens, a branch, retrieve (and a resumed stream),
-input items, cancel, delete, idempotency, store=false, owner isolation and the 400s
-that name an unsupported field.
+"""The official `openai` Python client's Responses and Conversations APIs against a
+running Baton gateway: create (plain, streamed, with the stream helper), chains by
+previous_response_id and by conversation with their cached tokens, a branch, retrieve
+(and a resumed stream), input items, cancel, delete, idempotency, store=false;
+conversations create (with items and metadata), retrieve, update, delete and their
+items create, list, retrieve and delete; owner isolation and the 400s that name an
+unsupported field.
 
 Usage: BATON_URL=http://127.0.0.1:PORT BATON_API_KEY=bk-... BATON_API_KEY2=bk-...
 python3 test_openai_responses.py
@@ -98,6 +100,10 @@ expect(openai.NotFoundError, lambda: bob.conversations.retrieve(conv.id))
 alice.conversations.delete(conv.id)
 expect(openai.NotFoundError, lambda: alice.responses.retrieve(by_conv[0].id))
 
+# A response's metadata is stored with it.
+tagged = alice.responses.create(model=model, input="Say hi.", max_output_tokens=4, temperature=0, metadata={"run": "t1"})
+assert tagged.metadata == {"run": "t1"} and alice.responses.retrieve(tagged.id).metadata == {"run": "t1"}
+
 # Retrieve, input items, a resumed stream.
 got = alice.responses.retrieve(chain[2].id)
 assert got.output_text == chain[2].output_text and got.previous_response_id == chain[1].id
@@ -166,5 +172,70 @@ alice.responses.delete(chain[3].id)
 expect(openai.NotFoundError, lambda: alice.responses.retrieve(chain[3].id))
 expect(openai.NotFoundError, lambda: alice.responses.retrieve(chain[0].id))
 assert alice.responses.retrieve(branch.id).output_text == branch.output_text
+
+# The Conversations API: a conversation made with metadata and a first user item, the
+# response that answers it, items added, listed, retrieved and deleted.
+c = alice.conversations.create(metadata={"topic": "demo"}, items=[{"type": "message", "role": "user", "content": "Hello!"}])
+assert c.object == "conversation" and c.metadata == {"topic": "demo"}, c
+got = alice.conversations.retrieve(c.id)
+assert got.id == c.id and got.metadata == {"topic": "demo"} and got.created_at == c.created_at, got
+upd = alice.conversations.update(c.id, metadata={"topic": "colors", "n": "2"})
+assert upd.id == c.id and upd.metadata == {"topic": "colors", "n": "2"}, upd
+assert alice.conversations.retrieve(c.id).metadata == {"topic": "colors", "n": "2"}
+listed = alice.conversations.items.list(c.id, order="asc")
+assert [(i.role, i.content[0].text) for i in listed.data] == [("user", "Hello!")], listed
+hello_id = listed.data[0].id
+c1 = alice.responses.create(model=model, input=QUESTIONS[0], conversation=c.id, max_output_tokens=12, temperature=0)
+assert c1.output_text and c1.conversation.id == c.id
+every = [(i.id, i.role, i.content[0].text) for i in alice.conversations.items.list(c.id, order="asc", limit=1)]  # pages of 1
+assert [(r, t) for _, r, t in every] == [("user", "Hello!"), ("user", QUESTIONS[0]), ("assistant", c1.output_text)], every
+assert every[2][0] == c1.output[0].id, "a response's output message is the conversation's item"
+newest = alice.conversations.items.list(c.id, limit=1)
+assert newest.data[0].id == c1.output[0].id and newest.has_more, "items list newest first by default"
+added = alice.conversations.items.create(
+    c.id,
+    items=[
+        {"type": "message", "role": "user", "content": "Remember the number 7."},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "I will remember 7."}]},
+    ],
+)
+assert [(i.role, i.content[0].text) for i in added.data] == [("user", "Remember the number 7."), ("assistant", "I will remember 7.")], added
+one = alice.conversations.items.retrieve(added.data[1].id, conversation_id=c.id)
+assert one.id == added.data[1].id and one.role == "assistant" and one.content[0].text == "I will remember 7.", one
+c2 = alice.responses.create(model=model, input="What number?", conversation=c.id, max_output_tokens=8, temperature=0)
+earlier = c1.usage.input_tokens + c1.usage.output_tokens
+assert c2.usage.input_tokens > earlier + 10, (c2.usage, c1.usage)
+assert c2.usage.input_tokens_details.cached_tokens >= earlier - 16, ("the answered turn stays warm after items", c2.usage, c1.usage)
+# Deleting an item: gone from the list, the rest kept with their IDs, the conversation
+# still answers (its KV was evicted: the next turn computes the history again).
+after = alice.conversations.items.delete(added.data[1].id, conversation_id=c.id)
+assert after.id == c.id and after.metadata == {"topic": "colors", "n": "2"}, after
+ids = [i.id for i in alice.conversations.items.list(c.id, order="asc")]
+assert added.data[1].id not in ids and ids == [hello_id, every[1][0], every[2][0], added.data[0].id, c2.output[0].id.replace("msg_", "msgin_"), c2.output[0].id], ids
+expect(openai.NotFoundError, lambda: alice.conversations.items.retrieve(added.data[1].id, conversation_id=c.id))
+c3 = alice.responses.create(model=model, input="Say ok.", conversation=c.id, max_output_tokens=4, temperature=0)
+assert c3.status in ("completed", "incomplete") and c3.usage.input_tokens > c2.usage.input_tokens - 20, c3.usage
+assert alice.responses.retrieve(c2.id).output_text == c2.output_text, "a response keeps its ID through an item deletion"
+# Owner isolation: bob sees none of it, changes none of it.
+expect(openai.NotFoundError, lambda: bob.conversations.retrieve(c.id))
+expect(openai.NotFoundError, lambda: bob.conversations.update(c.id, metadata={"topic": "bob"}))
+expect(openai.NotFoundError, lambda: bob.conversations.items.list(c.id))
+expect(openai.NotFoundError, lambda: bob.conversations.items.retrieve(hello_id, conversation_id=c.id))
+expect(openai.NotFoundError, lambda: bob.conversations.items.create(c.id, items=[{"role": "user", "content": "hi"}]))
+expect(openai.NotFoundError, lambda: bob.conversations.items.delete(hello_id, conversation_id=c.id))
+expect(openai.NotFoundError, lambda: bob.conversations.delete(c.id))
+assert alice.conversations.retrieve(c.id).metadata == {"topic": "colors", "n": "2"}
+assert len(alice.conversations.items.list(c.id).data) == len(ids) + 2
+# What the store cannot keep is a 400 that names the field.
+expect(openai.BadRequestError, lambda: alice.conversations.create(items=[{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]), "items")
+expect(openai.BadRequestError, lambda: alice.conversations.create(items=[{"role": "developer", "content": "be terse"}]), "items")
+expect(openai.BadRequestError, lambda: alice.conversations.update(c.id, metadata={"k": "x" * 600}), "metadata")
+expect(openai.BadRequestError, lambda: alice.conversations.items.create(c.id, items=[{"type": "function_call_output", "call_id": "x", "output": "y"}]), "items")
+gone = alice.conversations.delete(c.id)
+assert gone.deleted and gone.object == "conversation.deleted" and gone.id == c.id
+expect(openai.NotFoundError, lambda: alice.conversations.retrieve(c.id))
+expect(openai.NotFoundError, lambda: alice.conversations.items.list(c.id))
+expect(openai.NotFoundError, lambda: alice.responses.retrieve(c1.id))
+print("conversations: items", len(ids), "cached after items", c2.usage.input_tokens_details.cached_tokens, "of", c2.usage.input_tokens)
 
 print("openai responses: ok")

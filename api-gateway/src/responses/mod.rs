@@ -76,19 +76,27 @@ async fn find(app: &App, owner: &OwnerId, id: &str) -> Result<(ConversationId, C
     let (c, t) = object::parse_response_id(id)?;
     let conv = app.store.get_conversation(owner.as_str(), c.as_str()).await?.ok_or_else(|| ApiError::not_found("response"))?;
     let turns = app.store.list_turns(c.as_str()).await?;
-    let turn = turns.iter().find(|x| x.turn_id == t.as_str()).cloned().ok_or_else(|| ApiError::not_found("response"))?;
+    // A turn the client added as items was never a response.
+    let turn = turns.iter().find(|x| x.turn_id == t.as_str() && !x.added_as_items()).cloned().ok_or_else(|| ApiError::not_found("response"))?;
     Ok((c, conv, turns, turn))
 }
 
-/// What the store says about a response (the request's sampling fields are not kept).
+/// What the store says about a response (its metadata; the request's sampling fields
+/// are not kept).
 fn stored_meta(app: &App, conversation: &str, turns: &[Turn], t: &Turn) -> Meta {
-    let previous = turns.iter().rev().find(|p| p.seq < t.seq && p.state.in_context()).map(|p| object::response_id(conversation, &p.turn_id));
+    let previous = turns
+        .iter()
+        .rev()
+        .find(|p| p.seq < t.seq && p.state.in_context())
+        .filter(|p| !p.added_as_items())
+        .map(|p| object::response_id(conversation, &p.turn_id));
     Meta {
         id: object::response_id(conversation, &t.turn_id),
         item_id: object::output_item_id(&t.turn_id),
         created_at: t.created_at,
         model: app.model_id.clone(),
         previous_response_id: previous,
+        metadata: t.metadata.clone(),
         store: true,
         truncation: "disabled".into(),
         ..Meta::default()
@@ -114,6 +122,7 @@ async fn new_conversation(app: &App, owner: &OwnerId, idem: Option<&str>, like: 
         created_at: now,
         updated_at: now,
         summary: None,
+        metadata: Default::default(),
     };
     app.store.create_conversation(&c).await?;
     Ok((id, c, false))
@@ -331,7 +340,9 @@ async fn run_turn(
                 ));
             }
             let message = req.single_user_message()?;
-            let prompt = app.context.next_turn(&p.prompt_ids, &p.output_ids, message).map_err(|e| ApiError::bad_param("input", e.to_string()))?;
+            let end = crate::conv_items::history_end(p);
+            let prompt =
+                app.context.continue_prompt(&p.prompt_ids, &p.output_ids, end, message).map_err(|e| ApiError::bad_param("input", e.to_string()))?;
             (prompt, message.to_string())
         }
         None => first_prompt(&app, &req)?,
@@ -352,6 +363,7 @@ async fn run_turn(
         cached_tokens: 0,
         completion_tokens: 0,
         created_at: meta.created_at,
+        metadata: req.metadata.clone(),
     };
     let reply = app.start_reply(&user, &key, prompt, conversation.clone(), req.sampling.clone()).await?;
     match app.store.begin_turn(&row).await? {

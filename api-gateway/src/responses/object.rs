@@ -32,12 +32,12 @@ pub fn parse_response_id(id: &str) -> Result<(ConversationId, TurnId), ApiError>
 
 /// The assistant message's item ID of a turn (unique within its conversation).
 pub fn output_item_id(turn: &str) -> String {
-    format!("msg_{turn}")
+    crate::conv_items::reply_item_id(turn)
 }
 
 /// The user message's item ID of a turn.
 pub fn input_item_id(turn: &str) -> String {
-    format!("msgin_{turn}")
+    crate::conv_items::user_item_id(turn)
 }
 
 /// What a response object says beside its outcome: what the request asked for (known

@@ -112,27 +112,6 @@ fn refuse(field: &'static str, why: &str) -> ApiError {
     ApiError::bad_param(field, format!("{field}: {why}"))
 }
 
-/// A body's text, as a string or a list of text parts (`input_text`; `output_text` in
-/// an assistant item the client resends).
-fn content_text(i: usize, content: &Value) -> Result<String, ApiError> {
-    match content {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut s = String::new();
-            for p in parts {
-                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                    (Some("input_text" | "output_text" | "text"), Some(t)) => s.push_str(t),
-                    (kind, _) => {
-                        return Err(refuse("input", &format!("input[{i}]: content part {} is not supported (text only)", kind.unwrap_or("without a type"))))
-                    }
-                }
-            }
-            Ok(s)
-        }
-        _ => Err(refuse("input", &format!("input[{i}]: content must be a string or a list of text parts"))),
-    }
-}
-
 fn parse_input(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match v {
         Value::String(s) => return Ok(vec![ChatMessage::user(s.clone())]),
@@ -151,7 +130,7 @@ fn parse_input(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
             Some("assistant") => "assistant",
             other => return Err(refuse("input", &format!("input[{i}]: unsupported role {other:?}"))),
         };
-        let content = content_text(i, item.get("content").unwrap_or(&Value::Null))?;
+        let content = crate::conv_items::content_text("input", i, item.get("content").unwrap_or(&Value::Null))?;
         out.push(ChatMessage::new(role, content));
     }
     if !out.iter().any(|m| m.role == "user") {
@@ -181,20 +160,6 @@ fn opt_bool(o: &Map<String, Value>, field: &'static str) -> Result<Option<bool>,
         Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(_) => Err(refuse(field, "must be true or false")),
     }
-}
-
-/// OpenAI's metadata rule: at most 16 pairs, keys up to 64 characters, string values up
-/// to 512.
-fn parse_metadata(v: Option<&Value>) -> Result<Map<String, Value>, ApiError> {
-    let m = match v {
-        None | Some(Value::Null) => return Ok(Map::new()),
-        Some(Value::Object(m)) => m,
-        Some(_) => return Err(refuse("metadata", "must be an object of strings")),
-    };
-    if m.len() > 16 || m.iter().any(|(k, v)| k.chars().count() > 64 || v.as_str().is_none_or(|s| s.chars().count() > 512)) {
-        return Err(refuse("metadata", "at most 16 pairs, keys up to 64 characters, string values up to 512"));
-    }
-    Ok(m.clone())
 }
 
 /// Parses and validates a body.
@@ -262,7 +227,7 @@ pub fn parse(body: &[u8], default_max_tokens: usize) -> Result<ResponseRequest, 
         max_output_tokens,
         store: opt_bool(&o, "store")?.unwrap_or(true),
         stream: opt_bool(&o, "stream")?.unwrap_or(false),
-        metadata: parse_metadata(o.get("metadata"))?,
+        metadata: crate::conv_common::parse_metadata("metadata", o.get("metadata"))?,
         truncation,
         hash,
     })

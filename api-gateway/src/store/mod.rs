@@ -11,6 +11,14 @@
 //! only, no text or owner) until every node that may hold the
 //! conversation's KV acknowledged its eviction; metering rows hold counts,
 //! never text.
+//!
+//! A conversation's history is its turns in order. Most turns were generated (a user
+//! message and the model's reply); a turn the client added as items (the Conversations
+//! API) is marked by its `finish_reason` ([`ITEM_PAIR`], [`ITEM_USER`],
+//! [`ITEM_ASSISTANT`]: which of the two messages it holds), with its token IDs encoded
+//! from the text rather than generated. Either way each turn's prompt IDs continue the
+//! previous turn's prompt and output IDs, so the next prompt is always an extension of
+//! the stored history.
 
 pub mod conformance;
 pub mod postgres;
@@ -19,6 +27,15 @@ pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 
 use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// `finish_reason` of a turn the client added as a user message and a reply (nothing
+/// generated).
+pub const ITEM_PAIR: &str = "item";
+/// `finish_reason` of a turn the client added as a user message alone.
+pub const ITEM_USER: &str = "item_user";
+/// `finish_reason` of a turn the client added as an assistant message alone.
+pub const ITEM_ASSISTANT: &str = "item_assistant";
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +91,9 @@ pub struct Conversation {
     /// Summary of the turns before the latest summary boundary.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub summary: Option<String>,
+    /// The client's key-value pairs (the Conversations API's `metadata`; validated by
+    /// the handler: at most 16 string pairs).
+    pub metadata: Map<String, Value>,
 }
 
 /// Where a turn stands.
@@ -140,6 +160,37 @@ pub struct Turn {
     pub cached_tokens: i64,
     pub completion_tokens: i64,
     pub created_at: i64,
+    /// The client's key-value pairs of a response (the Responses API's `metadata`;
+    /// empty for other turns).
+    pub metadata: Map<String, Value>,
+}
+
+impl Turn {
+    /// Whether the client added this turn as items (nothing was generated).
+    pub fn added_as_items(&self) -> bool {
+        matches!(self.finish_reason.as_deref(), Some(ITEM_PAIR | ITEM_USER | ITEM_ASSISTANT))
+    }
+
+    /// Whether the turn holds a user message (every turn but an assistant item alone).
+    pub fn has_user_message(&self) -> bool {
+        self.finish_reason.as_deref() != Some(ITEM_ASSISTANT)
+    }
+
+    /// Whether the turn holds a reply (every turn but a user item alone): else its
+    /// history ends inside a user message, and the next message is framed after it.
+    pub fn has_reply(&self) -> bool {
+        self.finish_reason.as_deref() != Some(ITEM_USER)
+    }
+}
+
+/// What [`ConversationStore::replace_turns`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replaced {
+    Done,
+    /// No such conversation for this owner.
+    NotFound,
+    /// A turn streams, or the conversation's turns changed since the caller read them.
+    Busy,
 }
 
 /// One entry of a turn's durable token log: the text the client was sent
@@ -218,6 +269,25 @@ pub trait ConversationStore: Send + Sync + 'static {
     async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>>;
     /// Stores the conversation's summary (replacing the previous one).
     async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()>;
+    /// Replaces the conversation's metadata; false if it does not exist for `owner`.
+    async fn set_metadata(&self, owner: &str, id: &str, metadata: &Map<String, Value>) -> StoreResult<bool>;
+    /// Rewrites the conversation's history in one transaction: deletes its turns at
+    /// places `from_seq` and later and inserts `turns` (finished rows, stored as given),
+    /// only if the conversation is `owner`'s, no turn of it streams and its last place
+    /// is still `last_seq` (what the caller read: a turn admitted meanwhile makes it
+    /// [`Replaced::Busy`], never lost). With `evict_first_retry_ms` the same
+    /// transaction leaves a tombstone due then: history the nodes hold KV of changed,
+    /// so that KV is evicted everywhere like a deleted conversation's, while the
+    /// conversation lives on.
+    async fn replace_turns(
+        &self,
+        owner: &str,
+        conversation: &str,
+        last_seq: Option<i64>,
+        from_seq: i64,
+        turns: &[Turn],
+        evict_first_retry_ms: Option<i64>,
+    ) -> StoreResult<Replaced>;
     /// Deletes the conversation and every row that belongs to it, leaving a
     /// tombstone due at `first_retry_ms` (unix ms) in the same transaction;
     /// false (and no tombstone) if it did not exist for `owner`.
@@ -306,6 +376,18 @@ pub fn now_unix_ms() -> i64 {
 /// The owed-node list as stored (a JSON array of node IDs).
 fn owed_to_json(owed: &[String]) -> String {
     serde_json::to_string(owed).unwrap_or_else(|_| "[]".into())
+}
+
+/// Metadata as stored (a JSON object).
+fn metadata_to_json(m: &Map<String, Value>) -> String {
+    Value::Object(m.clone()).to_string()
+}
+
+fn metadata_from_json(j: &str) -> StoreResult<Map<String, Value>> {
+    match serde_json::from_str(j) {
+        Ok(Value::Object(m)) => Ok(m),
+        _ => Err(StoreError::Corrupt("conversation metadata is not a JSON object".into())),
+    }
 }
 
 fn owed_from_json(j: &str) -> StoreResult<Vec<String>> {

@@ -51,8 +51,8 @@ pub const DEFAULT_DEAD_AFTER: Duration = Duration::from_secs(60);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 const TURN_COLS: &str = "conversation, turn_id, seq, request_hash, user_text, reply_text, prompt_ids, output_ids, \
-     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at";
-const CONV_COLS: &str = "id, owner, title, system_prompt_version, created_at, updated_at, summary";
+     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at, metadata";
+const CONV_COLS: &str = "id, owner, title, system_prompt_version, created_at, updated_at, summary, metadata";
 
 /// Whether `db` (the `--db` value) names a PostgreSQL server rather than a SQLite file.
 pub fn is_postgres_url(db: &str) -> bool {
@@ -143,6 +143,7 @@ fn turn_from_row(r: &Row) -> StoreResult<Turn> {
         cached_tokens: get(r, 12)?,
         completion_tokens: get(r, 13)?,
         created_at: get(r, 14)?,
+        metadata: metadata_from_json(get(r, 15)?)?,
     })
 }
 
@@ -155,6 +156,7 @@ fn conv_from_row(r: &Row) -> StoreResult<Conversation> {
         created_at: get(r, 4)?,
         updated_at: get(r, 5)?,
         summary: get(r, 6)?,
+        metadata: metadata_from_json(get(r, 7)?)?,
     })
 }
 
@@ -302,8 +304,17 @@ impl ConversationStore for PostgresStore {
 
     async fn create_conversation(&self, conv: &Conversation) -> StoreResult<()> {
         self.exec(
-            "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6)",
-            &[&conv.id, &conv.owner, &conv.title, &i64::from(conv.system_prompt_version), &conv.created_at, &conv.updated_at],
+            "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at, metadata) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            &[
+                &conv.id,
+                &conv.owner,
+                &conv.title,
+                &i64::from(conv.system_prompt_version),
+                &conv.created_at,
+                &conv.updated_at,
+                &metadata_to_json(&conv.metadata),
+            ],
         )
         .await?;
         Ok(())
@@ -323,6 +334,34 @@ impl ConversationStore for PostgresStore {
     async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()> {
         self.exec("UPDATE conversations SET summary = $2 WHERE id = $1", &[&id, &summary]).await?;
         Ok(())
+    }
+
+    async fn set_metadata(&self, owner: &str, id: &str, metadata: &Map<String, Value>) -> StoreResult<bool> {
+        let n = self
+            .exec(
+                "UPDATE conversations SET metadata = $3, updated_at = $4 WHERE id = $1 AND owner = $2",
+                &[&id, &owner, &metadata_to_json(metadata), &now_unix()],
+            )
+            .await?;
+        Ok(n > 0)
+    }
+
+    async fn replace_turns(
+        &self,
+        owner: &str,
+        conversation: &str,
+        last_seq: Option<i64>,
+        from_seq: i64,
+        turns: &[Turn],
+        evict_first_retry_ms: Option<i64>,
+    ) -> StoreResult<Replaced> {
+        let mut c = self.client().await?;
+        match self.try_replace_turns(&mut c, owner, conversation, last_seq, from_seq, turns, evict_first_retry_ms).await {
+            Err(BeginError::Pg(e)) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => Ok(Replaced::Busy),
+            Err(BeginError::Pg(e)) => Err(db(e)),
+            Err(BeginError::Store(e)) => Err(e),
+            Ok(r) => Ok(r),
+        }
     }
 
     async fn delete_conversation(&self, owner: &str, id: &str, first_retry_ms: i64) -> StoreResult<bool> {

@@ -98,10 +98,11 @@ fn blob_to_ids(b: &[u8]) -> Vec<u32> {
 }
 
 const TURN_COLS: &str = "conversation, turn_id, seq, request_hash, user_text, reply_text, prompt_ids, output_ids, \
-     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at";
+     system_prompt_version, state, finish_reason, prompt_tokens, cached_tokens, completion_tokens, created_at, metadata";
 
-fn turn_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Turn, String)> {
+fn turn_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Turn, String, String)> {
     let state: String = r.get(9)?;
+    let metadata: String = r.get(15)?;
     let prompt: Vec<u8> = r.get(6)?;
     let output: Vec<u8> = r.get(7)?;
     Ok((
@@ -121,19 +122,73 @@ fn turn_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Turn, String)> {
             cached_tokens: r.get(12)?,
             completion_tokens: r.get(13)?,
             created_at: r.get(14)?,
+            metadata: Map::new(),
         },
         state,
+        metadata,
     ))
 }
 
-fn finish_turn_row(row: (Turn, String)) -> StoreResult<Turn> {
-    let (mut t, state) = row;
+fn finish_turn_row(row: (Turn, String, String)) -> StoreResult<Turn> {
+    let (mut t, state, metadata) = row;
     t.state = TurnState::parse(&state)?;
+    t.metadata = metadata_from_json(&metadata)?;
     Ok(t)
 }
 
-fn conv_from_row(r: &rusqlite::Row) -> rusqlite::Result<Conversation> {
-    Ok(Conversation {
+const CONV_COLS: &str = "id, owner, title, system_prompt_version, created_at, updated_at, summary, metadata";
+
+/// Schema changes after the first release, by `PRAGMA user_version`: each runs once, in
+/// order, in one transaction with the version bump (never edit one, append).
+const MIGRATIONS: &[(i64, &str)] = &[
+    (1, "ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';"),
+    (2, "ALTER TABLE turns ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';"),
+];
+
+fn migrate(conn: &mut Connection) -> StoreResult<()> {
+    let tx = conn.transaction().map_err(db)?;
+    let current: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(db)?;
+    let latest = MIGRATIONS.last().map_or(0, |m| m.0);
+    if current > latest {
+        return Err(StoreError::Db(format!("the SQLite schema is at version {current}, newer than this gateway's {latest}: upgrade the gateway")));
+    }
+    for (v, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+        tx.execute_batch(sql).map_err(|e| StoreError::Db(format!("schema migration {v}: {e}")))?;
+        tx.pragma_update(None, "user_version", v).map_err(db)?;
+    }
+    tx.commit().map_err(db)
+}
+
+/// Inserts one turn row as given, in state `state`.
+fn insert_turn(tx: &Connection, t: &Turn, state: TurnState) -> StoreResult<()> {
+    tx.run(
+        &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"),
+        params![
+            t.conversation,
+            t.turn_id,
+            t.seq,
+            t.request_hash,
+            t.user_text,
+            t.reply_text,
+            ids_to_blob(&t.prompt_ids),
+            ids_to_blob(&t.output_ids),
+            t.system_prompt_version,
+            state.as_str(),
+            t.finish_reason,
+            t.prompt_tokens,
+            t.cached_tokens,
+            t.completion_tokens,
+            t.created_at,
+            metadata_to_json(&t.metadata)
+        ],
+    )
+    .map_err(db)?;
+    Ok(())
+}
+
+fn conv_from_row(r: &rusqlite::Row) -> rusqlite::Result<(Conversation, String)> {
+    let metadata: String = r.get(7)?;
+    Ok((Conversation {
         id: r.get(0)?,
         owner: r.get(1)?,
         title: r.get(2)?,
@@ -141,7 +196,14 @@ fn conv_from_row(r: &rusqlite::Row) -> rusqlite::Result<Conversation> {
         created_at: r.get(4)?,
         updated_at: r.get(5)?,
         summary: r.get(6)?,
-    })
+        metadata: Map::new(),
+    }, metadata))
+}
+
+fn finish_conv_row(row: (Conversation, String)) -> StoreResult<Conversation> {
+    let (mut c, metadata) = row;
+    c.metadata = metadata_from_json(&metadata)?;
+    Ok(c)
 }
 
 impl SqliteStore {
@@ -182,6 +244,8 @@ impl SqliteStore {
         conn.pragma_update(None, "secure_delete", "ON").map_err(db)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(db)?;
         conn.execute_batch(SCHEMA).map_err(db)?;
+        let mut conn = conn;
+        migrate(&mut conn)?;
         conn.set_prepared_statement_cache_capacity(64);
         Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)) })
     }
@@ -303,8 +367,9 @@ impl ConversationStore for SqliteStore {
         let cv = conv.clone();
         self.with(move |c| {
             c.run(
-                "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                params![cv.id, cv.owner, cv.title, cv.system_prompt_version, cv.created_at, cv.updated_at],
+                "INSERT INTO conversations (id, owner, title, system_prompt_version, created_at, updated_at, metadata) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![cv.id, cv.owner, cv.title, cv.system_prompt_version, cv.created_at, cv.updated_at, metadata_to_json(&cv.metadata)],
             )
             .map_err(db)?;
             Ok(())
@@ -315,13 +380,11 @@ impl ConversationStore for SqliteStore {
     async fn get_conversation(&self, owner: &str, id: &str) -> StoreResult<Option<Conversation>> {
         let (o, i) = (owner.to_string(), id.to_string());
         self.with(move |c| {
-            c.row(
-                "SELECT id, owner, title, system_prompt_version, created_at, updated_at, summary FROM conversations WHERE id = ?1 AND owner = ?2",
-                params![i, o],
-                conv_from_row,
-            )
-            .optional()
-            .map_err(db)
+            let row = c
+                .row(&format!("SELECT {CONV_COLS} FROM conversations WHERE id = ?1 AND owner = ?2"), params![i, o], conv_from_row)
+                .optional()
+                .map_err(db)?;
+            row.map(finish_conv_row).transpose()
         })
         .await
     }
@@ -329,14 +392,10 @@ impl ConversationStore for SqliteStore {
     async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>> {
         let o = owner.to_string();
         self.with(move |c| {
-            let mut st = c
-                .prepare_cached(
-                    "SELECT id, owner, title, system_prompt_version, created_at, updated_at, summary FROM conversations \
-                     WHERE owner = ?1 ORDER BY updated_at DESC, id",
-                )
-                .map_err(db)?;
+            let mut st =
+                c.prepare_cached(&format!("SELECT {CONV_COLS} FROM conversations WHERE owner = ?1 ORDER BY updated_at DESC, id")).map_err(db)?;
             let rows = st.query_map(params![o], conv_from_row).map_err(db)?;
-            rows.collect::<Result<Vec<_>, _>>().map_err(db)
+            rows.map(|r| r.map_err(db).and_then(finish_conv_row)).collect()
         })
         .await
     }
@@ -346,6 +405,63 @@ impl ConversationStore for SqliteStore {
         self.with(move |c| {
             c.run("UPDATE conversations SET summary = ?2 WHERE id = ?1", params![i, sm]).map_err(db)?;
             Ok(())
+        })
+        .await
+    }
+
+    async fn set_metadata(&self, owner: &str, id: &str, metadata: &Map<String, Value>) -> StoreResult<bool> {
+        let (o, i, m) = (owner.to_string(), id.to_string(), metadata_to_json(metadata));
+        self.with(move |c| {
+            let n = c
+                .run("UPDATE conversations SET metadata = ?3, updated_at = ?4 WHERE id = ?1 AND owner = ?2", params![i, o, m, now_unix()])
+                .map_err(db)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn replace_turns(
+        &self,
+        owner: &str,
+        conversation: &str,
+        last_seq: Option<i64>,
+        from_seq: i64,
+        turns: &[Turn],
+        evict_first_retry_ms: Option<i64>,
+    ) -> StoreResult<Replaced> {
+        let (o, i, ts) = (owner.to_string(), conversation.to_string(), turns.to_vec());
+        self.with(move |c| {
+            let tx = c.transaction().map_err(db)?;
+            let found: Option<i64> =
+                tx.row("SELECT 1 FROM conversations WHERE id = ?1 AND owner = ?2", params![i, o], |r| r.get(0)).optional().map_err(db)?;
+            if found.is_none() {
+                return Ok(Replaced::NotFound);
+            }
+            let (last, streaming): (Option<i64>, i64) = tx
+                .row(
+                    "SELECT max(seq), coalesce(sum(state = 'streaming'), 0) FROM turns WHERE conversation = ?1",
+                    params![i],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .map_err(db)?;
+            if streaming > 0 || last != last_seq {
+                return Ok(Replaced::Busy);
+            }
+            tx.run("DELETE FROM turns WHERE conversation = ?1 AND seq >= ?2", params![i, from_seq]).map_err(db)?;
+            for t in &ts {
+                insert_turn(&tx, t, t.state)?;
+            }
+            if let Some(due) = evict_first_retry_ms {
+                tx.run(
+                    "INSERT INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) VALUES (?1, ?2, 0, ?3, '[]') \
+                     ON CONFLICT (conversation) DO UPDATE SET next_attempt_ms = min(next_attempt_ms, excluded.next_attempt_ms)",
+                    params![i, now_unix(), due],
+                )
+                .map_err(db)?;
+            }
+            tx.run("UPDATE conversations SET updated_at = ?2 WHERE id = ?1", params![i, now_unix()]).map_err(db)?;
+            tx.commit().map_err(db)?;
+            Ok(Replaced::Done)
         })
         .await
     }
@@ -392,27 +508,7 @@ impl ConversationStore for SqliteStore {
             if busy.is_some() {
                 return Ok(BeginTurn::Busy);
             }
-            tx.run(
-                &format!("INSERT INTO turns ({TURN_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"),
-                params![
-                    t.conversation,
-                    t.turn_id,
-                    t.seq,
-                    t.request_hash,
-                    t.user_text,
-                    t.reply_text,
-                    ids_to_blob(&t.prompt_ids),
-                    ids_to_blob(&t.output_ids),
-                    t.system_prompt_version,
-                    TurnState::Streaming.as_str(),
-                    t.finish_reason,
-                    t.prompt_tokens,
-                    t.cached_tokens,
-                    t.completion_tokens,
-                    t.created_at
-                ],
-            )
-            .map_err(db)?;
+            insert_turn(&tx, &t, TurnState::Streaming)?;
             tx.run("UPDATE conversations SET updated_at = ?2 WHERE id = ?1", params![t.conversation, now_unix()]).map_err(db)?;
             tx.commit().map_err(db)?;
             Ok(BeginTurn::Created)

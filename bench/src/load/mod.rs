@@ -13,6 +13,7 @@ pub mod chart;
 mod client;
 pub mod conversation;
 mod report;
+pub mod responses;
 mod traffic;
 
 use std::path::PathBuf;
@@ -84,6 +85,11 @@ pub struct LoadArgs {
     /// requests are plain OpenAI ones.
     #[arg(long)]
     pub conversation_header: bool,
+    /// Which API the turns use: `chat` resends the whole history through
+    /// `/chat/completions`; `responses` sends only each new message through
+    /// `/responses`, chained by `previous_response_id` (the server keeps the history).
+    #[arg(long, env = "BATON_BENCH_API", value_enum, default_value = "chat")]
+    pub api: Api,
     /// Per-request timeout.
     #[arg(long, default_value = "300s", value_parser = parse_duration)]
     pub timeout: Duration,
@@ -96,6 +102,14 @@ pub struct LoadArgs {
     /// Earlier runs' JSON files to print and draw beside this one.
     #[arg(long)]
     pub compare: Vec<PathBuf>,
+}
+
+/// The API a load run drives.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    Chat,
+    Responses,
 }
 
 /// A whole run: what was offered and what each level measured.
@@ -193,7 +207,7 @@ pub async fn run_levels(args: &LoadArgs) -> Result<RunReport> {
     for (i, &n) in args.levels.iter().enumerate() {
         // Fresh conversations per level, so one level's warm caches do not flatter the next.
         let first_index = (i as u64) << 32;
-        levels.push(run_level(&http, &endpoint, &shape, n, first_index, args.conversation_header, targets(args)).await);
+        levels.push(run_level(&http, &endpoint, &shape, n, first_index, args.conversation_header, args.api, targets(args)).await);
     }
     Ok(RunReport {
         label: args.label.clone(),
@@ -227,6 +241,7 @@ async fn first_model(http: &reqwest::Client, url: &str, key: Option<&str>) -> Re
     models.data.into_iter().next().map(|m| m.id).context("the server lists no model")
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_level(
     http: &reqwest::Client,
     endpoint: &Endpoint,
@@ -234,6 +249,7 @@ async fn run_level(
     conversations: usize,
     first_index: u64,
     conversation_header: bool,
+    api: Api,
     targets: Targets,
 ) -> LevelReport {
     let bar = indicatif::ProgressBar::new((conversations * shape.turns) as u64);
@@ -253,6 +269,7 @@ async fn run_level(
             let mut script = ConversationScript::new(&shape, index);
             let id = conversation_header.then(|| format!("load-{:x}-{index}", shape.seed));
             let mut history = vec![Message { role: "system", content: system.to_string() }];
+            let mut previous: Option<String> = None;
             let mut results = Vec::new();
             let mut errors = Vec::new();
             // Stagger the start so conversations do not move in lockstep.
@@ -263,7 +280,19 @@ async fn run_level(
                     tokio::time::sleep(script.think_time()).await;
                 }
                 history.push(Message { role: "user", content: script.next_message() });
-                match stream_turn(&http, &endpoint, &history, id.as_deref()).await {
+                let sent = match api {
+                    Api::Chat => stream_turn(&http, &endpoint, &history, id.as_deref()).await,
+                    // Only the new message: the server holds the history of the chain.
+                    Api::Responses => {
+                        let first = previous.is_none().then_some(system.as_str());
+                        let message = &history[history.len() - 1].content;
+                        responses::stream_response(&http, &endpoint, message, previous.as_deref(), first).await.map(|r| {
+                            previous = Some(r.id.clone());
+                            TurnResult::from(r)
+                        })
+                    }
+                };
+                match sent {
                     Ok(r) => {
                         history.push(Message { role: "assistant", content: r.reply.clone() });
                         results.push(r);

@@ -76,7 +76,7 @@ impl PostgresStore {
     /// is the caller's to read.
     pub(super) async fn try_begin_turn(&self, c: &mut deadpool_postgres::Client, t: &Turn) -> Result<BeginTurn, BeginError> {
         let tx = c.transaction().await?;
-        // Column 15: whether a live replica holds the row (this one, or one whose heartbeat is fresh).
+        // Column 16: whether a live replica holds the row (this one, or one whose heartbeat is fresh).
         let select = tx
             .prepare_cached(&format!(
                 "SELECT {TURN_COLS}, instance IS NOT NULL AND (instance = $3 OR instance IN ({})) \
@@ -87,7 +87,7 @@ impl PostgresStore {
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&t.conversation, &t.turn_id, &self.instance, &self.dead_after_secs];
         if let Some(row) = tx.query_opt(&select, &params).await? {
             let existing = turn_from_row(&row)?;
-            let held: bool = get(&row, 15)?;
+            let held: bool = get(&row, 16)?;
             let retry = existing.request_hash == t.request_hash
                 && (existing.state == TurnState::Failed || (existing.state == TurnState::Streaming && !held));
             if !retry {
@@ -113,7 +113,7 @@ impl PostgresStore {
         tx.execute(&orphans, &params).await?;
         let insert = tx
             .prepare_cached(&format!(
-                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
                  ON CONFLICT (conversation, turn_id) DO NOTHING"
             ))
             .await?;
@@ -136,6 +136,7 @@ impl PostgresStore {
                     &t.cached_tokens,
                     &t.completion_tokens,
                     &t.created_at,
+                    &metadata_to_json(&t.metadata),
                     &self.instance,
                 ],
             )
@@ -149,5 +150,77 @@ impl PostgresStore {
         tx.execute(&touch, &[&t.conversation, &now_unix()]).await?;
         tx.commit().await?;
         Ok(BeginTurn::Created)
+    }
+
+    /// [`ConversationStore::replace_turns`] in one transaction that locks the
+    /// conversation's row; a unique violation (another replica's turn took a place
+    /// meanwhile) is the caller's to read as busy.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn try_replace_turns(
+        &self,
+        c: &mut deadpool_postgres::Client,
+        owner: &str,
+        conversation: &str,
+        last_seq: Option<i64>,
+        from_seq: i64,
+        turns: &[Turn],
+        evict_first_retry_ms: Option<i64>,
+    ) -> Result<Replaced, BeginError> {
+        let tx = c.transaction().await?;
+        let found = tx.prepare_cached("SELECT 1 FROM conversations WHERE id = $1 AND owner = $2 FOR UPDATE").await?;
+        if tx.query_opt(&found, &[&conversation, &owner]).await?.is_none() {
+            return Ok(Replaced::NotFound);
+        }
+        let state = tx.prepare_cached("SELECT max(seq), count(*) FILTER (WHERE state = 'streaming') FROM turns WHERE conversation = $1").await?;
+        let row = tx.query_one(&state, &[&conversation]).await?;
+        let (last, streaming): (Option<i64>, i64) = (get(&row, 0)?, get(&row, 1)?);
+        if streaming > 0 || last != last_seq {
+            return Ok(Replaced::Busy);
+        }
+        let del = tx.prepare_cached("DELETE FROM turns WHERE conversation = $1 AND seq >= $2").await?;
+        tx.execute(&del, &[&conversation, &from_seq]).await?;
+        let insert = tx
+            .prepare_cached(&format!(
+                "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+            ))
+            .await?;
+        for t in turns {
+            tx.execute(
+                &insert,
+                &[
+                    &t.conversation,
+                    &t.turn_id,
+                    &t.seq,
+                    &t.request_hash,
+                    &t.user_text,
+                    &t.reply_text,
+                    &ids_to_bytes(&t.prompt_ids),
+                    &ids_to_bytes(&t.output_ids),
+                    &i64::from(t.system_prompt_version),
+                    &t.state.as_str(),
+                    &t.finish_reason,
+                    &t.prompt_tokens,
+                    &t.cached_tokens,
+                    &t.completion_tokens,
+                    &t.created_at,
+                    &metadata_to_json(&t.metadata),
+                    &self.instance,
+                ],
+            )
+            .await?;
+        }
+        if let Some(due) = evict_first_retry_ms {
+            let tomb = tx
+                .prepare_cached(
+                    "INSERT INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) VALUES ($1, $2, 0, $3, '[]') \
+                     ON CONFLICT (conversation) DO UPDATE SET next_attempt_ms = LEAST(eviction_tombstones.next_attempt_ms, EXCLUDED.next_attempt_ms)",
+                )
+                .await?;
+            tx.execute(&tomb, &[&conversation, &now_unix(), &due]).await?;
+        }
+        let touch = tx.prepare_cached("UPDATE conversations SET updated_at = $2 WHERE id = $1").await?;
+        tx.execute(&touch, &[&conversation, &now_unix()]).await?;
+        tx.commit().await?;
+        Ok(Replaced::Done)
     }
 }

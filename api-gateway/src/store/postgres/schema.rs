@@ -111,6 +111,15 @@ CREATE UNIQUE INDEX turns_one_per_seq ON turns (conversation, seq);
 CREATE UNIQUE INDEX turns_one_streaming ON turns (conversation) WHERE state = 'streaming';
 "#,
     ),
+    (
+        5,
+        r#"
+-- The Conversations API's metadata (a JSON object of strings).
+ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
+-- The Responses API's metadata of a response (a turn).
+ALTER TABLE turns ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
+"#,
+    ),
 ];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").

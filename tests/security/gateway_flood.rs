@@ -209,3 +209,40 @@ fn ten_thousand_half_open_connections_leave_a_real_request_answered() {
     });
     drop(attackers);
 }
+
+/// What eviction may close: only connections with no request in progress. A reply
+/// streaming while new connections keep arriving at a full table runs to its end.
+#[test]
+fn a_full_table_evicts_idle_connections_never_a_reply_in_progress() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let Some(server) = rt.block_on(common::start(&["--max-connections", "4", "--header-timeout-seconds", "120"])) else { return };
+    let target: std::net::SocketAddr = server.base.trim_start_matches("http://").parse().unwrap();
+    rt.block_on(async {
+        let body = serde_json::json!({
+            "model": "baton", "max_tokens": 48, "stream": true,
+            "messages": [{"role": "user", "content": "Tell me a long story about rivers."}]
+        });
+        let http = reqwest::Client::new();
+        let mut reply = http.post(format!("{}/v1/chat/completions", server.base)).bearer_auth(&server.key).json(&body).send().await.unwrap();
+        assert_eq!(reply.status(), 200);
+        let mut text = String::from_utf8_lossy(&reply.chunk().await.unwrap().unwrap()).into_owned();
+        // Twenty connections from other addresses, each sending half a request: the table
+        // holds four, so each new one evicts an idle one (never the reply's).
+        let mut held = Vec::new();
+        for i in 0..20u8 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("127.0.0.{}:0", 2 + i).parse().unwrap()).unwrap();
+            let mut s = socket.connect(target).await.unwrap();
+            let _ = tokio::io::AsyncWriteExt::write_all(&mut s, b"GET /healthz HTTP/1.1\r\n").await;
+            held.push(s);
+        }
+        while let Some(chunk) = reply.chunk().await.expect("the streaming reply was not cut") {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        // And the next real request takes an idle attacker's place.
+        let r = reqwest::Client::new().get(format!("{}/v1/models", server.base)).bearer_auth(&server.key).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        drop(held);
+    });
+}

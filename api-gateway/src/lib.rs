@@ -14,6 +14,7 @@ pub mod auth;
 pub mod checks;
 pub mod client;
 pub mod completions;
+pub mod conn_table;
 pub mod context;
 pub mod conv_common;
 pub mod conv_items;

@@ -1,8 +1,11 @@
 //! Accepting client connections under limits, so idle or slow clients cannot take the
 //! gateway away from everyone else:
 //! - at most `max_connections` open connections, and `max_per_address` from one client
-//!   address; a connection past either is closed at once (counted in
-//!   `baton_gateway_connections_refused_total{reason}`). At start the soft limit on open
+//!   address ([`crate::conn_table`]); a connection past the address's cap is closed at
+//!   once (counted in `baton_gateway_connections_refused_total{reason}`), one past the
+//!   total cap takes the place of the connection idle the longest (no request in
+//!   progress; `baton_gateway_connections_evicted_total`), and is refused only when every
+//!   open connection is busy. At start the soft limit on open
 //!   files is raised to the hard one and `max_connections` kept under it
 //!   ([`ConnLimits::within`]), so the cap engages before the kernel stops accepting;
 //! - a request's headers must arrive within `header_timeout`, which also closes a
@@ -14,13 +17,13 @@
 //! Shutdown stops accepting, lets every connection finish its current response, and
 //! returns when the last one has closed.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::pin::Pin;
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::http::{Request, Response};
 use axum::Router;
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -30,6 +33,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
+use crate::conn_table::{Slot, Table, Tracker};
 use crate::error::ApiError;
 use baton_vocab::ErrorKind;
 
@@ -86,50 +90,6 @@ pub fn raise_open_files_limit() -> std::io::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
-/// Open connections, in all and per client address.
-#[derive(Default)]
-struct Open {
-    total: usize,
-    by_address: HashMap<IpAddr, usize>,
-}
-
-/// One connection's place in [`Open`]; given back when dropped.
-struct Slot {
-    open: Arc<Mutex<Open>>,
-    address: IpAddr,
-}
-
-impl Slot {
-    fn take(open: &Arc<Mutex<Open>>, address: IpAddr, limits: &ConnLimits) -> Result<Slot, &'static str> {
-        let mut o = open.lock().unwrap_or_else(|p| p.into_inner());
-        if o.total >= limits.max_connections {
-            return Err("max_connections");
-        }
-        let mine = o.by_address.entry(address).or_default();
-        if *mine >= limits.max_per_address {
-            return Err("max_per_address");
-        }
-        *mine += 1;
-        o.total += 1;
-        crate::metrics::set_open_connections(o.total);
-        Ok(Slot { open: open.clone(), address })
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut o = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        o.total -= 1;
-        if let Some(n) = o.by_address.get_mut(&self.address) {
-            *n -= 1;
-            if *n == 0 {
-                o.by_address.remove(&self.address);
-            }
-        }
-        crate::metrics::set_open_connections(o.total);
-    }
-}
-
 /// Serves `router` on `listener` (HTTPS when `tls` is given) until `shutdown` completes.
 pub async fn serve(
     listener: TcpListener,
@@ -138,7 +98,7 @@ pub async fn serve(
     limits: ConnLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let open = Arc::new(Mutex::new(Open::default()));
+    let table = Table::new(limits.max_connections, limits.max_per_address);
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut conns = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
@@ -156,8 +116,13 @@ pub async fn serve(
             _ = &mut shutdown => break,
         };
         while conns.try_join_next().is_some() {}
-        let slot = match Slot::take(&open, peer.ip(), &limits) {
-            Ok(s) => s,
+        let slot = match table.admit(peer.ip()) {
+            Ok((slot, evicted)) => {
+                if evicted {
+                    crate::metrics::connection_evicted();
+                }
+                slot
+            }
             Err(reason) => {
                 crate::metrics::connection_refused(reason);
                 tracing::debug!(%peer, reason, "connection refused");
@@ -172,14 +137,20 @@ pub async fn serve(
         let router = router.clone().layer(axum::Extension(ClientAddr(peer.ip())));
         let (tls, stop) = (tls.clone(), stop_rx.clone());
         conns.spawn(async move {
-            let _slot = slot;
             match tls {
-                None => serve_one(tcp, router, limits.header_timeout, stop).await,
-                Some(acceptor) => match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => serve_one(stream, router, limits.header_timeout, stop).await,
-                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                },
+                None => serve_one(tcp, router, &slot, limits.header_timeout, stop).await,
+                Some(acceptor) => {
+                    let accepted = tokio::select! {
+                        a = tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(tcp)) => a,
+                        // Evicted during its handshake: no request can be in progress.
+                        () = slot.evicted() => return tracing::debug!(%peer, "evicted during its TLS handshake"),
+                    };
+                    match accepted {
+                        Ok(Ok(stream)) => serve_one(stream, router, &slot, limits.header_timeout, stop).await,
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                }
             }
         });
     }
@@ -189,13 +160,16 @@ pub async fn serve(
     Ok(())
 }
 
-/// One HTTP/1.1 connection, until the client closes it, a deadline closes it, or shutdown
-/// (then after the response in progress).
-async fn serve_one<I>(io: I, router: Router, header_timeout: Duration, mut stop: watch::Receiver<bool>)
+/// One HTTP/1.1 connection, until the client closes it, a deadline closes it, it is
+/// evicted (closed at once when idle, else after the response in progress), or shutdown
+/// (then after the response in progress). Each request marks the connection busy in its
+/// table ([`Tracking`]).
+async fn serve_one<I>(io: I, router: Router, slot: &Slot, header_timeout: Duration, mut stop: watch::Receiver<bool>)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = hyper_util::service::TowerToHyperService::new(router);
+    let tracker = slot.tracker();
+    let service = Tracking { inner: hyper_util::service::TowerToHyperService::new(router), tracker: tracker.clone() };
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
@@ -210,10 +184,44 @@ where
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         }
+        () = slot.evicted() => {
+            // Chosen while idle; a request that started since is answered first.
+            if tracker.is_busy() {
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.await;
+            }
+        }
         _ = stopping => {
             conn.as_mut().graceful_shutdown();
             let _ = conn.await;
         }
+    }
+}
+
+/// The router as hyper's service, marking the connection busy from a request's parsed
+/// headers until its response body is done (or dropped).
+struct Tracking {
+    inner: hyper_util::service::TowerToHyperService<Router>,
+    tracker: Tracker,
+}
+
+impl hyper::service::Service<Request<hyper::body::Incoming>> for Tracking {
+    type Response = Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Self::Error>> + Send>>;
+
+    fn call(&self, req: Request<hyper::body::Incoming>) -> Self::Future {
+        let busy = self.tracker.busy();
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let response = answer.await?;
+            Ok(response.map(|body| {
+                Body::new(body.map_frame(move |frame| {
+                    let _ = &busy;
+                    frame
+                }))
+            }))
+        })
     }
 }
 

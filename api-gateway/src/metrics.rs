@@ -52,6 +52,8 @@ pub const METERING_FAILURES_TOTAL: &str = "baton_gateway_metering_failures_total
 pub const OPEN_CONNECTIONS: &str = "baton_gateway_open_connections";
 /// Client connections closed on accept, by the limit they hit.
 pub const CONNECTIONS_REFUSED_TOTAL: &str = "baton_gateway_connections_refused_total";
+/// Idle client connections closed to make room for a new one (the table was full).
+pub const CONNECTIONS_EVICTED_TOTAL: &str = "baton_gateway_connections_evicted_total";
 /// Gauge: deleted conversations whose KV some node may still hold (tombstones in the store).
 pub const EVICTION_TOMBSTONES: &str = "baton_gateway_eviction_tombstones";
 /// Counter: eviction attempts, by `when` (`delete`, `retry`) and `result` (`complete`,
@@ -249,6 +251,10 @@ pub fn set_open_connections(n: usize) {
 
 pub fn connection_refused(reason: &'static str) {
     counter(&get().recorder, CONNECTIONS_REFUSED_TOTAL, "Client connections closed on accept, by the limit they hit", &[("reason", reason)]).increment(1);
+}
+
+pub fn connection_evicted() {
+    counter(&get().recorder, CONNECTIONS_EVICTED_TOTAL, "Idle client connections closed to make room for a new one", &[]).increment(1);
 }
 
 pub fn rate_limited(limit: &'static str) {

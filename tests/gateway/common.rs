@@ -43,10 +43,11 @@ pub fn model_path() -> Option<PathBuf> {
     }
 }
 
+/// The gateway's flags as a command line of their own.
 #[derive(Parser)]
-struct Wrap {
+pub struct Wrap {
     #[command(flatten)]
-    args: Args,
+    pub args: Args,
 }
 
 pub struct Server {
@@ -139,7 +140,20 @@ pub async fn serve_local(
     engine: &Engine,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> (Arc<App>, String) {
-    let app = build_app(config, generator, store, engine.tokenizer.clone(), engine.template.clone(), "smollm2".into()).unwrap();
+    serve_app(config, generator, store, engine.tokenizer.clone(), engine.template.clone(), shutdown).await
+}
+
+/// [`serve_local`] with the default model's tokenizer and template given (a test whose
+/// generator is not the engine loads them with `baton_api_gateway::load_tokenizer`).
+pub async fn serve_app(
+    config: Config,
+    generator: Arc<dyn Generator>,
+    store: Arc<dyn ConversationStore>,
+    tokenizer: Arc<baton_text::tokenizer::Tokenizer>,
+    template: Arc<baton_text::chat_template::ChatTemplate>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> (Arc<App>, String) {
+    let app = build_app(config, generator, store, tokenizer, template, "smollm2".into()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let served = app.clone();

@@ -1,10 +1,14 @@
-//! Attacks on the internal plane, run against real `baton` processes on loopback: each
-//! one is what a process on the cluster's network could try, and each must fail.
+//! The attacks of the security issues (the internal plane's, and #39's from a stolen
+//! node certificate or an anonymous client), each run against real processes or a real
+//! gateway on loopback sockets; each must fail. docs/SECURITY.md, "Attacks and their
+//! tests", names the test of every attack, here or where its code lives.
 //!
+//! Here, against real `baton` processes:
 //! - a plaintext client, and a client whose certificate another CA signed, get no answer;
 //! - a certificate without a role, or with the wrong role, cannot call a method its role
 //!   is not granted (docs/SECURITY.md's table, row by row: [`every_row_of_the_table`]);
 //! - a node cannot register, renew or leave under another node's name (fake registration);
+//! - a decode node cannot steer a conversation to itself through `RouteDecode`'s exclude;
 //! - only the gateway may say whose turn it is (owner spoofing on Generate, CachedPrefix,
 //!   ExportPrefix from any other role);
 //! - a server with the wrong identity is not trusted by a client (impersonation);
@@ -14,18 +18,26 @@
 //!   admin key (the gateway's admin listener is the private way in);
 //! - a node away while a conversation is deleted does not keep its KV ([`deletion`]).
 //!
-//! The trust issue's other attacks are tested where their code lives, also against real
-//! sockets: a KV grant filled from another node's certificate
-//! (`kv-transport`: `a_grant_is_filled_only_by_the_node_it_was_issued_to`), forged
-//! prefix-cache hash collisions (`engine/tests/prefix_collisions.rs`: a process always
-//! hashes with XXH64, so the forgery needs the engine's test hasher), the markdown
-//! exfiltration corpus (`api-gateway/tests/exfiltration_corpus.rs`), slowloris
-//! (`api-gateway/tests/gateway_security.rs`), and the cross-user stall
-//! (`api-gateway/tests/gateway_isolation.rs`, a binary of its own because it times turns).
+//! Against a real gateway in this process:
+//! - anonymous and wrong-key floods, forged `X-Forwarded-For`, `logprobs` exfiltration,
+//!   framing, secrets in `--help` ([`client_attacks`]);
+//! - 10,000 half-open connections from 100 addresses ([`gateway_flood`]).
 
 #[path = "../cluster_support/mod.rs"]
 mod cluster_support;
+// The gateway tests' start-up (a gateway on loopback over the real engine), and the
+// throwaway PostgreSQL server it may use.
+#[path = "../gateway/common.rs"]
+mod common;
+#[path = "../../api-gateway/tests/pg/mod.rs"]
+mod pg;
+// The exfiltration corpus, shared with api-gateway/tests/exfiltration_corpus.rs.
+#[path = "../../api-gateway/tests/corpus/mod.rs"]
+mod corpus;
+
+mod client_attacks;
 mod deletion;
+mod gateway_flood;
 
 use std::time::{Duration, Instant};
 
@@ -209,6 +221,37 @@ fn fake_registration_and_someone_elses_lease_are_refused() {
         assert_eq!(ids, vec!["decode-0".to_string()]);
         let mut c0 = CoordinatorClient::new(dial(&cluster.plane("decode-0"), &url).await.unwrap());
         assert!(c0.deregister(drop).await.unwrap().into_inner().removed);
+    });
+}
+
+/// Issue #39, item 3: `RouteDecode` is open to decode nodes (a draining node asks where
+/// its conversations go), and it honoured the caller's `exclude`: a node could exclude
+/// every other node and so steer a conversation it knows to itself.
+#[test]
+fn a_decode_node_cannot_steer_a_conversation_to_itself() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 512) else { return };
+    let rt = runtime();
+    let url = cluster.url();
+    rt.block_on(async {
+        for name in ["decode-0", "decode-1"] {
+            let mut c = CoordinatorClient::new(dial(&cluster.plane(name), &url).await.unwrap());
+            c.register(cpb::RegisterRequest { node: Some(decode_info(name)) }).await.unwrap();
+        }
+        let ask = |exclude: &[&str]| cpb::RouteDecodeRequest {
+            routing_key: "conv-of-a-victim".into(),
+            owner: "alice".into(),
+            prompt_tokens: 10,
+            exclude: exclude.iter().map(|n| NodeId { id: n.to_string() }).collect(),
+        };
+        let home = |r: cpb::RouteDecodeResponse| r.node.and_then(|n| n.node_id).map(|i| i.id).unwrap();
+        let mut attacker = CoordinatorClient::new(dial(&cluster.plane("decode-1"), &url).await.unwrap());
+        let e = attacker.route_decode(ask(&["decode-0"])).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+        // Excluding itself (a drain) is what a decode node may do.
+        assert_eq!(home(attacker.route_decode(ask(&["decode-1"])).await.unwrap().into_inner()), "decode-0");
+        // The gateway's exclude (a node that just failed the turn) stands as sent.
+        let mut gateway = CoordinatorClient::new(dial(&cluster.plane("gateway"), &url).await.unwrap());
+        assert_eq!(home(gateway.route_decode(ask(&["decode-0"])).await.unwrap().into_inner()), "decode-1");
     });
 }
 

@@ -1,6 +1,6 @@
 //! The exfiltration corpus, shared by the tests that run it through the output filter
 //! (`exfiltration_corpus.rs`) and through a whole gateway, content and logprobs alike
-//! (`client_attacks.rs`): replies an attacker would like the model to write, replies
+//! (`tests/security/client_attacks.rs`): replies an attacker would like the model to write, replies
 //! that must pass unchanged, chunkings, and [`violations`], what a renderer of a text
 //! would fetch or link against the policy.
 #![allow(dead_code)]

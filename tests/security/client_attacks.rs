@@ -10,42 +10,25 @@
 //! - `X-Forwarded-For` is believed only from a trusted proxy;
 //! - `logprobs` (chosen tokens and every rank of alternatives, chat and legacy
 //!   completions, streamed or not) never spell what the sanitizer removed from the
-//!   content, nor a special token.
+//!   content, nor a special token;
+//! - the page cannot be framed or run another script; `--help` shows no secret from the
+//!   environment; generated keys are ignored by git and Docker.
+//!
+//! (Moved from `api-gateway/tests/client_attacks.rs`; the gateway starts as every other
+//! gateway test's, through `tests/gateway/common.rs`.)
 
-mod corpus;
+use crate::{common, corpus};
 
 use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
 use baton_api_gateway::store::SqliteStore;
-use baton_api_gateway::{auth, build_app, load_tokenizer, Args, Config};
+use baton_api_gateway::{auth, load_tokenizer};
 use baton_text::tokenizer::Tokenizer;
 use baton_text::{FinishReason, TokenOut, Usage};
-use clap::Parser;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// The default model (only its tokenizer and template are read), or `None`: skipped.
-fn model() -> Option<PathBuf> {
-    let p = match std::env::var_os("BATON_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => baton_text::model_cache::model_cache_dir()?.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: model not found at {}; run scripts/fetch-model.sh", p.display());
-        None
-    }
-}
-
-#[derive(Parser)]
-struct Wrap {
-    #[command(flatten)]
-    args: Args,
-}
 
 /// Writes whatever reply it holds, token by token, with two alternatives per token:
 /// the end-of-turn token and the token after the chosen one (so each rank of
@@ -97,24 +80,23 @@ struct Gateway {
 }
 
 fn start(flags: &[&str]) -> Option<Gateway> {
-    let model = model()?;
+    let model = common::model_path()?;
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("gw.db");
     let mut argv = vec!["gateway".to_string(), "--db".into(), db.display().to_string()];
     argv.extend(flags.iter().map(|s| s.to_string()));
-    let config = Config::try_from(Wrap::parse_from(argv).args).unwrap();
+    let config = common::config(argv);
     let (tokenizer, template) = load_tokenizer(&model).unwrap();
     let generator = Arc::new(Scripted { tokenizer: tokenizer.clone(), reply: Mutex::new(String::new()) });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let store = SqliteStore::open(&db).unwrap();
-    let (addr, key) = runtime.block_on(async {
+    let (base, key) = runtime.block_on(async {
         let key = auth::create_key(&store, "alice", "test").await.unwrap();
-        let app = build_app(config, generator.clone(), Arc::new(store), tokenizer.clone(), template, "smollm2".into()).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(baton_api_gateway::server::serve(listener, app, futures::future::pending::<()>()));
-        (addr, key)
+        let pending = futures::future::pending::<()>();
+        let (_, base) = common::serve_app(config, generator.clone(), Arc::new(store), tokenizer.clone(), template, pending).await;
+        (base, key)
     });
+    let addr = base.trim_start_matches("http://").parse().unwrap();
     Some(Gateway { addr, key, generator, tokenizer, _runtime: runtime, _dir: dir })
 }
 
@@ -295,11 +277,38 @@ fn the_page_cannot_be_framed_or_run_other_scripts() {
 
 #[test]
 fn help_shows_no_secret_from_the_environment() {
-    use clap::CommandFactory;
-    // The one test in this binary that sets the environment (help reads it).
-    std::env::set_var("BATON_DB", "postgres://baton:hunter2-db-password@db.internal/baton");
-    let help = Wrap::command().render_long_help().to_string();
-    std::env::remove_var("BATON_DB");
-    assert!(help.contains("BATON_DB"), "the flag still names its variable");
-    assert!(!help.contains("hunter2"), "{help}");
+    // The binary's own help, with the secrets in its environment as a deployment sets them.
+    for (command, variable) in [("gateway", "BATON_DB"), ("keys", "BATON_DB"), ("chat", "BATON_API_KEY")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args([command, "--help"])
+            .env("BATON_DB", "postgres://baton:hunter2-db-password@db.internal/baton")
+            .env("BATON_API_KEY", "bk-hunter2-api-key")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "baton {command} --help");
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(help.contains(variable), "baton {command}: the flag still names {variable}:\n{help}");
+        assert!(!help.contains("hunter2"), "baton {command}:\n{help}");
+    }
+}
+
+#[test]
+fn generated_keys_are_ignored_by_git_and_docker() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    // What `baton up` and `baton certs` write, where they write it.
+    let written = ["baton-admin.key", "certs/ca.crt", "certs/decode-0.key", "deploy/local/gateway.key"];
+    match std::process::Command::new("git").current_dir(root).args(["check-ignore", "--no-index", "-v"]).args(written).output() {
+        Ok(out) if out.status.code() != Some(128) => {
+            let ignored = String::from_utf8_lossy(&out.stdout);
+            for path in written {
+                assert!(ignored.lines().any(|l| l.ends_with(&format!("\t{path}"))), "git would commit {path}:\n{ignored}");
+            }
+        }
+        _ => eprintln!("skipped the .gitignore half: no git work tree here"),
+    }
+    // Docker's build context: the patterns that keep them out of every image.
+    let docker = std::fs::read_to_string(root.join(".dockerignore")).unwrap();
+    for pattern in ["baton-admin.key", "**/*.key", "certs/"] {
+        assert!(docker.lines().any(|l| l.trim() == pattern), ".dockerignore lacks {pattern}");
+    }
 }

@@ -28,7 +28,7 @@ pub mod pool;
 pub mod quant;
 
 pub use attention::AttnRow;
-pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, OptionalOp};
+pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, KvBytes, OptionalOp, PendingKvBytes};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;

@@ -113,6 +113,13 @@ impl<B: Backend> Model<B> {
     /// (`logit_rows.len() x vocab`, row-major). Must run inside
     /// `backend.run`.
     pub fn forward(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>) -> Vec<f32> {
+        self.forward_with(backend, kv, input, s, &mut |_, _, _| {})
+    }
+
+    /// [`Model::forward`], calling `on_layer(backend, kv, layer)` right after each
+    /// layer's keys and values are in `kv` (and before its attention): a pipelined
+    /// export copies the layer out there while later layers compute.
+    pub fn forward_with(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>, on_layer: &mut dyn FnMut(&B, &B::Kv, usize)) -> Vec<f32> {
         let c = &self.config;
         let rows = input.tokens.len();
         debug_assert_eq!(rows, input.positions.len());
@@ -142,6 +149,7 @@ impl<B: Backend> Model<B> {
             backend.apply_rope(rope, &mut s.q, input.positions, c.n_heads);
             backend.apply_rope(rope, &mut s.k, input.positions, c.n_kv_heads);
             backend.kv_write(kv, li, &s.k, &s.v, input.slots);
+            on_layer(backend, kv, li);
             backend.attention(kv, li, &s.q, input.attn, c.n_heads, c.attn_scale, c.layers[li].window, &mut s.attn);
             backend.matmul(&s.attn, rows, &mut [(&layer.wo, &mut s.o)]);
             self.residual(backend, layer.post_norms.as_ref().map(|n| &n[0]), rows, s);

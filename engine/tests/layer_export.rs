@@ -13,9 +13,12 @@ use common::*;
 
 const SYSTEM: &str = "You are a careful assistant for a science museum. Answer in two or three sentences, with concrete facts and no filler.";
 
-/// Chunks of 64 tokens: a prompt of a few hundred tokens is computed in several steps.
+/// Chunks of 24 tokens (not whole blocks, so blocks straddle chunks): a prompt of a
+/// hundred tokens is computed in several steps.
+const CHUNK: usize = 24;
+
 fn config() -> EngineConfig {
-    EngineConfig { step_token_budget: 64, kv_memory_bytes: 64 << 20, max_context: Some(2048), tier2_bytes: 0, ..EngineConfig::default() }
+    EngineConfig { step_token_budget: CHUNK, kv_memory_bytes: 64 << 20, max_context: Some(2048), tier2_bytes: 0, ..EngineConfig::default() }
 }
 
 fn one_token(mut req: Request) -> Request {
@@ -70,7 +73,7 @@ fn a_pipelined_export_equals_the_whole_export_across_chunks() {
     let bt = engine.info.kv_layout.block_tokens;
     let layers = engine.info.kv_layout.layers;
     let prompt = chat_prompt(&engine, SYSTEM, "Why is the sky blue at noon and red at sunset? Explain Rayleigh scattering, the path length through the air, and why clouds look white, in enough detail for a curious student who likes physics and wants numbers.");
-    assert!(prompt.len() > 2 * 64 && !prompt.len().is_multiple_of(bt), "several chunks and a partial last block: {} tokens", prompt.len());
+    assert!(prompt.len() > 3 * CHUNK && !prompt.len().is_multiple_of(bt), "several chunks and a partial last block: {} tokens", prompt.len());
 
     // The baseline: whole blocks after the prefill, on a fresh owner.
     let whole = prefill(&engine, request(prompt.clone(), "whole", 1), 1, None);
@@ -117,7 +120,7 @@ fn an_export_whose_sequence_ends_first_has_no_done() {
     let Some(engine) = common::engine(config()) else { return };
     // Several chunks: the cancel lands before the last one.
     let prompt = chat_prompt(&engine, SYSTEM, "Describe how a river delta forms over centuries, with the role of sediment, tides, floods, vegetation, human engineering, dams upstream, and the sea level, for a student who wants the whole story from the mountains to the coast and the numbers that go with it.");
-    assert!(prompt.len() > 2 * 64);
+    assert!(prompt.len() > 3 * CHUNK);
     let (sub, mut layers) = engine.submit_exporting_layers(one_token(request(prompt, "bob", 1)), None, 0).unwrap();
     drop(sub.stream);
     while let Some(ev) = layers.blocking_recv() {

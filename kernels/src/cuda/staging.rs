@@ -25,7 +25,7 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaSlice, CudaStream, Driv
 pub const STAGING_BYTES: usize = 16 << 20;
 
 /// Host memory for one group of packed blocks.
-enum HostBuf {
+pub(super) enum HostBuf {
     /// Page-locked by the driver; freed with `cuMemFreeHost`.
     Pinned { ptr: NonNull<u8>, len: usize, ctx: Arc<CudaContext> },
     /// Ordinary memory, when page-locking failed.
@@ -36,7 +36,7 @@ enum HostBuf {
 unsafe impl Send for HostBuf {}
 
 impl HostBuf {
-    fn new(ctx: &Arc<CudaContext>, len: usize, pinned: bool) -> Result<HostBuf, DriverError> {
+    pub(super) fn new(ctx: &Arc<CudaContext>, len: usize, pinned: bool) -> Result<HostBuf, DriverError> {
         if !pinned {
             return Ok(HostBuf::Pageable(vec![0; len]));
         }
@@ -47,7 +47,7 @@ impl HostBuf {
         Ok(HostBuf::Pinned { ptr, len, ctx: ctx.clone() })
     }
 
-    fn as_slice(&self) -> &[u8] {
+    pub(super) fn as_slice(&self) -> &[u8] {
         match self {
             // SAFETY: `len` bytes allocated by cuMemHostAlloc, owned by self.
             HostBuf::Pinned { ptr, len, .. } => unsafe { std::slice::from_raw_parts(ptr.as_ptr(), *len) },
@@ -55,7 +55,7 @@ impl HostBuf {
         }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
         match self {
             // SAFETY: as in as_slice, and `&mut self` makes the borrow unique.
             HostBuf::Pinned { ptr, len, .. } => unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), *len) },

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use crate::core_split::CoreSplit;
 use crate::engine_args::EngineArgs;
 use crate::up::{start_cluster, start_engines, ClusterSpec};
+use baton_prefill_node::KvExportMode;
 
 #[derive(Args, Debug)]
 pub struct BenchClusterArgs {
@@ -93,7 +94,14 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
         let mut results = Vec::new();
         let single = engines.0.clone();
         results.push(measure("single engine", &a, cold, extra, |owner, prompt| in_process(single.clone(), owner, prompt, a.max_tokens)).await?);
-        for (mode, threshold) in [("cluster, local prefill", u32::MAX), ("cluster, remote prefill", a.remote_threshold)] {
+        // The remote mode twice: KV shipped after the prefill (the baseline), then pipelined
+        // (each layer while later layers compute), in the same process one after the other.
+        let modes = [
+            ("cluster, local prefill", u32::MAX, KvExportMode::Pipelined),
+            ("cluster, remote, after", a.remote_threshold, KvExportMode::AfterPrefill),
+            ("cluster, remote, pipelined", a.remote_threshold, KvExportMode::Pipelined),
+        ];
+        for (mode, threshold, kv_export) in modes {
             let (stop_tx, stop_rx) = watch::channel(false);
             let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
             let spec = ClusterSpec {
@@ -106,6 +114,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
                 prefill_http_listen: loopback,
                 local_prefill_threshold: threshold,
                 kv_transport: baton_kv_transport::transport::select::TransportChoice::Quic,
+                kv_export,
                 insecure_plaintext_internal: false,
                 admin_key: None,
             };
@@ -275,6 +284,18 @@ fn print_table(results: &[ModeResult]) {
             let total = r.cold_total_ms + r.warm_total_ms;
             println!("  {:<26} {:>+8.1} ms ({:>+5.1}% of end-to-end)", r.mode, total - base, 100.0 * (total - base) / total.max(1e-6));
         }
+    }
+    let find = |m: &str| results.iter().find(|r| r.mode == m);
+    if let (Some(single), Some(after), Some(piped)) = (results.first(), find("cluster, remote, after"), find("cluster, remote, pipelined")) {
+        let base = single.cold_total_ms + single.warm_total_ms;
+        let over = |r: &ModeResult| r.cold_total_ms + r.warm_total_ms - base;
+        println!(
+            "\nremote-prefill overhead, KV shipped after the prefill -> pipelined: {:+.1} ms -> {:+.1} ms end to end; cold TTFT {:.1} ms -> {:.1} ms",
+            over(after),
+            over(piped),
+            after.cold_ttft_ms,
+            piped.cold_ttft_ms
+        );
     }
     println!("targets: warm TTFT >= 5x lower than cold; cluster overhead <= 10% of end-to-end");
 }

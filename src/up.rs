@@ -144,6 +144,8 @@ pub(crate) struct ClusterSpec<'a> {
     pub local_prefill_threshold: u32,
     /// The KV transport both nodes ask for (RDMA falls back to QUIC).
     pub kv_transport: TransportChoice,
+    /// How the prefill node ships a tail's KV (pipelined unless a benchmark's baseline).
+    pub kv_export: baton_prefill_node::KvExportMode,
     /// gRPC between the parts without TLS (`--insecure-plaintext-internal`; benchmarks).
     pub insecure_plaintext_internal: bool,
     /// Opens the coordinator's /debug/routing (`None`: off).
@@ -217,7 +219,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
         async move { baton_decode_node::serve(decode_config, decode_parts, |_| {}, stopped(stop)).await.context("decode node") }
     });
 
-    let prefill_config = baton_prefill_node::Config { node: node_config(PREFILL_NAME, spec.split.prefill), role: baton_prefill_node::Prefill { kv_layer_delay: None } };
+    let prefill_config = baton_prefill_node::Config { node: node_config(PREFILL_NAME, spec.split.prefill), role: baton_prefill_node::Prefill { kv_layer_delay: None, kv_export: spec.kv_export } };
     let prefill_parts = baton_prefill_node::Parts {
         engine: prefill_engine.clone(),
         tls: certs.node_tls(PREFILL_NAME)?,
@@ -272,6 +274,7 @@ async fn serve(
         prefill_http_listen: a.prefill_http_listen,
         local_prefill_threshold: a.local_prefill_threshold,
         kv_transport,
+        kv_export: baton_prefill_node::KvExportMode::Pipelined,
         insecure_plaintext_internal: false,
         admin_key: gateway_config.admin_key.clone(),
     };

@@ -12,5 +12,5 @@ pub use error::{Error, Result};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, ImportUse, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
     StepCost,
-    RequestStream, SubmitOptions, Submission,
+    RequestStream, SubmitOptions, Submission, LayerChunk, LayerExport, LayerExportEvent,
 };

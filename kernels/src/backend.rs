@@ -196,6 +196,59 @@ pub trait Backend: Send + Sync {
     fn rope_kv_write(&self, kv: &mut Self::Kv, layer: usize, rope: &Self::Rope, q: &mut Self::Tensor, q_heads: usize, k: &mut Self::Tensor, kv_heads: usize, v: &Self::Tensor, positions: &[u32], slots: &[(u32, u32)]) {
         fused::rope_kv_write(self, kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
     }
+
+    /// Layer `layer` of `blocks`, block after block (`block_layer_bytes` each, as
+    /// [`Backend::kv_block_layer_out`] writes one), for a pipelined export: called in a
+    /// forward pass right after the layer's [`Backend::kv_write`]. A device backend
+    /// queues the copy behind that write without holding up the compute that follows
+    /// and returns it [`KvBytes::Pending`]; whoever ships the bytes waits for them.
+    fn kv_blocks_layer_out(&self, kv: &Self::Kv, blocks: &[usize], layer: usize, block_layer_bytes: usize) -> KvBytes {
+        let mut out = vec![0u8; blocks.len() * block_layer_bytes];
+        for (&block, o) in blocks.iter().zip(out.chunks_exact_mut(block_layer_bytes.max(1))) {
+            self.kv_block_layer_out(kv, block, layer, o);
+        }
+        KvBytes::Ready(out)
+    }
+}
+
+/// KV bytes leaving a backend's arena ([`Backend::kv_blocks_layer_out`]).
+pub enum KvBytes {
+    /// Copied already (host memory backends).
+    Ready(Vec<u8>),
+    /// Still being copied by the device; [`KvBytes::wait`] blocks until they are here.
+    Pending(Box<dyn PendingKvBytes>),
+}
+
+/// A device-to-host copy in flight. Dropping it without waiting still waits for the
+/// copy (its host buffer cannot be reused while the device writes it).
+pub trait PendingKvBytes: Send {
+    /// Blocks until the copy is done; the bytes.
+    fn wait(self: Box<Self>) -> Vec<u8>;
+}
+
+impl KvBytes {
+    /// The bytes, waiting for the device if they are still on their way. Blocks: call it
+    /// off an async runtime's worker threads when the bytes may be pending.
+    pub fn wait(self) -> Vec<u8> {
+        match self {
+            KvBytes::Ready(v) => v,
+            KvBytes::Pending(p) => p.wait(),
+        }
+    }
+
+    /// Whether the bytes are here already.
+    pub fn is_ready(&self) -> bool {
+        matches!(self, KvBytes::Ready(_))
+    }
+}
+
+impl std::fmt::Debug for KvBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KvBytes::Ready(v) => write!(f, "KvBytes::Ready({} bytes)", v.len()),
+            KvBytes::Pending(_) => f.write_str("KvBytes::Pending"),
+        }
+    }
 }
 
 /// The CPU backend: host memory, a spinning fork-join pool, SIMD kernels chosen at run
@@ -378,6 +431,16 @@ impl Backend for CpuBackend {
 
     fn kv_block_layer_in(&self, kv: &mut KvStorage, block: usize, layer: usize, data: &[u8]) {
         kv.set_block_layer_bytes(block, layer, data);
+    }
+
+    fn kv_blocks_layer_out(&self, kv: &KvStorage, blocks: &[usize], layer: usize, block_layer_bytes: usize) -> KvBytes {
+        // One allocation, one memcpy per block: this runs on the engine's thread
+        // between two layers of a forward pass.
+        let mut out = Vec::with_capacity(blocks.len() * block_layer_bytes);
+        for &block in blocks {
+            out.extend_from_slice(kv.block_layer_bytes(block, layer));
+        }
+        KvBytes::Ready(out)
     }
 }
 

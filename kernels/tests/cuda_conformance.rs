@@ -300,6 +300,40 @@ fn blocks_move_between_the_cpu_and_the_gpu_unchanged() {
     assert!(one[..] == block[7 * lb..8 * lb]);
 }
 
+/// A pipelined export's layer copies (side stream, page-locked slots): queued after each
+/// layer's write while the compute stream goes on writing later layers, each arrives equal
+/// to the CPU backend's, whichever order they are waited in, and a copy dropped unwaited
+/// gives its slot back for the next one.
+#[test]
+fn layer_copies_leave_beside_the_compute_and_equal_the_cpus() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(1).unwrap();
+    let layout = KvLayout { layers: 30, block_tokens: 16, kv_heads: 3, head_dim: 64, dtype: KvDtype::BF16 };
+    let (mut kc, mut kg) = (c.kv(layout, 9).unwrap(), g.kv(layout, 9).unwrap());
+    let te = layout.token_elems();
+    let blocks = [5usize, 1, 7];
+    let slots: Vec<(u32, u32)> = blocks.iter().flat_map(|&b| (0..16).map(move |s| (b as u32, s))).collect();
+    let lb = layout.block_layer_bytes();
+    let mut pending = Vec::new();
+    for layer in 0..layout.layers {
+        let (k, v) = (values(slots.len() * te, 50 + layer as u64), values(slots.len() * te, 5000 + layer as u64));
+        c.kv_write(&mut kc, layer, &k, &v, &slots);
+        g.kv_write(&mut kg, layer, &g.upload(&k), &g.upload(&v), &slots);
+        let copy = g.kv_blocks_layer_out(&kg, &blocks, layer, lb);
+        assert!(!copy.is_ready(), "the GPU's copy is queued, not done in the call");
+        pending.push(copy);
+    }
+    // Waited last first: each copy owns its buffers.
+    for (layer, copy) in pending.into_iter().enumerate().rev() {
+        let got = copy.wait();
+        let want = c.kv_blocks_layer_out(&kc, &blocks, layer, lb).wait();
+        assert!(got == want, "layer {layer} differs from the CPU's");
+    }
+    drop(g.kv_blocks_layer_out(&kg, &blocks, 0, lb));
+    let again = g.kv_blocks_layer_out(&kg, &blocks, 29, lb).wait();
+    assert!(again == c.kv_blocks_layer_out(&kc, &blocks, 29, lb).wait());
+}
+
 /// An export of many blocks in one call crosses several staging groups (a
 /// 16 MiB buffer holds 45 blocks of this layout: groups of 45, 45, 45 and 2).
 /// Every block's bytes arrive whole and in order, equal to the CPU arena's,

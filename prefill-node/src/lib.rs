@@ -1,7 +1,8 @@
 //! Baton prefill node: computes the uncached tail of a turn's prompt (with
 //! its own owner-scoped prefix cache, pulling the prefix it lacks from the
 //! decode node) and ships the tail's KV blocks over QUIC into the blocks the
-//! decode node reserved, layer by layer; answers with the first token.
+//! decode node reserved, layer by layer while later layers compute
+//! (`export`); answers with the first token.
 //!
 //! The process around the role (flags, listeners, the internal plane,
 //! membership, `/healthz` and `/metrics`, Evict and Drain) is the node shell,
@@ -10,8 +11,11 @@
 //! (`TryFrom<Args>`) and [`run`]; plus [`serve`] for an in-process launcher
 //! that brings its own listeners, TLS identity and engine.
 
+mod export;
 pub mod metrics;
 mod service;
+
+pub use export::KvExportMode;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +39,10 @@ pub struct Prefill {
     /// Testing only: pause this long after each layer shipped.
     #[arg(long, env = "BATON_KV_LAYER_DELAY", value_parser = parse_duration, hide = true)]
     pub kv_layer_delay: Option<Duration>,
+    /// How a tail's KV is shipped: `pipelined` (each layer as soon as it is computed, while
+    /// later layers compute) or `after-prefill` (all blocks after the first token).
+    #[arg(long, env = "BATON_KV_EXPORT", value_enum, default_value = "pipelined")]
+    pub kv_export: KvExportMode,
 }
 
 /// A prefill node holds no conversation: a drain only refuses new prefills,
@@ -50,7 +58,7 @@ impl NodeRole for Prefill {
 
     fn build(self, node: &Node) -> Result<RoleParts> {
         let metrics = Arc::new(metrics::Metrics::new(node.metrics.clone()));
-        let svc = service::PrefillService::new(node, metrics, self.kv_layer_delay);
+        let svc = service::PrefillService::new(node, metrics, self.kv_layer_delay, self.kv_export);
         Ok(RoleParts { routes: node.counted(PrefillNodeServer::new(svc)), hooks: Arc::new(HoldsNothing) })
     }
 }

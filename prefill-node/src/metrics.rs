@@ -31,7 +31,8 @@ pub struct Metrics {
     /// `time_to_first_token_seconds`: from receiving a prefill to its first token
     /// (compute, including any pull).
     pub ttft: Histogram,
-    /// `ship_seconds`: time to ship the computed tail to the decode node.
+    /// `ship_seconds`: from the first token until the decode node confirmed the tail's KV
+    /// (pipelined: the part of the transfer that did not overlap the compute).
     pub ship: Histogram,
 }
 
@@ -46,7 +47,7 @@ impl Metrics {
             shipped: n.counter("shipped_blocks_total", "KV blocks shipped to decode nodes", &[]),
             generated: n.counter("generated_tokens_total", "First tokens sampled", &[]),
             ttft: n.histogram("time_to_first_token_seconds", "Time from receiving a prefill to its first token"),
-            ship: n.histogram("ship_seconds", "Time to ship a computed tail to the decode node"),
+            ship: n.histogram("ship_seconds", "Time from the first token until the decode node confirmed a tail's KV"),
             node: node.clone(),
         }
     }

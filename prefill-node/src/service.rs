@@ -3,8 +3,10 @@
 //!
 //! One prefill: match this node's own owner-scoped prefix cache; pull the
 //! part of the decode node's cached prefix it lacks (ExportPrefix into a
-//! staging reservation here); compute the rest in chunks; sample the first
-//! token; ship the tail's blocks layer by layer into the decode node's grant.
+//! staging reservation here); compute the rest in chunks, shipping each layer
+//! of the tail's blocks into the decode node's grant as soon as it is written
+//! (`export`; or all of them after the first token with `--kv-export
+//! after-prefill`); answer with the first token once the KV is confirmed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,14 +15,16 @@ use std::time::{Duration, Instant};
 use baton_engine::kv::OwnerId;
 use baton_engine::{Engine, EngineError, Event, KvImport, SubmitOptions};
 use baton_kv_transport::Grant;
+use tokio::task::JoinHandle;
 use baton_node_common::shell::{blocking, node_stats, Node};
 use baton_proto::node as pb;
 use baton_proto::node::prefill_node_server::PrefillNode;
 use tonic::{Request, Response, Status};
 
+use crate::export::{ship_layers, ship_whole, KvExportMode};
 use crate::metrics::Metrics;
 use baton_node_common::convert;
-use baton_node_common::kv::{parse_endpoint, ExportSource, KvNode};
+use baton_node_common::kv::{parse_endpoint, KvNode};
 use baton_node_common::prefix_pull::{connect_decode_node, expect_caller, first_importable_block, pull_prefix};
 use baton_proto::plane::Expect;
 
@@ -34,11 +38,13 @@ pub struct PrefillService {
     pub pull_deadline: Duration,
     /// Test hook: pause after each layer shipped (to kill the node mid-transfer).
     pub layer_delay: Option<Duration>,
+    /// Pipelined or after the prefill (`--kv-export`).
+    pub export_mode: KvExportMode,
     pub draining: Arc<AtomicBool>,
 }
 
 impl PrefillService {
-    pub fn new(node: &Node, metrics: Arc<Metrics>, layer_delay: Option<Duration>) -> Self {
+    pub fn new(node: &Node, metrics: Arc<Metrics>, layer_delay: Option<Duration>, export_mode: KvExportMode) -> Self {
         PrefillService {
             plane: node.plane.clone(),
             engine: node.engine.clone(),
@@ -46,6 +52,7 @@ impl PrefillService {
             metrics,
             pull_deadline: node.config.kv_deadline,
             layer_delay,
+            export_mode,
             draining: node.draining.clone(),
         }
     }
@@ -114,15 +121,26 @@ impl PrefillService {
         }
         let pulled_tokens = pulled.as_ref().map(|i| i.blocks.len() * bt).unwrap_or(0);
         self.metrics.imported(pulled_tokens as u64);
-        let options = SubmitOptions { import: pulled, export_from_block: Some(start_block) };
-        let sub = match self.engine.submit_with(req.clone(), options) {
+        let pipelined = self.export_mode == KvExportMode::Pipelined;
+        let submit = |import: Option<KvImport>| -> Result<_, EngineError> {
+            if pipelined {
+                let (sub, layers) = self.engine.submit_exporting_layers(req.clone(), import, start_block)?;
+                Ok((sub, Some(layers)))
+            } else {
+                Ok((self.engine.submit_with(req.clone(), SubmitOptions { import, export_from_block: Some(start_block) })?, None))
+            }
+        };
+        let (sub, layers) = match submit(pulled) {
             Ok(s) => s,
             Err(EngineError::BadImport { what }) => {
                 tracing::warn!(what, "pulled prefix refused; computing it here");
-                self.engine.submit_with(req, SubmitOptions { import: None, export_from_block: Some(start_block) }).map_err(|e| baton_proto::status(&e))?
+                submit(None).map_err(|e| baton_proto::status(&e))?
             }
             Err(e) => return Err(baton_proto::status(&e)),
         };
+        // The pipelined export ships while the engine computes; aborted (its transfer
+        // dropped, so the decode node releases the grant) if this call ends first.
+        let shipping_task = layers.map(|layers| AbortOnDrop(tokio::spawn(ship_layers(self.kv.clone(), peer.clone(), grant.clone(), start_block, layers, self.layer_delay))));
         let mut stream = sub.stream;
         let mut first = None;
         loop {
@@ -135,25 +153,19 @@ impl PrefillService {
         }
         let first = first.ok_or_else(|| Status::internal("no first token"))?;
         self.metrics.generated.increment(1);
-        let export = sub.export.ok_or_else(|| Status::internal("no export"))?.await.map_err(|_| Status::internal("the export was not produced"))?;
-        if export.blocks.len() != grant.blocks.len() {
-            return Err(Status::internal("exported blocks do not match the grant"));
-        }
         let compute = started.elapsed();
         self.metrics.ttft.record(compute.as_secs_f64());
+        // From the first token on: what shipping adds to the turn (all of the transfer
+        // after the prefill; the tail still in flight when pipelined).
         let shipping = Instant::now();
-        let n_blocks = export.blocks.len();
-        let source = Arc::new(ExportSource { layout: self.kv.layout, blocks: export.blocks });
-        let ids = source.ids();
-        let unavailable = |e: baton_kv_transport::Error| Status::unavailable(format!("KV transfer failed: {e}"));
-        let mut t = self.kv.sender.start(&peer, &grant, source, ids).await.map_err(unavailable)?;
-        for layer in grant.layers.clone() {
-            t.send_layer(layer).await.map_err(unavailable)?;
-            if let Some(d) = self.layer_delay {
-                tokio::time::sleep(d).await;
+        let n_blocks = match (shipping_task, sub.export) {
+            (Some(mut task), _) => (&mut task.0).await.map_err(|_| Status::internal("the KV export task failed"))??,
+            (None, Some(export)) => {
+                let export = export.await.map_err(|_| Status::internal("the export was not produced"))?;
+                ship_whole(&self.kv, &peer, &grant, export, self.layer_delay).await?
             }
-        }
-        t.finish().await.map_err(unavailable)?;
+            (None, None) => return Err(Status::internal("no export")),
+        };
         self.metrics.shipped.increment(n_blocks as u64);
         self.metrics.ship.record(shipping.elapsed().as_secs_f64());
         Ok(pb::PrefillResponse {
@@ -173,5 +185,14 @@ impl PrefillService {
             .map_err(|_| Status::deadline_exceeded("prefix pull"))??;
         let left = self.pull_deadline.saturating_sub(started.elapsed());
         pull_prefix(&self.kv, &mut client, holder, prefix, owner, platform, start_block, left).await
+    }
+}
+
+/// Aborts a spawned task when dropped (the call that started it ended).
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

@@ -29,6 +29,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 pub use cost::StepCost;
+pub use handoff::layers::{LayerChunk, LayerExport, LayerExportEvent};
 pub use handoff::{ImportUse, ImportedToken, KvExport, KvImport, SubmitOptions, Submission};
 pub use scheduler::PreemptionMode;
 
@@ -208,13 +209,20 @@ pub struct EngineStats {
     pub step_cost: Option<StepCost>,
 }
 
+/// Which export a submission asks for, from which block.
+#[derive(Clone, Copy)]
+enum Export {
+    Whole(usize),
+    Layers(usize),
+}
+
 pub(crate) enum Command {
     Submit {
         id: SeqId,
         request: Box<Request>,
         events: tokio::sync::mpsc::UnboundedSender<Event>,
         import: Option<(Box<KvImport>, tokio::sync::oneshot::Sender<ImportUse>)>,
-        export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
+        export: Option<handoff::ExportTo>,
     },
     PeekPrefix { query: PrefixQuery, reply: mpsc::Sender<usize> },
     ExportPrefix { query: PrefixQuery, start_block: usize, reply: mpsc::Sender<KvExport> },
@@ -449,6 +457,24 @@ impl Engine {
     /// engine, and/or an export of the prompt's blocks at the first token
     /// (see [`handoff`](self::handoff)).
     pub fn submit_with(&self, request: Request, options: SubmitOptions) -> Result<Submission, EngineError> {
+        let export = options.export_from_block.map(Export::Whole);
+        Ok(self.submit_inner(request, options.import, export)?.0)
+    }
+
+    /// [`Engine::submit_with`] exporting the prompt's blocks from `start_block` on layer
+    /// by layer while they are computed (see [`handoff::layers`]): each layer of a block
+    /// leaves on the returned stream right after the forward pass wrote it, and
+    /// [`LayerExportEvent::Done`] follows the last one at the first token. `import`: a
+    /// pulled prefix (whole blocks before the export; no first token).
+    pub fn submit_exporting_layers(&self, request: Request, import: Option<KvImport>, start_block: usize) -> Result<(Submission, LayerExport), EngineError> {
+        if import.as_ref().is_some_and(|i| i.first_token.is_some()) {
+            return Err(EngineError::BadImport { what: "an exported prompt is computed here, not imported with its first token" });
+        }
+        let (sub, layers) = self.submit_inner(request, import, Some(Export::Layers(start_block)))?;
+        Ok((sub, layers.ok_or(EngineError::Stopped)?))
+    }
+
+    fn submit_inner(&self, request: Request, import: Option<KvImport>, export: Option<Export>) -> Result<(Submission, Option<LayerExport>), EngineError> {
         if request.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -466,13 +492,13 @@ impl Engine {
             });
         }
         let layout = self.info.kv_layout;
-        if let Some(import) = &options.import {
+        if let Some(import) = &import {
             handoff::validate_import(import, request.prompt.len(), layout.block_tokens, layout.block_bytes())?;
             if let Some(first) = &import.first_token {
                 handoff::validate_first_token(first, self.info.vocab)?;
             }
         }
-        if let Some(start) = options.export_from_block {
+        if let Some(Export::Whole(start) | Export::Layers(start)) = export {
             if start >= request.prompt.len().div_ceil(layout.block_tokens) {
                 return Err(EngineError::BadImport { what: "export starts past the prompt's last block" });
             }
@@ -484,14 +510,18 @@ impl Engine {
         }
         let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
-        let (export, export_rx) = match options.export_from_block {
-            Some(start) => {
+        let (export, export_rx, layers_rx) = match export {
+            Some(Export::Whole(start)) => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                (Some((start, tx)), Some(rx))
+                (Some(handoff::ExportTo::Whole { start, tx }), Some(rx), None)
             }
-            None => (None, None),
+            Some(Export::Layers(start)) => {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                (Some(handoff::ExportTo::Layers(handoff::layers::LayerExporter::new(tx, start))), None, Some(rx))
+            }
+            None => (None, None, None),
         };
-        let (import, import_rx) = match options.import {
+        let (import, import_rx) = match import {
             Some(i) => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 (Some((Box::new(i), tx)), Some(rx))
@@ -504,7 +534,7 @@ impl Engine {
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::Stopped);
         }
-        Ok(Submission { stream: RequestStream { id, events: erx, cancel: tx, done: false }, export: export_rx, import: import_rx })
+        Ok((Submission { stream: RequestStream { id, events: erx, cancel: tx, done: false }, export: export_rx, import: import_rx }, layers_rx))
     }
 
     /// Prompt tokens (whole blocks, both tiers) an admission of `prompt` for

@@ -16,7 +16,8 @@
 //! time refits.
 
 use super::sequence::{Parked, Sequence};
-use super::handoff::{plan_import, ImportPlan};
+use super::handoff::layers::LayerJob;
+use super::handoff::{plan_import, ExportTo, ImportPlan};
 use super::cost::{CostModel, RecentSteps, StepCost, StepShape};
 use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
 use super::{Command, EngineConfig, EngineError, Event, FinishReason, ImportUse, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
@@ -262,13 +263,31 @@ impl<B: Backend> Worker<B> {
         KvExport { start_block: start, blocks }
     }
 
+    /// This step's pipelined exports: for each sequence exporting layer by layer, the
+    /// blocks its slice completes (and any complete earlier that did not go out yet).
+    fn layer_jobs(&self, slices: &[super::plan::Slice]) -> Vec<LayerJob> {
+        let bt = self.layout.block_tokens;
+        let mut jobs = Vec::new();
+        for sl in slices {
+            let s = &self.running[sl.seq];
+            let Some(ExportTo::Layers(x)) = &s.export else { continue };
+            let due = x.due(sl.start + sl.len, s.prompt_len, bt);
+            let due = due.start..due.end.min(s.blocks.len());
+            if !due.is_empty() {
+                let arena = s.blocks[due.clone()].iter().map(|b| b.index()).collect();
+                jobs.push(LayerJob::new(sl.seq, x, due, arena));
+            }
+        }
+        jobs
+    }
+
     fn admit_to_queue(
         &mut self,
         id: SeqId,
         request: Request,
         events: tokio::sync::mpsc::UnboundedSender<Event>,
         import: Option<(Box<KvImport>, tokio::sync::oneshot::Sender<ImportUse>)>,
-        export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
+        export: Option<ExportTo>,
     ) {
         let (import, import_use) = import.unzip();
         let prompt_len = request.prompt.len();
@@ -648,7 +667,24 @@ impl<B: Backend> Worker<B> {
         let shape = StepShape { decode_rows, prefill_tokens: rows - decode_rows, attended: positions.iter().map(|&p| p as usize + 1).sum() };
         let predicted = self.cost.predict(shape);
         let input = StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
-        let logits = self.model.forward(&self.backend, &mut self.kv, &input, &mut self.scratch);
+        let jobs = self.layer_jobs(&slices);
+        let logits = if jobs.is_empty() {
+            self.model.forward(&self.backend, &mut self.kv, &input, &mut self.scratch)
+        } else {
+            let bl = self.layout.block_layer_bytes();
+            let mut on_layer = |backend: &B, kv: &B::Kv, layer: usize| {
+                for job in &jobs {
+                    job.send(layer, backend.kv_blocks_layer_out(kv, &job.arena, layer, bl));
+                }
+            };
+            let logits = self.model.forward_with(&self.backend, &mut self.kv, &input, &mut self.scratch, &mut on_layer);
+            for job in &jobs {
+                if let Some(ExportTo::Layers(x)) = &mut self.running[job.seq].export {
+                    job.sent(x);
+                }
+            }
+            logits
+        };
         {
             let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
             st.steps += 1;
@@ -674,9 +710,13 @@ impl<B: Backend> Worker<B> {
                 li += 1;
                 let reason = sample_into(seq, row, &self.tokenizer, self.max_context, &self.shared);
                 if seq.generated == 1 {
-                    if let Some((start, tx)) = seq.export.take() {
-                        let seq = &self.running[sl.seq];
-                        let _ = tx.send(self.export_blocks(seq, start));
+                    match seq.export.take() {
+                        Some(ExportTo::Whole { start, tx }) => {
+                            let seq = &self.running[sl.seq];
+                            let _ = tx.send(self.export_blocks(seq, start));
+                        }
+                        Some(ExportTo::Layers(x)) => x.finish(seq.prompt_len, bt),
+                        None => {}
                     }
                 }
                 if let Some(reason) = reason {

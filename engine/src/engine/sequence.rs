@@ -1,6 +1,7 @@
 //! One sequence in the engine: its tokens, its KV blocks and where it stands.
 
-use super::{Event, FinishReason, ImportUse, ImportedToken, KvExport, KvImport, Request, TokenOut, Usage};
+use super::handoff::ExportTo;
+use super::{Event, FinishReason, ImportUse, ImportedToken, KvImport, Request, TokenOut, Usage};
 use crate::kv::{BlockId, ChainLink, HashChain, SeqId, SwapHandle};
 use baton_text::sampling::{Sampler, StopMatcher};
 use baton_text::tokenizer::IncrementalDecoder;
@@ -53,8 +54,8 @@ pub(crate) struct Sequence {
     /// Blocks below this index were offered to `KvCache::trim_local` (their window
     /// layers' memory given back unless another sequence holds them).
     pub trimmed: usize,
-    /// Where to send the prompt's blocks (from the given block) at the first token.
-    pub export: Option<(usize, tokio::sync::oneshot::Sender<KvExport>)>,
+    /// Where the prompt's blocks go: whole at the first token, or layer by layer.
+    pub export: Option<ExportTo>,
 }
 
 impl Sequence {

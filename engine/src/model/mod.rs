@@ -113,10 +113,24 @@ impl<B: Backend> Model<B> {
                 let step = padded.input();
                 // The program is this scratch: the buffers a captured step writes.
                 let program = s as *const Scratch<B> as usize;
-                backend.decode_step(kv, &step, program, &mut |kv| self.compute(backend, kv, &step, s));
+                backend.decode_step(kv, &step, program, &mut |kv| self.compute(backend, kv, &step, s, &mut |_, _, _| {}));
             }
-            None => self.compute(backend, kv, input, s),
+            None => self.compute(backend, kv, input, s, &mut |_, _, _| {}),
         }
+        self.logits(backend, s, n)
+    }
+
+    /// [`Model::forward`], calling `on_layer(backend, kv, layer)` right after each
+    /// layer's keys and values are in `kv` (and before its attention): a pipelined
+    /// export copies the layer out there while later layers compute. Always eager:
+    /// a replayed capture (`Backend::decode_step`) would not call `on_layer`.
+    pub fn forward_with(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>, on_layer: &mut dyn FnMut(&B, &B::Kv, usize)) -> Vec<f32> {
+        self.compute(backend, kv, input, s, on_layer);
+        self.logits(backend, s, input.logit_rows.len())
+    }
+
+    /// The `n` rows of logits a step left in `s.logits`, on the host.
+    fn logits(&self, backend: &B, s: &Scratch<B>, n: usize) -> Vec<f32> {
         if n == 0 {
             return Vec::new();
         }
@@ -130,7 +144,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Queues one step on the backend, its logits (for `input.logit_rows`) left in `s.logits`.
-    fn compute(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>) {
+    fn compute(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>, on_layer: &mut dyn FnMut(&B, &B::Kv, usize)) {
         let c = &self.config;
         let rows = input.tokens.len();
         debug_assert_eq!(rows, input.positions.len());
@@ -165,6 +179,7 @@ impl<B: Backend> Model<B> {
             }
             let rope = &self.ropes[self.layer_rope[li]];
             backend.rope_kv_write(kv, li, rope, &mut s.q, c.n_heads, &mut s.k, c.n_kv_heads, &s.v, input.positions, input.slots);
+            on_layer(backend, kv, li);
             backend.attention(kv, li, &s.q, input.attn, c.n_heads, c.attn_scale, c.layers[li].window, &mut s.attn);
             backend.matmul(&s.attn, rows, &mut [(&layer.wo, &mut s.o)]);
             let post = layer.post_norms.as_ref().map(|n| &n[0]);

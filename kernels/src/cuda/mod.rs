@@ -11,7 +11,9 @@
 //! - The KV arena is one device allocation with the CPU backend's block layout,
 //!   so blocks packed here unpack on a CPU node and the other way round.
 //!   Blocks leave and enter it in groups through page-locked host buffers
-//!   (`staging`), one DMA per group.
+//!   (`staging`), one DMA per group. A pipelined export's layer leaves during the
+//!   forward pass on a side stream, behind the layer's write and beside the compute
+//!   that follows (`layer_out`).
 //!
 //! - A pure-decode step may run as a CUDA graph captured per batch bucket and
 //!   replayed, its inputs in fixed device buffers (`graph`, `step_inputs`).
@@ -27,6 +29,7 @@ pub mod blas;
 pub mod compile;
 pub mod graph;
 mod fused;
+mod layer_out;
 pub mod nvrtc;
 pub mod plan;
 pub mod roofline;
@@ -200,6 +203,8 @@ pub struct CudaBackend {
     capture: CaptureGuard,
     /// Whether the main stream can be captured (not the legacy default stream).
     capturable: bool,
+    /// The side stream and buffers of pipelined layer exports.
+    layer_out: Arc<layer_out::LayerOut>,
     name: String,
     arch: &'static str,
     driver: runtime::DriverInfo,
@@ -303,9 +308,10 @@ impl CudaBackend {
         let products = products::Products::new(&ctx, stream.cu_stream(), streams)?;
         let staging = staging::Staging::new(&ctx, &stream, staging::STAGING_BYTES).map_err(|e| cuda_error("allocating KV staging", e))?;
         let graphs = graph::Graphs::new(&ctx, graphs_on).map_err(|e| cuda_error("allocating step staging", e))?;
+        let layer_out = Arc::new(layer_out::LayerOut::new(&ctx).map_err(|e| cuda_error("creating the KV export stream", e))?);
         #[rustfmt::skip]
         let backend = CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging),
-            graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, name, arch, driver };
+            graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, layer_out, name, arch, driver };
         Ok(backend)
     }
 
@@ -402,6 +408,13 @@ impl CudaBackend {
 
     /// Packs `blocks` into the staging device buffer and queues its DMA into host buffer `half`.
     fn pack_group(&self, kv: &CudaKv, blocks: &[u32], layers: &std::ops::Range<usize>, st: &mut staging::Staging, half: usize) {
+        let span = layers.len() * kv.layout.block_layer_bytes();
+        self.pack_into(kv, blocks, layers, &mut st.device);
+        st.download(&self.stream, half, blocks.len() * span).unwrap_or_else(|e| fail("kv_pack download", e));
+    }
+
+    /// Queues the pack of layers `layers` of `blocks` into `out` on the compute stream.
+    fn pack_into(&self, kv: &CudaKv, blocks: &[u32], layers: &std::ops::Range<usize>, out: &mut CudaSlice<u32>) {
         let l = &kv.layout;
         let span = layers.len() * l.block_layer_bytes();
         let ids = self.upload_u32(blocks).unwrap_or_else(|| fail("kv_pack", "called inside a CUDA graph capture"));
@@ -410,9 +423,8 @@ impl CudaBackend {
         // SAFETY: the arena's bytes are viewed as words (block_layer_bytes % 4 == 0, checked in `kv`).
         let arena = unsafe { kv.arena.transmute::<u32>(kv.arena.len() / 4) }.expect("arena word view");
         let mut b = self.stream.launch_builder(&self.k.kv_pack);
-        args::kv_pack(&mut b, &arena, &ids, &wpbl, &nl, &l0, &l1, &mut st.device);
+        args::kv_pack(&mut b, &arena, &ids, &wpbl, &nl, &l0, &l1, out);
         unsafe { b.launch(cfg) }.unwrap_or_else(|e| fail("kv_pack", e));
-        st.download(&self.stream, half, blocks.len() * span).unwrap_or_else(|e| fail("kv_pack download", e));
     }
 
     /// Installs `data[i]` (laid out as [`Self::kv_pack`] writes it) into layers
@@ -947,6 +959,21 @@ impl Backend for CudaBackend {
     #[rustfmt::skip]
     fn rope_kv_write(&self, kv: &mut CudaKv, layer: usize, rope: &CudaRope, q: &mut CudaSlice<f32>, q_heads: usize, k: &mut CudaSlice<f32>, kv_heads: usize, v: &CudaSlice<f32>, positions: &[u32], slots: &[(u32, u32)]) {
         self.fused_rope_kv_write(kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
+    }
+
+    fn kv_blocks_layer_out(&self, kv: &CudaKv, blocks: &[usize], layer: usize, block_layer_bytes: usize) -> crate::backend::KvBytes {
+        use crate::backend::KvBytes;
+        assert_eq!(block_layer_bytes, kv.layout.block_layer_bytes(), "kv_blocks_layer_out: block-layer size");
+        assert!(blocks.len() <= 65_535 && blocks.iter().all(|&b| b < kv.blocks) && layer < kv.layout.layers, "kv_blocks_layer_out: block or layer out of range");
+        if blocks.is_empty() || block_layer_bytes == 0 {
+            return KvBytes::Ready(Vec::new());
+        }
+        let len = blocks.len() * block_layer_bytes;
+        let mut slot = self.layer_out.take(&self.stream, len).unwrap_or_else(|e| fail("allocating a KV export slot", e));
+        let ids: Vec<u32> = blocks.iter().map(|&b| b as u32).collect();
+        self.pack_into(kv, &ids, &(layer..layer + 1), &mut slot.device);
+        self.layer_out.queue_copy(&self.stream, &mut slot, len).unwrap_or_else(|e| fail("queueing a KV layer export", e));
+        KvBytes::Pending(Box::new(layer_out::PendingLayer { slot: Some(slot), len, owner: self.layer_out.clone() }))
     }
 }
 

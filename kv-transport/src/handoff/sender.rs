@@ -2,7 +2,13 @@
 //!
 //! Owns: [`KvSender`] (one per node and transport) and [`Transfer`] (one per grant), which
 //! batches the blocks of a layer into frames of about `frame_bytes`, checksums them, and
-//! watches the receiver's replies while it sends.
+//! watches the receiver's replies while it sends. A transfer is fed either from a
+//! [`BlockSource`] holding whole blocks ([`KvSender::start`], [`Transfer::send_layer`]) or,
+//! pipelined, with one layer of a run of blocks at a time as the engine writes them
+//! ([`KvSender::open`], [`Transfer::send_blocks`]); either way it keeps the receiver's own
+//! bookkeeping of which (layer, block) went out, refuses to send one twice or outside the
+//! grant, and [`Transfer::missing`] says what is still owed. Completeness is the
+//! receiver's to judge: `Done` with anything missing fails the reservation there.
 //! Invariants: every await of a transfer is bounded by the grant's deadline, measured on this
 //! node's clock from when the grant arrived, so a dead or silent receiver fails the transfer
 //! by then at the latest; a failure the receiver reports wins over the local symptom it
@@ -19,6 +25,7 @@ use crate::error::{Error, Result, Side};
 use crate::handoff::buffers::BufferPool;
 use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
 use crate::handoff::grant::Grant;
+use crate::handoff::progress::Progress;
 use crate::metrics::TransportStats;
 use crate::pool::BlockSource;
 use crate::transport::{Connector, LinkTx, Peer};
@@ -58,14 +65,16 @@ enum Remote {
 /// One grant being filled. Send layers in any order, then [`Transfer::finish`].
 pub struct Transfer {
     grant: Grant,
-    src_blocks: Vec<BlockId>,
-    source: Arc<dyn BlockSource>,
+    /// Whole blocks to read layers from, and which fills each grant block; None for a
+    /// transfer fed by [`Transfer::send_blocks`].
+    source: Option<(Arc<dyn BlockSource>, Vec<BlockId>)>,
     tx: Box<dyn LinkTx>,
     remote: watch::Receiver<Remote>,
     reader: JoinHandle<()>,
     stats: Arc<TransportStats>,
     frame_blocks: usize,
-    sent_layers: Vec<bool>,
+    /// Which (layer, block) went out: the receiver's rules, applied before sending.
+    sent: Progress,
     started: Instant,
     #[cfg(test)]
     pub(crate) corrupt_layer: Option<u32>,
@@ -99,21 +108,31 @@ impl KvSender {
         source: Arc<dyn BlockSource>,
         src_blocks: Vec<BlockId>,
     ) -> Result<Transfer> {
+        let reservation = grant.reservation;
+        let checked = if source.layout() != grant.layout {
+            Err(Error::LayoutMismatch { reservation, what: "source layout" })
+        } else if src_blocks.len() != grant.blocks.len() {
+            Err(Error::LayoutMismatch { reservation, what: "block count" })
+        } else {
+            Ok(())
+        };
+        if let Err(e) = checked {
+            self.stats.record_failure(&e);
+            return Err(e);
+        }
+        self.open_with(peer, grant, Some((source, src_blocks))).await
+    }
+
+    /// Opens a link to `peer` for `grant`, to be fed layer by layer with
+    /// [`Transfer::send_blocks`] as the blocks are computed (a pipelined export).
+    pub async fn open(&self, peer: &Peer, grant: &Grant) -> Result<Transfer> {
+        self.open_with(peer, grant, None).await
+    }
+
+    async fn open_with(&self, peer: &Peer, grant: &Grant, source: Option<(Arc<dyn BlockSource>, Vec<BlockId>)>) -> Result<Transfer> {
         // One place records why a start failed, whichever step failed.
         let opened: Result<Transfer> = async {
             let reservation = grant.reservation;
-            if source.layout() != grant.layout {
-                return Err(Error::LayoutMismatch {
-                    reservation,
-                    what: "source layout",
-                });
-            }
-            if src_blocks.len() != grant.blocks.len() {
-                return Err(Error::LayoutMismatch {
-                    reservation,
-                    what: "block count",
-                });
-            }
             let started = Instant::now();
             let deadline = tokio::time::Instant::from_std(grant.deadline_at());
             let link = match tokio::time::timeout_at(deadline, self.connector.open(peer)).await {
@@ -145,14 +164,13 @@ impl KvSender {
             let bl = grant.layout.bytes_per_block_layer();
             let mut t = Transfer {
                 grant: grant.clone(),
-                src_blocks,
                 source,
                 tx: link.tx,
                 remote: remote_rx,
                 reader,
                 stats: self.stats.clone(),
                 frame_blocks: (self.config.frame_bytes / bl).max(1),
-                sent_layers: vec![false; grant.layout.layers as usize],
+                sent: Progress::new(grant.blocks.len() as u32, grant.layers.clone(), &grant.skip),
                 started,
                 #[cfg(test)]
                 corrupt_layer: None,
@@ -203,20 +221,70 @@ impl Transfer {
 
     async fn send_layer_inner(&mut self, layer: u32) -> Result<()> {
         let reservation = self.grant.reservation;
-        if !self.grant.layers.contains(&layer) || self.sent_layers[layer as usize] {
-            return Err(Error::OutOfRange {
-                reservation,
-                layer,
-                block: 0,
-            });
+        let Some((source, src_blocks)) = self.source.clone() else {
+            return Err(Error::InvalidArgument { what: "a transfer without a block source is fed with send_blocks" });
+        };
+        if !self.grant.layers.contains(&layer) {
+            return Err(Error::OutOfRange { reservation, layer, block: 0 });
         }
-        self.sent_layers[layer as usize] = true;
-        let bl = self.grant.layout.bytes_per_block_layer();
-        let n = self.src_blocks.len();
+        let n = src_blocks.len() as u32;
         // Blocks before the receiver's skip are never read there: they stay here.
-        let mut first = (self.grant.first_block(layer) as usize).min(n);
-        while first < n {
-            let count = self.frame_blocks.min(n - first);
+        let first = self.grant.first_block(layer).min(n);
+        if first == n {
+            return Ok(());
+        }
+        self.sent.admit(reservation, layer, first, n - first)?;
+        self.sent.record(layer, first, n - first);
+        self.send_frames(layer, first as usize, n as usize, |block, out| {
+            source
+                .read_layer(src_blocks[block], layer, out)
+                .inspect_err(|e| tracing::warn!(error = %e, "reading a source block"))
+        })
+        .await
+    }
+
+    /// Sends layer `layer` of grant blocks `first_block..first_block + n`, whose bytes are
+    /// `data` (`n` block-layers, one after another). Blocks before the grant's skip for the
+    /// layer are dropped here (the receiver does not want them). Call as soon as the
+    /// layer of those blocks is computed; any order across layers and runs.
+    pub async fn send_blocks(&mut self, layer: u32, first_block: u32, data: &[u8]) -> Result<()> {
+        let r = self.send_blocks_inner(layer, first_block, data).await;
+        self.note(r)
+    }
+
+    async fn send_blocks_inner(&mut self, layer: u32, first_block: u32, data: &[u8]) -> Result<()> {
+        let reservation = self.grant.reservation;
+        let bl = self.grant.layout.bytes_per_block_layer();
+        if bl == 0 || !data.len().is_multiple_of(bl) {
+            return Err(Error::LayoutMismatch { reservation, what: "exported bytes are not whole block-layers" });
+        }
+        let n = u32::try_from(data.len() / bl).map_err(|_| Error::OutOfRange { reservation, layer, block: first_block })?;
+        let end = first_block.checked_add(n).ok_or(Error::OutOfRange { reservation, layer, block: first_block })?;
+        if !self.grant.layers.contains(&layer) {
+            return Err(Error::OutOfRange { reservation, layer, block: first_block });
+        }
+        let first = first_block.max(self.grant.first_block(layer).min(end));
+        if first == end {
+            return Ok(());
+        }
+        self.sent.admit(reservation, layer, first, end - first)?;
+        self.sent.record(layer, first, end - first);
+        let base = first_block as usize;
+        self.send_frames(layer, first as usize, end as usize, |block, out| {
+            let at = (block - base) * bl;
+            out.copy_from_slice(&data[at..at + bl]);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Frames of layer `layer` for grant blocks `first..end`, each block-layer filled by
+    /// `fill(block, out)`.
+    async fn send_frames(&mut self, layer: u32, mut first: usize, end: usize, mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>) -> Result<()> {
+        let reservation = self.grant.reservation;
+        let bl = self.grant.layout.bytes_per_block_layer();
+        while first < end {
+            let count = self.frame_blocks.min(end - first);
             let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);
             h.layer = layer;
             h.first_block = first as u32;
@@ -227,9 +295,7 @@ impl Transfer {
             crc.update(&h.encode());
             let mut buf = BufferPool::frames().take(count * bl);
             for (i, out) in buf.chunks_exact_mut(bl).enumerate() {
-                self.source
-                    .read_layer(self.src_blocks[first + i], layer, out)
-                    .inspect_err(|e| tracing::warn!(error = %e, "reading a source block"))?;
+                fill(first + i, out)?;
                 crc.update(out);
             }
             #[allow(unused_mut)]
@@ -247,6 +313,11 @@ impl Transfer {
             first += count;
         }
         Ok(())
+    }
+
+    /// Block-layers the grant wants that were not sent yet.
+    pub fn missing(&self) -> u64 {
+        self.sent.missing()
     }
 
     /// Says every layer was sent and waits for the receiver to confirm it installed them.

@@ -18,6 +18,11 @@
 //!   [`Engine::export_prefix`](super::Engine::export_prefix) copies the cached
 //!   blocks of a prefix out so a prefill node that lacks them can pull them.
 //!
+//! - Pipelined export (prefill node):
+//!   [`Engine::submit_exporting_layers`](super::Engine::submit_exporting_layers) sends
+//!   each layer of the prompt's blocks as soon as that layer's KV is written, while the
+//!   forward pass computes the later layers ([`layers`]).
+//!
 //! Invariants: an import is used only when it is contiguous with what the
 //! cache matched (no gap); otherwise it is dropped and the sequence computes
 //! its prompt locally, which gives the same tokens. Imported bytes only ever
@@ -25,6 +30,16 @@
 //! Every block pinned for an export is released before the export is sent.
 
 use crate::engine::EngineError;
+
+pub mod layers;
+
+/// Where a sequence's export goes.
+pub(crate) enum ExportTo {
+    /// Whole blocks from `start` on, copied out at the first token.
+    Whole { start: usize, tx: tokio::sync::oneshot::Sender<KvExport> },
+    /// Layer by layer during the forward passes that write them.
+    Layers(layers::LayerExporter),
+}
 
 /// KV blocks of one sequence computed elsewhere.
 #[derive(Clone, Debug)]

@@ -1,5 +1,6 @@
 //! `baton`: one binary for every role of the Baton serving cluster.
 
+mod autoscale;
 mod bench_cluster;
 mod bench_engine;
 mod certs;

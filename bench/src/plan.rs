@@ -20,6 +20,8 @@ use crate::capacity::{CapacityArgs, Inputs};
 use crate::planner::{CostModel, Decision, Planner, PlannerConfig, PoolLimits, Signals, Slo};
 use crate::simulate::parse_seconds;
 
+pub mod serve;
+
 /// Flags of `baton plan`. The model and hardware flags are `baton capacity`'s (its
 /// `--target-utilization` and `--spare-nodes` apply to each pool; its workload flags are
 /// ignored: the workload is measured).
@@ -49,6 +51,11 @@ pub struct PlanArgs {
     /// Most nodes per pool.
     #[arg(long, env = "BATON_PLAN_MAX_NODES", default_value_t = 64)]
     pub max_nodes: u32,
+    /// Serve the decisions here: `/metrics` (the targets for an HPA or KEDA, reasons by
+    /// label), `/decisions` (the last decisions with their reasons). Read-only, no auth:
+    /// bind loopback, or an address only Prometheus reaches (docs/SECURITY.md).
+    #[arg(long, env = "BATON_PLAN_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub capacity: CapacityArgs,
 }
@@ -239,15 +246,35 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .timeout(Duration::from_secs(10))
         .build()?;
     rt.block_on(async {
+        let shown = serve::SharedShown::default();
+        if let Some(addr) = a.metrics_listen {
+            let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --metrics-listen {addr}"))?;
+            eprintln!("plan: decisions at http://{}/metrics and /decisions", l.local_addr()?);
+            tokio::spawn(serve::serve(l, shown.clone()));
+        }
         let mut tick = tokio::time::interval(Duration::from_secs_f64(a.interval));
         let mut done = 0u64;
         while a.iterations.is_none_or(|n| done < n) {
             tick.tick().await;
             let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs_f64();
-            match decide(&client, &a, &mut p, now).await {
-                Ok(d) if a.capacity.json => crate::emit(&(serde_json::to_string(&d)? + "\n"))?,
-                Ok(d) => crate::emit(&render(&d))?,
-                Err(e) => eprintln!("plan: interval skipped: {e:#}"),
+            let decided = match read_signals(&client, &a.prometheus, now).await {
+                Ok(s) => p.step(&s).map(|d| (d, s)).map_err(anyhow::Error::from),
+                Err(e) => Err(e),
+            };
+            match decided {
+                Ok((d, s)) => {
+                    let text = render(&d);
+                    shown.lock().unwrap_or_else(|e| e.into_inner()).decided(&d, s.ready_prefill, s.ready_decode, now, text.clone());
+                    if a.capacity.json {
+                        crate::emit(&(serde_json::to_string(&d)? + "\n"))?
+                    } else {
+                        crate::emit(&text)?
+                    }
+                }
+                Err(e) => {
+                    shown.lock().unwrap_or_else(|e| e.into_inner()).metrics.skipped();
+                    eprintln!("plan: interval skipped: {e:#}")
+                }
             }
             done += 1;
         }

@@ -30,6 +30,7 @@ CRD_KINDS = {
     ("cert-manager.io/v1", "Certificate"): {"spec": ["secretName", "issuerRef"]},
     ("cert-manager.io/v1", "Issuer"): {"spec": []},
     ("cert-manager.io/v1", "ClusterIssuer"): {"spec": []},
+    ("keda.sh/v1alpha1", "ScaledObject"): {"spec": ["scaleTargetRef", "triggers"]},
 }
 # Secrets the operator creates (docs/operations.md); everything else must be rendered.
 # Created by cert-manager (deploy/k8s/cert-manager) or by hand (docs/operations.md).

@@ -69,5 +69,5 @@ echo "started:   $(grep -c '^autoscale: started' "$log")  drained: $(grep -c '^a
 echo "largest decode pool: $(grep -o '^autoscale t=[0-9]*s: decode [0-9]* -> [0-9]*' "$log" | awk '{print $NF}' | sort -n | tail -1)"
 awk '/^autoscale: drained/ {m += $6; f += $8} END {printf "conversations moved by drains: %d, failed: %d\n", m, f}' "$log"
 grep -E '^autoscale: (started|drained)|^autoscale t=.*decode ([0-9]+) -> ([0-9]+)' "$log" | awk '
-    /^autoscale t=/ { split($0, a, "decode "); split(a[2], b, " "); if (b[1] != b[3]) print } /^autoscale: / { print }'
+    /^autoscale t=/ { split($0, a, "decode "); split(a[2], b, " "); sub(",", "", b[3]); if (b[1] != b[3]) print } /^autoscale: / { print }'
 echo "logs: $OUT/fixed-up.log $OUT/autoscale-up.log; JSON: $OUT/fixed.json $OUT/autoscale.json"

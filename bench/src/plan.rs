@@ -20,7 +20,18 @@ use crate::capacity::{CapacityArgs, Inputs};
 use crate::planner::{CostModel, Decision, Planner, PlannerConfig, PoolLimits, Signals, Slo};
 use crate::simulate::parse_seconds;
 
+pub mod kube;
 pub mod serve;
+
+/// What `baton plan` does with a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Apply {
+    /// Print it (and serve it with --metrics-listen): a dry run.
+    None,
+    /// Also set the pools' replica counts through the Kubernetes API (in a pod; RBAC in
+    /// deploy/k8s/planner/rbac.yaml).
+    Kubernetes,
+}
 
 /// Flags of `baton plan`. The model and hardware flags are `baton capacity`'s (its
 /// `--target-utilization` and `--spare-nodes` apply to each pool; its workload flags are
@@ -56,6 +67,16 @@ pub struct PlanArgs {
     /// bind loopback, or an address only Prometheus reaches (docs/SECURITY.md).
     #[arg(long, env = "BATON_PLAN_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// `none` (dry run) or `kubernetes`: patch the scale subresource of the pools'
+    /// workloads with the service account's token, TLS verified against the cluster CA.
+    #[arg(long, env = "BATON_PLAN_APPLY", value_enum, default_value_t = Apply::None)]
+    pub apply: Apply,
+    /// The decode pool's workload in the planner's namespace (with --apply kubernetes).
+    #[arg(long, env = "BATON_PLAN_DECODE_WORKLOAD", default_value = "statefulset/baton-decode")]
+    pub decode_workload: kube::Workload,
+    /// The prefill pool's workload (with --apply kubernetes).
+    #[arg(long, env = "BATON_PLAN_PREFILL_WORKLOAD", default_value = "deployment/baton-prefill")]
+    pub prefill_workload: kube::Workload,
     #[command(flatten)]
     pub capacity: CapacityArgs,
 }
@@ -247,6 +268,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .build()?;
     rt.block_on(async {
         let shown = serve::SharedShown::default();
+        let scaler = match a.apply {
+            Apply::Kubernetes => Some(kube::KubeScaler::in_cluster()?),
+            Apply::None => None,
+        };
         if let Some(addr) = a.metrics_listen {
             let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --metrics-listen {addr}"))?;
             eprintln!("plan: decisions at http://{}/metrics and /decisions", l.local_addr()?);
@@ -269,6 +294,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
                         crate::emit(&(serde_json::to_string(&d)? + "\n"))?
                     } else {
                         crate::emit(&text)?
+                    }
+                    if let Some(k) = &scaler {
+                        for (w, n) in [(&a.decode_workload, d.decode), (&a.prefill_workload, d.prefill)] {
+                            match k.set(w, n).await {
+                                Ok(Some(before)) => eprintln!("plan: scaled {w} {before} -> {n}"),
+                                Ok(None) => {}
+                                Err(e) => eprintln!("plan: {e:#}"),
+                            }
+                        }
                     }
                 }
                 Err(e) => {

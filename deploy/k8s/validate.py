@@ -12,8 +12,12 @@
    security settings are present, the decode preStop drain fits in the grace period, the
    autoscaler reads the standard metric, KV transport ports are open to cluster nodes only,
    and (--gpu) GPU/RDMA requests are there.
+3. The planner's RBAC (every mode): the ServiceAccount baton-planner is bound to the Role
+   baton-planner only, which allows get/patch/update on the scale subresource of the named
+   pool workloads (StatefulSet baton-decode, Deployment baton-prefill) and nothing else.
 --schema-only skips 2 (for partial sets such as deploy/k8s/cert-manager).
---self-test breaks copies of the manifests in known ways and fails unless each is caught.
+--self-test breaks copies of the manifests in known ways and fails unless each is caught
+(with --schema-only: the planner's RBAC breakages).
 """
 import copy
 import re
@@ -39,6 +43,10 @@ WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
 # Served by the gateway pod, but not for the public: Prometheus and probes reach the pod.
 PRIVATE_PATHS = ["/metrics", "/healthz", "/debug/routing"]
 KV_PORTS = {7202, 7302}
+PLANNER = "baton-planner"
+# What the planner may do: (apiGroup, resource) -> the names it may touch.
+PLANNER_SCALE = {("apps", "statefulsets/scale"): {"baton-decode"}, ("apps", "deployments/scale"): {"baton-prefill"}}
+PLANNER_VERBS = {"get", "patch", "update"}
 AUTOSCALER_METRICS = {"baton_prefill_queue_depth"}
 
 
@@ -226,11 +234,75 @@ def consistency_errors(docs, gpu):
     return errs
 
 
+def planner_rbac_errors(docs):
+    """The planner scales its two pools and does nothing else."""
+    errs = []
+    binds_planner = lambda b: any(s.get("kind") == "ServiceAccount" and s.get("name") == PLANNER for s in b.get("subjects") or [])
+    for b in docs:
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding") and binds_planner(b):
+            ref = b.get("roleRef", {})
+            if b["kind"] == "ClusterRoleBinding" or ref.get("kind") != "Role" or ref.get("name") != PLANNER:
+                errs.append(f"{b['kind']}/{b['metadata']['name']}: binds the planner to {ref.get('kind')}/{ref.get('name')}, not Role/{PLANNER}")
+    for r in docs:
+        if r["kind"] == "ClusterRole" and r["metadata"]["name"] == PLANNER:
+            errs.append(f"ClusterRole/{PLANNER}: the planner gets no cluster-wide role")
+        if r["kind"] != "Role" or r["metadata"]["name"] != PLANNER:
+            continue
+        for i, rule in enumerate(r.get("rules") or []):
+            where = f"Role/{PLANNER} rule {i}"
+            if rule.get("nonResourceURLs"):
+                errs.append(f"{where}: nonResourceURLs")
+            extra_verbs = set(rule.get("verbs") or []) - PLANNER_VERBS
+            if extra_verbs or not rule.get("verbs"):
+                errs.append(f"{where}: verbs {sorted(extra_verbs) or 'none'} beyond get/patch/update")
+            names = set(rule.get("resourceNames") or [])
+            if not names:
+                errs.append(f"{where}: no resourceNames (every workload of the kind)")
+            for group in rule.get("apiGroups") or [""]:
+                for res in rule.get("resources") or []:
+                    allowed = PLANNER_SCALE.get((group, res))
+                    if allowed is None:
+                        errs.append(f"{where}: {group or 'core'}/{res} is not a pool's scale subresource")
+                    elif names - allowed:
+                        errs.append(f"{where}: {res} of {sorted(names - allowed)} is not a pool of Baton's")
+    return errs
+
+
 def check(docs, gpu, schema_only=False):
     errors, skipped = schema_errors(docs)
+    errors += planner_rbac_errors(docs)
     if schema_only:
         return errors, skipped
     return errors + consistency_errors(docs, gpu), skipped
+
+
+def rbac_self_test(docs):
+    def role(d):
+        return next(o for o in d if o["kind"] == "Role" and o["metadata"]["name"] == PLANNER)
+
+    def bind(d):
+        return next(o for o in d if o["kind"] == "RoleBinding" and o["metadata"]["name"] == PLANNER)
+
+    breakages = {
+        "planner may list": lambda d: role(d)["rules"][0]["verbs"].append("list"),
+        "planner reads secrets": lambda d: role(d)["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}),
+        "planner scales any StatefulSet": lambda d: role(d)["rules"][0].pop("resourceNames"),
+        "planner scales the gateway": lambda d: role(d)["rules"][1]["resourceNames"].append("baton-gateway"),
+        "planner edits the workload": lambda d: role(d)["rules"][1].__setitem__("resources", ["deployments"]),
+        "planner bound to a ClusterRole": lambda d: bind(d)["roleRef"].update({"kind": "ClusterRole", "name": "edit"}),
+        "planner cluster-wide": lambda d: d.append({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "p"},
+                                                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+                                                     "subjects": [{"kind": "ServiceAccount", "name": PLANNER, "namespace": "baton"}]}),
+    }
+    missed = []
+    for what, breakage in breakages.items():
+        broken = copy.deepcopy(docs)
+        breakage(broken)
+        errors = planner_rbac_errors(broken)
+        print(f"  self-test: {what}: {'caught: ' + errors[0] if errors else 'NOT CAUGHT'}")
+        if not errors:
+            missed.append(what)
+    return missed
 
 
 def self_test(docs, gpu):
@@ -287,7 +359,7 @@ def main(argv):
     if errors:
         return 1
     if selftest:
-        missed = self_test(docs, gpu)
+        missed = rbac_self_test(docs) if schema_only else self_test(docs, gpu)
         if missed:
             print(f"  self-test failed: not caught: {', '.join(missed)}")
             return 1

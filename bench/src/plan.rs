@@ -21,6 +21,7 @@ use crate::planner::{CostModel, Decision, Planner, PlannerConfig, PoolLimits, Si
 use crate::simulate::parse_seconds;
 
 pub mod kube;
+pub mod lease;
 pub mod serve;
 
 /// What `baton plan` does with a decision.
@@ -71,6 +72,10 @@ pub struct PlanArgs {
     /// workloads with the service account's token, TLS verified against the cluster CA.
     #[arg(long, env = "BATON_PLAN_APPLY", value_enum, default_value_t = Apply::None)]
     pub apply: Apply,
+    /// With --apply kubernetes: act only while holding the Lease `baton-planner` of the
+    /// namespace (identity: $POD_NAME, else $HOSTNAME), so replicas never both patch.
+    #[arg(long, env = "BATON_PLAN_LEADER_ELECTION")]
+    pub leader_election: bool,
     /// The decode pool's workload in the planner's namespace (with --apply kubernetes).
     #[arg(long, env = "BATON_PLAN_DECODE_WORKLOAD", default_value = "statefulset/baton-decode")]
     pub decode_workload: kube::Workload,
@@ -272,6 +277,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
             Apply::Kubernetes => Some(kube::KubeScaler::in_cluster()?),
             Apply::None => None,
         };
+        let mut elector = match (a.leader_election, a.apply) {
+            (false, _) => None,
+            (true, Apply::None) => bail!("--leader-election needs --apply kubernetes"),
+            (true, Apply::Kubernetes) => {
+                let me = std::env::var("POD_NAME").or_else(|_| std::env::var("HOSTNAME")).context("--leader-election needs $POD_NAME or $HOSTNAME")?;
+                // Three intervals of silence before another replica takes over.
+                Some(lease::Elector::new(me, Duration::from_secs_f64(a.interval * 3.0))?)
+            }
+        };
         if let Some(addr) = a.metrics_listen {
             let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --metrics-listen {addr}"))?;
             eprintln!("plan: decisions at http://{}/metrics and /decisions", l.local_addr()?);
@@ -295,7 +309,23 @@ pub fn run(a: PlanArgs) -> Result<()> {
                     } else {
                         crate::emit(&text)?
                     }
-                    if let Some(k) = &scaler {
+                    let leading = match (&mut elector, &scaler) {
+                        (Some(e), Some(k)) => match e.lead(k).await {
+                            Ok(l) => l,
+                            Err(e) => {
+                                eprintln!("plan: not leading: {e:#}");
+                                false
+                            }
+                        },
+                        _ => true,
+                    };
+                    if elector.is_some() {
+                        shown.lock().unwrap_or_else(|e| e.into_inner()).metrics.set_leader(Some(leading));
+                        if !leading {
+                            eprintln!("plan: standing by: another replica holds Lease {}", lease::LEASE);
+                        }
+                    }
+                    if let Some(k) = scaler.as_ref().filter(|_| leading) {
                         for (w, n) in [(&a.decode_workload, d.decode), (&a.prefill_workload, d.prefill)] {
                             match k.set(w, n).await {
                                 Ok(Some(before)) => eprintln!("plan: scaled {w} {before} -> {n}"),

@@ -14,7 +14,8 @@
    and (--gpu) GPU/RDMA requests are there.
 3. The planner's RBAC (every mode): the ServiceAccount baton-planner is bound to the Role
    baton-planner only, which allows get/patch/update on the scale subresource of the named
-   pool workloads (StatefulSet baton-decode, Deployment baton-prefill) and nothing else.
+   pool workloads (StatefulSet baton-decode, Deployment baton-prefill) and on its Lease
+   baton-planner, and nothing else.
 --schema-only skips 2 (for partial sets such as deploy/k8s/cert-manager).
 --self-test breaks copies of the manifests in known ways and fails unless each is caught
 (with --schema-only: the planner's RBAC breakages).
@@ -45,7 +46,11 @@ PRIVATE_PATHS = ["/metrics", "/healthz", "/debug/routing"]
 KV_PORTS = {7202, 7302}
 PLANNER = "baton-planner"
 # What the planner may do: (apiGroup, resource) -> the names it may touch.
-PLANNER_SCALE = {("apps", "statefulsets/scale"): {"baton-decode"}, ("apps", "deployments/scale"): {"baton-prefill"}}
+PLANNER_SCALE = {
+    ("apps", "statefulsets/scale"): {"baton-decode"},
+    ("apps", "deployments/scale"): {"baton-prefill"},
+    ("coordination.k8s.io", "leases"): {"baton-planner"},
+}
 PLANNER_VERBS = {"get", "patch", "update"}
 AUTOSCALER_METRICS = {"baton_prefill_queue_depth"}
 
@@ -289,6 +294,8 @@ def rbac_self_test(docs):
         "planner scales any StatefulSet": lambda d: role(d)["rules"][0].pop("resourceNames"),
         "planner scales the gateway": lambda d: role(d)["rules"][1]["resourceNames"].append("baton-gateway"),
         "planner edits the workload": lambda d: role(d)["rules"][1].__setitem__("resources", ["deployments"]),
+        "planner renews any Lease": lambda d: role(d)["rules"][2].pop("resourceNames"),
+        "planner creates Leases": lambda d: role(d)["rules"][2]["verbs"].append("create"),
         "planner bound to a ClusterRole": lambda d: bind(d)["roleRef"].update({"kind": "ClusterRole", "name": "edit"}),
         "planner cluster-wide": lambda d: d.append({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "p"},
                                                      "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},

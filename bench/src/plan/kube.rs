@@ -132,6 +132,23 @@ impl KubeScaler {
         Ok(t.to_string())
     }
 
+    /// The namespace the planner runs in (its service account's).
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// One call to `path` under the API with the current token: its status and JSON body,
+    /// whatever the status (the Lease election reads 404 and 409 as answers).
+    pub(crate) async fn raw(&self, method: reqwest::Method, path: &str, body: Option<&serde_json::Value>) -> Result<(reqwest::StatusCode, serde_json::Value)> {
+        let mut req = self.client.request(method, format!("{}{path}", self.api)).bearer_auth(self.token()?);
+        if let Some(b) = body {
+            req = req.header(reqwest::header::CONTENT_TYPE, "application/json").body(b.to_string());
+        }
+        let resp = req.send().await.context("calling the Kubernetes API")?;
+        let status = resp.status();
+        Ok((status, resp.json().await.unwrap_or(serde_json::Value::Null)))
+    }
+
     async fn call(&self, req: reqwest::RequestBuilder, what: &str) -> Result<serde_json::Value> {
         let resp = req.bearer_auth(self.token()?).send().await.with_context(|| format!("{what}: calling the Kubernetes API"))?;
         let status = resp.status();

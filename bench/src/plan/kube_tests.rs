@@ -4,6 +4,7 @@
 //! CA did not sign is refused, and a refusal of the API is an error with its status.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -47,11 +48,13 @@ async fn api_server(ca: &Ca, token: &'static str, replicas: u64) -> (String, See
     let addr = l.local_addr().unwrap();
     let seen = Seen::default();
     let state = Arc::new(Mutex::new(replicas));
+    // The Lease the manifests create: no holder, resourceVersion 1.
+    let lease = Arc::new(Mutex::new(serde_json::json!({"kind": "Lease", "metadata": {"name": "baton-planner", "resourceVersion": "1"}, "spec": {}})));
     let log = seen.clone();
     tokio::spawn(async move {
         loop {
             let Ok((sock, _)) = l.accept().await else { return };
-            let (acceptor, log, state) = (acceptor.clone(), log.clone(), state.clone());
+            let (acceptor, log, state, lease) = (acceptor.clone(), log.clone(), state.clone(), lease.clone());
             tokio::spawn(async move {
                 let Ok(mut tls) = acceptor.accept(sock).await else { return };
                 let mut buf = Vec::new();
@@ -85,6 +88,25 @@ async fn api_server(ca: &Ca, token: &'static str, replicas: u64) -> (String, See
                 log.lock().unwrap().push((method.clone(), path, auth.clone(), kind, body.clone()));
                 let (status, reply) = if auth != format!("Bearer {token}") {
                     ("401 Unauthorized", r#"{"kind":"Status","message":"Unauthorized"}"#.to_string())
+                } else if path_is_lease(&log.lock().unwrap().last().unwrap().1) {
+                    let mut l = lease.lock().unwrap();
+                    match method.as_str() {
+                        "GET" => ("200 OK", l.to_string()),
+                        "PUT" => {
+                            let mut v: serde_json::Value = serde_json::from_str(&body).unwrap();
+                            if v["metadata"]["resourceVersion"] != l["metadata"]["resourceVersion"] {
+                                ("409 Conflict", r#"{"kind":"Status","message":"the object has been modified"}"#.to_string())
+                            } else {
+                                let next = l["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap() + 1;
+                                v["metadata"]["resourceVersion"] = next.to_string().into();
+                                *l = v;
+                                ("200 OK", l.to_string())
+                            }
+                        }
+                        _ => ("405 Method Not Allowed", "{}".to_string()),
+                    }
+                } else if !log.lock().unwrap().last().unwrap().1.ends_with("/scale") {
+                    ("404 Not Found", r#"{"kind":"Status","message":"not found"}"#.to_string())
                 } else {
                     if method == "PATCH" {
                         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -99,6 +121,10 @@ async fn api_server(ca: &Ca, token: &'static str, replicas: u64) -> (String, See
         }
     });
     (format!("https://{addr}"), seen)
+}
+
+fn path_is_lease(path: &str) -> bool {
+    path == "/apis/coordination.k8s.io/v1/namespaces/baton/leases/baton-planner"
 }
 
 fn token_file(dir: &tempfile::TempDir, token: &str) -> PathBuf {
@@ -161,4 +187,45 @@ fn names_are_checked_before_they_reach_a_url() {
     let dir = tempfile::tempdir().unwrap();
     let c = ca();
     assert!(KubeScaler::new("https://127.0.0.1:1", "kube/system", c.pem.as_bytes(), dir.path().join("t")).is_err());
+}
+
+#[test]
+fn micro_times_are_rfc3339() {
+    use std::time::{Duration, UNIX_EPOCH};
+    assert_eq!(super::super::lease::micro_time(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
+    let t = UNIX_EPOCH + Duration::from_micros(1_796_425_785_123_456);
+    assert_eq!(super::super::lease::micro_time(t), "2026-12-04T23:09:45.123456Z");
+    let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
+    assert_eq!(super::super::lease::micro_time(leap), "2000-02-29T00:00:00.000000Z");
+}
+
+#[tokio::test]
+async fn one_replica_leads_and_another_takes_over_when_it_falls_silent() {
+    use super::super::lease::Elector;
+    let ca = ca();
+    let (api, seen) = api_server(&ca, "tok", 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let k = KubeScaler::new(&api, "baton", ca.pem.as_bytes(), token_file(&dir, "tok")).unwrap();
+    let ttl = Duration::from_millis(400);
+    let (mut a, mut b) = (Elector::new("planner-a".into(), ttl).unwrap(), Elector::new("planner-b".into(), ttl).unwrap());
+    // Racing for the free Lease: exactly one wins (the other's write conflicts, or it
+    // reads the winner's fresh renewal).
+    let (ra, rb) = tokio::join!(a.lead(&k), b.lead(&k));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert!(ra ^ rb, "one leader: a {ra} b {rb}");
+    let (leader, follower) = if ra { (&mut a, &mut b) } else { (&mut b, &mut a) };
+    for _ in 0..3 {
+        assert!(leader.lead(&k).await.unwrap(), "the holder renews");
+        assert!(!follower.lead(&k).await.unwrap(), "the other stands by while renewals continue");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    // The leader falls silent: after the lease duration the other takes over, once.
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    assert!(follower.lead(&k).await.unwrap(), "takeover after {ttl:?} of silence");
+    assert!(!leader.lead(&k).await.unwrap(), "the old leader stands by once it sees the new holder");
+    let puts = seen.lock().unwrap().iter().filter(|s| s.0 == "PUT" && path_is_lease(&s.1)).count();
+    assert!(puts >= 5, "renewals and the takeover are writes: {puts}");
+    // Without the Lease object the planner does not lead (the manifests create it).
+    let other = KubeScaler::new(&api, "other-ns", ca.pem.as_bytes(), token_file(&dir, "tok")).unwrap();
+    assert!(Elector::new("c".into(), ttl).unwrap().lead(&other).await.is_err());
 }

@@ -27,6 +27,8 @@ pub const SKIPPED_TOTAL: &str = "baton_planner_skipped_intervals_total";
 pub const PLANNED_TURNS: &str = "baton_planner_planned_turns_per_second";
 /// Unix time of the last decision.
 pub const LAST_DECISION: &str = "baton_planner_last_decision_timestamp_seconds";
+/// 1 while this planner holds the Lease and acts, 0 while it stands by.
+pub const LEADER: &str = "baton_planner_leader";
 
 const POOLS: [Pool; 2] = [Pool::Prefill, Pool::Decode];
 
@@ -37,6 +39,7 @@ pub struct PlannerMetrics {
     reasons: BTreeMap<(&'static str, &'static str), u64>,
     decisions: u64,
     skipped: u64,
+    leader: Option<bool>,
 }
 
 impl PlannerMetrics {
@@ -54,6 +57,11 @@ impl PlannerMetrics {
 
     pub fn skipped(&mut self) {
         self.skipped += 1;
+    }
+
+    /// Whether this replica leads (`None`: no election, the series is absent).
+    pub fn set_leader(&mut self, leader: Option<bool>) {
+        self.leader = leader;
     }
 
     /// The last decision, if any.
@@ -92,6 +100,10 @@ impl PlannerMetrics {
         let _ = writeln!(o, "{DECISIONS_TOTAL} {}", self.decisions);
         head(&mut o, SKIPPED_TOTAL, "counter", "Intervals skipped: the signals could not be read.");
         let _ = writeln!(o, "{SKIPPED_TOTAL} {}", self.skipped);
+        if let Some(l) = self.leader {
+            head(&mut o, LEADER, "gauge", "1 while this planner holds the Lease and acts, 0 while it stands by.");
+            let _ = writeln!(o, "{LEADER} {}", u8::from(l));
+        }
         o
     }
 }
@@ -120,12 +132,15 @@ mod tests {
         assert!(!m.render().contains(TARGET_NODES), "no targets before a decision");
         m.decided(&d, 1, 2, 1700000000.0);
         m.decided(&d, 1, 2, 1700000030.0);
+        assert!(!m.render().contains(LEADER), "no election, no leader series");
+        m.set_leader(Some(true));
         let text = m.render();
         assert!(text.contains("baton_planner_target_nodes{pool=\"decode\"} 3"), "{text}");
         assert!(text.contains("baton_planner_target_nodes{pool=\"prefill\"} 2"));
         assert!(text.contains("baton_planner_ready_nodes{pool=\"decode\"} 2"));
         assert!(text.contains("baton_planner_reasons_total{pool=\"decode\",reason=\"itl\"} 2"));
         assert!(text.contains("baton_planner_decisions_total 2"));
+        assert!(text.contains("baton_planner_leader 1"));
         assert!(!text.contains("not-a-kind"));
         // Every sample line's labels come from the fixed sets: 2 pools x 10 reasons.
         let reason_lines = text.lines().filter(|l| l.starts_with(REASONS_TOTAL)).count();

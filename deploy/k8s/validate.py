@@ -39,7 +39,7 @@ CRD_KINDS = {
 }
 # Secrets the operator creates (docs/operations.md); everything else must be rendered.
 # Created by cert-manager (deploy/k8s/cert-manager) or by hand (docs/operations.md).
-EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls", "baton-coordinator-plane-tls", "baton-gateway-plane-tls"}
+EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls", "baton-coordinator-plane-tls", "baton-gateway-plane-tls", "baton-postgres"}
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
 # Served by the gateway pod, but not for the public: Prometheus and probes reach the pod.
 PRIVATE_PATHS = ["/metrics", "/healthz", "/debug/routing"]
@@ -113,6 +113,10 @@ def consistency_errors(docs, gpu):
                 errs.append(f"{n}/{c['name']}: needs resource requests and a memory limit")
             if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False:
                 errs.append(f"{n}/{c['name']}: allowPrivilegeEscalation must be false")
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef", {}).get("name")
+                if ref and ref not in EXTERNAL_SECRETS:
+                    errs.append(f"{n}/{c['name']}: env {e['name']}: Secret {ref} is neither rendered nor documented")
             for e in c.get("envFrom", []):
                 ref = e.get("configMapRef", {}).get("name")
                 if ref and ref not in configmaps:
@@ -188,6 +192,19 @@ def consistency_errors(docs, gpu):
         for probe in ("startupProbe", "readinessProbe"):
             if c.get(probe, {}).get("httpGet", {}).get("path") != "/healthz":
                 errs.append(f"StatefulSet/baton-decode: {probe} must be GET /healthz (ready once the model is loaded)")
+
+    # The gateways: at least two, on PostgreSQL (SQLite is one writer), which is rendered.
+    gw = [w for w in workloads if w["metadata"]["name"] == "baton-gateway"]
+    if gw:
+        g = gw[0]
+        if not isinstance(g["spec"].get("replicas"), int) or g["spec"]["replicas"] < 2 or g["spec"].get("strategy", {}).get("type") == "Recreate":
+            errs.append("Deployment/baton-gateway: needs at least 2 replicas and a rolling update (the PostgreSQL store)")
+        c = [c for c in g["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway"][0]
+        db = next((e for e in c.get("env", []) if e["name"] == "BATON_DB"), None)
+        if not db or db.get("valueFrom", {}).get("secretKeyRef", {}).get("name") != "baton-postgres":
+            errs.append("Deployment/baton-gateway: BATON_DB must be the PostgreSQL URL from Secret baton-postgres")
+        if ("Service", "baton-postgres") not in names:
+            errs.append("Deployment/baton-gateway: its PostgreSQL (Service baton-postgres) is not rendered")
 
     # KV transport ports: reachable from cluster node pods only.
     kv_peer = {"baton.dev/kv-peer": "true"}
@@ -322,6 +339,9 @@ def self_test(docs, gpu):
     breakages = {
         "unknown field": lambda d: find(d, "StatefulSet", "baton-decode")["spec"].__setitem__("replica", 2),
         "wrong type": lambda d: find(d, "Deployment", "baton-gateway")["spec"].__setitem__("replicas", "one"),
+        "one gateway": lambda d: find(d, "Deployment", "baton-gateway")["spec"].__setitem__("replicas", 1),
+        "gateway on SQLite": lambda d: find(d, "Deployment", "baton-gateway")["spec"]["template"]["spec"]["containers"][0]["env"].__setitem__(0, {"name": "BATON_DB", "value": "/data/baton-gateway.db"}),
+        "no PostgreSQL": lambda d: d.remove(find(d, "Service", "baton-postgres")),
         "unknown kind": lambda d: d.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}),
         "no readiness probe": lambda d: decode_container(find(d, "StatefulSet", "baton-decode")).pop("readinessProbe"),
         "no preStop drain": lambda d: decode_container(find(d, "StatefulSet", "baton-decode")).pop("lifecycle"),

@@ -54,9 +54,14 @@ step "Kubernetes manifests (deploy/k8s)"
 render deploy/k8s/overlays/cpu "$tmp/cpu.yaml"
 render deploy/k8s/overlays/gpu "$tmp/gpu.yaml"
 render deploy/k8s/cert-manager "$tmp/cert-manager.yaml"
+render deploy/k8s/planner "$tmp/planner.yaml"
 "$PYTHON" deploy/k8s/validate.py --self-test "$tmp/cpu.yaml"
 "$PYTHON" deploy/k8s/validate.py --self-test --gpu "$tmp/gpu.yaml"
 "$PYTHON" deploy/k8s/validate.py --schema-only "$tmp/cert-manager.yaml"
+# The planner and the two ways to act on its targets (optional sets, applied by hand).
+"$PYTHON" deploy/k8s/validate.py --schema-only --self-test "$tmp/planner.yaml"
+"$PYTHON" deploy/k8s/validate.py --schema-only deploy/k8s/planner/autoscalers/hpa.yaml
+"$PYTHON" deploy/k8s/validate.py --schema-only deploy/k8s/planner/autoscalers/keda.yaml
 "$PYTHON" deploy/k8s/sync-alerts.py --check
 
 # The model the pods fetch is the one scripts/fetch-model.sh fetches.

@@ -117,6 +117,8 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
                 kv_export,
                 insecure_plaintext_internal: false,
                 admin_key: None,
+                extra_names: Vec::new(),
+                certs_out: None,
             };
             let mut cluster = start_cluster(spec, engines.clone(), stop_rx).await.context("starting the cluster")?;
             let grpc = format!("http://{}", cluster.decode_grpc);

@@ -1,5 +1,6 @@
 //! `baton`: one binary for every role of the Baton serving cluster.
 
+mod autoscale;
 mod bench_cluster;
 mod bench_engine;
 mod bench_responses;
@@ -28,7 +29,7 @@ struct Cli {
 enum Command {
     /// The whole cluster on this machine: coordinator, prefill node, decode node and
     /// the gateway with its web chat page, with the embedded defaults.
-    Up(up::UpArgs),
+    Up(Box<up::UpArgs>),
     /// Generate text from a prompt or chat messages, streaming to stdout.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -56,7 +57,7 @@ enum Command {
     Coordinator(baton_coordinator::Args),
     /// The API gateway (OpenAI-compatible API, conversations, web chat at /)
     /// in front of an in-process engine.
-    Gateway(gateway_cmd::GatewayArgs),
+    Gateway(Box<gateway_cmd::GatewayArgs>),
     /// API keys of the gateway: create, list, revoke.
     Keys(gateway_cmd::KeysArgs),
     /// A terminal chat client of the gateway's conversations API.
@@ -93,7 +94,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result: Result<()> = match cli.command {
-        Command::Up(a) => up::run(a),
+        Command::Up(a) => up::run(*a),
         Command::Generate(a) => generate::run(a),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine::run(a),
         Command::Bench(BenchCommand::Load(a)) => baton_bench::load::run(a),
@@ -107,7 +108,7 @@ fn main() {
         Command::Decode(a) => node_cmd::run_decode(a),
         Command::Drain(a) => node_cmd::run_drain(a),
         Command::Coordinator(a) => coordinator_cmd::run(a),
-        Command::Gateway(a) => gateway_cmd::run_gateway(a),
+        Command::Gateway(a) => gateway_cmd::run_gateway(*a),
         Command::Keys(a) => gateway_cmd::run_keys(a),
         Command::Chat(a) => gateway_cmd::run_chat(a),
         Command::Chaos(a) => chaos::run(a),

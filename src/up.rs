@@ -76,6 +76,9 @@ pub struct UpArgs {
     /// --threads, at least 1 (README, "Configuration").
     #[arg(long, env = "BATON_PREFILL_THREADS")]
     pub prefill_threads: Option<usize>,
+    /// The planner in the loop (`--autoscale`, `--max-nodes`, `--autoscale-*`).
+    #[command(flatten)]
+    pub autoscale: crate::autoscale::AutoscaleArgs,
 }
 
 /// Where the parts of a started cluster listen.
@@ -99,6 +102,9 @@ pub fn run(a: UpArgs) -> Result<()> {
     let gateway_config = baton_api_gateway::Config::try_from(a.gateway.clone())?;
     let kv_transport = TransportChoice::try_from(a.kv_transport.clone())?;
     let split = CoreSplit::divide(a.engine.threads, a.decode_threads, a.prefill_threads)?;
+    if a.autoscale.autoscale {
+        a.autoscale.check()?;
+    }
     if split.oversubscribes(a.engine.threads) {
         tracing::warn!(threads = a.engine.threads, decode = split.decode, prefill = split.prefill, "the engines' threads exceed --threads: they will contend for cores");
     }
@@ -150,6 +156,10 @@ pub(crate) struct ClusterSpec<'a> {
     pub insecure_plaintext_internal: bool,
     /// Opens the coordinator's /debug/routing (`None`: off).
     pub admin_key: Option<AdminKey>,
+    /// More identities from the same CA (the nodes `--autoscale` may start), and the
+    /// private folder their certificates are written to (`None`: nothing is written).
+    pub extra_names: Vec<String>,
+    pub certs_out: Option<&'a Path>,
 }
 
 /// The coordinator, the decode node and the prefill node, serving in this
@@ -163,6 +173,8 @@ pub(crate) struct LocalCluster {
     pub prefill_http: SocketAddr,
     /// How a gateway (or a client acting as one) calls the cluster.
     pub gateway_plane: Plane,
+    /// `baton up`'s own identity (operator): waits for members, drains autoscaled nodes.
+    pub operator_plane: Plane,
     pub tasks: tokio::task::JoinSet<Result<()>>,
 }
 
@@ -170,8 +182,13 @@ pub(crate) struct LocalCluster {
 pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill_engine): (Arc<Engine>, Arc<Engine>), stop: watch::Receiver<bool>) -> Result<LocalCluster> {
     // A fresh CA per start, in memory only: its key signs these five identities and is
     // then dropped, so nothing outside this process can join the cluster.
-    let certs = baton_kv_transport::generate_dev_certs("baton-up", &[DECODE_NAME, PREFILL_NAME, COORDINATOR_NAME, GATEWAY_NAME, OPERATOR_NAME])
-        .context("making the cluster's TLS certificates")?;
+    let mut names = vec![DECODE_NAME, PREFILL_NAME, COORDINATOR_NAME, GATEWAY_NAME, OPERATOR_NAME];
+    names.extend(spec.extra_names.iter().map(String::as_str));
+    let certs = baton_kv_transport::generate_dev_certs("baton-up", &names).context("making the cluster's TLS certificates")?;
+    if let Some(dir) = spec.certs_out {
+        // Without the CA's key: the started nodes present these, they issue nothing.
+        certs.write_to_dir(dir, false).with_context(|| format!("writing the nodes' certificates to {}", dir.display()))?;
+    }
     let plane = |name: &str| -> Result<Plane> {
         if spec.insecure_plaintext_internal {
             Ok(Plane::insecure_plaintext())
@@ -234,7 +251,7 @@ pub(crate) async fn start_cluster(spec: ClusterSpec<'_>, (decode_engine, prefill
 
     let (gateway_plane, operator_plane) = (plane(GATEWAY_NAME)?, plane(OPERATOR_NAME)?);
     wait_for_members(&operator_plane, &coordinator_url, &mut tasks).await?;
-    Ok(LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_grpc, decode_http, prefill_http, gateway_plane, tasks })
+    Ok(LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_grpc, decode_http, prefill_http, gateway_plane, operator_plane, tasks })
 }
 
 async fn serve(
@@ -264,6 +281,12 @@ async fn serve(
             Some(file)
         }
     };
+    // The started nodes' certificates and logs: a folder only this user can open (tempfile
+    // makes it 0700), removed when `baton up` stops.
+    let autoscale_dir = match a.autoscale.autoscale {
+        true => Some(tempfile::Builder::new().prefix("baton-up-autoscale-").tempdir().context("making the autoscaler's private folder")?),
+        false => None,
+    };
     let spec = ClusterSpec {
         engine: &a.engine,
         split,
@@ -277,9 +300,21 @@ async fn serve(
         kv_export: baton_prefill_node::KvExportMode::Pipelined,
         insecure_plaintext_internal: false,
         admin_key: gateway_config.admin_key.clone(),
+        extra_names: if a.autoscale.autoscale { crate::autoscale::fleet::node_names(a.autoscale.max_nodes) } else { Vec::new() },
+        certs_out: autoscale_dir.as_ref().map(|d| d.path()),
     };
-    let LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_http, prefill_http, gateway_plane, mut tasks, .. } =
+    let LocalCluster { coordinator: coordinator_addr, coordinator_http, coordinator_url, decode_grpc, decode_http, prefill_http, gateway_plane, operator_plane, mut tasks, .. } =
         start_cluster(spec, engines, stop.clone()).await?;
+    if let Some(dir) = &autoscale_dir {
+        let fleet = autoscale_fleet(a, model, dir.path(), &coordinator_url, operator_plane, (decode_grpc, decode_http), prefill_http)?;
+        let planner = a.autoscale.planner(model)?;
+        let (interval, listen) = (a.autoscale.interval, a.autoscale.listen);
+        eprintln!("autoscale: on, at most {} nodes per pool; started nodes log to {}", a.autoscale.max_nodes, dir.path().display());
+        tasks.spawn({
+            let stop = stop.clone();
+            async move { crate::autoscale::run(planner, fleet, interval, listen, stop).await.context("autoscale") }
+        });
+    }
 
     // The gateway: the key first, so the banner can show it.
     let store = baton_api_gateway::open_store(&gateway_config).await?;
@@ -319,6 +354,33 @@ async fn serve(
         }
     }
     first_error.map_or(Ok(()), Err)
+}
+
+/// The pools as `baton up` started them, and how to start more.
+fn autoscale_fleet(
+    a: &UpArgs,
+    model: &Path,
+    dir: &Path,
+    coordinator_url: &str,
+    operator: Plane,
+    (decode_grpc, decode_http): (SocketAddr, SocketAddr),
+    prefill_http: SocketAddr,
+) -> Result<crate::autoscale::fleet::Fleet> {
+    use crate::autoscale::fleet::{Fleet, Node, NodeTemplate};
+    use baton_bench::planner::Pool;
+    let template = NodeTemplate {
+        bin: std::env::current_exe().context("finding the baton binary to start nodes with")?,
+        certs_dir: dir.to_path_buf(),
+        coordinator_url: coordinator_url.to_string(),
+        engine_flags: crate::autoscale::engine_flags(&a.engine, model, a.autoscale.node_threads),
+        log_dir: dir.to_path_buf(),
+    };
+    let own = vec![
+        Node { name: DECODE_NAME.into(), pool: Pool::Decode, grpc: decode_grpc.to_string(), http: decode_http.to_string(), proc: None },
+        // Its gRPC address is not needed: `baton up`'s own nodes are never drained.
+        Node { name: PREFILL_NAME.into(), pool: Pool::Prefill, grpc: String::new(), http: prefill_http.to_string(), proc: None },
+    ];
+    Ok(Fleet::new(template, a.autoscale.max_nodes, operator, own, Duration::from_secs(60)))
 }
 
 /// Waits until both nodes hold a lease, or fails if one of them stopped.

@@ -94,6 +94,9 @@ fn the_dashboard_uses_only_documented_series() {
         "baton_coordinator_routing_decisions_total",
         "baton_kv_transport_bytes_total",
         "baton_kv_transport_failures_total",
+        "baton_planner_target_nodes",
+        "baton_planner_ready_nodes",
+        "baton_planner_reasons_total",
     ] {
         assert!(used.contains(must), "no panel shows {must}");
     }

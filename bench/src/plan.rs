@@ -20,6 +20,20 @@ use crate::capacity::{CapacityArgs, Inputs};
 use crate::planner::{CostModel, Decision, Planner, PlannerConfig, PoolLimits, Signals, Slo};
 use crate::simulate::parse_seconds;
 
+pub mod kube;
+pub mod lease;
+pub mod serve;
+
+/// What `baton plan` does with a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Apply {
+    /// Print it (and serve it with --metrics-listen): a dry run.
+    None,
+    /// Also set the pools' replica counts through the Kubernetes API (in a pod; RBAC in
+    /// deploy/k8s/planner/rbac.yaml).
+    Kubernetes,
+}
+
 /// Flags of `baton plan`. The model and hardware flags are `baton capacity`'s (its
 /// `--target-utilization` and `--spare-nodes` apply to each pool; its workload flags are
 /// ignored: the workload is measured).
@@ -49,6 +63,25 @@ pub struct PlanArgs {
     /// Most nodes per pool.
     #[arg(long, env = "BATON_PLAN_MAX_NODES", default_value_t = 64)]
     pub max_nodes: u32,
+    /// Serve the decisions here: `/metrics` (the targets for an HPA or KEDA, reasons by
+    /// label), `/decisions` (the last decisions with their reasons). Read-only, no auth:
+    /// bind loopback, or an address only Prometheus reaches (docs/SECURITY.md).
+    #[arg(long, env = "BATON_PLAN_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// `none` (dry run) or `kubernetes`: patch the scale subresource of the pools'
+    /// workloads with the service account's token, TLS verified against the cluster CA.
+    #[arg(long, env = "BATON_PLAN_APPLY", value_enum, default_value_t = Apply::None)]
+    pub apply: Apply,
+    /// With --apply kubernetes: act only while holding the Lease `baton-planner` of the
+    /// namespace (identity: $POD_NAME, else $HOSTNAME), so replicas never both patch.
+    #[arg(long, env = "BATON_PLAN_LEADER_ELECTION")]
+    pub leader_election: bool,
+    /// The decode pool's workload in the planner's namespace (with --apply kubernetes).
+    #[arg(long, env = "BATON_PLAN_DECODE_WORKLOAD", default_value = "statefulset/baton-decode")]
+    pub decode_workload: kube::Workload,
+    /// The prefill pool's workload (with --apply kubernetes).
+    #[arg(long, env = "BATON_PLAN_PREFILL_WORKLOAD", default_value = "deployment/baton-prefill")]
+    pub prefill_workload: kube::Workload,
     #[command(flatten)]
     pub capacity: CapacityArgs,
 }
@@ -239,15 +272,73 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .timeout(Duration::from_secs(10))
         .build()?;
     rt.block_on(async {
+        let shown = serve::SharedShown::default();
+        let scaler = match a.apply {
+            Apply::Kubernetes => Some(kube::KubeScaler::in_cluster()?),
+            Apply::None => None,
+        };
+        let mut elector = match (a.leader_election, a.apply) {
+            (false, _) => None,
+            (true, Apply::None) => bail!("--leader-election needs --apply kubernetes"),
+            (true, Apply::Kubernetes) => {
+                let me = std::env::var("POD_NAME").or_else(|_| std::env::var("HOSTNAME")).context("--leader-election needs $POD_NAME or $HOSTNAME")?;
+                // Three intervals of silence before another replica takes over.
+                Some(lease::Elector::new(me, Duration::from_secs_f64(a.interval * 3.0))?)
+            }
+        };
+        if let Some(addr) = a.metrics_listen {
+            let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --metrics-listen {addr}"))?;
+            eprintln!("plan: decisions at http://{}/metrics and /decisions", l.local_addr()?);
+            tokio::spawn(serve::serve(l, shown.clone()));
+        }
         let mut tick = tokio::time::interval(Duration::from_secs_f64(a.interval));
         let mut done = 0u64;
         while a.iterations.is_none_or(|n| done < n) {
             tick.tick().await;
             let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs_f64();
-            match decide(&client, &a, &mut p, now).await {
-                Ok(d) if a.capacity.json => crate::emit(&(serde_json::to_string(&d)? + "\n"))?,
-                Ok(d) => crate::emit(&render(&d))?,
-                Err(e) => eprintln!("plan: interval skipped: {e:#}"),
+            let decided = match read_signals(&client, &a.prometheus, now).await {
+                Ok(s) => p.step(&s).map(|d| (d, s)).map_err(anyhow::Error::from),
+                Err(e) => Err(e),
+            };
+            match decided {
+                Ok((d, s)) => {
+                    let text = render(&d);
+                    shown.lock().unwrap_or_else(|e| e.into_inner()).decided(&d, s.ready_prefill, s.ready_decode, now, text.clone());
+                    if a.capacity.json {
+                        crate::emit(&(serde_json::to_string(&d)? + "\n"))?
+                    } else {
+                        crate::emit(&text)?
+                    }
+                    let leading = match (&mut elector, &scaler) {
+                        (Some(e), Some(k)) => match e.lead(k).await {
+                            Ok(l) => l,
+                            Err(e) => {
+                                eprintln!("plan: not leading: {e:#}");
+                                false
+                            }
+                        },
+                        _ => true,
+                    };
+                    if elector.is_some() {
+                        shown.lock().unwrap_or_else(|e| e.into_inner()).metrics.set_leader(Some(leading));
+                        if !leading {
+                            eprintln!("plan: standing by: another replica holds Lease {}", lease::LEASE);
+                        }
+                    }
+                    if let Some(k) = scaler.as_ref().filter(|_| leading) {
+                        for (w, n) in [(&a.decode_workload, d.decode), (&a.prefill_workload, d.prefill)] {
+                            match k.set(w, n).await {
+                                Ok(Some(before)) => eprintln!("plan: scaled {w} {before} -> {n}"),
+                                Ok(None) => {}
+                                Err(e) => eprintln!("plan: {e:#}"),
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    shown.lock().unwrap_or_else(|e| e.into_inner()).metrics.skipped();
+                    eprintln!("plan: interval skipped: {e:#}")
+                }
             }
             done += 1;
         }

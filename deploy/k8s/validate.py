@@ -12,8 +12,13 @@
    security settings are present, the decode preStop drain fits in the grace period, the
    autoscaler reads the standard metric, KV transport ports are open to cluster nodes only,
    and (--gpu) GPU/RDMA requests are there.
+3. The planner's RBAC (every mode): the ServiceAccount baton-planner is bound to the Role
+   baton-planner only, which allows get/patch/update on the scale subresource of the named
+   pool workloads (StatefulSet baton-decode, Deployment baton-prefill) and on its Lease
+   baton-planner, and nothing else.
 --schema-only skips 2 (for partial sets such as deploy/k8s/cert-manager).
---self-test breaks copies of the manifests in known ways and fails unless each is caught.
+--self-test breaks copies of the manifests in known ways and fails unless each is caught
+(with --schema-only: the planner's RBAC breakages).
 """
 import copy
 import re
@@ -30,14 +35,23 @@ CRD_KINDS = {
     ("cert-manager.io/v1", "Certificate"): {"spec": ["secretName", "issuerRef"]},
     ("cert-manager.io/v1", "Issuer"): {"spec": []},
     ("cert-manager.io/v1", "ClusterIssuer"): {"spec": []},
+    ("keda.sh/v1alpha1", "ScaledObject"): {"spec": ["scaleTargetRef", "triggers"]},
 }
 # Secrets the operator creates (docs/operations.md); everything else must be rendered.
 # Created by cert-manager (deploy/k8s/cert-manager) or by hand (docs/operations.md).
-EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls", "baton-coordinator-plane-tls", "baton-gateway-plane-tls"}
+EXTERNAL_SECRETS = {"baton-prefill-tls", "baton-decode-tls", "baton-gateway-tls", "baton-coordinator-plane-tls", "baton-gateway-plane-tls", "baton-postgres"}
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
 # Served by the gateway pod, but not for the public: Prometheus and probes reach the pod.
 PRIVATE_PATHS = ["/metrics", "/healthz", "/debug/routing"]
 KV_PORTS = {7202, 7302}
+PLANNER = "baton-planner"
+# What the planner may do: (apiGroup, resource) -> the names it may touch.
+PLANNER_SCALE = {
+    ("apps", "statefulsets/scale"): {"baton-decode"},
+    ("apps", "deployments/scale"): {"baton-prefill"},
+    ("coordination.k8s.io", "leases"): {"baton-planner"},
+}
+PLANNER_VERBS = {"get", "patch", "update"}
 AUTOSCALER_METRICS = {"baton_prefill_queue_depth"}
 
 
@@ -99,6 +113,10 @@ def consistency_errors(docs, gpu):
                 errs.append(f"{n}/{c['name']}: needs resource requests and a memory limit")
             if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False:
                 errs.append(f"{n}/{c['name']}: allowPrivilegeEscalation must be false")
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef", {}).get("name")
+                if ref and ref not in EXTERNAL_SECRETS:
+                    errs.append(f"{n}/{c['name']}: env {e['name']}: Secret {ref} is neither rendered nor documented")
             for e in c.get("envFrom", []):
                 ref = e.get("configMapRef", {}).get("name")
                 if ref and ref not in configmaps:
@@ -175,6 +193,19 @@ def consistency_errors(docs, gpu):
             if c.get(probe, {}).get("httpGet", {}).get("path") != "/healthz":
                 errs.append(f"StatefulSet/baton-decode: {probe} must be GET /healthz (ready once the model is loaded)")
 
+    # The gateways: at least two, on PostgreSQL (SQLite is one writer), which is rendered.
+    gw = [w for w in workloads if w["metadata"]["name"] == "baton-gateway"]
+    if gw:
+        g = gw[0]
+        if not isinstance(g["spec"].get("replicas"), int) or g["spec"]["replicas"] < 2 or g["spec"].get("strategy", {}).get("type") == "Recreate":
+            errs.append("Deployment/baton-gateway: needs at least 2 replicas and a rolling update (the PostgreSQL store)")
+        c = [c for c in g["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway"][0]
+        db = next((e for e in c.get("env", []) if e["name"] == "BATON_DB"), None)
+        if not db or db.get("valueFrom", {}).get("secretKeyRef", {}).get("name") != "baton-postgres":
+            errs.append("Deployment/baton-gateway: BATON_DB must be the PostgreSQL URL from Secret baton-postgres")
+        if ("Service", "baton-postgres") not in names:
+            errs.append("Deployment/baton-gateway: its PostgreSQL (Service baton-postgres) is not rendered")
+
     # KV transport ports: reachable from cluster node pods only.
     kv_peer = {"baton.dev/kv-peer": "true"}
     for w, t in pods:
@@ -225,11 +256,77 @@ def consistency_errors(docs, gpu):
     return errs
 
 
+def planner_rbac_errors(docs):
+    """The planner scales its two pools and does nothing else."""
+    errs = []
+    binds_planner = lambda b: any(s.get("kind") == "ServiceAccount" and s.get("name") == PLANNER for s in b.get("subjects") or [])
+    for b in docs:
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding") and binds_planner(b):
+            ref = b.get("roleRef", {})
+            if b["kind"] == "ClusterRoleBinding" or ref.get("kind") != "Role" or ref.get("name") != PLANNER:
+                errs.append(f"{b['kind']}/{b['metadata']['name']}: binds the planner to {ref.get('kind')}/{ref.get('name')}, not Role/{PLANNER}")
+    for r in docs:
+        if r["kind"] == "ClusterRole" and r["metadata"]["name"] == PLANNER:
+            errs.append(f"ClusterRole/{PLANNER}: the planner gets no cluster-wide role")
+        if r["kind"] != "Role" or r["metadata"]["name"] != PLANNER:
+            continue
+        for i, rule in enumerate(r.get("rules") or []):
+            where = f"Role/{PLANNER} rule {i}"
+            if rule.get("nonResourceURLs"):
+                errs.append(f"{where}: nonResourceURLs")
+            extra_verbs = set(rule.get("verbs") or []) - PLANNER_VERBS
+            if extra_verbs or not rule.get("verbs"):
+                errs.append(f"{where}: verbs {sorted(extra_verbs) or 'none'} beyond get/patch/update")
+            names = set(rule.get("resourceNames") or [])
+            if not names:
+                errs.append(f"{where}: no resourceNames (every workload of the kind)")
+            for group in rule.get("apiGroups") or [""]:
+                for res in rule.get("resources") or []:
+                    allowed = PLANNER_SCALE.get((group, res))
+                    if allowed is None:
+                        errs.append(f"{where}: {group or 'core'}/{res} is not a pool's scale subresource")
+                    elif names - allowed:
+                        errs.append(f"{where}: {res} of {sorted(names - allowed)} is not a pool of Baton's")
+    return errs
+
+
 def check(docs, gpu, schema_only=False):
     errors, skipped = schema_errors(docs)
+    errors += planner_rbac_errors(docs)
     if schema_only:
         return errors, skipped
     return errors + consistency_errors(docs, gpu), skipped
+
+
+def rbac_self_test(docs):
+    def role(d):
+        return next(o for o in d if o["kind"] == "Role" and o["metadata"]["name"] == PLANNER)
+
+    def bind(d):
+        return next(o for o in d if o["kind"] == "RoleBinding" and o["metadata"]["name"] == PLANNER)
+
+    breakages = {
+        "planner may list": lambda d: role(d)["rules"][0]["verbs"].append("list"),
+        "planner reads secrets": lambda d: role(d)["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}),
+        "planner scales any StatefulSet": lambda d: role(d)["rules"][0].pop("resourceNames"),
+        "planner scales the gateway": lambda d: role(d)["rules"][1]["resourceNames"].append("baton-gateway"),
+        "planner edits the workload": lambda d: role(d)["rules"][1].__setitem__("resources", ["deployments"]),
+        "planner renews any Lease": lambda d: role(d)["rules"][2].pop("resourceNames"),
+        "planner creates Leases": lambda d: role(d)["rules"][2]["verbs"].append("create"),
+        "planner bound to a ClusterRole": lambda d: bind(d)["roleRef"].update({"kind": "ClusterRole", "name": "edit"}),
+        "planner cluster-wide": lambda d: d.append({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "p"},
+                                                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+                                                     "subjects": [{"kind": "ServiceAccount", "name": PLANNER, "namespace": "baton"}]}),
+    }
+    missed = []
+    for what, breakage in breakages.items():
+        broken = copy.deepcopy(docs)
+        breakage(broken)
+        errors = planner_rbac_errors(broken)
+        print(f"  self-test: {what}: {'caught: ' + errors[0] if errors else 'NOT CAUGHT'}")
+        if not errors:
+            missed.append(what)
+    return missed
 
 
 def self_test(docs, gpu):
@@ -242,6 +339,9 @@ def self_test(docs, gpu):
     breakages = {
         "unknown field": lambda d: find(d, "StatefulSet", "baton-decode")["spec"].__setitem__("replica", 2),
         "wrong type": lambda d: find(d, "Deployment", "baton-gateway")["spec"].__setitem__("replicas", "one"),
+        "one gateway": lambda d: find(d, "Deployment", "baton-gateway")["spec"].__setitem__("replicas", 1),
+        "gateway on SQLite": lambda d: find(d, "Deployment", "baton-gateway")["spec"]["template"]["spec"]["containers"][0]["env"].__setitem__(0, {"name": "BATON_DB", "value": "/data/baton-gateway.db"}),
+        "no PostgreSQL": lambda d: d.remove(find(d, "Service", "baton-postgres")),
         "unknown kind": lambda d: d.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}),
         "no readiness probe": lambda d: decode_container(find(d, "StatefulSet", "baton-decode")).pop("readinessProbe"),
         "no preStop drain": lambda d: decode_container(find(d, "StatefulSet", "baton-decode")).pop("lifecycle"),
@@ -286,7 +386,7 @@ def main(argv):
     if errors:
         return 1
     if selftest:
-        missed = self_test(docs, gpu)
+        missed = rbac_self_test(docs) if schema_only else self_test(docs, gpu)
         if missed:
             print(f"  self-test failed: not caught: {', '.join(missed)}")
             return 1

@@ -25,6 +25,7 @@
 //! feed it the same way.
 
 pub mod forecast;
+pub mod metrics;
 pub mod sizing;
 
 use serde::Serialize;
@@ -78,6 +79,11 @@ pub struct PlannerConfig {
     pub queue_per_node: f64,
     /// KV occupancy of the decode pool above which it grows.
     pub kv_high: f64,
+    /// Measured decode batch per node (running plus waiting sequences) the pool is sized
+    /// for: the batch a node was measured to serve within the ITL target. `None`:
+    /// the cost model's batch alone (`baton plan`); `baton up --autoscale` sets it, as
+    /// the cost model's GPU is not the machine it runs on.
+    pub batch_high: Option<f64>,
     /// Smoothing weight of a new correction measurement.
     pub correction_alpha: f64,
     pub forecast_alpha: f64,
@@ -104,6 +110,7 @@ impl PlannerConfig {
             scale_down_step: 0.1,
             queue_per_node: 8.0,
             kv_high: 0.9,
+            batch_high: None,
             correction_alpha: 0.2,
             forecast_alpha: 0.3,
             forecast_beta: 0.02,
@@ -136,6 +143,9 @@ impl PlannerConfig {
                 "planner bounds",
                 "queue per node > 0, KV high in (0, 1]",
             ));
+        }
+        if self.batch_high.is_some_and(|b| !pos(b)) {
+            return Err(invalid("batch high", "must be > 0"));
         }
         if !(pos(self.correction_alpha) && self.correction_alpha <= 1.0) {
             return Err(invalid("correction alpha", "must be in (0, 1]"));
@@ -209,12 +219,14 @@ impl Signals {
     }
 }
 
+/// Every [`Reason::kind`] (a metric label's whole set of values: bounded cardinality).
+pub const REASON_KINDS: [&str; 10] = ["forecast", "itl", "ttft", "queue", "kv", "batch", "floor", "ceiling", "hold", "scale_down"];
+
 /// One reason behind a pool's target.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Reason {
     pub pool: Pool,
-    /// A short stable label for metrics: `forecast`, `itl`, `ttft`, `queue`, `kv`, `floor`,
-    /// `ceiling`, `hold`, `scale_down`.
+    /// A short stable label for metrics: one of [`REASON_KINDS`].
     pub kind: &'static str,
     /// For people: `why: decode ITL p95 46 ms > 0.9 x target 50 ms`.
     pub text: String,
@@ -386,6 +398,24 @@ impl Planner {
                     self.cfg.kv_high * 100.0
                 ),
             });
+        }
+
+        // Measured sizing: the running batch over the batch a node serves within the ITL.
+        // It holds the pool while the load lasts (not only at a breach), so a node added
+        // for it is not shed the moment the batch per node is back under the bound.
+        if let (Some(high), Some(batch)) = (self.cfg.batch_high, s.decode_batch_mean) {
+            let total = batch * ready_d as f64;
+            let w = (total / high).ceil() as u32;
+            if w > want_d {
+                want_d = w;
+                reasons.push(Reason {
+                    pool: Pool::Decode,
+                    kind: "batch",
+                    text: format!(
+                        "why: decode batch {total:.1} on {ready_d} node(s) = {batch:.1} per node; {w} keep it within {high} per node"
+                    ),
+                });
+            }
         }
 
         // Prefill.

@@ -34,6 +34,7 @@ fn config() -> PlannerConfig {
         scale_down_step: 0.1,
         queue_per_node: 8.0,
         kv_high: 0.9,
+        batch_high: None,
         correction_alpha: 0.2,
         forecast_alpha: 0.3,
         forecast_beta: 0.05,
@@ -73,6 +74,37 @@ fn itl_breach_adds_decode_nodes_with_its_reason() {
     assert!(d.explain().contains("decode -> "));
     // The prefill pool is not touched by a decode breach.
     assert_eq!(d.prefill, quiet.prefill);
+}
+
+#[test]
+fn batch_above_the_measured_high_adds_decode_nodes_and_labels_are_known() {
+    let mut cfg = config();
+    cfg.batch_high = Some(2.0);
+    cfg.decode.spare = 0;
+    let mut p = Planner::new(cfg).unwrap();
+    let mut s = signals(0.0, 0.001);
+    s.ready_decode = 1;
+    s.decode_batch_mean = Some(2.0);
+    let d = p.step(&s).unwrap();
+    assert!(d.reasons.iter().all(|r| r.kind != "batch"), "at the high, no breach: {d:?}");
+    s.t_s = 30.0;
+    s.decode_batch_mean = Some(5.0);
+    let d = p.step(&s).unwrap();
+    // 5 per node on 1 node over a high of 2: 3 nodes.
+    assert_eq!(d.decode, 3, "{d:?}");
+    let why = d.reasons.iter().find(|r| r.kind == "batch").unwrap();
+    assert_eq!(why.text, "why: decode batch 5.0 on 1 node(s) = 5.0 per node; 3 keep it within 2 per node");
+    // The measured batch holds the pool after the breach: 5 over 3 nodes still needs 3.
+    s.t_s = 60.0;
+    s.ready_decode = 3;
+    s.decode_batch_mean = Some(5.0 / 3.0);
+    assert_eq!(p.step(&s).unwrap().decode, 3);
+    for r in &d.reasons {
+        assert!(REASON_KINDS.contains(&r.kind), "{} is not in REASON_KINDS", r.kind);
+    }
+    let mut bad = config();
+    bad.batch_high = Some(0.0);
+    assert!(Planner::new(bad).is_err());
 }
 
 #[test]

@@ -111,6 +111,20 @@ CREATE UNIQUE INDEX turns_one_per_seq ON turns (conversation, seq);
 CREATE UNIQUE INDEX turns_one_streaming ON turns (conversation) WHERE state = 'streaming';
 "#,
     ),
+    (
+        5,
+        r#"
+-- Turns that were streaming on another live replica when their conversation was
+-- deleted, until that replica ended them: the deletion evicts KV only after (no text).
+CREATE TABLE turn_stops (
+    conversation TEXT COLLATE "C" NOT NULL,
+    turn_id TEXT COLLATE "C" NOT NULL,
+    instance TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    PRIMARY KEY (conversation, turn_id)
+);
+"#,
+    ),
 ];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").

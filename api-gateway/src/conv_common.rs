@@ -56,7 +56,8 @@ pub fn follower_slot(app: &App, owner: &OwnerId) -> Result<crate::limits::Permit
 
 /// Deletes `owner`'s conversation: stops a turn in progress and waits until it is
 /// stored (so nothing is written or cached for it after the delete), deletes every row
-/// leaving a tombstone, then evicts its KV everywhere. Whether every node acknowledged
+/// leaving a tombstone, waits for its turns on other replicas to end, then evicts its KV
+/// everywhere. Whether every node acknowledged
 /// the eviction now (else the tombstone's retries finish it).
 pub async fn delete_owned(app: &App, owner: &OwnerId, conversation: &ConversationId) -> Result<bool, ApiError> {
     let id = conversation.as_str();
@@ -73,6 +74,9 @@ pub async fn delete_owned(app: &App, owner: &OwnerId, conversation: &Conversatio
     if !app.store.delete_conversation(owner.as_str(), id, app.evictions.first_retry_ms()).await? {
         return Err(ApiError::not_found("conversation")); // a concurrent delete won
     }
+    // A turn of it streaming on another replica stops at its next write; its KV is
+    // evicted only after it ended there (else the retry task evicts later: 202).
+    app.evictions.wait_turns_stopped(id, crate::evictions::STOP_WAIT).await;
     let kv_evicted = app.evictions.attempt(id, 0, &[], "delete").await;
     tracing::info!(conversation = %id, kv_evicted, "conversation deleted");
     Ok(kv_evicted)

@@ -10,6 +10,15 @@
 //! `baton_coordinator::tombstones`); a tombstone clears only on an answer that owes
 //! nothing. The tombstones live in the store, so a restarted gateway resumes them.
 //!
+//! A turn still streaming on another gateway replica when its conversation is deleted
+//! would go on generating, and leave KV on its decode node behind an eviction made at
+//! once. The store records such turns with the deletion (the store is the replicas'
+//! shared truth); the replica running one finds its turn gone at its next token-log write,
+//! stops it and acknowledges once its generation ended; no eviction of the conversation
+//! is attempted while one is outstanding on a live replica
+//! ([`ConversationStore::turns_stopping`]), and the delete waits up to [`STOP_WAIT`] for
+//! them before its first attempt.
+//!
 //! [`Backoff`] is the pure core; [`Evictions`] is the shell over the store and the
 //! generator.
 
@@ -24,6 +33,13 @@ use crate::store::{now_unix_ms, ConversationStore, Tombstone};
 
 /// Tombstones one pass of the retry task takes.
 const BATCH: usize = 64;
+
+/// How often a deletion looks whether other replicas' turns of it ended.
+const STOP_POLL: Duration = Duration::from_millis(25);
+
+/// How long a deletion waits for other replicas' turns of its conversation to end before
+/// it answers (then 202: the retry task evicts once they did).
+pub const STOP_WAIT: Duration = Duration::from_secs(10);
 
 /// Delays between eviction attempts of one tombstone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +83,19 @@ impl Evictions {
     /// times (`owed`: who owed it then). Clears the tombstone when nothing is owed,
     /// else schedules the next attempt. True when the tombstone cleared.
     pub async fn attempt(&self, conversation: &str, failed: u32, owed: &[String], when: &'static str) -> bool {
+        // A turn of the conversation still generating on another replica would leave KV
+        // behind an eviction made now: wait until every such turn ended.
+        match self.store.turns_stopping(conversation).await {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(conversation, turns = n, "turns of the deleted conversation still run on other replicas");
+                return self.reschedule(conversation, failed, owed, when, "in_flight").await;
+            }
+            Err(e) => {
+                tracing::warn!(conversation, kind = e.label(), error = %e, "reading the turns still stopping failed");
+                return self.reschedule(conversation, failed, owed, when, "store_error").await;
+            }
+        }
         let evicted = match ConversationId::parse(conversation) {
             Ok(id) => self.generator.evict_conversation(&id).await,
             // Every generation's conversation is a parsed ID, so no node holds KV under
@@ -99,16 +128,42 @@ impl Evictions {
                 ("error", owed.to_vec())
             }
         };
+        self.reschedule(conversation, failed, &owed, when, result).await
+    }
+
+    /// Records a failed attempt and when the next is due. Always false (not cleared).
+    async fn reschedule(&self, conversation: &str, failed: u32, owed: &[String], when: &'static str, result: &'static str) -> bool {
         metrics::eviction_attempt(when, result);
         let failed = failed.saturating_add(1);
         let delay = self.backoff.delay(failed, rand::random::<f64>());
         let next = now_unix_ms().saturating_add(delay.as_millis() as i64);
         tracing::info!(conversation, attempts = failed, owed = ?owed, retry_in_ms = delay.as_millis() as u64, "eviction not yet acknowledged by every node");
-        if let Err(e) = self.store.tombstone_attempted(conversation, failed, next, &owed).await {
+        if let Err(e) = self.store.tombstone_attempted(conversation, failed, next, owed).await {
             tracing::warn!(conversation, kind = e.label(), error = %e, "recording an eviction attempt failed");
         }
         self.refresh_gauge().await;
         false
+    }
+
+    /// Waits (at most `limit`) until no turn of the deleted `conversation` runs on another
+    /// replica, polling the store; true when none does. A replica notices the deletion at
+    /// its turn's next token-log write and acknowledges once its generation ended.
+    pub async fn wait_turns_stopped(&self, conversation: &str, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            match self.store.turns_stopping(conversation).await {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(conversation, kind = e.label(), error = %e, "reading the turns still stopping failed");
+                    return false;
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(STOP_POLL).await;
+        }
     }
 
     /// Retries due tombstones until the task is dropped; each pass takes up to [`BATCH`].

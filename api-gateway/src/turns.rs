@@ -48,8 +48,16 @@ async fn run(app: Arc<App>, live: Arc<LiveTurn>, conversation: ConversationId, t
                 live.push(TurnEvent::Delta(text));
                 pos += 1;
                 if pending.len() >= LOG_BATCH {
-                    if let Err(e) = app.store.append_log(conversation.as_str(), turn_id.as_str(), &pending).await {
-                        tracing::warn!(conversation = %conversation, turn = %turn_id, error = %e, "token log write failed");
+                    match app.store.append_log(conversation.as_str(), turn_id.as_str(), &pending).await {
+                        Ok(true) => {}
+                        // The conversation was deleted (perhaps on another replica) or the
+                        // turn taken over: stop generating, so the deletion's eviction,
+                        // which waits for this turn to end, leaves no KV behind.
+                        Ok(false) => {
+                            tracing::info!(conversation = %conversation, turn = %turn_id, "the turn is no longer stored; stopping it");
+                            live.stop();
+                        }
+                        Err(e) => tracing::warn!(conversation = %conversation, turn = %turn_id, error = %e, "token log write failed"),
                     }
                     pending.clear();
                 }

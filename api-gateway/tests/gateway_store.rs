@@ -49,3 +49,69 @@ async fn sqlite_migrates_a_database_without_metadata() {
     let v: i64 = rusqlite::Connection::open(&path).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
     assert_eq!(v, 2, "both migrations (conversation and response metadata) applied");
 }
+
+/// Issue #39: a deleted conversation's text survived in the `-wal` file (every commit's
+/// pages are appended there until a checkpoint, and `secure_delete` only zeroes the
+/// database's own pages). While the store is still open, after a delete and after the
+/// retention job's delete, no byte of the deleted text is left in the database, its
+/// WAL or its shared-memory file; a conversation that was not deleted still is.
+#[tokio::test(flavor = "multi_thread")]
+async fn deleted_text_is_gone_from_every_file_of_the_database() {
+    use baton_api_gateway::store::{conformance::streaming_turn, now_unix, ConversationStore, LogEntry, TurnEnd, TurnState};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gw.db");
+    let store = SqliteStore::open(&path).unwrap();
+    let files = || -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for name in ["gw.db", "gw.db-wal", "gw.db-shm"] {
+            bytes.extend(std::fs::read(dir.path().join(name)).unwrap_or_default());
+        }
+        bytes
+    };
+    let holds = |bytes: &[u8], marker: &str| bytes.windows(marker.len()).any(|w| w == marker.as_bytes());
+    // One conversation per way of deleting it, and one that stays.
+    let kept = "kept-walnut-5512";
+    let mut written = Vec::new();
+    for id in ["c-deleted", "c-expired", "c-kept"] {
+        if id == "c-kept" {
+            // Written after the deletions below, so the retention job cannot take it.
+            continue;
+        }
+        let at = now_unix();
+        let marker = format!("{id}-zebra-quartz-7781");
+        let mut conv = conformance::conv(id, "alice", at);
+        conv.title = marker.clone();
+        store.create_conversation(&conv).await.unwrap();
+        store.set_summary(id, &marker.repeat(40)).await.unwrap();
+        let turn = baton_api_gateway::store::Turn { user_text: marker.repeat(200), ..streaming_turn(id, "t1") };
+        store.begin_turn(&turn).await.unwrap();
+        let log: Vec<LogEntry> = (0..50).map(|i| LogEntry { index: i, text: format!("{marker} {i}") }).collect();
+        store.append_log(id, "t1", &log).await.unwrap();
+        let end = TurnEnd {
+            state: TurnState::Done,
+            reply_text: marker.repeat(100),
+            output_ids: vec![1, 2],
+            finish_reason: "stop".into(),
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: 2,
+        };
+        store.finish_turn(id, "t1", &end).await.unwrap();
+        written.push(marker);
+    }
+    for marker in &written {
+        assert!(holds(&files(), marker), "the test's text must be on disk before the delete");
+    }
+    assert!(store.delete_conversation("alice", "c-deleted", 0).await.unwrap());
+    assert_eq!(store.delete_older_than(now_unix() + 10).await.unwrap(), vec!["c-expired".to_string()]);
+    let bytes = files();
+    for marker in &written {
+        assert!(!holds(&bytes, marker), "{marker}: deleted text is still in the database's files");
+    }
+    // A conversation nobody deleted stays, in the files and in the store.
+    let mut conv = conformance::conv("c-kept", "alice", now_unix());
+    conv.title = kept.to_string();
+    store.create_conversation(&conv).await.unwrap();
+    assert!(holds(&files(), kept));
+    assert!(store.get_conversation("alice", "c-kept").await.unwrap().is_some());
+}

@@ -76,6 +76,8 @@ pub struct TempPostgres {
     pub port: u16,
     run_as: Option<(u32, u32)>,
     child: Option<Child>,
+    /// Serving TLS only (`start_tls`): the server's certificate and key files.
+    tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl TempPostgres {
@@ -93,7 +95,7 @@ impl TempPostgres {
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
         }
-        let mut pg = TempPostgres { bin, dir, port: free_port()?, run_as, child: None };
+        let mut pg = TempPostgres { bin, dir, port: free_port()?, run_as, child: None, tls: None };
         let out = pg
             .command("initdb")
             .arg("-D")
@@ -104,6 +106,28 @@ impl TempPostgres {
         if !out.status.success() {
             bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
         }
+        pg.spawn()?;
+        Ok(pg)
+    }
+
+    /// Starts a fresh server that accepts TCP clients only over TLS (`hostssl` in
+    /// `pg_hba.conf`, no plaintext line), presenting `cert_pem` (its chain) and `key_pem`.
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Result<Self> {
+        let mut pg = Self::start()?;
+        pg.stop();
+        let (cert, key) = (pg.dir.path().join("server.crt"), pg.dir.path().join("server.key"));
+        std::fs::write(&cert, cert_pem)?;
+        std::fs::write(&key, key_pem)?;
+        // PostgreSQL refuses a key file others may read, and must own it.
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        if let Some((uid, gid)) = pg.run_as {
+            for f in [&cert, &key] {
+                std::os::unix::fs::chown(f, Some(uid), Some(gid))?;
+            }
+        }
+        let hba = "local all all trust\nhostssl all all 127.0.0.1/32 trust\nhostssl all all ::1/128 trust\n";
+        std::fs::write(pg.data().join("pg_hba.conf"), hba)?;
+        pg.tls = Some((cert, key));
         pg.spawn()?;
         Ok(pg)
     }
@@ -153,8 +177,12 @@ impl TempPostgres {
             bail!("postgres is already running");
         }
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("postgres.log"))?;
-        let child = self
-            .command("postgres")
+        let mut postgres = self.command("postgres");
+        if let Some((cert, key)) = &self.tls {
+            postgres.args(["-c", "ssl=on", "-c"]).arg(format!("ssl_cert_file={}", cert.display()));
+            postgres.arg("-c").arg(format!("ssl_key_file={}", key.display()));
+        }
+        let child = postgres
             .arg("-D")
             .arg(self.data())
             .arg("-k")

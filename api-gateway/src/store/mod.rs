@@ -306,8 +306,20 @@ pub trait ConversationStore: Send + Sync + 'static {
     /// when its replica stopped beating (a retry takes it over). Always false
     /// for a single-process store.
     async fn turn_runs_elsewhere(&self, conversation: &str, turn_id: &str) -> StoreResult<bool>;
-    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()>;
+    /// Appends to the turn's token log while the turn is still this replica's. False when
+    /// it is not (its conversation was deleted, on any replica, or another replica took
+    /// the turn over): nothing was stored and the caller stops the turn.
+    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<bool>;
+    /// Stores how the turn ended, if it is still this replica's. If it is not because
+    /// its conversation was deleted while it streamed here, this acknowledges the stop
+    /// the deleting replica waits for ([`ConversationStore::turns_stopping`]).
     async fn finish_turn(&self, conversation: &str, turn_id: &str, end: &TurnEnd) -> StoreResult<()>;
+    /// Turns of the deleted `conversation` that were streaming on another live replica
+    /// when it was deleted and have not ended there yet. A deletion evicts the
+    /// conversation's KV only once this is 0, so no turn still generating elsewhere
+    /// leaves KV behind the eviction. Always 0 for a single-process store (its own turns
+    /// are stopped before the delete).
+    async fn turns_stopping(&self, conversation: &str) -> StoreResult<u64>;
     /// Removes a turn that never started (the generator refused it).
     async fn discard_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<()>;
     async fn get_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<Option<Turn>>;

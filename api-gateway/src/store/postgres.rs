@@ -34,13 +34,15 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::Row;
 
 mod admission;
 mod schema;
+pub mod tls;
 
 use admission::{beat, heartbeat, heartbeat_every, live_instances, BeginError, HeartbeatGuard};
 use schema::migrate;
+use tls::TlsPolicy;
 pub use schema::MIGRATIONS;
 
 /// An instance silent for this long is dead: its streaming turns may be failed
@@ -92,7 +94,15 @@ fn is_unavailable(e: &tokio_postgres::Error) -> bool {
 
 fn db(e: tokio_postgres::Error) -> StoreError {
     if is_unavailable(&e) {
-        StoreError::Unavailable(format!("postgres: {e}"))
+        // The driver's message names only the step ("error performing TLS handshake");
+        // the causes say why (a certificate for another name, an unknown issuer).
+        let mut msg = format!("postgres: {e}");
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            msg.push_str(&format!(": {c}"));
+            cause = c.source();
+        }
+        StoreError::Unavailable(msg)
     } else {
         let detail = e.as_db_error().map(|d| d.message().to_string()).unwrap_or_else(|| e.to_string());
         StoreError::Db(format!("postgres: {detail}"))
@@ -172,7 +182,8 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
-    /// Connects to `url` (`postgres://user:password@host:port/db`), migrates
+    /// Connects to `url` (`postgres://user:password@host:port/db`, TLS as its
+    /// `sslmode` and `sslrootcert` say: [`tls`]), migrates
     /// the schema to the latest version and starts the heartbeat. Fails with
     /// a clear error if the server cannot be reached or the schema is newer
     /// than this gateway.
@@ -184,7 +195,9 @@ impl PostgresStore {
     /// `dead_after` without a heartbeat (whole seconds, at least one).
     pub async fn connect_with(url: &str, dead_after: Duration) -> StoreResult<Self> {
         let shown = redact_url(url);
-        let mut cfg: tokio_postgres::Config = url.parse().map_err(|e| StoreError::Db(format!("invalid PostgreSQL URL {shown}: {e}")))?;
+        let tls = TlsPolicy::from_url(url).map_err(|e| StoreError::Db(format!("invalid PostgreSQL URL {shown}: {e}")))?;
+        let mut cfg: tokio_postgres::Config = tls.url.parse().map_err(|e| StoreError::Db(format!("invalid PostgreSQL URL {shown}: {e}")))?;
+        cfg.ssl_mode(tls.driver_mode());
         if cfg.get_connect_timeout().is_none() {
             cfg.connect_timeout(CONNECT_TIMEOUT);
         }
@@ -192,7 +205,7 @@ impl PostgresStore {
         if cfg.get_application_name().is_none() {
             cfg.application_name("baton-gateway");
         }
-        let mgr = Manager::from_config(cfg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let mgr = Manager::from_config(cfg, tls.connector()?, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(mgr)
             .max_size(16)
             .runtime(Runtime::Tokio1)
@@ -366,14 +379,24 @@ impl ConversationStore for PostgresStore {
 
     async fn delete_conversation(&self, owner: &str, id: &str, first_retry_ms: i64) -> StoreResult<bool> {
         // Turns and the token log go with it (ON DELETE CASCADE); one statement leaves
-        // the tombstone, so there is never a deleted conversation without one.
+        // the tombstone, so there is never a deleted conversation without one, and
+        // records every turn streaming on another live replica: that replica stops it
+        // when its next write finds the turn gone, and clears the record once its
+        // generation ended (`finish_turn`); the eviction waits for that (`turns_stopping`).
         let rows = self
             .query(
-                "WITH gone AS (DELETE FROM conversations WHERE id = $1 AND owner = $2 RETURNING id) \
-                 INSERT INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) \
-                 SELECT id, $3, 0, $4, '[]' FROM gone \
-                 ON CONFLICT (conversation) DO UPDATE SET next_attempt_ms = EXCLUDED.next_attempt_ms RETURNING conversation",
-                &[&id, &owner, &now_unix(), &first_retry_ms],
+                &format!(
+                    "WITH stops AS (INSERT INTO turn_stops (conversation, turn_id, instance, created_at) \
+                     SELECT t.conversation, t.turn_id, t.instance, $3 FROM turns t JOIN conversations c ON c.id = t.conversation \
+                     WHERE t.conversation = $1 AND c.owner = $2 AND t.state = 'streaming' AND t.instance <> $5 \
+                     AND t.instance IN ({}) ON CONFLICT DO NOTHING), \
+                     gone AS (DELETE FROM conversations WHERE id = $1 AND owner = $2 RETURNING id) \
+                     INSERT INTO eviction_tombstones (conversation, created_at, attempts, next_attempt_ms, owed) \
+                     SELECT id, $3, 0, $4, '[]' FROM gone \
+                     ON CONFLICT (conversation) DO UPDATE SET next_attempt_ms = EXCLUDED.next_attempt_ms RETURNING conversation",
+                    live_instances(6)
+                ),
+                &[&id, &owner, &now_unix(), &first_retry_ms, &self.instance, &self.dead_after_secs],
             )
             .await?;
         Ok(!rows.is_empty())
@@ -408,46 +431,77 @@ impl ConversationStore for PostgresStore {
         Ok(r.is_some())
     }
 
-    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()> {
+    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<bool> {
         if entries.is_empty() {
-            return Ok(());
+            let r = self
+                .query_opt("SELECT 1 FROM turns WHERE conversation = $1 AND turn_id = $2 AND instance = $3", &[&conversation, &turn_id, &self.instance])
+                .await?;
+            return Ok(r.is_some());
         }
         let idx: Vec<i64> = entries.iter().map(|e| e.index).collect();
         let text: Vec<&str> = entries.iter().map(|e| e.text.as_str()).collect();
         // One statement, so the batch is stored whole or not at all; only while
-        // this instance holds the turn (a replica that took it over owns its log).
-        self.exec(
-            "INSERT INTO token_log (conversation, turn_id, idx, text) \
-             SELECT $1, $2, u.i, u.t FROM unnest($3::BIGINT[], $4::TEXT[]) AS u(i, t) \
-             WHERE EXISTS (SELECT 1 FROM turns WHERE conversation = $1 AND turn_id = $2 AND instance = $5) \
-             ON CONFLICT (conversation, turn_id, idx) DO UPDATE SET text = EXCLUDED.text",
-            &[&conversation, &turn_id, &idx, &text, &self.instance],
-        )
-        .await?;
-        Ok(())
+        // this instance holds the turn (a replica that took it over owns its log, and a
+        // deleted conversation has no turn). Zero rows: the turn is no longer ours.
+        let stored = self
+            .exec(
+                "INSERT INTO token_log (conversation, turn_id, idx, text) \
+                 SELECT $1, $2, u.i, u.t FROM unnest($3::BIGINT[], $4::TEXT[]) AS u(i, t) \
+                 WHERE EXISTS (SELECT 1 FROM turns WHERE conversation = $1 AND turn_id = $2 AND instance = $5) \
+                 ON CONFLICT (conversation, turn_id, idx) DO UPDATE SET text = EXCLUDED.text",
+                &[&conversation, &turn_id, &idx, &text, &self.instance],
+            )
+            .await;
+        match stored {
+            Ok(n) => Ok(n > 0),
+            // The deletion committed between the check and the insert's key check.
+            Err(StoreError::Db(m)) if m.contains("foreign key") => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     async fn finish_turn(&self, conversation: &str, turn_id: &str, e: &TurnEnd) -> StoreResult<()> {
         // Zero rows when the conversation was deleted while the turn streamed (nothing
         // to keep), or when another replica took the turn over (its run is the one kept).
-        self.exec(
-            "UPDATE turns SET state = $3, reply_text = $4, output_ids = $5, finish_reason = $6, prompt_tokens = $7, \
-             cached_tokens = $8, completion_tokens = $9 WHERE conversation = $1 AND turn_id = $2 AND instance = $10",
-            &[
-                &conversation,
-                &turn_id,
-                &e.state.as_str(),
-                &e.reply_text,
-                &ids_to_bytes(&e.output_ids),
-                &e.finish_reason,
-                &e.prompt_tokens,
-                &e.cached_tokens,
-                &e.completion_tokens,
-                &self.instance,
-            ],
-        )
-        .await?;
+        let n = self
+            .exec(
+                "UPDATE turns SET state = $3, reply_text = $4, output_ids = $5, finish_reason = $6, prompt_tokens = $7, \
+                 cached_tokens = $8, completion_tokens = $9 WHERE conversation = $1 AND turn_id = $2 AND instance = $10",
+                &[
+                    &conversation,
+                    &turn_id,
+                    &e.state.as_str(),
+                    &e.reply_text,
+                    &ids_to_bytes(&e.output_ids),
+                    &e.finish_reason,
+                    &e.prompt_tokens,
+                    &e.cached_tokens,
+                    &e.completion_tokens,
+                    &self.instance,
+                ],
+            )
+            .await?;
+        if n == 0 {
+            // The turn has ended here (its generation dropped): the replica that deleted
+            // its conversation may evict the KV now.
+            self.exec("DELETE FROM turn_stops WHERE conversation = $1 AND turn_id = $2 AND instance = $3", &[&conversation, &turn_id, &self.instance])
+                .await?;
+        }
         Ok(())
+    }
+
+    async fn turns_stopping(&self, conversation: &str) -> StoreResult<u64> {
+        let r = self
+            .query_opt(
+                &format!("SELECT count(*) FROM turn_stops WHERE conversation = $1 AND instance IN ({})", live_instances(2)),
+                &[&conversation, &self.dead_after_secs],
+            )
+            .await?;
+        let n: i64 = match r {
+            Some(r) => get(&r, 0)?,
+            None => 0,
+        };
+        Ok(n as u64)
     }
 
     async fn discard_turn(&self, conversation: &str, turn_id: &str) -> StoreResult<()> {
@@ -505,8 +559,9 @@ impl ConversationStore for PostgresStore {
             .await?;
         let mut ids = rows.iter().map(|r| get::<String>(r, 0)).collect::<StoreResult<Vec<_>>>()?;
         ids.sort();
-        // Heartbeat rows of instances long gone.
+        // Heartbeat rows of instances long gone, and the stops they never acknowledged.
         self.exec("DELETE FROM gateway_instances WHERE seen_at < $1", &[&cutoff]).await?;
+        self.exec("DELETE FROM turn_stops WHERE instance NOT IN (SELECT id FROM gateway_instances)", &[]).await?;
         Ok(ids)
     }
 

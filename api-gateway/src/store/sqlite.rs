@@ -2,7 +2,10 @@
 //! `synchronous=NORMAL` (a commit survives a process crash; a power loss may
 //! lose the last commits), foreign keys with cascading deletes so a
 //! conversation's turns and token log go with it. Calls run on the blocking
-//! pool behind one connection mutex.
+//! pool behind one connection mutex. A deletion leaves no byte of the deleted
+//! text in any of the store's files: `secure_delete` zeroes it in the database's
+//! pages and a truncating checkpoint (`erase_wal`) empties the WAL that still
+//! held earlier versions of those pages.
 
 use super::*;
 use rusqlite::{params, Connection, OptionalExtension};
@@ -289,6 +292,26 @@ impl CachedSql for Connection {
     }
 }
 
+/// After a deletion committed: copies the WAL into the database and truncates it to
+/// zero bytes. `secure_delete` zeroes the freed cells, but only in the page versions the
+/// deletion wrote; every earlier version of those pages, the deleted text included, stays
+/// in the `-wal` file until a checkpoint, and a plain checkpoint leaves the file's bytes
+/// in place for reuse. One connection serves the store (behind its mutex), so no reader
+/// holds the WAL open and the checkpoint completes. If something else does (an
+/// operator's `sqlite3` on the file), the deletion has committed all the same: it is logged
+/// as an error (the text stays in the WAL until a later deletion's checkpoint gets through)
+/// rather than answered as a failure the client would retry into a 404.
+/// The `-shm` file holds only page numbers and hashes, never row text.
+fn erase_wal(c: &Connection) -> StoreResult<()> {
+    let (busy, log, done): (i64, i64, i64) = c
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .map_err(db)?;
+    if busy != 0 {
+        tracing::error!(frames = log, checkpointed = done, "the WAL could not be truncated after a deletion: another process holds the database open");
+    }
+    Ok(())
+}
+
 fn get_turn_sync(c: &Connection, conversation: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
     let row = c
         .row(
@@ -480,6 +503,9 @@ impl ConversationStore for SqliteStore {
                 .map_err(db)?;
             }
             tx.commit().map_err(db)?;
+            if n > 0 {
+                erase_wal(c)?;
+            }
             Ok(n > 0)
         })
         .await
@@ -521,13 +547,19 @@ impl ConversationStore for SqliteStore {
         Ok(false)
     }
 
-    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<()> {
-        if entries.is_empty() {
-            return Ok(());
-        }
+    async fn append_log(&self, conversation: &str, turn_id: &str, entries: &[LogEntry]) -> StoreResult<bool> {
         let (cv, t, es) = (conversation.to_string(), turn_id.to_string(), entries.to_vec());
         self.with(move |c| {
             let tx = c.transaction().map_err(db)?;
+            // One process: a turn is gone only when its conversation was deleted.
+            let exists = tx
+                .row("SELECT 1 FROM turns WHERE conversation = ?1 AND turn_id = ?2", params![cv, t], |_| Ok(()))
+                .optional()
+                .map_err(db)?
+                .is_some();
+            if !exists {
+                return Ok(false);
+            }
             {
                 let mut st = tx
                     .prepare_cached("INSERT OR REPLACE INTO token_log (conversation, turn_id, idx, text) VALUES (?1, ?2, ?3, ?4)")
@@ -536,9 +568,14 @@ impl ConversationStore for SqliteStore {
                     st.execute(params![cv, t, e.index, e.text]).map_err(db)?;
                 }
             }
-            tx.commit().map_err(db)
+            tx.commit().map_err(db)?;
+            Ok(true)
         })
         .await
+    }
+
+    async fn turns_stopping(&self, _conversation: &str) -> StoreResult<u64> {
+        Ok(0)
     }
 
     async fn finish_turn(&self, conversation: &str, turn_id: &str, end: &TurnEnd) -> StoreResult<()> {
@@ -630,6 +667,9 @@ impl ConversationStore for SqliteStore {
             .map_err(db)?;
             tx.run("DELETE FROM conversations WHERE updated_at < ?1", params![cutoff]).map_err(db)?;
             tx.commit().map_err(db)?;
+            if !ids.is_empty() {
+                erase_wal(c)?;
+            }
             Ok(ids)
         })
         .await

@@ -23,6 +23,22 @@ impl TempPostgres {
         }
     }
 
+    /// A server that accepts TCP clients over TLS only, presenting `cert_pem` and `key_pem`.
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Option<Self> {
+        match imp::TempPostgres::start_tls(cert_pem, key_pem) {
+            Ok(pg) => Some(TempPostgres(pg)),
+            Err(e) if e.is::<imp::NotInstalled>() => {
+                eprintln!("\n!!!!! SKIPPED: {e}; TLS to PostgreSQL is NOT tested !!!!!\n");
+                None
+            }
+            Err(e) => panic!("starting PostgreSQL with TLS: {e:#}"),
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.0.port
+    }
+
     pub fn url(&self) -> String {
         self.0.url()
     }

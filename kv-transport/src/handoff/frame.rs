@@ -389,12 +389,27 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     limits: &FrameLimits,
 ) -> Result<Option<Frame>> {
+    Ok(read_frame_within(r, limits, None).await?.map(|(f, _)| f))
+}
+
+/// [`read_frame`], taking the payload's bytes from `budget` (the connection's) before
+/// allocating them; the permit returned with the frame gives them back when dropped.
+pub(crate) async fn read_frame_within<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &FrameLimits,
+    budget: Option<&crate::transport::ConnBudget>,
+) -> Result<Option<(Frame, Option<crate::transport::BudgetPermit>)>> {
     let mut head = [0u8; HEADER_LEN];
     if !read_head(r, &mut head, "reading a frame header", "stream ended inside a frame header").await? {
         return Ok(None);
     }
     let header = FrameHeader::decode(&head, limits)?;
-    // Bounded by `limits` in `FrameHeader::decode`.
+    // Only block data is budgeted: every other kind's payload is fixed and small.
+    let permit = match budget {
+        Some(b) if header.kind == FrameKind::Data && header.payload_len > 0 => Some(b.take(header.payload_len).await?),
+        _ => None,
+    };
+    // Bounded by `limits` in `FrameHeader::decode`, and by the connection's budget.
     let mut payload = BufferPool::frames().take(header.payload_len as usize);
     r.read_exact(&mut payload).await.map_err(|e| match e.kind() {
         std::io::ErrorKind::UnexpectedEof => Error::FrameMalformed { what: "stream ended inside a frame payload" },
@@ -404,11 +419,12 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     r.read_exact(&mut c)
         .await
         .map_err(|e| Error::io("reading a frame checksum", e))?;
-    Ok(Some(Frame {
+    let frame = Frame {
         header,
         payload: payload.freeze(),
         checksum: u32::from_le_bytes(c),
-    }))
+    };
+    Ok(Some((frame, permit)))
 }
 
 /// Writes one frame to a byte stream (not flushed).

@@ -48,6 +48,10 @@ pub struct ReceiverConfig {
     pub linger: Duration,
     /// Caps on incoming frames.
     pub limits: FrameLimits,
+    /// Bytes of frame payload one connection may hold allocated at once
+    /// ([`ConnBudget`](crate::transport::ConnBudget): QUIC carries many links on one
+    /// connection). At least `limits.max_payload`, so every acceptable frame fits.
+    pub connection_budget: u32,
     /// How many ended reservations are remembered to explain late frames.
     pub remember_ended: usize,
 }
@@ -60,6 +64,9 @@ impl Default for ReceiverConfig {
             open_timeout: Duration::from_secs(10),
             linger: Duration::from_secs(2),
             limits: FrameLimits::default(),
+            // Four of the largest frames: a sender's parallel streams keep flowing, and a
+            // peer that stalls them pins at most this much.
+            connection_budget: 256 << 20,
             remember_ended: 4096,
         }
     }
@@ -132,6 +139,8 @@ struct Inner {
     stats: Arc<TransportStats>,
     /// Per transport: what arrived over its links.
     link_stats: Mutex<Vec<Arc<TransportStats>>>,
+    /// Frame payload bytes held under every connection's budget right now.
+    frame_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The receiving end for one pool. Cheap to clone; clones share everything.
@@ -180,6 +189,11 @@ impl KvReceiver {
                 what: "frame limit is smaller than one block-layer",
             });
         }
+        if config.connection_budget < config.limits.max_payload {
+            return Err(Error::InvalidArgument {
+                what: "connection budget is smaller than the frame limit",
+            });
+        }
         Ok(KvReceiver {
             inner: Arc::new(Inner {
                 sink,
@@ -189,6 +203,7 @@ impl KvReceiver {
                 table: Mutex::new(Table::default()),
                 stats: Arc::new(TransportStats::new("all", Side::Receiver)),
                 link_stats: Mutex::new(Vec::new()),
+                frame_bytes: Arc::default(),
             }),
         })
     }
@@ -206,6 +221,20 @@ impl KvReceiver {
     /// Caps a transport applies to frames it reads for this receiver.
     pub fn frame_limits(&self) -> FrameLimits {
         self.inner.config.limits
+    }
+
+    /// Bytes one connection may hold in frames being read ([`ReceiverConfig::connection_budget`]).
+    pub fn connection_budget(&self) -> u32 {
+        self.inner.config.connection_budget
+    }
+
+    /// Frame payload bytes held under connection budgets right now, all connections together.
+    pub fn frame_bytes_in_flight(&self) -> u64 {
+        self.inner.frame_bytes.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn frame_bytes_counter(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.inner.frame_bytes.clone()
     }
 
     /// Counters of this receiver across all transports (transport label `all`), including

@@ -12,6 +12,10 @@ use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{Error, Result};
 use crate::handoff::frame::{Frame, FrameLimits};
@@ -84,6 +88,57 @@ impl StreamLimits {
     /// Tightens (never widens) the limits for later frames.
     pub(crate) fn tighten(&mut self, limits: FrameLimits) {
         self.limits.max_payload = self.limits.max_payload.min(limits.max_payload);
+    }
+}
+
+/// Bytes of frame payload one connection may hold allocated at once (issue #39). A
+/// multiplexed transport (QUIC) carries many links on one connection, each of which, once
+/// opened, may announce a payload of one layer of its reservation; the receiver allocates
+/// a payload when its header arrives, so a peer that announces frames on every stream and
+/// then stalls would pin one layer's bytes per stream. Each connection gets one budget:
+/// a payload is allocated only after its bytes were taken from the budget (a frame
+/// waits for room, holding nothing), and they go back when the link asks for its next
+/// frame or ends in any way (the permit is dropped with the link: done, reset, failed,
+/// deadline, dead peer, listener shutdown). One peer's stalled frames therefore hold at
+/// most its own budget and delay only its own connection's other streams.
+#[derive(Clone)]
+pub(crate) struct ConnBudget {
+    room: Arc<Semaphore>,
+    total: u32,
+    /// The receiver-wide count of bytes held under every connection's budget.
+    held: Arc<AtomicU64>,
+}
+
+/// Bytes taken from a [`ConnBudget`], returned on drop.
+pub(crate) struct BudgetPermit {
+    _room: OwnedSemaphorePermit,
+    bytes: u32,
+    held: Arc<AtomicU64>,
+}
+
+impl Drop for BudgetPermit {
+    fn drop(&mut self) {
+        self.held.fetch_sub(u64::from(self.bytes), Ordering::Relaxed);
+    }
+}
+
+impl ConnBudget {
+    pub(crate) fn new(total: u32, held: Arc<AtomicU64>) -> Self {
+        ConnBudget { room: Arc::new(Semaphore::new(total as usize)), total, held }
+    }
+
+    /// Takes `bytes` from the budget, waiting until the connection's earlier frames gave
+    /// enough back. A frame larger than the whole budget could never fit: refused.
+    pub(crate) async fn take(&self, bytes: u32) -> Result<BudgetPermit> {
+        if bytes > self.total {
+            return Err(Error::FrameTooLarge { len: u64::from(bytes), max: u64::from(self.total) });
+        }
+        let room = self.room.clone().acquire_many_owned(bytes).await.map_err(|_| Error::Link {
+            transport: "any",
+            detail: "the connection's frame budget was closed".into(),
+        })?;
+        self.held.fetch_add(u64::from(bytes), Ordering::Relaxed);
+        Ok(BudgetPermit { _room: room, bytes, held: self.held.clone() })
     }
 }
 

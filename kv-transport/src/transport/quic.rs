@@ -17,6 +17,7 @@
 use baton_identity::Identity;
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,9 +28,9 @@ use tokio::task::JoinSet;
 
 use crate::certs::NodeTls;
 use crate::error::{Error, Result};
-use crate::handoff::frame::{read_frame, Frame, FrameLimits};
+use crate::handoff::frame::{read_frame_within, Frame, FrameLimits};
 use crate::handoff::KvReceiver;
-use crate::transport::{BoxFuture, Connector, Link, LinkRx, LinkTx, Listener, Peer, StreamLimits};
+use crate::transport::{BoxFuture, BudgetPermit, ConnBudget, Connector, Link, LinkRx, LinkTx, Listener, Peer, StreamLimits};
 
 const NAME: &str = "quic";
 
@@ -196,6 +197,11 @@ struct QuicTx(quinn::SendStream);
 struct QuicRx {
     recv: quinn::RecvStream,
     limits: StreamLimits,
+    /// The connection's frame budget (a listener's links; None for a sender's replies).
+    budget: Option<ConnBudget>,
+    /// The last frame's bytes, held until the link asks for the next frame (by then the
+    /// receiver installed it) or drops.
+    held: Option<BudgetPermit>,
 }
 
 impl LinkTx for QuicTx {
@@ -217,8 +223,13 @@ impl LinkTx for QuicTx {
 impl LinkRx for QuicRx {
     fn recv(&mut self) -> BoxFuture<'_, Result<Option<Frame>>> {
         Box::pin(async move {
-            let frame = read_frame(&mut self.recv, &self.limits.next()).await;
-            self.limits.read(frame)
+            self.held = None;
+            let read = read_frame_within(&mut self.recv, &self.limits.next(), self.budget.as_ref()).await;
+            let frame = self.limits.read(read)?.map(|(frame, permit)| {
+                self.held = permit;
+                frame
+            });
+            Ok(frame)
         })
     }
 
@@ -227,10 +238,10 @@ impl LinkRx for QuicRx {
     }
 }
 
-fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits, peer: Option<Identity>) -> Link {
+fn link(send: quinn::SendStream, recv: quinn::RecvStream, limits: FrameLimits, peer: Option<Identity>, budget: Option<ConnBudget>) -> Link {
     Link {
         tx: Box::new(QuicTx(send)),
-        rx: Box::new(QuicRx { recv, limits: StreamLimits::new(limits) }),
+        rx: Box::new(QuicRx { recv, limits: StreamLimits::new(limits), budget, held: None }),
         transport: NAME,
         peer,
     }
@@ -254,21 +265,25 @@ impl QuicListener {
         receiver: KvReceiver,
     ) -> Result<Self> {
         let limits = receiver.frame_limits();
-        let handler: StreamHandler = Arc::new(move |send, recv, peer| {
+        let budget = Some((receiver.connection_budget(), receiver.frame_bytes_counter()));
+        let handler: StreamHandler = Arc::new(move |send, recv, peer, budget| {
             let receiver = receiver.clone();
-            Box::pin(async move { receiver.serve_link(link(send, recv, limits, peer)).await })
+            Box::pin(async move { receiver.serve_link(link(send, recv, limits, peer, budget)).await })
         });
-        Self::bind_streams(addr, server_name, tls, tuning, handler)
+        Self::bind_streams(addr, server_name, tls, tuning, handler, budget)
     }
 
     /// Like [`QuicListener::bind`], but every accepted stream goes to `handler` (the RDMA
-    /// transport uses the streams as its control channel).
+    /// transport uses the streams as its control channel). With `budget` (bytes, and the
+    /// receiver-wide count of bytes held), each connection's streams share one
+    /// [`ConnBudget`] of that many bytes.
     pub(crate) fn bind_streams(
         addr: SocketAddr,
         server_name: &str,
         tls: &NodeTls,
         tuning: &QuicTuning,
         handler: StreamHandler,
+        budget: Option<(u32, Arc<AtomicU64>)>,
     ) -> Result<Self> {
         let crypto = QuicServerConfig::try_from(tls.server_config(crate::certs::ALPN)?)
             .map_err(|e| Error::Tls { detail: e.to_string() })?;
@@ -285,7 +300,8 @@ impl QuicListener {
                 tokio::select! {
                     incoming = ep.accept() => match incoming {
                         Some(incoming) => {
-                            conns.spawn(serve_connection(incoming, handler.clone()));
+                            let budget = budget.as_ref().map(|(bytes, held)| ConnBudget::new(*bytes, held.clone()));
+                            conns.spawn(serve_connection(incoming, handler.clone(), budget));
                         }
                         None => break,
                     },
@@ -312,9 +328,10 @@ impl QuicListener {
 }
 
 /// What a listener does with each accepted bidirectional stream, given the identity the
-/// connection's client certificate names.
-pub(crate) type StreamHandler =
-    Arc<dyn Fn(quinn::SendStream, quinn::RecvStream, Option<Identity>) -> BoxFuture<'static, ()> + Send + Sync>;
+/// connection's client certificate names and the connection's frame budget.
+pub(crate) type StreamHandler = Arc<
+    dyn Fn(quinn::SendStream, quinn::RecvStream, Option<Identity>, Option<ConnBudget>) -> BoxFuture<'static, ()> + Send + Sync,
+>;
 
 /// The identity the connection's (already verified) client certificate names.
 fn peer_identity(conn: &quinn::Connection) -> Option<Identity> {
@@ -322,7 +339,7 @@ fn peer_identity(conn: &quinn::Connection) -> Option<Identity> {
     Identity::from_cert_der(certs.first()?).ok()
 }
 
-async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler) {
+async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler, budget: Option<ConnBudget>) {
     let conn = match incoming.await {
         Ok(c) => c,
         Err(e) => {
@@ -336,7 +353,7 @@ async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler) {
         tokio::select! {
             s = conn.accept_bi() => match s {
                 Ok((send, recv)) => {
-                    streams.spawn(handler(send, recv, peer.clone()));
+                    streams.spawn(handler(send, recv, peer.clone(), budget.clone()));
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "QUIC connection ended");
@@ -440,7 +457,7 @@ impl Connector for QuicConnector {
         Box::pin(async move {
             let (send, recv) = self.open_stream(peer).await?;
             // Replies are control frames: no payload larger than the default cap.
-            Ok(link(send, recv, FrameLimits { max_payload: 0 }, None))
+            Ok(link(send, recv, FrameLimits { max_payload: 0 }, None, None))
         })
     }
 }

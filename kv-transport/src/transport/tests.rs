@@ -157,3 +157,98 @@ async fn a_grant_is_filled_only_by_the_node_it_was_issued_to() {
     }
     assert_eq!(dst.free_blocks(), 8);
 }
+
+/// Issue #39: the receiver allocates a data frame's payload when its header arrives, and
+/// QUIC carries many links on one connection, so a peer holding grants could announce a
+/// full layer on every stream and stall, pinning one layer's bytes per stream. Each
+/// connection now reads frames under one budget: a stalled peer holds at most its
+/// budget, another peer's transfer on its own connection goes through meanwhile, and the
+/// bytes come back when the streams are reset or the peer's connection dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected() {
+    use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
+    use bytes::BytesMut;
+    use std::time::Instant;
+    const BLOCKS: usize = 4;
+    const STREAMS: usize = 8;
+    let layer = (BLOCKS * LAYOUT.bytes_per_block_layer()) as u32;
+    let budget = 2 * layer;
+    let certs = generate_dev_certs("test", &["decode-0", "prefill-0", "prefill-1"]).unwrap();
+    let server = certs.node_tls("decode-0").unwrap();
+    let dst = Arc::new(ArenaPool::new(LAYOUT, 2 * STREAMS * BLOCKS + BLOCKS).unwrap());
+    let config = ReceiverConfig {
+        limits: crate::handoff::frame::FrameLimits { max_payload: layer },
+        connection_budget: budget,
+        ..ReceiverConfig::default()
+    };
+    let receiver = KvReceiver::new(dst.clone(), config).unwrap();
+    let tuning = QuicTuning::default();
+    let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
+
+    async fn settle(receiver: &KvReceiver, want: u64) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let held = receiver.frame_bytes_in_flight();
+            if held == want || Instant::now() > deadline {
+                return held;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    // The attack: on every stream, a valid Open for a grant of its own, then a data header
+    // announcing a whole layer, and never the payload.
+    let stall = |grant: &crate::handoff::Grant| {
+        let mut bytes = BytesMut::new();
+        Frame::open(grant.reservation, grant.epoch, &LAYOUT, grant.layers.clone(), BLOCKS as u32).encode_to(&mut bytes);
+        let mut h = FrameHeader::new(FrameKind::Data, grant.reservation, grant.epoch);
+        h.block_count = BLOCKS as u32;
+        h.payload_len = layer;
+        bytes.extend_from_slice(&h.encode());
+        bytes.freeze()
+    };
+    for round in ["streams reset", "connection closed"] {
+        let attacker = QuicConnector::new(&certs.node_tls("prefill-1").unwrap(), &tuning).unwrap();
+        let mut held_open = Vec::new();
+        let mut streams = Vec::new();
+        for _ in 0..STREAMS {
+            let res = receiver.reserve(BLOCKS, Some(Duration::from_secs(60))).unwrap();
+            let (mut send, recv) = attacker.open_stream(&quic.peer()).await.unwrap();
+            send.write_all(&stall(res.grant())).await.unwrap();
+            held_open.push(res);
+            streams.push((send, recv));
+        }
+        let held = settle(&receiver, u64::from(budget)).await;
+        assert_eq!(held, u64::from(budget), "{round}: {STREAMS} stalled frames of {layer} bytes must hold exactly the budget ({budget})");
+        // Another peer, on its own connection, is not held up by the stalled one.
+        let honest: Arc<dyn Connector> = Arc::new(QuicConnector::new(&certs.node_tls("prefill-0").unwrap(), &tuning).unwrap());
+        let src = Arc::new(ArenaPool::new(LAYOUT, BLOCKS).unwrap());
+        let res = receiver.reserve(BLOCKS, Some(Duration::from_secs(10))).unwrap();
+        let blocks = src.reserve(BLOCKS).unwrap();
+        for b in &blocks {
+            src.fill_block(*b, u64::from(b.0) + 7).unwrap();
+        }
+        let sent = tokio::time::timeout(Duration::from_secs(10), KvSender::new(honest).send(&quic.peer(), res.grant(), src.clone(), blocks.clone())).await;
+        assert!(matches!(sent, Ok(Ok(_))), "{round}: the other peer's transfer failed: {sent:?}");
+        let got = res.finished().await.unwrap();
+        for (s, d) in blocks.iter().zip(&got) {
+            assert_eq!(src.read_block(*s).unwrap(), dst.read_block(*d).unwrap());
+        }
+        dst.release(&got);
+        assert_eq!(settle(&receiver, u64::from(budget)).await, u64::from(budget), "{round}: the attacker still holds only its budget");
+        // Every way the attacker's links end gives its bytes back and ends its reservations.
+        if round == "streams reset" {
+            for (mut send, _recv) in streams {
+                send.reset(quinn::VarInt::from_u32(1)).unwrap();
+            }
+        } else {
+            // The peer dies: its endpoint and every handle of the connection go away.
+            drop((streams, attacker));
+        }
+        assert_eq!(settle(&receiver, 0).await, 0, "{round}: the attacker's bytes must come back");
+        for res in held_open {
+            let ended = tokio::time::timeout(Duration::from_secs(10), res.finished()).await;
+            assert!(matches!(ended, Ok(Err(_))), "{round}: a stalled reservation must end with its link");
+        }
+        assert_eq!(dst.free_blocks(), dst.total_blocks(), "{round}: every reserved block is back");
+    }
+}

@@ -120,6 +120,20 @@ ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
 ALTER TABLE turns ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
 "#,
     ),
+    (
+        6,
+        r#"
+-- Turns that were streaming on another live replica when their conversation was
+-- deleted, until that replica ended them: the deletion evicts KV only after (no text).
+CREATE TABLE turn_stops (
+    conversation TEXT COLLATE "C" NOT NULL,
+    turn_id TEXT COLLATE "C" NOT NULL,
+    instance TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    PRIMARY KEY (conversation, turn_id)
+);
+"#,
+    ),
 ];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").

@@ -187,12 +187,13 @@ impl RdmaListener {
             rings: RingPool::new(config.rings),
             receiver,
         });
-        let handler: StreamHandler = Arc::new(move |send, recv, peer| {
+        // Control frames only (the blocks move by RDMA): no payload budget.
+        let handler: StreamHandler = Arc::new(move |send, recv, peer, _budget| {
             let shared = shared.clone();
             Box::pin(async move { serve_stream(shared, send, recv, peer).await })
         });
         Ok(RdmaListener {
-            quic: QuicListener::bind_streams(addr, server_name, tls, tuning, handler)?,
+            quic: QuicListener::bind_streams(addr, server_name, tls, tuning, handler, None)?,
         })
     }
 

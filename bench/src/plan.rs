@@ -20,6 +20,7 @@ use crate::capacity::{CapacityArgs, Inputs};
 use crate::planner::{CostModel, Decision, Planner, PlannerConfig, PoolLimits, Signals, Slo};
 use crate::simulate::parse_seconds;
 
+pub mod etcd_election;
 pub mod kube;
 pub mod lease;
 pub mod serve;
@@ -76,6 +77,10 @@ pub struct PlanArgs {
     /// namespace (identity: $POD_NAME, else $HOSTNAME), so replicas never both patch.
     #[arg(long, env = "BATON_PLAN_LEADER_ELECTION")]
     pub leader_election: bool,
+    /// With --leader-election: elect through this etcd (comma-separated endpoints, e.g. the
+    /// coordinators' membership etcd) instead of the Kubernetes Lease; then any --apply.
+    #[arg(long, env = "BATON_PLAN_ELECTION_ETCD", value_delimiter = ',')]
+    pub election_etcd: Vec<String>,
     /// The decode pool's workload in the planner's namespace (with --apply kubernetes).
     #[arg(long, env = "BATON_PLAN_DECODE_WORKLOAD", default_value = "statefulset/baton-decode")]
     pub decode_workload: kube::Workload,
@@ -259,6 +264,24 @@ fn render(d: &Decision) -> String {
     )
 }
 
+/// How planner replicas agree on the one that acts.
+enum Election {
+    /// The Kubernetes Lease `baton-planner` (`lease`).
+    Lease(lease::Elector),
+    /// A key under an etcd lease (`etcd_election`); boxed: its client is large.
+    Etcd(Box<etcd_election::EtcdElector>),
+}
+
+impl Election {
+    /// What the leader holds, for the log.
+    fn what(&self) -> String {
+        match self {
+            Election::Lease(_) => format!("Lease {}", lease::LEASE),
+            Election::Etcd(_) => format!("etcd key {}", etcd_election::KEY),
+        }
+    }
+}
+
 /// Entry point of `baton plan`.
 pub fn run(a: PlanArgs) -> Result<()> {
     if a.interval < 1.0 {
@@ -277,14 +300,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
             Apply::Kubernetes => Some(kube::KubeScaler::in_cluster()?),
             Apply::None => None,
         };
-        let mut elector = match (a.leader_election, a.apply) {
-            (false, _) => None,
-            (true, Apply::None) => bail!("--leader-election needs --apply kubernetes"),
-            (true, Apply::Kubernetes) => {
-                let me = std::env::var("POD_NAME").or_else(|_| std::env::var("HOSTNAME")).context("--leader-election needs $POD_NAME or $HOSTNAME")?;
-                // Three intervals of silence before another replica takes over.
-                Some(lease::Elector::new(me, Duration::from_secs_f64(a.interval * 3.0))?)
-            }
+        // Three intervals of silence before another replica takes over.
+        let silence = Duration::from_secs_f64(a.interval * 3.0);
+        let identity = || std::env::var("POD_NAME").or_else(|_| std::env::var("HOSTNAME")).context("--leader-election needs $POD_NAME or $HOSTNAME");
+        let mut elector = match (a.leader_election, a.apply, a.election_etcd.is_empty()) {
+            (false, _, true) => None,
+            (false, _, false) => bail!("--election-etcd needs --leader-election"),
+            (true, _, false) => Some(Election::Etcd(Box::new(etcd_election::EtcdElector::connect(&a.election_etcd, identity()?, silence).await?))),
+            (true, Apply::None, true) => bail!("--leader-election needs --apply kubernetes (the Lease) or --election-etcd"),
+            (true, Apply::Kubernetes, true) => Some(Election::Lease(lease::Elector::new(identity()?, silence)?)),
         };
         if let Some(addr) = a.metrics_listen {
             let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --metrics-listen {addr}"))?;
@@ -309,20 +333,23 @@ pub fn run(a: PlanArgs) -> Result<()> {
                     } else {
                         crate::emit(&text)?
                     }
-                    let leading = match (&mut elector, &scaler) {
-                        (Some(e), Some(k)) => match e.lead(k).await {
-                            Ok(l) => l,
-                            Err(e) => {
-                                eprintln!("plan: not leading: {e:#}");
-                                false
-                            }
-                        },
-                        _ => true,
+                    let led = match (&mut elector, &scaler) {
+                        (Some(Election::Lease(e)), Some(k)) => Some(e.lead(k).await),
+                        (Some(Election::Etcd(e)), _) => Some(e.lead().await),
+                        _ => None,
                     };
-                    if elector.is_some() {
+                    let leading = match led {
+                        None => true,
+                        Some(Ok(l)) => l,
+                        Some(Err(e)) => {
+                            eprintln!("plan: not leading: {e:#}");
+                            false
+                        }
+                    };
+                    if let Some(e) = &elector {
                         shown.lock().unwrap_or_else(|e| e.into_inner()).metrics.set_leader(Some(leading));
                         if !leading {
-                            eprintln!("plan: standing by: another replica holds Lease {}", lease::LEASE);
+                            eprintln!("plan: standing by: another replica holds {}", e.what());
                         }
                     }
                     if let Some(k) = scaler.as_ref().filter(|_| leading) {

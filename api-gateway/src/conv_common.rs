@@ -54,6 +54,15 @@ pub fn follower_slot(app: &App, owner: &OwnerId) -> Result<crate::limits::Permit
     })
 }
 
+/// Counts one conversation create or list against `owner`'s
+/// `conversation_requests_per_minute` (429 above it, like every other limit).
+pub fn admit_request(app: &App, owner: &OwnerId) -> Result<(), ApiError> {
+    app.limiter.admit_request(owner.as_str()).map_err(|r| {
+        crate::metrics::rate_limited(r.limit);
+        ApiError::rate_limited(r.limit, r.retry_after)
+    })
+}
+
 /// Deletes `owner`'s conversation: stops a turn in progress and waits until it is
 /// stored (so nothing is written or cached for it after the delete), deletes every row
 /// leaving a tombstone, waits for its turns on other replicas to end, then evicts its KV

@@ -64,6 +64,7 @@ fn conv_json(c: &Conversation) -> Value {
 pub async fn create(State(app): State<Arc<App>>, auth: AuthUser, body: Body) -> Result<Response, ApiError> {
     let AuthUser(user, _) = auth.clone();
     metrics::request("conversations_create");
+    crate::conv_common::admit_request(&app, &user)?;
     let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let b: CreateBody = if body.iter().all(u8::is_ascii_whitespace) {
         CreateBody::default()
@@ -104,6 +105,7 @@ pub async fn create(State(app): State<Arc<App>>, auth: AuthUser, body: Body) -> 
 
 pub async fn list(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_list");
+    crate::conv_common::admit_request(&app, &user)?;
     let cs = app.store.list_conversations(user.as_str()).await?;
     Ok(Json(json!({"object": "list", "data": cs.iter().map(conv_json).collect::<Vec<_>>()})))
 }
@@ -273,7 +275,7 @@ pub async fn add_turn(
             // the input check refuses is neither stored nor used: the turn
             // appends to the full history as below the threshold, and the next
             // turn tries again.
-            match summarize(&app, &user, &conversation, p).await? {
+            match summarize(&app, &user, &key, &conversation, p).await? {
                 Some(summary) => {
                     let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id.as_str()).collect();
                     let keep = app.config.summary_keep_turns.min(in_context.len());
@@ -344,12 +346,23 @@ async fn attach_stored(app: Arc<App>, owner: &OwnerId, id: ConversationId, turn_
 /// (greedy, appended to that turn's tokens so the prefix cache serves it).
 /// The summary becomes prompt text of every later turn, so it passes the
 /// input check like a client's message; `None` when the check refuses it.
-async fn summarize(app: &Arc<App>, owner: &OwnerId, conversation: &ConversationId, last: &Turn) -> Result<Option<String>, ApiError> {
+/// It is model work done for the owner, so it passes the owner's limits like a
+/// turn before the model is asked (429 without generating when over) and its
+/// tokens are charged to them: retrying a refused turn cannot buy free generation.
+async fn summarize(
+    app: &Arc<App>,
+    owner: &OwnerId,
+    key: &crate::key_cache::KeyHash,
+    conversation: &ConversationId,
+    last: &Turn,
+) -> Result<Option<String>, ApiError> {
     let prompt = app
         .context
         .continue_prompt(&last.prompt_ids, &last.output_ids, crate::conv_items::history_end(last), crate::context::SUMMARY_REQUEST)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let sampling = SamplingParams { temperature: 0.0, max_tokens: app.config.summary_max_tokens, ..SamplingParams::default() };
+    let permit = app.admit_generation(owner, key, prompt.ids.len()).await?;
+    let mut generated = 0usize;
     let mut events = app
         .generator
         .generate(crate::generator::GenerateRequest {
@@ -363,14 +376,22 @@ async fn summarize(app: &Arc<App>, owner: &OwnerId, conversation: &ConversationI
     let mut text = String::new();
     while let Some(ev) = events.next().await {
         match ev {
-            crate::generator::GenEvent::Token(t) => text.push_str(&t.text),
+            crate::generator::GenEvent::Token(t) => {
+                generated += 1;
+                text.push_str(&t.text);
+            }
             crate::generator::GenEvent::Finished { trailing_text, .. } => {
                 text.push_str(&trailing_text);
                 break;
             }
-            crate::generator::GenEvent::Failed(e) => return Err(e.into()),
+            crate::generator::GenEvent::Failed(e) => {
+                permit.charge_output(generated);
+                return Err(e.into());
+            }
         }
     }
+    permit.charge_output(generated);
+    drop(permit);
     let summary = text.trim().to_string();
     if app.checks.check_input(&summary).is_err() {
         tracing::warn!(conversation = %conversation, "summary refused by the input check; not stored, history kept");

@@ -107,6 +107,9 @@ pub struct Args {
     pub prompt_tokens_per_hour: f64,
     #[arg(long, env = "BATON_LIMIT_OUTPUT_TOKENS_PER_HOUR", default_value_t = 200_000.0)]
     pub output_tokens_per_hour: f64,
+    /// Conversation creates and lists per minute, per owner (429 above it).
+    #[arg(long, env = "BATON_LIMIT_CONVERSATION_REQUESTS_PER_MINUTE", default_value_t = 120.0)]
+    pub conversation_requests_per_minute: f64,
     /// Days a conversation is kept after its last turn.
     #[arg(long, env = "BATON_RETENTION_DAYS", default_value_t = 30)]
     pub retention_days: u64,
@@ -279,6 +282,7 @@ impl TryFrom<Args> for Config {
                 open_streams: a.open_streams,
                 prompt_tokens_per_hour: positive(a.prompt_tokens_per_hour, "prompt-tokens-per-hour")?,
                 output_tokens_per_hour: positive(a.output_tokens_per_hour, "output-tokens-per-hour")?,
+                conversation_requests_per_minute: positive(a.conversation_requests_per_minute, "conversation-requests-per-minute")?,
             },
             retention: Duration::from_secs(a.retention_days * 86_400),
             rules,

@@ -3,7 +3,12 @@
 //! ([`Bucket`]) under one mutex; admission checks every limit before it
 //! charges any, so a refused request costs nothing. Output tokens are
 //! charged after the reply (the bucket may go into debt, which then blocks
-//! the next turn until it refills).
+//! the next turn until it refills). Conversation creates and lists have a
+//! bucket of their own per owner ([`Limiter::admit_request`]): they cost no model
+//! work, but without one a key could fill the store or page through it for free.
+//!
+//! Every count lives in this process: with several gateway replicas behind a
+//! balancer, a user gets up to each limit on each replica (see docs/SECURITY.md).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,6 +21,8 @@ pub struct LimitConfig {
     pub open_streams: usize,
     pub prompt_tokens_per_hour: f64,
     pub output_tokens_per_hour: f64,
+    /// Conversation creates and lists together, per owner (not overridable).
+    pub conversation_requests_per_minute: f64,
 }
 
 /// Per-user overrides of the defaults (unset fields keep the default).
@@ -52,6 +59,7 @@ impl LimitConfig {
             open_streams: o.open_streams.unwrap_or(self.open_streams),
             prompt_tokens_per_hour: o.prompt_tokens_per_hour.unwrap_or(self.prompt_tokens_per_hour),
             output_tokens_per_hour: o.output_tokens_per_hour.unwrap_or(self.output_tokens_per_hour),
+            conversation_requests_per_minute: self.conversation_requests_per_minute,
         }
     }
 }
@@ -122,6 +130,8 @@ pub struct Refused {
 pub struct Limiter {
     config: LimitConfig,
     users: Mutex<HashMap<String, UserState>>,
+    /// Conversation creates and lists, per owner.
+    requests: Mutex<HashMap<String, Bucket>>,
 }
 
 /// An admitted stream; dropping it closes the stream's slot.
@@ -157,7 +167,26 @@ impl Drop for Permit {
 
 impl Limiter {
     pub fn new(config: LimitConfig) -> Arc<Self> {
-        Arc::new(Limiter { config, users: Mutex::new(HashMap::new()) })
+        Arc::new(Limiter { config, users: Mutex::new(HashMap::new()), requests: Mutex::new(HashMap::new()) })
+    }
+
+    /// Admits one conversation create or list of `owner`, or refuses it with
+    /// `conversation_requests_per_minute`; a refused request is not counted.
+    pub fn admit_request(&self, owner: &str) -> Result<(), Refused> {
+        let now = Instant::now();
+        let per_minute = self.config.conversation_requests_per_minute;
+        let mut requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        // Buckets that have refilled carry nothing: swept so idle owners cost no memory.
+        if requests.len() >= 4096 {
+            requests.retain(|_, b| !b.wait_for(b.capacity, now).is_zero());
+        }
+        let b = requests.entry(owner.to_string()).or_insert_with(|| Bucket::new(per_minute, Duration::from_secs(60), now));
+        let w = b.wait_for(1.0, now);
+        if !w.is_zero() {
+            return Err(Refused { limit: "conversation_requests_per_minute", retry_after: w });
+        }
+        b.charge(1.0, now);
+        Ok(())
     }
 
     /// Admits one turn with `prompt_tokens`, or says which limit refuses it.
@@ -257,7 +286,13 @@ mod tests {
     use super::*;
 
     fn cfg() -> LimitConfig {
-        LimitConfig { turns_per_minute: 2.0, open_streams: 1, prompt_tokens_per_hour: 100.0, output_tokens_per_hour: 50.0 }
+        LimitConfig {
+            turns_per_minute: 2.0,
+            open_streams: 1,
+            prompt_tokens_per_hour: 100.0,
+            output_tokens_per_hour: 50.0,
+            conversation_requests_per_minute: 3.0,
+        }
     }
 
     #[test]
@@ -274,6 +309,20 @@ mod tests {
         let (x, y) = (l.attach("b").unwrap(), l.attach("b").unwrap());
         assert!(l.attach("b").is_err());
         drop((x, y));
+    }
+
+    #[test]
+    fn conversation_requests_are_limited_per_owner() {
+        let l = Limiter::new(cfg());
+        for _ in 0..3 {
+            l.admit_request("a").unwrap();
+        }
+        let r = l.admit_request("a").unwrap_err();
+        assert_eq!(r.limit, "conversation_requests_per_minute");
+        assert!(r.retry_after > Duration::from_secs(15) && r.retry_after <= Duration::from_secs(20), "{r:?}");
+        l.admit_request("b").expect("per owner");
+        // Turns keep their own buckets.
+        drop(l.admit("a", 1).unwrap());
     }
 
     #[test]

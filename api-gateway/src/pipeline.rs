@@ -137,6 +137,17 @@ impl App {
         Ok(())
     }
 
+    /// Admits model work that is not a reply (a summary) under `owner`'s limits like
+    /// a turn: one turn, `prompt_tokens` charged, an open-stream slot held by the
+    /// permit while it runs; the caller charges its output with the permit.
+    pub async fn admit_generation(&self, owner: &OwnerId, key: &KeyHash, prompt_tokens: usize) -> Result<Permit, ApiError> {
+        let (bucket, overrides) = self.limits_for(owner.as_str(), key).await?;
+        self.limiter.admit_with(&bucket, prompt_tokens, overrides.as_ref()).map_err(|r| {
+            metrics::rate_limited(r.limit);
+            ApiError::rate_limited(r.limit, r.retry_after)
+        })
+    }
+
     /// The buckets a request is charged to and the overrides they run under:
     /// the user's overrides with its key's on top. A key with overrides of
     /// its own has its own buckets (its user's ID plus the key hash), so a

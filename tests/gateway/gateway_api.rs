@@ -453,3 +453,49 @@ async fn history_past_the_threshold_is_summarized_once_then_appended() {
     expect.extend_from_slice(&t2.output_ids);
     assert!(t3.prompt_ids.starts_with(&expect), "after the summary, turns append again");
 }
+
+/// #39.6: a summary is model work for its owner, so it passes the owner's limits
+/// before the model is asked. With two turns a minute, the first turn and the
+/// summary before the second spend both: the second turn is refused, and its
+/// retries are refused without generating (before the fix the summary was free,
+/// and a user out of quota got a summary generated on every refused retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_summary_is_charged_to_its_owner_and_refused_over_the_limit() {
+    let flags = ["--summary-threshold-tokens", "120", "--summary-keep-turns", "0", "--summary-max-tokens", "40", "--turns-per-minute", "2"];
+    let Some(s) = common::start(&flags).await else { return };
+    let c = s.client();
+    let conv = new_conversation(&c).await;
+    let path = format!("/v1/conversations/{conv}/turns");
+    let send = |id: &str, msg: &str, max: u32| json!({"turn_id": id, "message": msg, "max_tokens": max, "temperature": 0, "stream": false});
+    assert_eq!(c.json(Method::POST, &path, Some(&send("s1", "My name is Ada. Tell me about rivers.", 120))).await.unwrap().0, StatusCode::OK);
+    let t1 = s.store.get_turn(&conv, "s1").await.unwrap().unwrap();
+    assert!(t1.prompt_ids.len() + t1.output_ids.len() > 120, "the test needs turn 1 past the threshold");
+    for _ in 0..3 {
+        let (st, v) = c.json(Method::POST, &path, Some(&send("s2", "What is my name?", 8))).await.unwrap();
+        assert_eq!(st, StatusCode::TOO_MANY_REQUESTS, "the summary spent the second turn of the minute: {v}");
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+    }
+    assert!(s.store.get_turn(&conv, "s2").await.unwrap().is_none(), "a refused turn is not stored");
+}
+
+/// #39.10: creating and listing conversations is limited per owner, with the same
+/// 429 as every other limit; another user is unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn conversation_create_and_list_are_limited_per_owner() {
+    let Some(s) = common::start(&["--conversation-requests-per-minute", "3"]).await else { return };
+    let c = s.client();
+    new_conversation(&c).await;
+    new_conversation(&c).await;
+    assert_eq!(c.json(Method::GET, "/v1/conversations", None).await.unwrap().0, StatusCode::OK);
+    for (method, body) in [(Method::POST, Some(json!({"title": "t"}))), (Method::GET, None)] {
+        let r = c.send(method, "/v1/conversations", body.map(|b| b.to_string().into_bytes()), &[]).await.unwrap();
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+        let retry: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=21).contains(&retry), "{retry}");
+        let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+    }
+    assert_eq!(s.store.list_conversations("alice").await.unwrap().len(), 2, "the refused create stored nothing");
+    let (st, _) = s.client2().json(Method::GET, "/v1/conversations", None).await.unwrap();
+    assert_eq!(st, StatusCode::OK, "another owner has its own budget");
+}

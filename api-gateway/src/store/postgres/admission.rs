@@ -20,6 +20,34 @@ pub(super) fn live_instances(n: usize) -> String {
     format!("SELECT id FROM gateway_instances WHERE seen_at >= {DB_NOW} - ${n}")
 }
 
+/// Runs `insert`, an INSERT of [`TURN_COLS`] and `instance` (`$1` to `$17`), for `t`
+/// in `state`: the one place the turn's values are listed in the columns' order.
+async fn insert_turn(tx: &deadpool_postgres::Transaction<'_>, insert: &tokio_postgres::Statement, t: &Turn, state: TurnState, instance: &str) -> Result<u64, tokio_postgres::Error> {
+    tx.execute(
+        insert,
+        &[
+            &t.conversation,
+            &t.turn_id,
+            &t.seq,
+            &t.request_hash,
+            &t.user_text,
+            &t.reply_text,
+            &ids_to_bytes(&t.prompt_ids),
+            &ids_to_bytes(&t.output_ids),
+            &i64::from(t.system_prompt_version),
+            &state.as_str(),
+            &t.finish_reason,
+            &t.prompt_tokens,
+            &t.cached_tokens,
+            &t.completion_tokens,
+            &t.created_at,
+            &metadata_to_json(&t.metadata),
+            &instance,
+        ],
+    )
+    .await
+}
+
 /// Why `try_begin_turn` failed: the driver's error (a unique violation is
 /// read by the caller) or a row that does not parse.
 pub(super) enum BeginError {
@@ -117,30 +145,7 @@ impl PostgresStore {
                  ON CONFLICT (conversation, turn_id) DO NOTHING"
             ))
             .await?;
-        let inserted = tx
-            .execute(
-                &insert,
-                &[
-                    &t.conversation,
-                    &t.turn_id,
-                    &t.seq,
-                    &t.request_hash,
-                    &t.user_text,
-                    &t.reply_text,
-                    &ids_to_bytes(&t.prompt_ids),
-                    &ids_to_bytes(&t.output_ids),
-                    &i64::from(t.system_prompt_version),
-                    &TurnState::Streaming.as_str(),
-                    &t.finish_reason,
-                    &t.prompt_tokens,
-                    &t.cached_tokens,
-                    &t.completion_tokens,
-                    &t.created_at,
-                    &metadata_to_json(&t.metadata),
-                    &self.instance,
-                ],
-            )
-            .await?;
+        let inserted = insert_turn(&tx, &insert, t, TurnState::Streaming, &self.instance).await?;
         if inserted == 0 {
             // Another replica inserted the same turn ID after our SELECT; its row wins.
             let row = tx.query_one(&select, &params).await?;
@@ -185,29 +190,7 @@ impl PostgresStore {
             ))
             .await?;
         for t in turns {
-            tx.execute(
-                &insert,
-                &[
-                    &t.conversation,
-                    &t.turn_id,
-                    &t.seq,
-                    &t.request_hash,
-                    &t.user_text,
-                    &t.reply_text,
-                    &ids_to_bytes(&t.prompt_ids),
-                    &ids_to_bytes(&t.output_ids),
-                    &i64::from(t.system_prompt_version),
-                    &t.state.as_str(),
-                    &t.finish_reason,
-                    &t.prompt_tokens,
-                    &t.cached_tokens,
-                    &t.completion_tokens,
-                    &t.created_at,
-                    &metadata_to_json(&t.metadata),
-                    &self.instance,
-                ],
-            )
-            .await?;
+            insert_turn(&tx, &insert, t, t.state, &self.instance).await?;
         }
         if let Some(due) = evict_first_retry_ms {
             let tomb = tx

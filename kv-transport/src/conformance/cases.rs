@@ -176,22 +176,11 @@ pub async fn skipped_block_layers_stay_off_the_wire(kind: Kind) {
     assert_eq!(res.grant().skipped_block_layers(), 16);
     within(Duration::from_secs(20), rig.sender.send(&rig.peer, res.grant(), rig.src.clone(), src.clone())).await.unwrap();
     let dst = res.finished().await.unwrap();
-    let bl = SMALL.bytes_per_block_layer();
-    for layer in 0..SMALL.layers {
-        for (i, (s, d)) in src.iter().zip(&dst).enumerate() {
-            let (mut a, mut b) = (vec![0; bl], vec![0; bl]);
-            crate::pool::BlockSource::read_layer(&*rig.src, *s, layer, &mut a).unwrap();
-            crate::pool::BlockSource::read_layer(&*rig.dst, *d, layer, &mut b).unwrap();
-            if i < skip[layer as usize] as usize {
-                assert!(b.iter().all(|&x| x == 0), "skipped block {i} of layer {layer} is not zero");
-            } else {
-                assert_eq!(a, b, "block {i} of layer {layer}");
-            }
-        }
-    }
+    assert_landed_skipping(&rig, &src, &dst, &skip);
     let wanted = (n * SMALL.layers as usize - 16) as u64;
     assert_eq!(rig.sender.stats().snapshot().block_layers, (n * SMALL.layers as usize) as u64 + wanted);
     let sent = rig.sender.stats().snapshot().bytes - sent_before;
+    let bl = SMALL.bytes_per_block_layer();
     assert!(sent >= wanted * bl as u64 && sent < (wanted + 1) * bl as u64 + 64 * 1024, "sent {sent} bytes for {wanted} block-layers");
 
     // A sender that ignores the skip (ships layer 0 from block 0) is refused.
@@ -427,6 +416,24 @@ pub async fn incomplete_transfer_is_rejected(kind: Kind) {
 
 /// Layer `layer` of `src[first..end]`, block-layer after block-layer: what a pipelined
 /// export hands the sender as the engine writes the layer.
+/// Every layer of `dst` holds `src`'s bytes, except the first `skip[layer]` blocks of a
+/// layer, which stay zero (never written).
+fn assert_landed_skipping(rig: &Rig, src: &[BlockId], dst: &[BlockId], skip: &[u32]) {
+    let bl = SMALL.bytes_per_block_layer();
+    for layer in 0..SMALL.layers {
+        for (i, (s, d)) in src.iter().zip(dst).enumerate() {
+            let (mut a, mut b) = (vec![0; bl], vec![0; bl]);
+            crate::pool::BlockSource::read_layer(&*rig.src, *s, layer, &mut a).unwrap();
+            crate::pool::BlockSource::read_layer(&*rig.dst, *d, layer, &mut b).unwrap();
+            if i < skip[layer as usize] as usize {
+                assert!(b.iter().all(|&x| x == 0), "skipped block {i} of layer {layer} is not zero");
+            } else {
+                assert_eq!(a, b, "block {i} of layer {layer}");
+            }
+        }
+    }
+}
+
 fn layer_run(rig: &Rig, src: &[BlockId], layer: u32, blocks: std::ops::Range<usize>) -> Vec<u8> {
     let bl = crate::pool::BlockSource::layout(&*rig.src).bytes_per_block_layer();
     let mut out = vec![0u8; blocks.len() * bl];
@@ -459,19 +466,7 @@ pub async fn pipelined_layer_runs_land_bit_exact(kind: Kind) {
     assert_eq!(t.missing(), 0);
     t.finish().await.unwrap();
     let dst = res.finished().await.unwrap();
-    let bl = SMALL.bytes_per_block_layer();
-    for layer in 0..SMALL.layers {
-        for (i, (s, d)) in src.iter().zip(&dst).enumerate() {
-            let (mut a, mut b) = (vec![0; bl], vec![0; bl]);
-            crate::pool::BlockSource::read_layer(&*rig.src, *s, layer, &mut a).unwrap();
-            crate::pool::BlockSource::read_layer(&*rig.dst, *d, layer, &mut b).unwrap();
-            if i < skip[layer as usize] as usize {
-                assert!(b.iter().all(|&x| x == 0), "skipped block {i} of layer {layer}");
-            } else {
-                assert_eq!(a, b, "block {i} of layer {layer}");
-            }
-        }
-    }
+    assert_landed_skipping(&rig, &src, &dst, &skip);
     assert_eq!(rig.receiver.stats().snapshot().block_layers, wanted, "each wanted block-layer once, no skipped one");
     rig.finish(&src, &dst);
 

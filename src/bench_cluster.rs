@@ -242,6 +242,7 @@ async fn through_cluster(plane: Plane, grpc: String, owner: String, prompt: Vec<
         turn: Some(pb::Turn { prompt, owner: owner.clone(), platform_prefix_len: 0, conversation: owner }),
         sampling: Some(pb::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() }),
         prefix_source: String::new(),
+        prefix_source_node: String::new(),
     };
     let mut stream = client.generate(req).await.context("Generate")?.into_inner();
     let mut t = Timing::default();

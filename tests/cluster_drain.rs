@@ -169,6 +169,7 @@ over_models! {
         // The turn on decode-1, told where the prefix is, starts warm and is token-exact.
         let mut req = generate_request(&turn2, "alice", &conv, 24);
         req.prefix_source = previous.grpc_addr.clone();
+        req.prefix_source_node = previous.node_id.as_ref().unwrap().id.clone();
         let (got2, fin2) = rt.block_on(generate(cluster.plane("gateway"), d1.addr("grpc"), req));
         let cached = fin2.usage.unwrap().cached_tokens as usize;
         let bt = reference.info.kv_layout.block_tokens;

@@ -15,6 +15,7 @@
 //! [`Coordinator::from_listeners`] plus [`Coordinator::serve`] let `baton up` start it in
 //! process and learn its addresses first.
 
+pub mod custody;
 pub mod error;
 pub mod evict;
 mod http;

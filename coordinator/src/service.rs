@@ -17,6 +17,7 @@ use baton_proto::plane::Role as IdRole;
 use baton_vocab::ConversationId;
 use tonic::{Request, Response, Status};
 
+use crate::custody::Custody;
 use crate::error::{Error, Result};
 use crate::evict::NodeEvictor;
 use crate::membership::binding::{self, Claimant};
@@ -69,6 +70,8 @@ struct Routing {
     decode: DecodeRouter,
     affinity: Affinity,
     explain: ExplainLog,
+    /// For whom and where conversations were routed, to vouch for adoptions.
+    custody: Custody,
 }
 
 /// Everything the gRPC and HTTP handlers share.
@@ -145,6 +148,7 @@ impl State {
                 decode,
                 affinity: Affinity::new(config.explain_capacity.max(1024) * 16),
                 explain: ExplainLog::new(config.explain_capacity),
+                custody: Custody::new(crate::custody::CAPACITY),
             }),
             placements,
             loads: Mutex::new(HashMap::new()),
@@ -180,7 +184,9 @@ impl State {
     }
 
     /// Places a turn of `conversation` (read off `req.routing_key` by the RPC handler).
-    pub(crate) async fn route_decode(&self, conversation: &ConversationId, req: pb::RouteDecodeRequest) -> Result<pb::RouteDecodeResponse> {
+    /// `owner_named`: the caller may name the owner (the gateway), so the owner is
+    /// recorded for [`State::vouch_adoption`]; a decode node's owner is not.
+    pub(crate) async fn route_decode(&self, conversation: &ConversationId, req: pb::RouteDecodeRequest, owner_named: bool) -> Result<pb::RouteDecodeResponse> {
         let members: Vec<Member> = self.members().await?.into_iter().filter(|m| role_of(m) == Role::Decode).collect();
         let started = Instant::now();
         let exclude: Vec<&str> = req.exclude.iter().map(|n| n.id.as_str()).collect();
@@ -205,6 +211,7 @@ impl State {
             }
         }
         let mut routing = lock(&self.routing);
+        routing.custody.routed(key_of(conversation), owner_named.then_some(req.owner.as_str()), &decision.node);
         self.metrics.conversations(routing.decode.total());
         let rec = ExplainRecord::decode(conversation, &decision, req.prompt_tokens, unix_ms());
         let mut explanation = to_pb(&rec, Some(conversation));
@@ -244,6 +251,12 @@ impl State {
                 None
             }
         }
+    }
+
+    /// Whether `adopter` may pull `conversation`'s KV of `owner` from `source` (see
+    /// `crate::custody`): `Err` says why not.
+    pub(crate) fn vouch_adoption(&self, conversation: &ConversationId, owner: &str, source: &str, adopter: &str) -> std::result::Result<(), &'static str> {
+        lock(&self.routing).custody.vouch(key_of(conversation), owner, source, adopter).map_err(|r| r.why())
     }
 
     pub(crate) async fn route_prefill(&self, conversation: Option<&ConversationId>, req: pb::RoutePrefillRequest) -> Result<pb::RoutePrefillResponse> {
@@ -311,6 +324,7 @@ impl State {
             let mut routing = lock(&self.routing);
             routing.decode.forget(conversation);
             routing.affinity.forget(key_of(conversation));
+            routing.custody.forget(key_of(conversation));
         }
         if let Some(store) = &self.placements {
             if let Err(e) = store.forget(key_of(conversation)).await {
@@ -624,12 +638,32 @@ impl CoordinatorRpc for CoordinatorService {
                 return Err(Status::permission_denied(format!("a decode node may exclude only itself, not {:?}", other.id)));
             }
         }
+        // Only the gateway (or anyone, in plaintext mode) names the owner it routes for.
+        let owner_named = caller(&req).is_none_or(|id| id.role() == IdRole::Gateway);
         let mut req = req.into_inner();
         let conversation = ids::conversation(std::mem::take(&mut req.routing_key))?;
         for node in &req.exclude {
             ids::node(node.id.clone())?;
         }
-        Ok(Response::new(self.state.route_decode(&conversation, req).await?))
+        Ok(Response::new(self.state.route_decode(&conversation, req, owner_named).await?))
+    }
+
+    async fn vouch_adoption(&self, req: Request<pb::VouchAdoptionRequest>) -> Result<Response<pb::VouchAdoptionResponse>, Status> {
+        // The adopter is the caller's certificate, never a field: a pool certificate
+        // names no one node, and plaintext mode names none at all.
+        let adopter = match caller(&req) {
+            Some(id) if id.role() == IdRole::Decode && !id.is_pool() => id.name().to_string(),
+            _ => return Err(Status::permission_denied("only a decode node's own certificate may ask to adopt a conversation")),
+        };
+        let req = req.into_inner();
+        let conversation = ids::conversation(req.routing_key)?;
+        let owner = ids::owner(req.owner)?;
+        let source = ids::node(req.source.map(|n| n.id).unwrap_or_default())?;
+        let answer = self.state.vouch_adoption(&conversation, owner.as_str(), source.as_str(), &adopter);
+        if let Err(why) = answer {
+            tracing::warn!(adopter, source = source.as_str(), why, "adoption not vouched for");
+        }
+        Ok(Response::new(pb::VouchAdoptionResponse { vouched: answer.is_ok(), why: answer.err().unwrap_or_default().to_string() }))
     }
 
     async fn route_prefill(&self, req: Request<pb::RoutePrefillRequest>) -> Result<Response<pb::RoutePrefillResponse>, Status> {

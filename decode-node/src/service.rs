@@ -74,8 +74,16 @@ impl DecodeNode for DecodeService {
         if self.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the node is draining"));
         }
+        // With identities (mutual TLS), a moved conversation's prefix is pulled only from
+        // the node the coordinator named; in plaintext mode any decode node answers.
+        let identities = baton_proto::plane::authz::caller(&request).is_some();
         let r = request.into_inner();
         let prefix_source = r.prefix_source;
+        let holder = match r.prefix_source_node.as_str() {
+            "" if identities => None,
+            "" => Some(Expect::Role(IdRole::Decode)),
+            name => Some(Expect::Node { role: IdRole::Decode, name: baton_proto::ids::node(name.to_string())?.as_str().to_string() }),
+        };
         let mut req = convert::request(r.turn, r.sampling)?;
         if !req.sampling.is_greedy() && req.sampling.seed.is_none() {
             // One seed for both nodes, so a remote first token continues here.
@@ -93,8 +101,8 @@ impl DecodeNode for DecodeService {
         let shared = req.conversation.as_ref().map_or(0, |c| self.warm.shared_prefix(c, &req.prompt));
         let served_before = shared.min(req.prompt.len().saturating_sub(1)) >= bt;
         let mut pull = Pull::None;
-        if !prefix_source.is_empty() && prefix_source != self.grpc_addr && req.conversation.is_some() {
-            (cached, pull) = self.adopt_moved(&req, &prefix_source, cached).await;
+        if let Some(holder) = holder.filter(|_| !prefix_source.is_empty() && prefix_source != self.grpc_addr && req.conversation.is_some()) {
+            (cached, pull) = self.adopt_moved(&req, (&prefix_source, holder), cached).await;
         }
         let mut import = None;
         // A tail prefilled elsewhere is published here under the turn's scopes: one that
@@ -162,12 +170,18 @@ impl DecodeNode for DecodeService {
         // The source is the caller (a draining node hands over its own conversations):
         // an address naming another node is dialled, but only the caller is trusted there.
         let holder = expect_caller(&request);
+        let source = adopt::source_of(&request)?;
         let r = request.into_inner();
         if r.source.is_empty() {
             return Err(Status::invalid_argument("source is empty"));
         }
         let req = adopt::request(r.turn)?;
         let warm = WarmConversation::of(&req).ok_or_else(|| Status::invalid_argument("an adopted prefix needs its conversation"))?;
+        // Nothing is pulled on the caller's word alone: the coordinator must vouch that the
+        // caller held the conversation for this owner and that it is routed here now.
+        if let Some(source) = source {
+            adopt::vouched(self.router.coordinator.as_deref(), &warm.conversation, &warm.owner, &source).await?;
+        }
         let a = adopt::adopt(&self.engine, &self.kv, &self.plane, req, (r.source.as_str(), holder), self.kv_deadline).await?;
         if a.pulled_tokens > 0 {
             self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);
@@ -205,10 +219,10 @@ impl DecodeService {
     /// pulls the warm prefix from its previous owner. Returns the prompt tokens
     /// cached here now and what the pull did; on any failure the turn just computes
     /// more itself.
-    async fn adopt_moved(&self, req: &baton_engine::Request, source: &str, cached: usize) -> (usize, Pull) {
-        // `source` is the gateway's (the coordinator's previous node for this
-        // conversation); any decode node may answer there, and no platform block is taken.
-        let holder = Expect::Role(IdRole::Decode);
+    async fn adopt_moved(&self, req: &baton_engine::Request, (source, holder): (&str, Expect), cached: usize) -> (usize, Pull) {
+        // `source` and `holder` are the gateway's (the coordinator's previous node for this
+        // conversation, by address and certificate name: only that node may answer there,
+        // only the gateway may call Generate); no platform block is taken.
         match adopt::adopt(&self.engine, &self.kv, &self.plane, req.clone(), (source, holder), self.kv_deadline).await {
             Ok(a) if a.pulled_tokens > 0 => {
                 self.metrics.adopted((a.pulled_tokens / self.kv.layout.block_tokens as usize) as u64);

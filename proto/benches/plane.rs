@@ -57,6 +57,7 @@ fn request() -> pb::GenerateRequest {
         turn: Some(pb::Turn { prompt: (0..600).collect(), owner: "alice".into(), platform_prefix_len: 300, conversation: "conv".into() }),
         sampling: Some(pb::SamplingParams { max_tokens: TOKENS, ..Default::default() }),
         prefix_source: String::new(),
+        prefix_source_node: String::new(),
     }
 }
 

@@ -439,6 +439,7 @@ pub fn generate_request(prompt: &[u32], owner: &str, conversation: &str, max_tok
         turn: Some(pb::Turn { prompt: prompt.to_vec(), owner: owner.into(), platform_prefix_len: 0, conversation: conversation.into() }),
         sampling: Some(pb::SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, top_p: 1.0, ..Default::default() }),
         prefix_source: String::new(),
+        prefix_source_node: String::new(),
     }
 }
 

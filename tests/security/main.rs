@@ -9,6 +9,8 @@
 //!   is not granted (docs/SECURITY.md's table, row by row: [`every_row_of_the_table`]);
 //! - a node cannot register, renew or leave under another node's name (fake registration);
 //! - a decode node cannot steer a conversation to itself through `RouteDecode`'s exclude;
+//! - a decode node cannot have another adopt a conversation it never held (`AdoptPrefix`
+//!   needs the coordinator's `VouchAdoption`);
 //! - only the gateway may say whose turn it is (owner spoofing on Generate, CachedPrefix,
 //!   ExportPrefix from any other role);
 //! - a server with the wrong identity is not trusted by a client (impersonation);
@@ -252,6 +254,45 @@ fn a_decode_node_cannot_steer_a_conversation_to_itself() {
         // The gateway's exclude (a node that just failed the turn) stands as sent.
         let mut gateway = CoordinatorClient::new(dial(&cluster.plane("gateway"), &url).await.unwrap());
         assert_eq!(home(gateway.route_decode(ask(&["decode-0"])).await.unwrap().into_inner()), "decode-1");
+    });
+}
+
+/// Issue #39, "imported KV is never trusted more than its source": a decode identity
+/// that never held a conversation asks another decode node to adopt it, from itself,
+/// under an owner it names (KV it made up, planted in that owner's scope). Only the
+/// coordinator's word counts (`VouchAdoption`: the gateway routed the conversation for
+/// that owner, the source held it, the adopter is its node now): refused, nothing
+/// published.
+#[test]
+fn a_decode_node_cannot_have_another_adopt_a_conversation_it_never_held() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 100_000) else { return };
+    let d0 = cluster.node("decode", "decode-0", &[]);
+    let d1 = cluster.node("decode", "decode-1", &[]);
+    let rt = runtime();
+    rt.block_on(async {
+        // The gateway routes alice's conversation: the coordinator knows it as alice's.
+        let mut gateway = CoordinatorClient::new(dial(&cluster.plane("gateway"), &cluster.url()).await.unwrap());
+        let ask = cpb::RouteDecodeRequest { routing_key: "conv-v".into(), owner: "alice".into(), prompt_tokens: 100, exclude: vec![] };
+        let home = gateway.route_decode(ask).await.unwrap().into_inner().node.unwrap().node_id.unwrap().id;
+        let ((victim, _), (attacker, attacker_name)) =
+            if home == "decode-0" { ((&d0, "decode-0"), (&d1, "decode-1")) } else { ((&d1, "decode-1"), (&d0, "decode-0")) };
+        // The attacker's node holds KV under alice's scope (here a turn of another
+        // conversation; a stolen node could compute anything).
+        let prompt: Vec<u32> = (0..100).map(|i| 1000 + 7 * i).collect();
+        generate(cluster.plane("gateway"), attacker.addr("grpc"), generate_request(&prompt, "alice", "conv-forged", 1)).await;
+        let peek = pb::CachedPrefixRequest { tokens: prompt.clone(), owner: "alice".into(), platform_prefix_len: 0 };
+        let mut on_attacker = DecodeNodeClient::new(dial(&cluster.plane("decode-1"), &attacker.addr("grpc")).await.unwrap());
+        assert!(on_attacker.cached_prefix(peek.clone()).await.unwrap().into_inner().cached_tokens >= 64, "the forged KV is there to pull");
+
+        let adopt = pb::AdoptPrefixRequest {
+            turn: Some(pb::Turn { prompt: prompt.clone(), owner: "alice".into(), platform_prefix_len: 0, conversation: "conv-v".into() }),
+            source: attacker.addr("grpc"),
+        };
+        let mut c = DecodeNodeClient::new(dial(&cluster.plane(attacker_name), &victim.addr("grpc")).await.unwrap());
+        let e = c.adopt_prefix(adopt).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+        let mut on_victim = DecodeNodeClient::new(dial(&cluster.plane(attacker_name), &victim.addr("grpc")).await.unwrap());
+        assert_eq!(on_victim.cached_prefix(peek).await.unwrap().into_inner().cached_tokens, 0, "nothing published under alice");
     });
 }
 

@@ -171,8 +171,9 @@ impl ClusterGenerator {
     }
 
     /// The chosen decode node's ID and address, and the address of the node the
-    /// conversation lived on before a join moved it (its warm prefix is there).
-    async fn route(&self, req: &GenerateRequest) -> Result<(NodeId, String, String), GenerateError> {
+    /// conversation lived on before a join moved it and the name its certificate bears
+    /// (its warm prefix is there).
+    async fn route(&self, req: &GenerateRequest) -> Result<(NodeId, String, (String, String)), GenerateError> {
         let ask = RouteDecodeRequest {
             routing_key: req.conversation.as_str().to_string(),
             owner: req.owner.as_str().to_string(),
@@ -203,11 +204,13 @@ impl ClusterGenerator {
         // A coordinator that names no valid node is not the client's fault: unavailable.
         let id = ids::node(node.node_id.map(|n| n.id).unwrap_or_default())
             .map_err(|e| GenerateError::Unavailable(format!("the coordinator named no valid decode node: {}", e.message())))?;
-        let previous = previous.map(|p| p.grpc_addr).unwrap_or_default();
+        // Where the moved conversation's warm prefix is: the previous node's address and
+        // the name its certificate must bear (the decode node pulls from no one else).
+        let previous = previous.map(|p| (p.grpc_addr, p.node_id.map(|n| n.id).unwrap_or_default())).unwrap_or_default();
         Ok((id, node.grpc_addr, previous))
     }
 
-    async fn open(&self, id: &NodeId, addr: &str, prefix_source: String, req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
+    async fn open(&self, id: &NodeId, addr: &str, (prefix_source, prefix_source_node): (String, String), req: &GenerateRequest) -> Result<tonic::Streaming<pb::GenerateEvent>, GenerateError> {
         let channel = self.decode_channel(id.as_str(), addr).await?;
         let s = &req.sampling;
         let wire = pb::GenerateRequest {
@@ -230,6 +233,7 @@ impl ClusterGenerator {
                 ignore_eos: false,
             }),
             prefix_source,
+            prefix_source_node,
         };
         match DecodeNodeClient::new(channel).generate(wire).await.map_err(status_error) {
             Ok(r) => Ok(r.into_inner()),

@@ -13,7 +13,9 @@
 //! short of the prompt's last token (the engine computes at least one prompt
 //! token itself), past the platform prefix: that one is only ever computed
 //! here, and without it nothing is adopted. The source of an `AdoptPrefix` is
-//! its caller (the draining node), whatever address the request names. A pull that fails
+//! its caller (the draining node), whatever address the request names, and only once the
+//! coordinator vouches ([`vouched`]) that the caller held the conversation for that owner
+//! and that it is routed here now. A pull that fails
 //! leaves nothing behind: the reservation is released by the transport, and
 //! the next turn simply starts cold.
 
@@ -27,7 +29,48 @@ use baton_node_common::convert;
 use baton_node_common::kv::KvNode;
 pub(crate) use baton_node_common::prefix_pull::connect_decode_node as connect;
 use baton_node_common::prefix_pull::{first_importable_block, pull_prefix};
-use baton_proto::plane::{Expect, Plane};
+use baton_proto::common::NodeId;
+use baton_proto::coordinator::VouchAdoptionRequest;
+use baton_proto::plane::authz::caller;
+use baton_proto::plane::{Expect, Plane, Role};
+use baton_proto::Coordinators;
+use baton_vocab::{ConversationId, OwnerId};
+
+/// The node an `AdoptPrefix` would pull from, by the caller's certificate: `None` in
+/// plaintext mode (no identities, nothing is enforced); a pool certificate names no one
+/// node, so the coordinator could not vouch for it: refused.
+pub fn source_of<T>(req: &tonic::Request<T>) -> Result<Option<String>, Status> {
+    match caller(req) {
+        None => Ok(None),
+        Some(id) if id.role() == Role::Decode && !id.is_pool() => Ok(Some(id.name().to_string())),
+        Some(id) => Err(Status::permission_denied(format!("{id} names no one decode node the coordinator could vouch for"))),
+    }
+}
+
+/// Asks the coordinator whether this node (by its certificate) may adopt `conversation`
+/// of `owner` from `source`. No coordinator, none answering, or a no: refused (the
+/// conversation's next turn recomputes its prefix), never adopted unchecked.
+pub async fn vouched(coordinator: Option<&Coordinators>, conversation: &ConversationId, owner: &OwnerId, source: &str) -> Result<(), Status> {
+    let Some(coordinator) = coordinator else {
+        return Err(Status::failed_precondition("no coordinator to vouch for the adoption"));
+    };
+    let ask = VouchAdoptionRequest {
+        routing_key: conversation.as_str().to_string(),
+        owner: owner.as_str().to_string(),
+        source: Some(NodeId { id: source.to_string() }),
+    };
+    let answer = coordinator
+        .call(|mut c| {
+            let ask = ask.clone();
+            async move { c.vouch_adoption(ask).await }
+        })
+        .await?;
+    if answer.vouched {
+        Ok(())
+    } else {
+        Err(Status::permission_denied(format!("the coordinator does not vouch for adopting from {source}: {}", answer.why)))
+    }
+}
 
 /// What an adoption did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

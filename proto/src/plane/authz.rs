@@ -48,6 +48,7 @@ pub const RULES: &[Rule] = &[
     Rule { method: "/baton.coordinator.Coordinator/RoutePrefill", allow: &[R(Decode)], why: "a decode node asks where to prefill a long tail" },
     Rule { method: "/baton.coordinator.Coordinator/EvictConversation", allow: &[R(Gateway)], why: "a user deleted a conversation" },
     Rule { method: "/baton.coordinator.Coordinator/ListNodes", allow: &[R(Gateway), R(Operator)], why: "fleet inspection" },
+    Rule { method: "/baton.coordinator.Coordinator/VouchAdoption", allow: &[R(Decode)], why: "a decode node asked to adopt a conversation checks, as itself, that the caller held it for that owner" },
     Rule { method: "/baton.coordinator.Coordinator/Explain", allow: &[R(Operator)], why: "routing decisions name conversations: operators only" },
     Rule { method: "/baton.node.DecodeNode/Generate", allow: &[R(Gateway)], why: "only the gateway authenticates users, so only it may say whose turn this is" },
     Rule { method: "/baton.node.DecodeNode/ExportPrefix", allow: &[R(Prefill), R(Decode)], why: "a node pulls a warm prefix's KV from the node that holds it" },
@@ -260,6 +261,18 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let e = decide("/baton.node.DecodeNode/Shutdown", Some(&peer(Operator, "ops", "10.0.0.1:1")), None).unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
+    }
+
+    /// Only a decode identity asks the coordinator to vouch for an adoption (it answers
+    /// about conversations and owners, so no other role may probe it).
+    #[test]
+    fn only_a_decode_node_asks_for_a_voucher() {
+        let m = "/baton.coordinator.Coordinator/VouchAdoption";
+        assert!(decide(m, Some(&peer(Decode, "decode-0", "10.0.0.1:1")), None).is_ok());
+        for role in [Gateway, Prefill, Operator, Coordinator] {
+            let e = decide(m, Some(&peer(role, "x", "10.0.0.1:1")), None).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{role}");
+        }
     }
 
     #[test]

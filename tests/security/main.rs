@@ -10,7 +10,8 @@
 //! - a node cannot register, renew or leave under another node's name (fake registration);
 //! - a decode node cannot steer a conversation to itself through `RouteDecode`'s exclude;
 //! - a decode node cannot have another adopt a conversation it never held (`AdoptPrefix`
-//!   needs the coordinator's `VouchAdoption`);
+//!   needs the coordinator's `VouchAdoption`), nor answer a moved conversation's pull in
+//!   the place of the node the coordinator named;
 //! - only the gateway may say whose turn it is (owner spoofing on Generate, CachedPrefix,
 //!   ExportPrefix from any other role);
 //! - a server with the wrong identity is not trusted by a client (impersonation);
@@ -293,6 +294,39 @@ fn a_decode_node_cannot_have_another_adopt_a_conversation_it_never_held() {
         assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
         let mut on_victim = DecodeNodeClient::new(dial(&cluster.plane(attacker_name), &victim.addr("grpc")).await.unwrap());
         assert_eq!(on_victim.cached_prefix(peek).await.unwrap().into_inner().cached_tokens, 0, "nothing published under alice");
+    });
+}
+
+/// Issue #39, the same rule for a conversation that moved on a join: its first turn on
+/// the new node pulls the warm prefix from the previous node the coordinator named
+/// (`GenerateRequest.prefix_source`, relayed by the gateway), and only from the node whose
+/// certificate bears that name: another decode node answering at that address (one that
+/// took over the address) is not pulled from.
+#[test]
+fn a_moved_conversation_pulls_only_from_the_node_the_coordinator_named() {
+    let Some(cluster) = Cluster::start(IDENTITIES, 100_000) else { return };
+    let d0 = cluster.node("decode", "decode-0", &[]);
+    let d1 = cluster.node("decode", "decode-1", &[]);
+    let rt = runtime();
+    rt.block_on(async {
+        let turn = |prompt: &[u32], conversation: &str, source: &str| {
+            let mut req = generate_request(prompt, "alice", conversation, 1);
+            req.prefix_source = d1.addr("grpc");
+            req.prefix_source_node = source.into();
+            req
+        };
+        // decode-1 holds KV under alice's scope for both prompts.
+        let forged: Vec<u32> = (0..100).map(|i| 1000 + 7 * i).collect();
+        let named: Vec<u32> = (0..100).map(|i| 2000 + 5 * i).collect();
+        for p in [&forged, &named] {
+            generate(cluster.plane("gateway"), d1.addr("grpc"), generate_request(p, "alice", "conv-x", 1)).await;
+        }
+        // The coordinator named decode-2, at the address where decode-1 answers.
+        let (_, fin) = generate(cluster.plane("gateway"), d0.addr("grpc"), turn(&forged, "conv-v", "decode-2")).await;
+        assert_eq!(fin.usage.unwrap().cached_tokens, 0, "pulled from a node the coordinator did not name");
+        // Named rightly, the pull is taken.
+        let (_, fin) = generate(cluster.plane("gateway"), d0.addr("grpc"), turn(&named, "conv-w", "decode-1")).await;
+        assert!(fin.usage.unwrap().cached_tokens >= 64, "the named node's prefix is pulled");
     });
 }
 

@@ -82,7 +82,7 @@ async fn deleted_text_is_gone_from_every_file_of_the_database() {
         let mut conv = conformance::conv(id, "alice", at);
         conv.title = marker.clone();
         store.create_conversation(&conv).await.unwrap();
-        store.set_summary(id, &marker.repeat(40)).await.unwrap();
+        store.set_summary(id, &marker.repeat(40), None).await.unwrap();
         let turn = baton_api_gateway::store::Turn { user_text: marker.repeat(200), ..streaming_turn(id, "t1") };
         store.begin_turn(&turn).await.unwrap();
         let log: Vec<LogEntry> = (0..50).map(|i| LogEntry { index: i, text: format!("{marker} {i}") }).collect();

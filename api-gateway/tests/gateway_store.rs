@@ -19,8 +19,8 @@ async fn sqlite_file_conforms_and_uses_wal() {
 }
 
 /// A database written before conversations and responses had metadata (schema version 0) is migrated
-/// in place at open: its conversations keep their rows and gain empty metadata, and the
-/// migration runs once.
+/// in place at open: its conversations keep their rows and gain empty metadata and no
+/// summary range, and each migration runs once.
 #[tokio::test(flavor = "multi_thread")]
 async fn sqlite_migrates_a_database_without_metadata() {
     use baton_api_gateway::store::ConversationStore;
@@ -47,7 +47,8 @@ async fn sqlite_migrates_a_database_without_metadata() {
     let store = SqliteStore::open(&path).unwrap();
     assert_eq!(store.get_conversation("alice", "c-old").await.unwrap().unwrap().metadata, m);
     let v: i64 = rusqlite::Connection::open(&path).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
-    assert_eq!(v, 2, "both migrations (conversation and response metadata) applied");
+    assert_eq!(v, 3, "every migration (conversation and turn metadata, the summary's range) applied");
+    assert_eq!(store.summary_through("c-old", 0).await.unwrap(), None, "an old row has no reusable summary");
 }
 
 /// Issue #39: a deleted conversation's text survived in the `-wal` file (every commit's

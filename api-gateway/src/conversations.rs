@@ -267,24 +267,37 @@ pub async fn add_turn(
     app.checks.check_input(&body.message).map_err(|r| ApiError::refused(r.reason))?;
     let prev = turns.iter().rev().find(|t| t.state.in_context() && t.turn_id != turn_id.as_str());
     let threshold = app.config.summary_threshold_tokens;
-    let mut new_summary = None;
     let prompt = match prev {
         Some(p) if threshold > 0 && p.prompt_ids.len() + p.output_ids.len() > threshold => {
             // A turn boundary past the threshold: summarize, store the summary,
             // and rebuild the prompt once; later turns append to it. A summary
             // the input check refuses is neither stored nor used: the turn
             // appends to the full history as below the threshold, and the next
-            // turn tries again.
-            match summarize(&app, &user, &key, &conversation, p).await? {
+            // turn tries again. The summary is stored with its boundary as soon as
+            // it is made, before this turn can be refused (limits, a busy
+            // conversation) or fail: its retry, at the same boundary, reuses it
+            // instead of asking (and charging for) the model again.
+            let summary = match app.store.summary_through(&id, p.seq).await? {
+                Some(stored) => {
+                    metrics::summary_reused();
+                    Some(stored)
+                }
+                None => {
+                    let made = summarize(&app, &user, &key, &conversation, p).await?;
+                    if let Some(summary) = &made {
+                        app.store.set_summary(&id, summary, Some(p.seq)).await?;
+                    }
+                    made
+                }
+            };
+            match summary {
                 Some(summary) => {
                     let in_context: Vec<&Turn> = turns.iter().filter(|t| t.state.in_context() && t.turn_id != turn_id.as_str()).collect();
                     let keep = app.config.summary_keep_turns.min(in_context.len());
                     let recent: Vec<(&str, &[u32])> =
                         in_context[in_context.len() - keep..].iter().map(|t| (t.user_text.as_str(), t.output_ids.as_slice())).collect();
                     tracing::info!(conversation = %id, kept_turns = keep, "history summarized");
-                    let prompt = app.context.with_summary(&summary, &recent, &body.message);
-                    new_summary = Some(summary);
-                    prompt
+                    app.context.with_summary(&summary, &recent, &body.message)
                 }
                 None => app.context.continue_prompt(&p.prompt_ids, &p.output_ids, crate::conv_items::history_end(p), &body.message),
             }
@@ -322,10 +335,6 @@ pub async fn add_turn(
         }
         BeginTurn::Existing(_) => return Err(ApiError::conflict("this turn ID is already in use")),
         BeginTurn::Busy => return Err(busy()),
-    }
-    // Stored only by the turn that won admission (a losing racer's summary is dropped).
-    if let Some(summary) = new_summary {
-        app.store.set_summary(&id, &summary).await?;
     }
     tracing::info!(conversation = %id, turn = %turn_id, prompt_tokens = row.prompt_ids.len(), "turn started");
     let live = turns::spawn(app.clone(), conversation, turn_id, hash, reply);

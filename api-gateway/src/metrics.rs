@@ -68,6 +68,9 @@ pub const TURNS_SLO_TOTAL: &str = "baton_gateway_turns_slo_total";
 
 /// Counter: conversation summaries the input check refused (not stored, not used).
 pub const SUMMARIES_REFUSED_TOTAL: &str = "baton_gateway_summaries_refused_total";
+/// Counter: conversation summaries taken from the store instead of asking the model (the
+/// retry of a turn refused or failed after its summary was made).
+pub const SUMMARIES_REUSED_TOTAL: &str = "baton_gateway_summaries_reused_total";
 
 /// Gauge: 1 while no coordinator answers and turns are routed on the last known
 /// membership (degraded routing), else 0.
@@ -231,6 +234,11 @@ pub fn set_tombstones(n: u64) {
 /// A summary failed the input check.
 pub fn summary_refused() {
     counter(&get().recorder, SUMMARIES_REFUSED_TOTAL, "Conversation summaries the input check refused", &[]).increment(1);
+}
+
+/// A stored summary served a turn at its boundary.
+pub fn summary_reused() {
+    counter(&get().recorder, SUMMARIES_REUSED_TOTAL, "Conversation summaries reused from the store", &[]).increment(1);
 }
 
 pub fn request(route: &'static str) {

@@ -19,8 +19,8 @@ async fn sqlite_file_conforms_and_uses_wal() {
 }
 
 /// A database written before conversations and responses had metadata (schema version 0) is migrated
-/// in place at open: its conversations keep their rows and gain empty metadata, and the
-/// migration runs once.
+/// in place at open: its conversations keep their rows and gain empty metadata and no
+/// summary range, and each migration runs once.
 #[tokio::test(flavor = "multi_thread")]
 async fn sqlite_migrates_a_database_without_metadata() {
     use baton_api_gateway::store::ConversationStore;
@@ -47,7 +47,8 @@ async fn sqlite_migrates_a_database_without_metadata() {
     let store = SqliteStore::open(&path).unwrap();
     assert_eq!(store.get_conversation("alice", "c-old").await.unwrap().unwrap().metadata, m);
     let v: i64 = rusqlite::Connection::open(&path).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
-    assert_eq!(v, 2, "both migrations (conversation and response metadata) applied");
+    assert_eq!(v, 3, "every migration (conversation and turn metadata, the summary's range) applied");
+    assert_eq!(store.summary_through("c-old", 0).await.unwrap(), None, "an old row has no reusable summary");
 }
 
 /// Issue #39: a deleted conversation's text survived in the `-wal` file (every commit's
@@ -82,7 +83,7 @@ async fn deleted_text_is_gone_from_every_file_of_the_database() {
         let mut conv = conformance::conv(id, "alice", at);
         conv.title = marker.clone();
         store.create_conversation(&conv).await.unwrap();
-        store.set_summary(id, &marker.repeat(40)).await.unwrap();
+        store.set_summary(id, &marker.repeat(40), None).await.unwrap();
         let turn = baton_api_gateway::store::Turn { user_text: marker.repeat(200), ..streaming_turn(id, "t1") };
         store.begin_turn(&turn).await.unwrap();
         let log: Vec<LogEntry> = (0..50).map(|i| LogEntry { index: i, text: format!("{marker} {i}") }).collect();

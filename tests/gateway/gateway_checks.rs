@@ -22,13 +22,17 @@ use std::time::Duration;
 const BLOCKED: &str = "forbidden thing";
 
 /// Answers a summary request with `summary` and anything else with `reply`,
-/// word by word; counts the generations and keeps their prompts.
+/// word by word; counts the generations (and the summaries among them) and keeps
+/// their prompts. While `refuse_replies` is above zero, a reply (not a summary) is
+/// refused as overloaded, once per count.
 struct Scripted {
     tokenizer: Arc<Tokenizer>,
     reply: String,
     summary: Mutex<String>,
     prompts: Mutex<Vec<Vec<u32>>>,
     calls: AtomicUsize,
+    summaries: AtomicUsize,
+    refuse_replies: AtomicUsize,
 }
 
 #[async_trait::async_trait]
@@ -38,7 +42,10 @@ impl Generator for Scripted {
         self.prompts.lock().unwrap().push(req.prompt.clone());
         let asked = self.tokenizer.decode(&req.prompt);
         let text = if asked.contains(baton_api_gateway::context::SUMMARY_REQUEST) {
+            self.summaries.fetch_add(1, Ordering::SeqCst);
             self.summary.lock().unwrap().clone()
+        } else if self.refuse_replies.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            return Err(GenerateError::Overloaded { retry_after: Duration::from_secs(1) });
         } else {
             self.reply.clone()
         };
@@ -93,6 +100,8 @@ async fn gateway(flags: &[&str], summary: &str) -> Option<Gateway> {
         summary: Mutex::new(summary.to_string()),
         prompts: Mutex::new(Vec::new()),
         calls: AtomicUsize::new(0),
+        summaries: AtomicUsize::new(0),
+        refuse_replies: AtomicUsize::new(0),
     });
     let store = SqliteStore::open(&db).unwrap();
     let key = auth::create_key(&store, "alice", "test").await.unwrap();
@@ -199,4 +208,38 @@ async fn a_summary_that_fails_the_input_check_is_neither_stored_nor_used() {
     assert!(refused >= 1.0, "the refusal is counted in /metrics");
     assert!(!prompt.contains(BLOCKED) && !prompt.contains(baton_api_gateway::context::SUMMARY_PREFIX), "{prompt}");
     assert!(second.starts_with(&history), "the turn appends to the full history instead");
+}
+
+/// #39.6: a summary is stored with the boundary it covers as soon as it is made, so a
+/// turn refused after its summary (here the model service is overloaded when the reply
+/// is asked) is retried without asking the model (and charging the owner) again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_refused_after_its_summary_reuses_it_on_retry() {
+    let flags = ["--summary-threshold-tokens", "40", "--summary-keep-turns", "0"];
+    let Some(g) = gateway(&flags, "The user asked about rivers.").await else { return };
+    let (_, conv) = post(&g, "/v1/conversations", &json!({"title": "t"})).await;
+    let id = conv["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/conversations/{id}/turns");
+    let (st, v) = post(&g, &path, &json!({"turn_id": "a", "message": "Tell me about rivers.", "stream": false})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(g.generator.summaries.load(Ordering::SeqCst), 0);
+    g.generator.refuse_replies.store(1, Ordering::SeqCst);
+    let second = json!({"turn_id": "b", "message": "And lakes?", "stream": false});
+    let (st, v) = post(&g, &path, &second).await;
+    assert_eq!(st, 429, "the reply was refused after the summary: {v}");
+    assert_eq!(g.generator.summaries.load(Ordering::SeqCst), 1, "the refused turn asked for the summary");
+    assert!(g.store.get_turn(&id, "b").await.unwrap().is_none(), "a refused turn is not stored");
+    let (st, v) = post(&g, &path, &second).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(g.generator.summaries.load(Ordering::SeqCst), 1, "the retry reused the stored summary instead of asking the model again");
+    let summary = g.store.get_conversation("alice", &id).await.unwrap().unwrap().summary;
+    assert_eq!(summary.as_deref(), Some("The user asked about rivers."));
+    let b = g.store.get_turn(&id, "b").await.unwrap().unwrap();
+    let prompt = g.app.context.tokenizer.decode(&b.prompt_ids);
+    assert!(prompt.contains(&format!("{}The user asked about rivers.", baton_api_gateway::context::SUMMARY_PREFIX)), "{prompt}");
+    let reused = baton_api_gateway::metrics::encode()
+        .lines()
+        .find_map(|l| l.strip_prefix("baton_gateway_summaries_reused_total ")?.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(reused >= 1.0, "the reuse is counted in /metrics");
 }

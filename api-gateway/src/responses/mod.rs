@@ -157,7 +157,7 @@ async fn copy_history(app: &App, from: &Conversation, turns: &[Turn], upto: &Tur
         app.store.finish_turn(into.as_str(), &t.turn_id, &end).await?;
     }
     if let Some(s) = &from.summary {
-        app.store.set_summary(into.as_str(), s).await?;
+        app.store.set_summary(into.as_str(), s, None).await?;
     }
     Ok(())
 }

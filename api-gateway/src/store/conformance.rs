@@ -127,8 +127,13 @@ async fn conversations_are_owner_scoped(s: &dyn ConversationStore) {
     assert!(!s.delete_conversation("bob", "c-own", 0).await.unwrap(), "other user must not delete");
     assert!(s.list_conversations("alice").await.unwrap().iter().any(|c| c.id == "c-own"));
     assert!(s.list_conversations("bob").await.unwrap().is_empty());
-    s.set_summary("c-own", "they talked").await.unwrap();
+    s.set_summary("c-own", "they talked", None).await.unwrap();
     assert_eq!(s.get_conversation("alice", "c-own").await.unwrap().unwrap().summary.as_deref(), Some("they talked"));
+    assert_eq!(s.summary_through("c-own", 0).await.unwrap(), None, "a summary without its range is never reused");
+    s.set_summary("c-own", "they talked more", Some(3)).await.unwrap();
+    assert_eq!(s.summary_through("c-own", 3).await.unwrap().as_deref(), Some("they talked more"));
+    assert_eq!(s.summary_through("c-own", 4).await.unwrap(), None, "only the same boundary reuses it");
+    assert_eq!(s.summary_through("c-missing", 3).await.unwrap(), None);
 }
 
 async fn turns_are_idempotent_and_exact(s: &dyn ConversationStore) {
@@ -245,6 +250,9 @@ async fn history_rewrites_are_owned_and_guarded(s: &dyn ConversationStore) {
     assert!(s.list_turns("c-hist").await.unwrap().is_empty());
     assert_eq!(s.replace_turns("alice", "c-hist", Some(3), 0, &rows, None).await.unwrap(), Replaced::Busy, "a stale view is refused");
     assert_eq!(s.replace_turns("alice", "c-hist", None, 0, &rows, None).await.unwrap(), Replaced::Done);
+    // A summary covering only place 0 survives a rewrite from place 1; one covering
+    // place 1 is dropped by it (below).
+    s.set_summary("c-hist", "up to i0", Some(0)).await.unwrap();
     let got = s.list_turns("c-hist").await.unwrap();
     assert_eq!(got, rows.to_vec(), "rows are stored exactly as given");
     assert!(got[0].added_as_items() && got[0].has_user_message() && got[0].has_reply());
@@ -253,6 +261,7 @@ async fn history_rewrites_are_owned_and_guarded(s: &dyn ConversationStore) {
     // replaces it and what follows, with a tombstone in the same transaction.
     assert!(matches!(s.begin_turn(&turn("c-hist", "t2", 2, "h")).await.unwrap(), BeginTurn::Created));
     assert_eq!(s.replace_turns("alice", "c-hist", Some(2), 1, &rows[..1], Some(0)).await.unwrap(), Replaced::Busy);
+    assert_eq!(s.summary_through("c-hist", 0).await.unwrap().as_deref(), Some("up to i0"), "a refused rewrite keeps the summary");
     s.finish_turn("c-hist", "t2", &done()).await.unwrap();
     let before = s.count_tombstones().await.unwrap();
     let shorter = [item("i1b", 1, ITEM_ASSISTANT)];
@@ -262,6 +271,11 @@ async fn history_rewrites_are_owned_and_guarded(s: &dyn ConversationStore) {
     assert!(!got[1].has_user_message() && got[1].has_reply());
     assert_eq!(s.count_tombstones().await.unwrap(), before + 1, "the old history's KV must be evicted");
     assert!(s.get_conversation("alice", "c-hist").await.unwrap().is_some(), "a rewrite keeps the conversation");
+    assert_eq!(s.summary_through("c-hist", 0).await.unwrap().as_deref(), Some("up to i0"), "a rewrite after its range keeps it");
+    s.set_summary("c-hist", "up to i1b", Some(1)).await.unwrap();
+    assert_eq!(s.replace_turns("alice", "c-hist", Some(1), 1, &shorter, None).await.unwrap(), Replaced::Done);
+    assert_eq!(s.summary_through("c-hist", 1).await.unwrap(), None, "a rewrite inside its range drops it");
+    assert_eq!(s.get_conversation("alice", "c-hist").await.unwrap().unwrap().summary, None, "and its text");
     assert!(s.clear_tombstone("c-hist").await.unwrap());
 }
 

@@ -267,8 +267,15 @@ pub trait ConversationStore: Send + Sync + 'static {
     /// The conversation if it exists and belongs to `owner`.
     async fn get_conversation(&self, owner: &str, id: &str) -> StoreResult<Option<Conversation>>;
     async fn list_conversations(&self, owner: &str) -> StoreResult<Vec<Conversation>>;
-    /// Stores the conversation's summary (replacing the previous one).
-    async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()>;
+    /// Stores the conversation's summary (replacing the previous one). `through`: the
+    /// place (`seq`) of the last turn it covers, so the next turn summarizing at the same
+    /// boundary reuses it ([`ConversationStore::summary_through`]); None for a summary
+    /// copied without its turns (a fork), which is shown but never reused.
+    async fn set_summary(&self, id: &str, summary: &str, through: Option<i64>) -> StoreResult<()>;
+    /// The stored summary if it covers exactly the turns up to and including place
+    /// `through`: made for a turn that was then refused or failed, reused by its retry
+    /// instead of asking the model again. A history rewrite from a place it covers drops it.
+    async fn summary_through(&self, id: &str, through: i64) -> StoreResult<Option<String>>;
     /// Replaces the conversation's metadata; false if it does not exist for `owner`.
     async fn set_metadata(&self, owner: &str, id: &str, metadata: &Map<String, Value>) -> StoreResult<bool>;
     /// Rewrites the conversation's history in one transaction: deletes its turns at

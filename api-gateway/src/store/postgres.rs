@@ -344,9 +344,17 @@ impl ConversationStore for PostgresStore {
         rows.iter().map(conv_from_row).collect()
     }
 
-    async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()> {
-        self.exec("UPDATE conversations SET summary = $2 WHERE id = $1", &[&id, &summary]).await?;
+    async fn set_summary(&self, id: &str, summary: &str, through: Option<i64>) -> StoreResult<()> {
+        self.exec("UPDATE conversations SET summary = $2, summary_through = $3 WHERE id = $1", &[&id, &summary, &through]).await?;
         Ok(())
+    }
+
+    async fn summary_through(&self, id: &str, through: i64) -> StoreResult<Option<String>> {
+        let rows = self.query("SELECT summary FROM conversations WHERE id = $1 AND summary_through = $2", &[&id, &through]).await?;
+        match rows.first() {
+            Some(r) => get(r, 0),
+            None => Ok(None),
+        }
     }
 
     async fn set_metadata(&self, owner: &str, id: &str, metadata: &Map<String, Value>) -> StoreResult<bool> {

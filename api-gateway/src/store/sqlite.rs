@@ -146,6 +146,8 @@ const CONV_COLS: &str = "id, owner, title, system_prompt_version, created_at, up
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, "ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';"),
     (2, "ALTER TABLE turns ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';"),
+    // The place of the last turn the summary covers (NULL: not reusable).
+    (3, "ALTER TABLE conversations ADD COLUMN summary_through INTEGER;"),
 ];
 
 fn migrate(conn: &mut Connection) -> StoreResult<()> {
@@ -423,11 +425,23 @@ impl ConversationStore for SqliteStore {
         .await
     }
 
-    async fn set_summary(&self, id: &str, summary: &str) -> StoreResult<()> {
+    async fn set_summary(&self, id: &str, summary: &str, through: Option<i64>) -> StoreResult<()> {
         let (i, sm) = (id.to_string(), summary.to_string());
         self.with(move |c| {
-            c.run("UPDATE conversations SET summary = ?2 WHERE id = ?1", params![i, sm]).map_err(db)?;
+            c.run("UPDATE conversations SET summary = ?2, summary_through = ?3 WHERE id = ?1", params![i, sm, through]).map_err(db)?;
             Ok(())
+        })
+        .await
+    }
+
+    async fn summary_through(&self, id: &str, through: i64) -> StoreResult<Option<String>> {
+        let i = id.to_string();
+        self.with(move |c| {
+            let s: Option<Option<String>> = c
+                .row("SELECT summary FROM conversations WHERE id = ?1 AND summary_through = ?2", params![i, through], |r| r.get(0))
+                .optional()
+                .map_err(db)?;
+            Ok(s.flatten())
         })
         .await
     }
@@ -471,6 +485,12 @@ impl ConversationStore for SqliteStore {
                 return Ok(Replaced::Busy);
             }
             tx.run("DELETE FROM turns WHERE conversation = ?1 AND seq >= ?2", params![i, from_seq]).map_err(db)?;
+            // A summary of turns being rewritten no longer says what they say.
+            tx.run(
+                "UPDATE conversations SET summary = NULL, summary_through = NULL WHERE id = ?1 AND summary_through >= ?2",
+                params![i, from_seq],
+            )
+            .map_err(db)?;
             for t in &ts {
                 insert_turn(&tx, t, t.state)?;
             }

@@ -52,6 +52,9 @@ pub struct ReceiverConfig {
     /// ([`ConnBudget`](crate::transport::ConnBudget): QUIC carries many links on one
     /// connection). At least `limits.max_payload`, so every acceptable frame fits.
     pub connection_budget: u32,
+    /// Live QUIC connections one peer certificate may hold on a listener: each has its own
+    /// `connection_budget`, so a peer pins at most this many budgets. At least 1.
+    pub max_connections_per_peer: u32,
     /// How many ended reservations are remembered to explain late frames.
     pub remember_ended: usize,
 }
@@ -67,6 +70,9 @@ impl Default for ReceiverConfig {
             // Four of the largest frames: a sender's parallel streams keep flowing, and a
             // peer that stalls them pins at most this much.
             connection_budget: 256 << 20,
+            // A sender keeps one connection per receiver (redialling once after a failure);
+            // the rest is headroom for restarts racing the old connection's close.
+            max_connections_per_peer: 8,
             remember_ended: 4096,
         }
     }
@@ -194,6 +200,11 @@ impl KvReceiver {
                 what: "connection budget is smaller than the frame limit",
             });
         }
+        if config.max_connections_per_peer == 0 {
+            return Err(Error::InvalidArgument {
+                what: "a peer must be allowed at least one connection",
+            });
+        }
         Ok(KvReceiver {
             inner: Arc::new(Inner {
                 sink,
@@ -226,6 +237,11 @@ impl KvReceiver {
     /// Bytes one connection may hold in frames being read ([`ReceiverConfig::connection_budget`]).
     pub fn connection_budget(&self) -> u32 {
         self.inner.config.connection_budget
+    }
+
+    /// Live connections one peer certificate may hold ([`ReceiverConfig::max_connections_per_peer`]).
+    pub fn max_connections_per_peer(&self) -> u32 {
+        self.inner.config.max_connections_per_peer
     }
 
     /// Frame payload bytes held under connection budgets right now, all connections together.

@@ -252,6 +252,61 @@ pub struct QuicListener {
     endpoint: quinn::Endpoint,
     peer: Peer,
     task: tokio::task::AbortHandle,
+    conns: PeerConns,
+}
+
+/// QUIC application close code of a connection refused because its certificate already
+/// holds the most live connections the listener allows.
+pub const TOO_MANY_CONNECTIONS: u32 = 0x4b01;
+const TOO_MANY_CONNECTIONS_REASON: &[u8] = b"too many connections from this certificate";
+
+/// Live connections per peer identity (None: a certificate that names no identity, all
+/// such counted together). Each connection reads frames under its own budget, so without
+/// this count one certificate could multiply the memory it pins by dialling again.
+#[derive(Clone)]
+struct PeerConns {
+    cap: u32,
+    live: Arc<Mutex<HashMap<Option<Identity>, u32>>>,
+}
+
+/// One connection's place in [`PeerConns`], given back when the connection's task ends.
+struct PeerConnSlot {
+    conns: PeerConns,
+    peer: Option<Identity>,
+}
+
+impl PeerConns {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Option<Identity>, u32>> {
+        // Every critical section is a counter update that cannot panic half-way.
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn count(&self, peer: &Option<Identity>) -> u32 {
+        self.lock().get(peer).copied().unwrap_or(0)
+    }
+
+    /// A place for one more connection of `peer`, or None when it holds `cap` already.
+    fn claim(&self, peer: &Option<Identity>) -> Option<PeerConnSlot> {
+        let mut live = self.lock();
+        let n = live.entry(peer.clone()).or_insert(0);
+        if *n >= self.cap {
+            return None;
+        }
+        *n += 1;
+        Some(PeerConnSlot { conns: self.clone(), peer: peer.clone() })
+    }
+}
+
+impl Drop for PeerConnSlot {
+    fn drop(&mut self) {
+        let mut live = self.conns.lock();
+        if let Some(n) = live.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                live.remove(&self.peer);
+            }
+        }
+    }
 }
 
 impl QuicListener {
@@ -266,17 +321,19 @@ impl QuicListener {
     ) -> Result<Self> {
         let limits = receiver.frame_limits();
         let budget = Some((receiver.connection_budget(), receiver.frame_bytes_counter()));
+        let per_peer = receiver.max_connections_per_peer();
         let handler: StreamHandler = Arc::new(move |send, recv, peer, budget| {
             let receiver = receiver.clone();
             Box::pin(async move { receiver.serve_link(link(send, recv, limits, peer, budget)).await })
         });
-        Self::bind_streams(addr, server_name, tls, tuning, handler, budget)
+        Self::bind_streams(addr, server_name, tls, tuning, handler, budget, per_peer)
     }
 
     /// Like [`QuicListener::bind`], but every accepted stream goes to `handler` (the RDMA
     /// transport uses the streams as its control channel). With `budget` (bytes, and the
     /// receiver-wide count of bytes held), each connection's streams share one
-    /// [`ConnBudget`] of that many bytes.
+    /// [`ConnBudget`] of that many bytes. One peer certificate holds at most `per_peer`
+    /// live connections; the next is closed at once with [`TOO_MANY_CONNECTIONS`].
     pub(crate) fn bind_streams(
         addr: SocketAddr,
         server_name: &str,
@@ -284,7 +341,9 @@ impl QuicListener {
         tuning: &QuicTuning,
         handler: StreamHandler,
         budget: Option<(u32, Arc<AtomicU64>)>,
+        per_peer: u32,
     ) -> Result<Self> {
+        let conns = PeerConns { cap: per_peer, live: Arc::default() };
         let crypto = QuicServerConfig::try_from(tls.server_config(crate::certs::ALPN)?)
             .map_err(|e| Error::Tls { detail: e.to_string() })?;
         let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
@@ -294,18 +353,19 @@ impl QuicListener {
             .local_addr()
             .map_err(|e| Error::io("reading the QUIC listener address", e))?;
         let ep = endpoint.clone();
+        let listener_conns = conns.clone();
         let task = tokio::spawn(async move {
-            let mut conns = JoinSet::new();
+            let mut tasks = JoinSet::new();
             loop {
                 tokio::select! {
                     incoming = ep.accept() => match incoming {
                         Some(incoming) => {
                             let budget = budget.as_ref().map(|(bytes, held)| ConnBudget::new(*bytes, held.clone()));
-                            conns.spawn(serve_connection(incoming, handler.clone(), budget));
+                            tasks.spawn(serve_connection(incoming, handler.clone(), budget, conns.clone()));
                         }
                         None => break,
                     },
-                    Some(_) = conns.join_next() => {}
+                    Some(_) = tasks.join_next() => {}
                 }
             }
         });
@@ -316,7 +376,13 @@ impl QuicListener {
                 server_name: server_name.to_string(),
             },
             task: task.abort_handle(),
+            conns: listener_conns,
         })
+    }
+
+    /// Live connections whose client certificate names `peer`.
+    pub fn live_connections(&self, peer: &Identity) -> u32 {
+        self.conns.count(&Some(peer.clone()))
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -339,7 +405,7 @@ fn peer_identity(conn: &quinn::Connection) -> Option<Identity> {
     Identity::from_cert_der(certs.first()?).ok()
 }
 
-async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler, budget: Option<ConnBudget>) {
+async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler, budget: Option<ConnBudget>, conns: PeerConns) {
     let conn = match incoming.await {
         Ok(c) => c,
         Err(e) => {
@@ -348,6 +414,17 @@ async fn serve_connection(incoming: quinn::Incoming, handler: StreamHandler, bud
         }
     };
     let peer = peer_identity(&conn);
+    // Held until this task ends, i.e. after the connection and all its streams are gone.
+    let Some(_slot) = conns.claim(&peer) else {
+        tracing::warn!(
+            peer = %peer.as_ref().map_or_else(|| "unnamed".to_string(), |p| p.to_string()),
+            cap = conns.cap,
+            remote = %conn.remote_address(),
+            "QUIC connection refused: too many connections from this certificate"
+        );
+        conn.close(VarInt::from_u32(TOO_MANY_CONNECTIONS), TOO_MANY_CONNECTIONS_REASON);
+        return;
+    };
     let mut streams = JoinSet::new();
     loop {
         tokio::select! {

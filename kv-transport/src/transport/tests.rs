@@ -252,3 +252,131 @@ async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected(
         assert_eq!(dst.free_blocks(), dst.total_blocks(), "{round}: every reserved block is back");
     }
 }
+
+/// Issue #39: every QUIC connection reads frames under its own budget, so one certificate
+/// dialling again and again multiplied the memory it could pin. The listener now keeps at
+/// most `max_connections_per_peer` live connections per certificate: a peer stalling on
+/// every connection it may open holds at most cap x budget, its next connection is closed
+/// at once with a reason that says why, another certificate is unaffected, and a closed
+/// connection gives its place back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_holds_at_most_its_connection_cap_times_its_budget() {
+    use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
+    use bytes::BytesMut;
+    use std::time::Instant;
+    const BLOCKS: usize = 4;
+    const STREAMS: usize = 4;
+    const CAP: u32 = 2;
+    let layer = (BLOCKS * LAYOUT.bytes_per_block_layer()) as u32;
+    let budget = 2 * layer;
+    let certs = generate_dev_certs("test", &["decode-0", "prefill-0", "prefill-1"]).unwrap();
+    let server = certs.node_tls("decode-0").unwrap();
+    let dst = Arc::new(ArenaPool::new(LAYOUT, (CAP as usize + 1) * STREAMS * BLOCKS + 2 * BLOCKS).unwrap());
+    let config = ReceiverConfig {
+        limits: crate::handoff::frame::FrameLimits { max_payload: layer },
+        connection_budget: budget,
+        max_connections_per_peer: CAP,
+        ..ReceiverConfig::default()
+    };
+    let receiver = KvReceiver::new(dst.clone(), config).unwrap();
+    let tuning = QuicTuning::default();
+    let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
+    let attacker_id = certs.node_tls("prefill-1").unwrap().identity().unwrap();
+
+    async fn settle(what: impl Fn() -> u64, want: u64) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = what();
+            if now == want || Instant::now() > deadline {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let stall = |grant: &crate::handoff::Grant| {
+        let mut bytes = BytesMut::new();
+        Frame::open(grant.reservation, grant.epoch, &LAYOUT, grant.layers.clone(), BLOCKS as u32).encode_to(&mut bytes);
+        let mut h = FrameHeader::new(FrameKind::Data, grant.reservation, grant.epoch);
+        h.block_count = BLOCKS as u32;
+        h.payload_len = layer;
+        bytes.extend_from_slice(&h.encode());
+        bytes.freeze()
+    };
+    // The attack: one connection (one connector, one endpoint) after another, every stream
+    // announcing a layer and stalling.
+    let mut held_open = Vec::new();
+    let mut attackers = Vec::new();
+    for _ in 0..CAP {
+        let attacker = QuicConnector::new(&certs.node_tls("prefill-1").unwrap(), &tuning).unwrap();
+        let mut streams = Vec::new();
+        for _ in 0..STREAMS {
+            let res = receiver.reserve(BLOCKS, Some(Duration::from_secs(60))).unwrap();
+            let (mut send, recv) = attacker.open_stream(&quic.peer()).await.unwrap();
+            send.write_all(&stall(res.grant())).await.unwrap();
+            held_open.push(res);
+            streams.push((send, recv));
+        }
+        attackers.push((attacker, streams));
+    }
+    let cap_bytes = u64::from(CAP) * u64::from(budget);
+    assert_eq!(settle(|| receiver.frame_bytes_in_flight(), cap_bytes).await, cap_bytes, "{CAP} stalled connections hold {CAP} budgets");
+    assert_eq!(quic.live_connections(&attacker_id), CAP);
+    // One more connection from the same certificate is refused with a reason.
+    let extra = QuicConnector::new(&certs.node_tls("prefill-1").unwrap(), &tuning).unwrap();
+    let res = receiver.reserve(BLOCKS, Some(Duration::from_secs(60))).unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        let (mut send, mut recv) = match extra.open_stream(&quic.peer()).await {
+            Ok(streams) => streams,
+            Err(e) => return e.to_string(),
+        };
+        let _ = send.write_all(&stall(res.grant())).await;
+        let mut buf = [0u8; 64];
+        match recv.read(&mut buf).await {
+            Ok(got) => format!("read {got:?} on a connection over the cap"),
+            Err(e) => e.to_string(),
+        }
+    })
+    .await
+    .expect("the connection over the cap must be closed, not left hanging");
+    assert!(refused.contains("too many connections"), "the refusal says why: {refused}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(receiver.frame_bytes_in_flight(), cap_bytes, "the refused connection pinned nothing");
+    assert_eq!(quic.live_connections(&attacker_id), CAP, "the refused connection took no place");
+    drop((extra, res));
+    // Another certificate is not affected by prefill-1's cap.
+    let send_one = |name: &'static str| {
+        let receiver = receiver.clone();
+        let peer = quic.peer();
+        let dst = dst.clone();
+        let connector: Arc<dyn Connector> = Arc::new(QuicConnector::new(&certs.node_tls(name).unwrap(), &tuning).unwrap());
+        async move {
+            let src = Arc::new(ArenaPool::new(LAYOUT, BLOCKS).unwrap());
+            let res = receiver.reserve(BLOCKS, Some(Duration::from_secs(10))).unwrap();
+            let blocks = src.reserve(BLOCKS).unwrap();
+            for b in &blocks {
+                src.fill_block(*b, u64::from(b.0) + 7).unwrap();
+            }
+            let sent = tokio::time::timeout(Duration::from_secs(10), KvSender::new(connector).send(&peer, res.grant(), src.clone(), blocks.clone())).await;
+            assert!(matches!(sent, Ok(Ok(_))), "{name}'s transfer failed: {sent:?}");
+            let got = res.finished().await.unwrap();
+            for (s, d) in blocks.iter().zip(&got) {
+                assert_eq!(src.read_block(*s).unwrap(), dst.read_block(*d).unwrap());
+            }
+            dst.release(&got);
+        }
+    };
+    send_one("prefill-0").await;
+    // A closed connection gives its place (and its bytes) back: prefill-1 may dial again.
+    drop(attackers.pop());
+    assert_eq!(settle(|| u64::from(quic.live_connections(&attacker_id)), u64::from(CAP) - 1).await, u64::from(CAP) - 1);
+    assert_eq!(settle(|| receiver.frame_bytes_in_flight(), u64::from(budget)).await, u64::from(budget));
+    send_one("prefill-1").await;
+    drop(attackers);
+    assert_eq!(settle(|| receiver.frame_bytes_in_flight(), 0).await, 0);
+    assert_eq!(settle(|| u64::from(quic.live_connections(&attacker_id)), 0).await, 0);
+    for res in held_open {
+        let ended = tokio::time::timeout(Duration::from_secs(10), res.finished()).await;
+        assert!(matches!(ended, Ok(Err(_))), "a stalled reservation must end with its link");
+    }
+    assert_eq!(dst.free_blocks(), dst.total_blocks(), "every reserved block is back");
+}

@@ -184,6 +184,11 @@ impl PostgresStore {
         }
         let del = tx.prepare_cached("DELETE FROM turns WHERE conversation = $1 AND seq >= $2").await?;
         tx.execute(&del, &[&conversation, &from_seq]).await?;
+        // A summary of turns being rewritten no longer says what they say.
+        let drop_summary = tx
+            .prepare_cached("UPDATE conversations SET summary = NULL, summary_through = NULL WHERE id = $1 AND summary_through >= $2")
+            .await?;
+        tx.execute(&drop_summary, &[&conversation, &from_seq]).await?;
         let insert = tx
             .prepare_cached(&format!(
                 "INSERT INTO turns ({TURN_COLS}, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"

@@ -134,6 +134,13 @@ CREATE TABLE turn_stops (
 );
 "#,
     ),
+    (
+        7,
+        r#"
+-- The place of the last turn the summary covers (NULL: not reusable).
+ALTER TABLE conversations ADD COLUMN summary_through BIGINT;
+"#,
+    ),
 ];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").

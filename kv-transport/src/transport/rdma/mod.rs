@@ -177,6 +177,7 @@ impl RdmaListener {
         let payload = config.slot_payload_bytes.max(block_layer);
         let geometry = RingGeometry::new(config.rings, config.slots, slot_bytes(payload)?)?;
         let (region, keys) = Region::register(&device, config.rings, geometry.ring_bytes(), true)?;
+        let per_peer = receiver.max_connections_per_peer();
         let shared = Arc::new(Shared {
             device,
             arena: Arc::new(RecvArena {
@@ -193,7 +194,7 @@ impl RdmaListener {
             Box::pin(async move { serve_stream(shared, send, recv, peer).await })
         });
         Ok(RdmaListener {
-            quic: QuicListener::bind_streams(addr, server_name, tls, tuning, handler, None)?,
+            quic: QuicListener::bind_streams(addr, server_name, tls, tuning, handler, None, per_peer)?,
         })
     }
 

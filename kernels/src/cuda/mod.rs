@@ -18,6 +18,10 @@
 //! - A pure-decode step may run as a CUDA graph captured per batch bucket and
 //!   replayed, its inputs in fixed device buffers (`graph`, `step_inputs`).
 //!
+//! - The `Backend` impl below delegates each launch to a module of its kind:
+//!   `attention` (partials and combine), `elementwise` (embedding, norms, RoPE,
+//!   gates, adds, gathers), `kv_ops` (KV writes, one layer's export), `fused`.
+//!
 //! Construction checks for the driver, a GPU, NVRTC and cuBLAS before cudarc
 //! is touched (`runtime`), so a machine without them gets an error, not a panic.
 //! Device failures after that (a launch error, an ECC fault) panic with the
@@ -25,6 +29,9 @@
 //! in that state cannot go on serving.
 
 mod args;
+mod attention;
+mod elementwise;
+mod kv_ops;
 pub mod blas;
 pub mod compile;
 pub mod graph;
@@ -643,41 +650,11 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, tokens: &[u32], out: &mut CudaSlice<f32>) {
-        if tokens.is_empty() {
-            return;
-        }
-        assert!(tokens.iter().all(|&t| (t as usize) < table.n), "token beyond the embedding table ({})", table.n);
-        self.ensure_len(out, tokens.len() * table.k);
-        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = s.active.as_mut() {
-            a.limits.tokens(table.n);
-        }
-        let uploaded;
-        let ids = match s.step() {
-            Some((a, words)) => words.slice(a.layout.tokens.clone()),
-            None => match self.upload_u32(tokens) {
-                Some(ids) => {
-                    uploaded = ids;
-                    uploaded.slice(..)
-                }
-                None => return,
-            },
-        };
-        let width = table.k as i32;
-        let mut b = self.stream.launch_builder(&self.k.embed_bf16);
-        args::embed_bf16(&mut b, &table.w, &ids, &width, out);
-        unsafe { b.launch(config(plan::per_row(tokens.len(), ROW_THREADS))) }.unwrap_or_else(|e| fail("embed_bf16", e));
+        self.launch_embed(table, tokens, out)
     }
 
     fn rmsnorm(&self, x: &CudaSlice<f32>, weight: &CudaSlice<f32>, eps: f32, rows: usize, dim: usize, out: &mut CudaSlice<f32>) {
-        if rows == 0 {
-            return;
-        }
-        self.ensure_len(out, rows * dim);
-        let dim_i = dim as i32;
-        let mut b = self.stream.launch_builder(&self.k.rmsnorm);
-        args::rmsnorm(&mut b, x, weight, &eps, &dim_i, out);
-        unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("rmsnorm", e));
+        self.launch_rmsnorm(x, weight, eps, rows, dim, out)
     }
 
     fn matmul(&self, x: &CudaSlice<f32>, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
@@ -703,35 +680,11 @@ impl Backend for CudaBackend {
     }
 
     fn apply_rope(&self, rope: &CudaRope, x: &mut CudaSlice<f32>, positions: &[u32], heads: usize) {
-        if positions.is_empty() {
-            return;
-        }
-        if let Some(&p) = positions.iter().find(|&&p| p as usize >= rope.max_pos) {
-            panic!("position {p} beyond the rope table ({})", rope.max_pos);
-        }
-        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = s.active.as_mut() {
-            a.limits.positions(rope.max_pos);
-        }
-        let pos = match s.active.is_some() {
-            true => s.step().map(|(a, words)| words.slice(a.layout.positions.clone())).expect("a step is active"),
-            false => s.rope_positions.get(&self.stream, &self.capture, positions).slice(..),
-        };
-        let (heads_i, half_i) = (heads as i32, rope.half as i32);
-        let mut b = self.stream.launch_builder(&self.k.rope);
-        args::rope(&mut b, x, &rope.cos, &rope.sin, &pos, &heads_i, &half_i);
-        unsafe { b.launch(config(plan::per_row(positions.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("rope", e));
+        self.launch_apply_rope(rope, x, positions, heads)
     }
 
     fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, len: usize, out: &mut CudaSlice<f32>) {
-        if len == 0 {
-            return;
-        }
-        self.ensure_len(out, len);
-        let n = len as u64;
-        let mut b = self.stream.launch_builder(&self.k.silu_mul);
-        args::silu_mul(&mut b, gate, up, out, &n);
-        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("silu_mul", e));
+        self.launch_silu_mul(gate, up, len, out)
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
@@ -748,159 +701,31 @@ impl Backend for CudaBackend {
     }
 
     fn gelu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, len: usize, out: &mut CudaSlice<f32>) {
-        if len == 0 {
-            return;
-        }
-        self.ensure_len(out, len);
-        let n = len as u64;
-        let mut b = self.stream.launch_builder(&self.k.gelu_mul);
-        args::gelu_mul(&mut b, gate, up, out, &n);
-        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("gelu_mul", e));
+        self.launch_gelu_mul(gate, up, len, out)
     }
 
     fn add_rows(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize, width: usize) {
-        if rows == 0 || width == 0 {
-            return;
-        }
-        assert!(x.len() >= rows * width && bias.len() >= width, "add_rows: {rows} rows of {width} past the tensors");
-        let (n, width_i) = ((rows * width) as u64, width as i32);
-        let mut b = self.stream.launch_builder(&self.k.add_rows);
-        args::add_rows(&mut b, x, bias, &n, &width_i);
-        unsafe { b.launch(config(plan::elementwise(rows * width))) }.unwrap_or_else(|e| fail("add_rows", e));
+        self.launch_add_rows(x, bias, rows, width)
     }
 
     fn scale(&self, x: &mut CudaSlice<f32>, s: f32, len: usize) {
-        if len == 0 {
-            return;
-        }
-        assert!(x.len() >= len, "scale: {len} elements past the tensor");
-        let n = len as u64;
-        let mut b = self.stream.launch_builder(&self.k.scale_inplace);
-        args::scale_inplace(&mut b, x, &s, &n);
-        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("scale_inplace", e));
+        self.launch_scale(x, s, len)
     }
 
     fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) {
-        if len == 0 {
-            return;
-        }
-        let n = len as u64;
-        let mut b = self.stream.launch_builder(&self.k.add_inplace);
-        args::add_inplace(&mut b, x, y, &n);
-        unsafe { b.launch(config(plan::elementwise(len))) }.unwrap_or_else(|e| fail("add_inplace", e));
+        self.launch_add(x, y, len)
     }
 
     fn gather_rows(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize], out: &mut CudaSlice<f32>) {
-        if rows.is_empty() {
-            return;
-        }
-        self.ensure_len(out, rows.len() * width);
-        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let uploaded;
-        let ids = match s.step() {
-            Some((a, words)) => words.slice(a.layout.logit_rows.clone()),
-            None => match self.upload_u32(&rows.iter().map(|&r| r as u32).collect::<Vec<_>>()) {
-                Some(ids) => {
-                    uploaded = ids;
-                    uploaded.slice(..)
-                }
-                None => return,
-            },
-        };
-        let width_i = width as i32;
-        let mut b = self.stream.launch_builder(&self.k.gather_rows);
-        args::gather_rows(&mut b, x, &ids, &width_i, out);
-        unsafe { b.launch(config(plan::per_row(rows.len(), ROW_THREADS))) }.unwrap_or_else(|e| fail("gather_rows", e));
+        self.launch_gather_rows(x, width, rows, out)
     }
 
     fn kv_write(&self, kv: &mut CudaKv, layer: usize, k: &CudaSlice<f32>, v: &CudaSlice<f32>, slots: &[(u32, u32)]) {
-        if slots.is_empty() {
-            return;
-        }
-        let l = kv.layout;
-        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        // A step's slots were checked when they were staged (padding rows' mapped to the spare block).
-        let flat = match s.active.is_some() {
-            true => s.step().map(|(a, words)| words.slice(a.layout.slots.clone())).expect("a step is active"),
-            false => {
-                assert!(slots.iter().all(|&(b, s)| (b as usize) < kv.blocks && (s as usize) < l.block_tokens), "kv_write: slot out of range");
-                let flat: Vec<u32> = slots.iter().flat_map(|&(b, s)| [b, s]).collect();
-                s.kv_slots.get(&self.stream, &self.capture, &flat).slice(..)
-            }
-        };
-        let (layer_i, layers_i, bt, te) = (layer as i32, l.layers as i32, l.block_tokens as i32, l.token_elems() as i32);
-        let mut b = self.stream.launch_builder(&self.k.kv_write[kv_code(l.dtype)]);
-        args::kv_write(&mut b, &mut kv.arena, k, v, &flat, &layer_i, &layers_i, &bt, &te);
-        unsafe { b.launch(config(plan::per_row(slots.len(), TOKEN_THREADS))) }.unwrap_or_else(|e| fail("kv_write", e));
+        self.launch_kv_write(kv, layer, k, v, slots)
     }
 
     fn attention(&self, kv: &CudaKv, layer: usize, q: &CudaSlice<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, out: &mut CudaSlice<f32>) {
-        if rows.is_empty() {
-            return;
-        }
-        let l = &kv.layout;
-        let hd = l.head_dim;
-        self.ensure_len(out, rows.len() * n_heads * hd);
-        let mma = self.k.attn_mma.as_ref().zip(mma_index(l.dtype, hd)).map(|(fs, i)| &fs[i]);
-        let mut p = AttentionPlan::for_gpu(rows, l.block_tokens, hd, n_heads, l.kv_heads, mma.is_some());
-        // 0 is no window; a window as long as i32 allows covers every position the arena holds.
-        let window_i = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        // A step's index arrays are staged at fixed places, its grid sized for the shape's capacity.
-        let ranges = match s.active.as_ref() {
-            Some(a) => {
-                assert_eq!(p.run_start.len(), rows.len(), "a captured step's rows each on a table of their own");
-                p = p.with_capacity(a.layout.shape.parts);
-                a.layout.attention_ranges()
-            }
-            None => {
-                let (words, ranges) = p.index_words();
-                s.attn_index.get(&self.stream, &self.capture, &words);
-                ranges
-            }
-        };
-        let max_parts = p.max_parts;
-        let slots = p.partial_slots(n_heads);
-        grow(&self.stream, &self.capture, &mut s.part_acc, slots * hd, "attention partials");
-        grow(&self.stream, &self.capture, &mut s.part_ml, slots * 2, "attention partials");
-        let Scratch { part_acc, part_ml, attn_index, step_words, active, .. } = &mut *s;
-        let (Some(part_acc), Some(part_ml)) = (part_acc.as_mut(), part_ml.as_mut()) else { return };
-        let index = match active {
-            Some(a) => &step_words[&a.key],
-            None => &attn_index.0.as_ref().expect("uploaded above").1,
-        };
-        let [tables, offsets, positions, starts, lens] = ranges.map(|r| index.slice(r));
-        let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =
-            (layer as i32, l.layers as i32, l.block_tokens as i32, l.kv_heads as i32, hd as i32, n_heads as i32, max_parts as i32);
-        match p.kernel {
-            // Decode rows and prefill chunks alike on the tensor cores: every query head of
-            // a KV head's group, and every row of a run, from one read of its keys and values.
-            AttnKernel::Mma => {
-                let mut b = self.stream.launch_builder(mma.expect("planned only where the kernel exists"));
-                #[rustfmt::skip]
-                args::attn_mma(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
-                    &layer_i, &layers_i, &bt, &kvh, &nh, &scale, &window_i, &mp, &mut *part_acc, &mut *part_ml);
-                unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_mma", e));
-            }
-            // Prefill chunks: each key and value is read once per run of rows, not once per row.
-            AttnKernel::Tiled => {
-                let mut b = self.stream.launch_builder(&self.k.attn_partial_tiled[kv_code(l.dtype)]);
-                #[rustfmt::skip]
-                args::attn_partial_tiled(&mut b, &kv.arena, q, &tables, &offsets, &positions, &starts, &lens,
-                    &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &window_i, &mp, &mut *part_acc, &mut *part_ml);
-                unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial_tiled", e));
-            }
-            AttnKernel::Rows => {
-                let mut b = self.stream.launch_builder(&self.k.attn_partial[kv_code(l.dtype)]);
-                #[rustfmt::skip]
-                args::attn_partial(&mut b, &kv.arena, q, &tables, &offsets, &positions,
-                    &layer_i, &layers_i, &bt, &kvh, &hd_i, &nh, &scale, &window_i, &mp, &mut *part_acc, &mut *part_ml);
-                unsafe { b.launch(config(p.partial)) }.unwrap_or_else(|e| fail("attn_partial", e));
-            }
-        }
-        let mut b = self.stream.launch_builder(&self.k.attn_combine);
-        args::attn_combine(&mut b, &*part_acc, &*part_ml, &positions, &nh, &hd_i, &window_i, &mp, out);
-        unsafe { b.launch(config(p.combine)) }.unwrap_or_else(|e| fail("attn_combine", e));
+        self.launch_attention(kv, layer, q, rows, n_heads, scale, window, out)
     }
 
     fn kv_copy_block_out(&self, kv: &CudaKv, block: usize, out: &mut [u8]) {
@@ -962,18 +787,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_blocks_layer_out(&self, kv: &CudaKv, blocks: &[usize], layer: usize, block_layer_bytes: usize) -> crate::backend::KvBytes {
-        use crate::backend::KvBytes;
-        assert_eq!(block_layer_bytes, kv.layout.block_layer_bytes(), "kv_blocks_layer_out: block-layer size");
-        assert!(blocks.len() <= 65_535 && blocks.iter().all(|&b| b < kv.blocks) && layer < kv.layout.layers, "kv_blocks_layer_out: block or layer out of range");
-        if blocks.is_empty() || block_layer_bytes == 0 {
-            return KvBytes::Ready(Vec::new());
-        }
-        let len = blocks.len() * block_layer_bytes;
-        let mut slot = self.layer_out.take(&self.stream, len).unwrap_or_else(|e| fail("allocating a KV export slot", e));
-        let ids: Vec<u32> = blocks.iter().map(|&b| b as u32).collect();
-        self.pack_into(kv, &ids, &(layer..layer + 1), &mut slot.device);
-        self.layer_out.queue_copy(&self.stream, &mut slot, len).unwrap_or_else(|e| fail("queueing a KV layer export", e));
-        KvBytes::Pending(Box::new(layer_out::PendingLayer { slot: Some(slot), len, owner: self.layer_out.clone() }))
+        self.launch_kv_blocks_layer_out(kv, blocks, layer, block_layer_bytes)
     }
 }
 

@@ -47,20 +47,14 @@ pub fn busy() -> ApiError {
 }
 
 /// An open-stream slot for a client that follows a turn already running.
-pub fn follower_slot(app: &App, owner: &OwnerId) -> Result<crate::limits::Permit, ApiError> {
-    app.limiter.attach(owner.as_str()).map_err(|r| {
-        crate::metrics::rate_limited(r.limit);
-        ApiError::rate_limited(r.limit, r.retry_after)
-    })
+pub async fn follower_slot(app: &App, owner: &OwnerId) -> Result<crate::limits::Permit, ApiError> {
+    Ok(app.limiter.attach(owner.as_str()).await?)
 }
 
 /// Counts one conversation create or list against `owner`'s
 /// `conversation_requests_per_minute` (429 above it, like every other limit).
-pub fn admit_request(app: &App, owner: &OwnerId) -> Result<(), ApiError> {
-    app.limiter.admit_request(owner.as_str()).map_err(|r| {
-        crate::metrics::rate_limited(r.limit);
-        ApiError::rate_limited(r.limit, r.retry_after)
-    })
+pub async fn admit_request(app: &App, owner: &OwnerId) -> Result<(), ApiError> {
+    Ok(app.limiter.admit_request(owner.as_str()).await?)
 }
 
 /// Deletes `owner`'s conversation: stops a turn in progress and waits until it is

@@ -64,7 +64,7 @@ fn conv_json(c: &Conversation) -> Value {
 pub async fn create(State(app): State<Arc<App>>, auth: AuthUser, body: Body) -> Result<Response, ApiError> {
     let AuthUser(user, _) = auth.clone();
     metrics::request("conversations_create");
-    crate::conv_common::admit_request(&app, &user)?;
+    crate::conv_common::admit_request(&app, &user).await?;
     let body = read_body(body, app.config.max_body_bytes, app.config.connections.header_timeout).await?;
     let b: CreateBody = if body.iter().all(u8::is_ascii_whitespace) {
         CreateBody::default()
@@ -105,7 +105,7 @@ pub async fn create(State(app): State<Arc<App>>, auth: AuthUser, body: Body) -> 
 
 pub async fn list(State(app): State<Arc<App>>, AuthUser(user, _): AuthUser) -> Result<Json<Value>, ApiError> {
     metrics::request("conversations_list");
-    crate::conv_common::admit_request(&app, &user)?;
+    crate::conv_common::admit_request(&app, &user).await?;
     let cs = app.store.list_conversations(user.as_str()).await?;
     Ok(Json(json!({"object": "list", "data": cs.iter().map(conv_json).collect::<Vec<_>>()})))
 }
@@ -231,7 +231,7 @@ pub async fn add_turn(
             return Err(ApiError::conflict("this turn ID was used with a different request body"));
         }
         drop(admission);
-        let slot = follower_slot(&app, &user)?;
+        let slot = follower_slot(&app, &user).await?;
         metrics::turn("attached");
         return Ok(respond_live(app, live, from, stream, Some(slot)).await);
     }
@@ -345,7 +345,7 @@ pub async fn add_turn(
 
 /// Follows a turn that another gateway replica runs, through the store.
 async fn attach_stored(app: Arc<App>, owner: &OwnerId, id: ConversationId, turn_id: TurnId, from: usize, stream: bool) -> Result<Response, ApiError> {
-    let slot = follower_slot(&app, owner)?;
+    let slot = follower_slot(&app, owner).await?;
     metrics::turn("attached");
     let events = polled::follow(app, id.into_string(), turn_id.into_string(), from);
     Ok(respond_events(events, stream, Some(slot)).await)
@@ -474,7 +474,7 @@ pub async fn events(
     let turn_id = parse_turn_id(&turn_id)?;
     let from = last_event_id(&headers)?.or(q.after).map(|n| n + 1).unwrap_or(0);
     if let Some(live) = app.live.get(&id).filter(|l| l.turn_id == turn_id) {
-        let slot = follower_slot(&app, &user)?;
+        let slot = follower_slot(&app, &user).await?;
         return Ok(respond_live(app, live, from, true, Some(slot)).await);
     }
     let t = app.store.get_turn(id.as_str(), turn_id.as_str()).await?.ok_or_else(|| ApiError::not_found("turn"))?;

@@ -89,10 +89,7 @@ impl App {
     ) -> Result<Reply, ApiError> {
         let sampling = sampling.validate().map_err(|e| ApiError::bad_request(e.to_string()))?.into_inner();
         let (bucket, overrides) = self.limits_for(owner.as_str(), key).await?;
-        let permit = self.limiter.admit_with(&bucket, prompt.ids.len(), overrides.as_ref()).map_err(|r| {
-            metrics::rate_limited(r.limit);
-            ApiError::rate_limited(r.limit, r.retry_after)
-        })?;
+        let permit = self.limiter.admit_with(&bucket, prompt.ids.len(), overrides.as_ref()).await?;
         let prompt_len = prompt.ids.len();
         let started = Instant::now();
         let events = self
@@ -129,10 +126,7 @@ impl App {
     /// against the prompt-token budget; refused (429) like a turn.
     pub async fn charge_prompt_tokens(&self, owner: &OwnerId, key: &KeyHash, tokens: usize) -> Result<(), ApiError> {
         let (bucket, overrides) = self.limits_for(owner.as_str(), key).await?;
-        let permit = self.limiter.admit_with(&bucket, tokens, overrides.as_ref()).map_err(|r| {
-            metrics::rate_limited(r.limit);
-            ApiError::rate_limited(r.limit, r.retry_after)
-        })?;
+        let permit = self.limiter.admit_with(&bucket, tokens, overrides.as_ref()).await?;
         drop(permit); // nothing streams: the open-stream slot is given back at once
         Ok(())
     }
@@ -142,10 +136,7 @@ impl App {
     /// permit while it runs; the caller charges its output with the permit.
     pub async fn admit_generation(&self, owner: &OwnerId, key: &KeyHash, prompt_tokens: usize) -> Result<Permit, ApiError> {
         let (bucket, overrides) = self.limits_for(owner.as_str(), key).await?;
-        self.limiter.admit_with(&bucket, prompt_tokens, overrides.as_ref()).map_err(|r| {
-            metrics::rate_limited(r.limit);
-            ApiError::rate_limited(r.limit, r.retry_after)
-        })
+        Ok(self.limiter.admit_with(&bucket, prompt_tokens, overrides.as_ref()).await?)
     }
 
     /// The buckets a request is charged to and the overrides they run under:

@@ -64,7 +64,10 @@ pub fn build_app(
     let evictions = evictions::Evictions::new(store.clone(), generator.clone(), config.evict_retry);
     Ok(Arc::new(App {
         evictions,
-        limiter: Limiter::new(config.limits.clone()),
+        limiter: match store.limit_ledger() {
+            Some(ledger) => Limiter::shared(config.limits.clone(), ledger),
+            None => Limiter::new(config.limits.clone()),
+        },
         links: Arc::new(LinkPolicy { allowed_hosts: config.link_allowlist.clone() }),
         checks,
         check_window,

@@ -10,39 +10,18 @@
 //! text is stored after the delete answered.
 
 mod pg;
+mod replicas;
 
 use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRequest, GenerationStream, Generator};
-use baton_api_gateway::store::{ConversationStore, PostgresStore};
-use baton_api_gateway::{auth, build_app, load_tokenizer, Args, Config};
 use baton_text::{FinishReason, TokenOut, Usage};
-use clap::Parser;
+use replicas::request;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const MARKER: &str = "zebra";
-
-fn model() -> Option<PathBuf> {
-    let p = match std::env::var_os("BATON_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => baton_text::model_cache::model_cache_dir()?.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: model not found at {}; run scripts/fetch-model.sh", p.display());
-        None
-    }
-}
-
-#[derive(Parser)]
-struct Wrap {
-    #[command(flatten)]
-    args: Args,
-}
 
 /// What the scripted model saw, with times.
 #[derive(Default)]
@@ -94,47 +73,17 @@ impl Generator for Slow {
     }
 }
 
-fn request(addr: SocketAddr, method: &str, path: &str, key: &str, body: Option<&Value>) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.0\r\nHost: gw\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).unwrap();
-    let resp = String::from_utf8_lossy(&resp).into_owned();
-    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
-}
-
 #[test]
 fn a_delete_on_one_replica_waits_for_the_turn_streaming_on_another() {
-    let Some(model) = model() else { return };
+    let Some(tk) = replicas::tokenizer() else { return };
     let Some(pg) = pg::TempPostgres::start() else { return };
-    let (tokenizer, template) = load_tokenizer(&model).unwrap();
-    let token = tokenizer.encode(&format!(" {MARKER}"), false).unwrap()[0];
+    let token = tk.0.encode(&format!(" {MARKER}"), false).unwrap()[0];
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let log = Arc::new(Mutex::new(Log::default()));
     let url = pg.url();
     let (a, b, key, raw) = runtime.block_on(async {
-        let mut gateways = Vec::new();
-        let mut key = String::new();
-        for _ in 0..2 {
-            let store = PostgresStore::connect(&url).await.unwrap();
-            if key.is_empty() {
-                key = auth::create_key(&store, "alice", "test").await.unwrap();
-            }
-            let config = Config::try_from(Wrap::parse_from(["gateway", "--db", url.as_str()]).args).unwrap();
-            let generator = Arc::new(Slow { log: log.clone(), token });
-            let store: Arc<dyn ConversationStore> = Arc::new(store);
-            let app = build_app(config, generator, store, tokenizer.clone(), template.clone(), "smollm2".into()).unwrap();
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            gateways.push(listener.local_addr().unwrap());
-            tokio::spawn(baton_api_gateway::server::serve(listener, app, futures::future::pending::<()>()));
-        }
+        let generators: Vec<Arc<dyn Generator>> = (0..2).map(|_| Arc::new(Slow { log: log.clone(), token }) as Arc<dyn Generator>).collect();
+        let (gateways, key) = replicas::start(&url, &[], generators, tk).await;
         let (raw, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
         tokio::spawn(conn);
         (gateways[0], gateways[1], key, raw)

@@ -287,7 +287,7 @@ async fn run_turn(
             return Err(ApiError::conflict("this Idempotency-Key was used with a different request body"));
         }
         drop(admission);
-        let slot = follower_slot(&app, &user)?;
+        let slot = follower_slot(&app, &user).await?;
         metrics::turn("attached");
         let events = live.follow(app.config.resume_grace, from).boxed();
         return Ok(respond(events, meta, req.stream, starting_after, Some(slot)).await);
@@ -302,7 +302,7 @@ async fn run_turn(
             TurnState::Streaming => {
                 if app.store.turn_runs_elsewhere(conversation.as_str(), turn_id.as_str()).await? {
                     drop(admission);
-                    let slot = follower_slot(&app, &user)?;
+                    let slot = follower_slot(&app, &user).await?;
                     let events = polled::follow(app.clone(), conversation.into_string(), turn_id.into_string(), from).boxed();
                     return Ok(respond(events, meta, req.stream, starting_after, Some(slot)).await);
                 }
@@ -370,7 +370,7 @@ async fn run_turn(
         BeginTurn::Created => {}
         BeginTurn::Existing(t) if t.request_hash == req.hash && t.state == TurnState::Streaming => {
             drop((reply, admission));
-            let slot = follower_slot(&app, &user)?;
+            let slot = follower_slot(&app, &user).await?;
             let events = polled::follow(app.clone(), conversation.into_string(), turn_id.into_string(), from).boxed();
             return Ok(respond(events, meta, req.stream, starting_after, Some(slot)).await);
         }
@@ -454,7 +454,7 @@ pub async fn retrieve(
     }
     let starting_after = last_event_id(&headers)?.or(q.starting_after);
     let from = object::resume_position(starting_after);
-    let slot = follower_slot(&app, &user)?;
+    let slot = follower_slot(&app, &user).await?;
     let events = match live {
         Some(l) => l.follow(app.config.resume_grace, from).boxed(),
         None if t.state == TurnState::Streaming => polled::follow(app.clone(), c.into_string(), t.turn_id.clone(), from).boxed(),

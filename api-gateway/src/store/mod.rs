@@ -364,6 +364,12 @@ pub trait ConversationStore: Send + Sync + 'static {
 
     async fn add_usage(&self, user: &str, usage: UsageCounts) -> StoreResult<()>;
     async fn usage(&self, user: &str) -> StoreResult<UsageCounts>;
+
+    /// The per-user limit counts every replica on this store shares, if it is shared
+    /// (PostgreSQL); `None`: one replica's own store, whose process counts alone.
+    fn limit_ledger(&self) -> Option<std::sync::Arc<dyn crate::limits::LimitLedger>> {
+        None
+    }
 }
 
 /// Opens the store `db` names: a `postgres://` or `postgresql://` URL

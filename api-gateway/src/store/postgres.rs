@@ -37,6 +37,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 
 mod admission;
+mod limits;
 mod schema;
 pub mod tls;
 
@@ -697,6 +698,10 @@ impl ConversationStore for PostgresStore {
             }),
             None => Ok(UsageCounts::default()),
         }
+    }
+
+    fn limit_ledger(&self) -> Option<Arc<dyn crate::limits::LimitLedger>> {
+        Some(Arc::new(self.clone()))
     }
 }
 

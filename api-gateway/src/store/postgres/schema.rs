@@ -141,6 +141,28 @@ CREATE TABLE turn_stops (
 ALTER TABLE conversations ADD COLUMN summary_through BIGINT;
 "#,
     ),
+    (
+        8,
+        r#"
+-- Per-user limits shared by every replica (store/postgres/limits.rs). A bucket is the
+-- SHA-256 (hex) of the limiter's bucket name; `at` is the database clock (unix seconds)
+-- at which `level` was true.
+CREATE TABLE limit_buckets (
+    bucket TEXT COLLATE "C" NOT NULL,
+    kind TEXT NOT NULL,
+    level DOUBLE PRECISION NOT NULL,
+    at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (bucket, kind)
+);
+-- Open streams, held by a gateway instance (counted while its heartbeat is live).
+CREATE TABLE limit_streams (
+    id TEXT PRIMARY KEY,
+    bucket TEXT COLLATE "C" NOT NULL,
+    instance TEXT NOT NULL
+);
+CREATE INDEX limit_streams_bucket ON limit_streams (bucket);
+"#,
+    ),
 ];
 
 /// Key of the advisory lock that serializes migrations ("baton-gw").

@@ -338,7 +338,11 @@ async fn one_peer_holds_at_most_its_connection_cap_times_its_budget() {
     })
     .await
     .expect("the connection over the cap must be closed, not left hanging");
-    assert!(refused.contains("too many connections"), "the refusal says why: {refused}");
+    // The listener closes with the reason; whether this side reads it or only sees the
+    // connection go depends on which of its calls meets the close first (a race on a
+    // loaded machine), so either is a refusal. What matters is checked next: it holds
+    // nothing and takes no place.
+    assert!(refused.contains("too many connections") || refused.contains("connection lost"), "the connection over the cap was refused: {refused}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(receiver.frame_bytes_in_flight(), cap_bytes, "the refused connection pinned nothing");
     assert_eq!(quic.live_connections(&attacker_id), CAP, "the refused connection took no place");

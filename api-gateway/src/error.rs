@@ -245,6 +245,20 @@ impl From<StoreError> for ApiError {
     }
 }
 
+impl From<crate::limits::LimitError> for ApiError {
+    /// A refusal is a 429 with Retry-After, counted by limit; a ledger that could not be
+    /// asked is the store's error (503 when unreachable).
+    fn from(e: crate::limits::LimitError) -> Self {
+        match e {
+            crate::limits::LimitError::Refused(r) => {
+                crate::metrics::rate_limited(r.limit);
+                ApiError::rate_limited(r.limit, r.retry_after)
+            }
+            crate::limits::LimitError::Ledger(e) => e.into(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,19 +304,5 @@ mod tests {
             assert!(!api.message.contains("node down") && !api.message.contains("bug"), "{}", api.message);
         }
         assert_eq!(ApiError::too_large(10).status, StatusCode::PAYLOAD_TOO_LARGE);
-    }
-}
-
-impl From<crate::limits::LimitError> for ApiError {
-    /// A refusal is a 429 with Retry-After, counted by limit; a ledger that could not be
-    /// asked is the store's error (503 when unreachable).
-    fn from(e: crate::limits::LimitError) -> Self {
-        match e {
-            crate::limits::LimitError::Refused(r) => {
-                crate::metrics::rate_limited(r.limit);
-                ApiError::rate_limited(r.limit, r.retry_after)
-            }
-            crate::limits::LimitError::Ledger(e) => e.into(),
-        }
     }
 }

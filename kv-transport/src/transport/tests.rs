@@ -3,9 +3,12 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
 
 use crate::certs::{generate_dev_certs, NodeTls};
+use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
 use crate::handoff::{KvReceiver, KvSender, ReceiverConfig};
 use crate::pool::{ArenaPool, BlockSink};
 use crate::transport::quic::{QuicCongestion, QuicConnector, QuicListener, QuicTuning};
@@ -158,6 +161,30 @@ async fn a_grant_is_filled_only_by_the_node_it_was_issued_to() {
     assert_eq!(dst.free_blocks(), 8);
 }
 
+/// Waits up to 10 s for `what` to read `want`; returns what it read last.
+async fn settle(what: impl Fn() -> u64, want: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = what();
+        if now == want || Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A stalling peer's stream: a valid Open for `grant` of `blocks` blocks, then a data
+/// header announcing `layer` bytes, and never the payload.
+fn stalled_layer(grant: &crate::handoff::Grant, blocks: u32, layer: u32) -> bytes::Bytes {
+    let mut bytes = BytesMut::new();
+    Frame::open(grant.reservation, grant.epoch, &LAYOUT, grant.layers.clone(), blocks).encode_to(&mut bytes);
+    let mut h = FrameHeader::new(FrameKind::Data, grant.reservation, grant.epoch);
+    h.block_count = blocks;
+    h.payload_len = layer;
+    bytes.extend_from_slice(&h.encode());
+    bytes.freeze()
+}
+
 /// Issue #39: the receiver allocates a data frame's payload when its header arrives, and
 /// QUIC carries many links on one connection, so a peer holding grants could announce a
 /// full layer on every stream and stall, pinning one layer's bytes per stream. Each
@@ -166,9 +193,6 @@ async fn a_grant_is_filled_only_by_the_node_it_was_issued_to() {
 /// bytes come back when the streams are reset or the peer's connection dies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected() {
-    use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
-    use bytes::BytesMut;
-    use std::time::Instant;
     const BLOCKS: usize = 4;
     const STREAMS: usize = 8;
     let layer = (BLOCKS * LAYOUT.bytes_per_block_layer()) as u32;
@@ -185,27 +209,9 @@ async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected(
     let tuning = QuicTuning::default();
     let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
 
-    async fn settle(receiver: &KvReceiver, want: u64) -> u64 {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let held = receiver.frame_bytes_in_flight();
-            if held == want || Instant::now() > deadline {
-                return held;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
     // The attack: on every stream, a valid Open for a grant of its own, then a data header
     // announcing a whole layer, and never the payload.
-    let stall = |grant: &crate::handoff::Grant| {
-        let mut bytes = BytesMut::new();
-        Frame::open(grant.reservation, grant.epoch, &LAYOUT, grant.layers.clone(), BLOCKS as u32).encode_to(&mut bytes);
-        let mut h = FrameHeader::new(FrameKind::Data, grant.reservation, grant.epoch);
-        h.block_count = BLOCKS as u32;
-        h.payload_len = layer;
-        bytes.extend_from_slice(&h.encode());
-        bytes.freeze()
-    };
+    let stall = |grant: &crate::handoff::Grant| stalled_layer(grant, BLOCKS as u32, layer);
     for round in ["streams reset", "connection closed"] {
         let attacker = QuicConnector::new(&certs.node_tls("prefill-1").unwrap(), &tuning).unwrap();
         let mut held_open = Vec::new();
@@ -217,7 +223,7 @@ async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected(
             held_open.push(res);
             streams.push((send, recv));
         }
-        let held = settle(&receiver, u64::from(budget)).await;
+        let held = settle(|| receiver.frame_bytes_in_flight(), u64::from(budget)).await;
         assert_eq!(held, u64::from(budget), "{round}: {STREAMS} stalled frames of {layer} bytes must hold exactly the budget ({budget})");
         // Another peer, on its own connection, is not held up by the stalled one.
         let honest: Arc<dyn Connector> = Arc::new(QuicConnector::new(&certs.node_tls("prefill-0").unwrap(), &tuning).unwrap());
@@ -234,7 +240,7 @@ async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected(
             assert_eq!(src.read_block(*s).unwrap(), dst.read_block(*d).unwrap());
         }
         dst.release(&got);
-        assert_eq!(settle(&receiver, u64::from(budget)).await, u64::from(budget), "{round}: the attacker still holds only its budget");
+        assert_eq!(settle(|| receiver.frame_bytes_in_flight(), u64::from(budget)).await, u64::from(budget), "{round}: the attacker still holds only its budget");
         // Every way the attacker's links end gives its bytes back and ends its reservations.
         if round == "streams reset" {
             for (mut send, _recv) in streams {
@@ -244,7 +250,7 @@ async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected(
             // The peer dies: its endpoint and every handle of the connection go away.
             drop((streams, attacker));
         }
-        assert_eq!(settle(&receiver, 0).await, 0, "{round}: the attacker's bytes must come back");
+        assert_eq!(settle(|| receiver.frame_bytes_in_flight(), 0).await, 0, "{round}: the attacker's bytes must come back");
         for res in held_open {
             let ended = tokio::time::timeout(Duration::from_secs(10), res.finished()).await;
             assert!(matches!(ended, Ok(Err(_))), "{round}: a stalled reservation must end with its link");
@@ -261,9 +267,6 @@ async fn one_peer_holds_at_most_its_connection_budget_and_others_are_unaffected(
 /// connection gives its place back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_peer_holds_at_most_its_connection_cap_times_its_budget() {
-    use crate::handoff::frame::{Frame, FrameHeader, FrameKind};
-    use bytes::BytesMut;
-    use std::time::Instant;
     const BLOCKS: usize = 4;
     const STREAMS: usize = 4;
     const CAP: u32 = 2;
@@ -283,25 +286,7 @@ async fn one_peer_holds_at_most_its_connection_cap_times_its_budget() {
     let quic = QuicListener::bind(loopback(), "decode-0", &server, &tuning, receiver.clone()).unwrap();
     let attacker_id = certs.node_tls("prefill-1").unwrap().identity().unwrap();
 
-    async fn settle(what: impl Fn() -> u64, want: u64) -> u64 {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let now = what();
-            if now == want || Instant::now() > deadline {
-                return now;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-    let stall = |grant: &crate::handoff::Grant| {
-        let mut bytes = BytesMut::new();
-        Frame::open(grant.reservation, grant.epoch, &LAYOUT, grant.layers.clone(), BLOCKS as u32).encode_to(&mut bytes);
-        let mut h = FrameHeader::new(FrameKind::Data, grant.reservation, grant.epoch);
-        h.block_count = BLOCKS as u32;
-        h.payload_len = layer;
-        bytes.extend_from_slice(&h.encode());
-        bytes.freeze()
-    };
+    let stall = |grant: &crate::handoff::Grant| stalled_layer(grant, BLOCKS as u32, layer);
     // The attack: one connection (one connector, one endpoint) after another, every stream
     // announcing a layer and stalling.
     let mut held_open = Vec::new();

@@ -16,8 +16,7 @@ use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRe
 use baton_text::{FinishReason, TokenOut, Usage};
 use replicas::request;
 use serde_json::{json, Value};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -96,14 +95,8 @@ fn a_delete_on_one_replica_waits_for_the_turn_streaming_on_another() {
     // token log).
     let (turn_key, turn_id) = (key.clone(), id.clone());
     let streaming = std::thread::spawn(move || {
-        let mut s = TcpStream::connect(b).unwrap();
-        let body = json!({"message": "tell me about zebras", "stream": true, "max_tokens": 2000}).to_string();
-        write!(
-            s,
-            "POST /v1/conversations/{turn_id}/turns HTTP/1.0\r\nHost: gw\r\nAuthorization: Bearer {turn_key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
+        let body = json!({"message": "tell me about zebras", "stream": true, "max_tokens": 2000});
+        let mut s = replicas::send(b, "POST", &format!("/v1/conversations/{turn_id}/turns"), &turn_key, Some(&body));
         let mut seen = String::new();
         let mut buf = [0u8; 4096];
         while let Ok(n) = s.read(&mut buf) {

@@ -10,8 +10,8 @@ use baton_api_gateway::generator::{Eviction, GenEvent, GenerateError, GenerateRe
 use baton_text::{FinishReason, TokenOut, Usage};
 use replicas::request;
 use serde_json::{json, Value};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Read;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -124,14 +124,8 @@ fn open_streams_hold_across_replicas_and_a_dead_replicas_streams_free_themselves
     c.hold.store(true, Ordering::SeqCst);
     let key = c.key.clone();
     let streaming = std::thread::spawn(move || {
-        let mut s = TcpStream::connect(a).unwrap();
-        let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": true}).to_string();
-        write!(
-            s,
-            "POST /v1/chat/completions HTTP/1.0\r\nHost: gw\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
+        let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": true});
+        let mut s = replicas::send(a, "POST", "/v1/chat/completions", &key, Some(&body));
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         out

@@ -59,8 +59,8 @@ pub async fn start(
     (gateways, key)
 }
 
-/// One HTTP/1.0 request with `key`; the status and the body.
-pub fn request(addr: SocketAddr, method: &str, path: &str, key: &str, body: Option<&Value>) -> (u16, String) {
+/// Sends one HTTP/1.0 request with `key`; the connection, to read the answer from.
+pub fn send(addr: SocketAddr, method: &str, path: &str, key: &str, body: Option<&Value>) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     let body = body.map(|b| b.to_string()).unwrap_or_default();
     write!(
@@ -69,6 +69,12 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, key: &str, body: Opti
         body.len()
     )
     .unwrap();
+    s
+}
+
+/// One HTTP/1.0 request with `key`; the status and the body.
+pub fn request(addr: SocketAddr, method: &str, path: &str, key: &str, body: Option<&Value>) -> (u16, String) {
+    let mut s = send(addr, method, path, key, body);
     let mut resp = Vec::new();
     s.read_to_end(&mut resp).unwrap();
     let resp = String::from_utf8_lossy(&resp).into_owned();

@@ -80,7 +80,11 @@ pub fn refilled(level: f64, elapsed: f64, capacity: f64, per: Duration) -> f64 {
 
 /// How long until a bucket at `level` holds `n` (zero if it does now).
 pub fn wait_until(level: f64, n: f64, capacity: f64, per: Duration) -> Duration {
-    let rate = capacity / per.as_secs_f64();
+    wait_at_rate(level, n, capacity / per.as_secs_f64())
+}
+
+/// How long a bucket at `level` refilling `rate` a second takes to hold `n`.
+fn wait_at_rate(level: f64, n: f64, rate: f64) -> Duration {
     if level >= n {
         Duration::ZERO
     } else if rate <= 0.0 {
@@ -127,13 +131,7 @@ impl Bucket {
     /// How long until `n` can be taken (zero if now).
     pub fn wait_for(&mut self, n: f64, now: Instant) -> Duration {
         self.refill(now);
-        if self.level >= n {
-            Duration::ZERO
-        } else if self.rate <= 0.0 {
-            Duration::from_secs(3600)
-        } else {
-            Duration::from_secs_f64((n - self.level) / self.rate)
-        }
+        wait_at_rate(self.level, n, self.rate)
     }
 
     /// Takes `n`, possibly into debt.

@@ -259,13 +259,15 @@ fn cluster_faults_prefill_killed_mid_transfer_and_decode_killed_mid_stream() {
     reference.shutdown();
 }
 
-/// Waits until the prefill node has begun shipping KV (its sender has put bytes on the
-/// wire): a kill now lands mid-transfer, not before it.
-fn wait_until_prefill_ships(prefill: &Proc) {
-    let http = prefill.addr("http");
+/// Waits until the decode node has received KV frames of the turn: its reservation is
+/// attached to the prefill node's link, so a kill now breaks a transfer that began. (The
+/// prefill node's own sent-bytes counter is not enough: frames written to a connection
+/// may never arrive, and then the decode node rightly sees a prefill node that went away.)
+fn wait_until_kv_lands(decode: &Proc) {
+    let http = decode.addr("http");
     let t0 = Instant::now();
-    while sample(&metrics(&http), r#"baton_kv_transport_bytes_total{transport="quic",side="sender"}"#).unwrap_or(0.0) == 0.0 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "the prefill node never began shipping");
+    while sample(&metrics(&http), r#"baton_kv_transport_bytes_total{transport="quic",side="receiver"}"#).unwrap_or(0.0) == 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the decode node never received KV");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -314,7 +316,7 @@ fn a_handoff_killed_mid_transfer_is_counted_as_recomputed_transfer_failed_and_an
         let r = request.send().await.unwrap();
         (r.status(), r.json::<serde_json::Value>().await.unwrap())
     });
-    wait_until_prefill_ships(&prefill);
+    wait_until_kv_lands(&decode);
     prefill.kill9();
     let (status, v) = rt.block_on(turn).unwrap();
     assert!(status.is_success(), "the turn is still answered: {status} {v}");

@@ -29,6 +29,13 @@ for line in sys.stdin:
 copy_artifacts "$(cargo build --release --locked -p baton-kernels --features cuda --test cuda_conformance --test cuda_ptx --bench gpu --message-format=json 2>/dev/null)" cuda_conformance cuda_ptx gpu
 copy_artifacts "$(cargo build --release --locked -p baton-engine --features cuda --test cuda_engine --message-format=json 2>/dev/null)" cuda_engine
 
+# `baton bench cluster --backend cuda` (#38): the one binary with its default features
+# (CUDA among them), stripped and xz-compressed (about 37 -> 9 MiB) to fit what the device
+# tool carries; run.sh unpacks it.
+copy_artifacts "$(cargo build --release --locked -p baton --bin baton --message-format=json 2>/dev/null)" baton
+strip --strip-all "$out/baton"
+xz -6 -T2 -f "$out/baton"
+
 model="$(bash scripts/fetch-model.sh | tail -n 1)"
 # SmolLM2's 49,152-token embedding is most of a 2-layer slice (35 MiB): its first 8,192
 # tokens, with the BPE merges among them, keep the tokenizer and chat template whole in 9 MiB.

@@ -5,7 +5,8 @@
 # real model's first layers), compute-sanitizer memcheck, the roofline bench with the
 # analytic model beside it, and PyTorch on the same shapes in the same run where it is
 # installed (bench/gpu/torch_reference.py), side by side with Baton and the issue's
-# targets judged (bench/gpu/side_by_side.py). Writes one results file,
+# targets judged (bench/gpu/side_by_side.py); and for issue #38, `baton bench cluster
+# --backend cuda` (the cluster's overhead over one engine, local and remote prefill). Writes one results file,
 # ${OUT:-bench/gpu/results}/<date>-<gpu>.md (date, GPU, commit, every step's output);
 # commit it.
 #
@@ -38,7 +39,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 prebuilt=bench/gpu/prebuilt
-need=(cuda_conformance cuda_ptx cuda_engine gpu smollm2-2-layers.gguf gemma3-2-layers.gguf)
+need=(cuda_conformance cuda_ptx cuda_engine gpu baton.xz smollm2-2-layers.gguf gemma3-2-layers.gguf)
 for f in "${need[@]}"; do
     if [ ! -e "$prebuilt/$f" ]; then
         if command -v cargo >/dev/null; then
@@ -132,6 +133,20 @@ else
     : >"$work/torch.out"
     summary+=("torch: NOT RUN (no PyTorch)")
 fi
+# The cluster's overhead over one engine (#38): coordinator, decode and prefill nodes in one
+# process over gRPC and QUIC on loopback, on the 2-layer SmolLM2 slice, local and remote
+# prefill (KV shipped after the prefill, then pipelined layer by layer); it judges the
+# targets itself (lines "target: ...").
+baton_bin="$work/baton"
+if { xz -dc "$prebuilt/baton.xz" 2>/dev/null || python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' "$prebuilt/baton.xz"; } >"$baton_bin"; then
+    chmod +x "$baton_bin"
+    step cluster 60 "$baton_bin" bench cluster --backend cuda --model "$PWD/$prebuilt/smollm2-2-layers.gguf" \
+        --cold-tokens 2048 --warm-tokens 128 --repeats 3
+else
+    say "== cluster: could not unpack $prebuilt/baton.xz"
+    summary+=("cluster: FAILED (baton.xz not unpacked)")
+    status=1
+fi
 # Last, with what is left of the budget: instrumenting every kernel (cuBLAS's too) makes
 # it the slowest step, and the others' numbers should not wait on it.
 if command -v compute-sanitizer >/dev/null; then
@@ -156,6 +171,12 @@ results="$out_dir/$(date -u +%Y-%m-%d)-${name:-no-GPU}.md"
     echo
     cat "$work/side.md"
     echo
+    if [ -s "$work/cluster.out" ]; then
+        echo "Cluster overhead (#38, \`baton bench cluster --backend cuda\`, 2-layer SmolLM2 slice):"
+        echo
+        sed -n '/^mode /,$p' "$work/cluster.out" | sed 's/^/    /'
+        echo
+    fi
     echo '```'
     cat "$log"
     echo '```'

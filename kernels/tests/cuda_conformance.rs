@@ -430,6 +430,33 @@ fn block_ids_through_the_pinned_ring_move_layer_by_layer_unchanged() {
     assert!(down(&g, &gathered, rows.len() * width) == want, "rows gathered between exports");
 }
 
+/// The index arrays a forward pass reuses across its layers (rope's positions here;
+/// kv_write's slots and attention's arrays go the same way) are rewritten in place, through
+/// page-locked slots, when they change. Calls queued back to back and waited on only at the
+/// end each read their own positions (a later copy into the buffer runs after the kernels
+/// queued before it), across the buffer's growth past 1,024 words and a list repeated (not
+/// copied again).
+#[test]
+fn reused_index_arrays_are_rewritten_after_the_kernels_that_read_them() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(1).unwrap();
+    let (heads, hd) = (2, 64);
+    let (rc, rg) = (c.rope(RopeTable::new(hd, 10_000.0, 4096)), g.rope(RopeTable::new(hd, 10_000.0, 4096)));
+    let repeated = vec![4095, 3, 17, 2000, 9];
+    let lists: Vec<Vec<u32>> = vec![(0..5).collect(), (0..1500).map(|i| i * 7 % 4096).collect(), repeated.clone(), repeated, (4000..4040).collect()];
+    let xs: Vec<Vec<f32>> = lists.iter().enumerate().map(|(i, p)| values(p.len() * heads * hd, 300 + i as u64)).collect();
+    let mut on_gpu: Vec<_> = xs.iter().map(|x| g.upload(x)).collect();
+    for (x, p) in on_gpu.iter_mut().zip(&lists) {
+        g.apply_rope(&rg, x, p, heads);
+    }
+    for ((x, xg), p) in xs.iter().zip(&on_gpu).zip(&lists) {
+        let mut want = x.clone();
+        c.apply_rope(&rc, &mut want, p, heads);
+        let e = rel_err(&down(&g, xg, x.len()), &want);
+        assert!(e <= 1e-5, "rope over {} positions: {e}", p.len());
+    }
+}
+
 #[test]
 fn an_embedding_lookup_matches_the_cpu() {
     let Some(g) = gpu() else { return };

@@ -1,40 +1,48 @@
-//! Index lists (a KV pack's or unpack's block ids, an eager step's tokens and logit rows)
-//! moved to the device through page-locked memory into one reusable device buffer.
+//! Index lists moved to the device through page-locked memory into reused device buffers:
+//! the block ids of a KV pack or unpack and an eager step's tokens and logit rows (the
+//! backend's one [`PinnedIds`], through [`Uploaded`]), and the index arrays a forward pass
+//! repeats at every layer (attention's, rope's positions, kv_write's slots: a
+//! [`ReusedUpload`] each, since a layer's kernels read several at once).
 //!
 //! `memcpy_stod` from a `Vec` costs, per call, a device allocation, its free (without
 //! stream-ordered allocation a free first synchronizes the whole stream) and a copy from
 //! pageable memory, which the driver may finish before returning, after the stream's queued
-//! work. A pipelined export paid that once per layer, an import once per received frame.
-//! Here instead:
+//! work. A pipelined export paid that once per layer, an import once per received frame, a
+//! forward pass three times more. A [`PinnedIds`] instead has:
 //!
-//! - A ring of [`SLOTS`] page-locked host buffers ([`HostBuf`], whose pointer is taken once,
-//!   at allocation), made on first use, each with an event recorded after the copy that
-//!   reads it. A slot is refilled only once that event completed: the least recently used
+//! - A ring of page-locked host buffers ([`HostBuf`], whose pointer is taken once, at
+//!   allocation), made on first use, each with an event recorded after the copy that reads
+//!   it. A slot is refilled only once that event completed: the least recently used
 //!   completed slot is taken, else the least recently used one after waiting on its event
-//!   (that one copy, never the whole stream).
+//!   (that one copy, never the whole stream). [`IdRing`] is this bookkeeping, without CUDA.
 //! - One device buffer, grown (never shrunk) when a longer list comes, and the words it
 //!   holds: a list equal to the last one is not copied again (a forward pass exports the
 //!   same blocks at every layer; an import's frames repeat a run's blocks layer by layer).
 //!
 //! Why one device buffer is enough: every copy into it and every kernel that reads it are
 //! queued on the backend's one compute stream, and [`Uploaded`] keeps the lock from the
-//! copy until the caller's launch is queued, so no other thread's copy lands in between.
-//! A stream runs its work in order: the next copy into the buffer starts only after every
-//! kernel queued before it, the readers of the previous list included, has finished. A grown
-//! buffer's old allocation is freed in stream order too (`cuMemFreeAsync`, or `cuMemFree`
-//! after a stream synchronize where the driver lacks it).
+//! copy until the caller's launch is queued (a [`ReusedUpload`] is used under the scratch
+//! lock likewise), so no other thread's copy lands in between. A stream runs its work in
+//! order: the next copy into the buffer starts only after every kernel queued before it,
+//! the readers of the previous list included, has finished. A grown buffer's old allocation
+//! is freed in stream order too (`cuMemFreeAsync`, or `cuMemFree` after a stream
+//! synchronize where the driver lacks it).
 //!
 //! Nothing is uploaded during a CUDA graph capture (callers ask the `CaptureGuard` first,
-//! as for any pageable upload): a captured copy would read its slot again at every replay,
-//! long after the slot was refilled, and the device buffer may not grow inside a capture.
+//! as for any pageable upload, and the capture is thrown away): a captured copy would read
+//! its slot again at every replay, long after the slot was refilled. A captured step reads
+//! its inputs from its own staged words instead (`graph`, `step_inputs`).
 
 use std::sync::{Arc, MutexGuard};
 
-use cudarc::driver::{result, CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtrMut, DriverError};
+use cudarc::driver::{result, CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtrMut, DriverError};
 
+use super::fail;
 use super::staging::HostBuf;
+use crate::step::CaptureGuard;
 
-/// Host slots: uploads the host may queue ahead of the GPU before it waits on the oldest.
+/// Host slots of the backend's ring: uploads the host may queue ahead of the GPU before it
+/// waits on the oldest (a forward pass with a pipelined export makes about three).
 pub const SLOTS: usize = 8;
 /// Words of the smallest slot or device buffer (4 KiB).
 pub const MIN_WORDS: usize = 1024;
@@ -77,11 +85,16 @@ impl IdRing {
         IdRing { slot_words: vec![0; slots], last_use: vec![0; slots], uses: 0, device_words: 0, held: None }
     }
 
+    /// Whether the device buffer holds `words` (their copy is queued).
+    pub fn holds(&self, words: &[u32]) -> bool {
+        self.held.as_deref() == Some(words)
+    }
+
     /// The upload of `words`, or `None` when the device buffer already holds them.
     /// `done(slot)` says whether the slot's last copy has completed (true for a slot
     /// never used). Until [`IdRing::uploaded`] the device buffer counts as holding nothing.
     pub fn plan(&mut self, words: &[u32], done: impl Fn(usize) -> bool) -> Option<Plan> {
-        if self.held.as_deref() == Some(words) {
+        if self.holds(words) {
             return None;
         }
         self.held = None;
@@ -112,48 +125,64 @@ impl IdRing {
     }
 }
 
-/// The ring's host slots and events, and the device buffer.
-pub(super) struct IdUploads {
+/// A ring's host slots and events and its device buffer (see the module comment).
+pub(super) struct PinnedIds {
     ring: IdRing,
-    host: Vec<Option<HostBuf>>,
-    /// `copied[i]`: recorded after the last copy out of `host[i]`.
-    copied: Vec<CudaEvent>,
+    /// Each slot's host buffer and the event recorded after the last copy out of it.
+    slots: Vec<Option<(HostBuf, CudaEvent)>>,
     device: Option<CudaSlice<u32>>,
     /// Why a slot is ordinary memory (page-locking failed), if one is.
     pub pageable_because: Option<String>,
 }
 
-impl IdUploads {
-    pub fn new(ctx: &Arc<CudaContext>) -> Result<IdUploads, DriverError> {
-        let copied = (0..SLOTS).map(|_| ctx.new_event(None)).collect::<Result<_, _>>()?;
-        Ok(IdUploads { ring: IdRing::new(SLOTS), host: (0..SLOTS).map(|_| None).collect(), copied, device: None, pageable_because: None })
+impl PinnedIds {
+    /// A ring of `slots` host buffers, each made on its first use.
+    pub fn new(slots: usize) -> PinnedIds {
+        PinnedIds { ring: IdRing::new(slots), slots: (0..slots).map(|_| None).collect(), device: None, pageable_because: None }
     }
 
-    /// Queues the copy of `words` into the device buffer on `stream` (nothing when it holds
-    /// them already); the caller checked the capture guard.
-    fn upload(&mut self, ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, words: &[u32]) -> Result<(), DriverError> {
-        let copied = &self.copied;
-        let Some(plan) = self.ring.plan(words, |s| copied[s].is_complete()) else { return Ok(()) };
+    /// Whether the device buffer holds `words` (a copy of them is queued).
+    pub fn holds(&self, words: &[u32]) -> bool {
+        self.ring.holds(words)
+    }
+
+    /// The device buffer (at least as long as the last list), once a list was uploaded.
+    pub fn device(&self) -> Option<&CudaSlice<u32>> {
+        self.device.as_ref()
+    }
+
+    /// Queues the copy of `words` into the device buffer on `stream`, nothing when it holds
+    /// them already. Not during a capture: the caller asked the capture guard.
+    pub fn upload(&mut self, stream: &Arc<CudaStream>, words: &[u32]) -> Result<(), DriverError> {
+        let done = |s: usize| self.slots[s].as_ref().is_none_or(|(_, copied)| copied.is_complete());
+        let Some(plan) = self.ring.plan(words, done) else { return Ok(()) };
+        // Until the copy is queued the device buffer holds no known list (`plan` forgot it).
         if plan.wait {
-            self.copied[plan.slot].synchronize()?;
+            if let Some((_, copied)) = &self.slots[plan.slot] {
+                copied.synchronize()?;
+            }
         }
         if let Some(n) = plan.grow_slot {
             // The old buffer's copy is done (waited above, or its event had completed).
-            self.host[plan.slot] = None;
+            let ctx = stream.context();
+            let event = match self.slots[plan.slot].take() {
+                Some((_, event)) => event,
+                None => ctx.new_event(None)?,
+            };
             let host = HostBuf::new(ctx, n * 4, true).or_else(|e| {
                 self.pageable_because.get_or_insert_with(|| format!("cuMemHostAlloc of {} KiB: {e:?}", n >> 8));
                 HostBuf::new(ctx, n * 4, false)
             })?;
-            self.host[plan.slot] = Some(host);
+            self.slots[plan.slot] = Some((host, event));
         }
         if let Some(n) = plan.grow_device {
             // Freed in stream order, after the kernels queued on it. Not an allocation the
             // capture guard counts: no captured graph reads this buffer (nothing is uploaded
-            // during a capture, so no captured kernel gets a view of it).
+            // during a capture, so no kernel a graph keeps was given it).
             self.device = None;
             self.device = Some(stream.alloc_zeros::<u32>(n)?);
         }
-        let host = self.host[plan.slot].as_mut().expect("a slot is made before its first copy");
+        let (host, copied) = self.slots[plan.slot].as_mut().expect("a slot is made before its first copy");
         let bytes = std::mem::size_of_val(words);
         // SAFETY: a u32 slice viewed as its bytes (any bit pattern is a valid u8).
         let src = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), bytes) };
@@ -163,42 +192,66 @@ impl IdUploads {
         // SAFETY: both buffers hold `words` (grown above); the slot is not written again
         // before its event completes, and the device buffer's readers are ordered by the stream.
         unsafe { result::memcpy_htod_async(dst, &host.as_slice()[..bytes], stream.cu_stream()) }?;
-        self.copied[plan.slot].record(stream)?;
+        copied.record(stream)?;
         self.ring.uploaded(words);
         Ok(())
     }
 }
 
-impl Drop for IdUploads {
+impl Drop for PinnedIds {
     fn drop(&mut self) {
         // No copy may still read a slot about to be freed.
-        for e in &self.copied {
-            let _ = e.synchronize();
+        for (_, copied) in self.slots.iter().flatten() {
+            let _ = copied.synchronize();
         }
     }
 }
 
-/// A list on the device, valid for kernels queued while this lives (it holds the lock
-/// that keeps the next list out of the buffer until they are queued).
+/// A list on the device, valid for kernels queued while this lives: it holds the lock
+/// that keeps the next list out of the buffer until they are queued.
 pub(super) struct Uploaded<'a> {
-    ids: MutexGuard<'a, IdUploads>,
+    ids: MutexGuard<'a, PinnedIds>,
     len: usize,
 }
 
 impl<'a> Uploaded<'a> {
-    /// Queues `words` on `stream` through `ids`' ring.
-    pub fn new(mut ids: MutexGuard<'a, IdUploads>, ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, words: &[u32]) -> Result<Uploaded<'a>, DriverError> {
-        if let Err(e) = ids.upload(ctx, stream, words) {
-            // What the device buffer holds is unknown after a failed copy.
-            ids.ring.held = None;
-            return Err(e);
-        }
+    /// Queues `words` on `stream` through `ids`.
+    pub fn new(mut ids: MutexGuard<'a, PinnedIds>, stream: &Arc<CudaStream>, words: &[u32]) -> Result<Uploaded<'a>, DriverError> {
+        ids.upload(stream, words)?;
         Ok(Uploaded { ids, len: words.len() })
     }
 
     pub fn view(&self) -> CudaView<'_, u32> {
-        let device = self.ids.device.as_ref().expect("uploaded");
-        device.slice(..self.len)
+        self.ids.device().expect("uploaded").slice(..self.len)
+    }
+}
+
+/// An index array kept on the device for the next call that asks for the same words,
+/// each kind its own (a layer's kernels read several at once): a forward pass asks the
+/// same indices of every layer (`AttentionPlan::index_words`, rope's positions,
+/// kv_write's slots), so it uploads them once per pass, through page-locked slots.
+pub(super) struct ReusedUpload(PinnedIds);
+
+impl Default for ReusedUpload {
+    fn default() -> Self {
+        // Each list changes once per pass: the host waits, if ever, for the copy two passes back.
+        ReusedUpload(PinnedIds::new(2))
+    }
+}
+
+impl ReusedUpload {
+    pub fn get(&mut self, stream: &Arc<CudaStream>, guard: &CaptureGuard, words: &[u32]) -> &CudaSlice<u32> {
+        // During a capture (refused) the stale buffer is launched with; the capture is
+        // thrown away. Only a first upload goes ahead there, so that there is a buffer.
+        if !self.0.holds(words) && (guard.allow("index upload") || self.0.device().is_none()) {
+            self.0.upload(stream, words).unwrap_or_else(|e| fail("uploading indices", e));
+        }
+        self.device()
+    }
+
+    /// The buffer of the last `get`: its words first, then stale ones.
+    pub fn device(&self) -> &CudaSlice<u32> {
+        self.0.device().expect("uploaded by get")
     }
 }
 
@@ -249,6 +302,7 @@ mod tests {
         let a = ids(30, 1);
         assert!(r.plan(&a, |_| true).is_some());
         r.uploaded(&a);
+        assert!(r.holds(&a) && !r.holds(&a[1..]));
         assert_eq!(r.plan(&a, |_| panic!("no slot is asked for")), None);
         let b = ids(30, 2);
         assert!(r.plan(&b, |_| true).is_some());
@@ -256,6 +310,7 @@ mod tests {
         assert!(r.plan(&a, |_| true).is_some(), "a list held before another is copied again");
         // A plan whose copy never happened (a failed upload) leaves nothing held.
         assert!(r.plan(&a, |_| true).is_some());
+        assert!(!r.holds(&a) && !r.holds(&b));
         assert!(r.plan(&a, |_| true).is_some());
     }
 

@@ -60,6 +60,7 @@ use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
 use crate::quant::WeightFormat;
 use crate::step::{CaptureGuard, StepInput};
+use id_upload::ReusedUpload;
 
 /// Rows of every cuBLAS call: a batch runs as whole calls of this many rows,
 /// the last one padded, so cuBLAS chooses the same kernel for every call with
@@ -155,26 +156,6 @@ impl Scratch {
     }
 }
 
-/// An index array kept on the device for the next call that asks for the same
-/// words. An upload from ordinary host memory first waits for everything the
-/// stream has queued; a forward pass asks the same indices of every layer, so
-/// uploading once per pass instead of once per layer lets the host queue the
-/// layers ahead of the GPU instead of waiting on each.
-#[derive(Default)]
-struct ReusedUpload(Option<(Vec<u32>, CudaSlice<u32>)>);
-
-impl ReusedUpload {
-    fn get(&mut self, stream: &Arc<CudaStream>, guard: &CaptureGuard, words: &[u32]) -> &CudaSlice<u32> {
-        // During a capture (refused) the stale buffer is launched with; the capture is thrown away.
-        if self.0.as_ref().is_none_or(|(last, _)| last.as_slice() != words) && (guard.allow("index upload") || self.0.is_none()) {
-            // The old buffer is freed in stream order, after the kernels queued on it.
-            let on_device = stream.memcpy_stod(words).unwrap_or_else(|e| fail("uploading indices", e));
-            self.0 = Some((words.to_vec(), on_device));
-        }
-        &self.0.as_ref().expect("uploaded above").1
-    }
-}
-
 /// Where the tensor-core kernel for a KV type and head size sits in
 /// `Kernels::attn_mma` (`attn_mma_{f16,bf16,e4m3}_d{32,64,128}`); `None` for
 /// f32 KV, which keeps the CUDA-core kernels' full precision.
@@ -208,7 +189,7 @@ pub struct CudaBackend {
     /// Page-locked host buffers for KV blocks that leave or enter the arena.
     staging: Mutex<staging::Staging>,
     /// Index lists (block ids, an eager step's tokens and rows) on their way to the device.
-    ids: Mutex<id_upload::IdUploads>,
+    ids: Mutex<id_upload::PinnedIds>,
     /// Captured decode steps (`graph`), and the guard that keeps allocations out of a capture.
     graphs: Mutex<graph::Graphs>,
     capture: CaptureGuard,
@@ -318,12 +299,11 @@ impl CudaBackend {
         let streams = std::env::var("BATON_CUDA_GEMM_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(products::DEFAULT_STREAMS).max(1);
         let products = products::Products::new(&ctx, stream.cu_stream(), streams)?;
         let staging = staging::Staging::new(&ctx, &stream, staging::STAGING_BYTES).map_err(|e| cuda_error("allocating KV staging", e))?;
-        let ids = id_upload::IdUploads::new(&ctx).map_err(|e| cuda_error("creating index upload events", e))?;
         let graphs = graph::Graphs::new(&ctx, graphs_on).map_err(|e| cuda_error("allocating step staging", e))?;
         let layer_out = Arc::new(layer_out::LayerOut::new(&ctx).map_err(|e| cuda_error("creating the KV export stream", e))?);
         #[rustfmt::skip]
         let backend = CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging),
-            ids: Mutex::new(ids), graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, layer_out, name, arch, driver };
+            ids: Mutex::new(id_upload::PinnedIds::new(id_upload::SLOTS)), graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, layer_out, name, arch, driver };
         Ok(backend)
     }
 
@@ -370,7 +350,7 @@ impl CudaBackend {
             return None;
         }
         let ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
-        Some(id_upload::Uploaded::new(ids, &self.ctx, &self.stream, data).unwrap_or_else(|e| fail("uploading indices", e)))
+        Some(id_upload::Uploaded::new(ids, &self.stream, data).unwrap_or_else(|e| fail("uploading indices", e)))
     }
 
     /// The index of each row's largest value (ties to the lowest index).

@@ -117,6 +117,14 @@ impl IdRing {
         Some(Plan { slot, wait, grow_slot, grow_device })
     }
 
+    /// A planned upload failed part way: `slot` and the device buffer are to be made again
+    /// (whatever was allocated before the failure is dropped by the caller).
+    pub fn failed(&mut self, slot: usize) {
+        self.slot_words[slot] = 0;
+        self.device_words = 0;
+        self.held = None;
+    }
+
     /// The copy of `words` into the device buffer is queued.
     pub fn uploaded(&mut self, words: &[u32]) {
         let held = self.held.get_or_insert_with(Vec::new);
@@ -156,6 +164,17 @@ impl PinnedIds {
     pub fn upload(&mut self, stream: &Arc<CudaStream>, words: &[u32]) -> Result<(), DriverError> {
         let done = |s: usize| self.slots[s].as_ref().is_none_or(|(_, copied)| copied.is_complete());
         let Some(plan) = self.ring.plan(words, done) else { return Ok(()) };
+        let queued = self.queue(stream, words, plan);
+        if queued.is_err() {
+            // Made again on the next upload: the slot once its event says its copy is done
+            // (its buffer is kept until then), the device buffer freed in stream order now.
+            self.ring.failed(plan.slot);
+            self.device = None;
+        }
+        queued
+    }
+
+    fn queue(&mut self, stream: &Arc<CudaStream>, words: &[u32], plan: Plan) -> Result<(), DriverError> {
         // Until the copy is queued the device buffer holds no known list (`plan` forgot it).
         if plan.wait {
             if let Some((_, copied)) = &self.slots[plan.slot] {
@@ -332,5 +351,23 @@ mod tests {
         let p = r.plan(&ids(5000, 4), |_| true).unwrap();
         assert_eq!((p.slot, p.grow_slot, p.grow_device), (0, Some(8192), Some(8192)));
         assert_eq!(capacity_for(0), MIN_WORDS);
+    }
+
+    #[test]
+    fn a_failed_upload_makes_its_slot_and_the_device_buffer_again() {
+        let mut r = IdRing::new(2);
+        for i in 0..2 {
+            r.plan(&ids(5, i), |_| true).unwrap();
+            r.uploaded(&ids(5, i));
+        }
+        let p = r.plan(&ids(5, 9), |_| true).unwrap();
+        assert_eq!((p.slot, p.grow_slot, p.grow_device), (0, None, None));
+        r.failed(p.slot);
+        assert!(!r.holds(&ids(5, 1)), "the device buffer holds nothing known");
+        let p = r.plan(&ids(5, 9), |_| true).unwrap();
+        assert_eq!((p.slot, p.grow_slot, p.grow_device), (1, None, Some(MIN_WORDS)), "the untouched slot is kept");
+        r.uploaded(&ids(5, 9));
+        let p = r.plan(&ids(5, 10), |_| true).unwrap();
+        assert_eq!((p.slot, p.grow_slot, p.grow_device), (0, Some(MIN_WORDS), None));
     }
 }

@@ -39,6 +39,13 @@ impl Slot {
     }
 }
 
+/// Which of slots of these capacities takes a copy of `bytes`: the smallest that fits, as a
+/// small layer taking a large slot would leave the next large one to allocate (page-locking
+/// on the engine's thread, between two layers).
+fn smallest_fitting(capacities: impl Iterator<Item = usize>, bytes: usize) -> Option<usize> {
+    capacities.enumerate().filter(|&(_, c)| c >= bytes).min_by_key(|&(_, c)| c).map(|(i, _)| i)
+}
+
 /// The side stream and the free slots.
 pub(super) struct LayerOut {
     ctx: Arc<CudaContext>,
@@ -54,7 +61,7 @@ impl LayerOut {
     /// A free slot of at least `bytes` (a multiple of 4), made if none is large enough.
     pub fn take(&self, compute: &Arc<CudaStream>, bytes: usize) -> Result<Slot, DriverError> {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = free.iter().position(|s| s.capacity() >= bytes) {
+        if let Some(i) = smallest_fitting(free.iter().map(Slot::capacity), bytes) {
             return Ok(free.swap_remove(i));
         }
         drop(free);
@@ -110,5 +117,21 @@ impl Drop for PendingLayer {
                 Err(_) => std::mem::forget(slot),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::smallest_fitting;
+
+    #[test]
+    fn a_copy_takes_the_smallest_free_slot_that_fits() {
+        const MIB: usize = 1 << 20;
+        let free = [16 * MIB, MIB, 4 * MIB, MIB];
+        assert_eq!(smallest_fitting(free.into_iter(), 100), Some(1), "the first of the smallest");
+        assert_eq!(smallest_fitting(free.into_iter(), MIB + 1), Some(2));
+        assert_eq!(smallest_fitting(free.into_iter(), 16 * MIB), Some(0));
+        assert_eq!(smallest_fitting(free.into_iter(), 16 * MIB + 1), None, "none fits: a slot is made");
+        assert_eq!(smallest_fitting(std::iter::empty(), 1), None);
     }
 }

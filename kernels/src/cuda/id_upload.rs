@@ -162,6 +162,9 @@ impl PinnedIds {
     /// Queues the copy of `words` into the device buffer on `stream`, nothing when it holds
     /// them already. Not during a capture: the caller asked the capture guard.
     pub fn upload(&mut self, stream: &Arc<CudaStream>, words: &[u32]) -> Result<(), DriverError> {
+        // The raw driver calls below need the context current on this thread, which
+        // `memcpy_stod` used to make so itself.
+        stream.context().bind_to_thread()?;
         let done = |s: usize| self.slots[s].as_ref().is_none_or(|(_, copied)| copied.is_complete());
         let Some(plan) = self.ring.plan(words, done) else { return Ok(()) };
         let queued = self.queue(stream, words, plan);

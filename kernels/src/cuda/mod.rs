@@ -13,8 +13,9 @@
 //!   Blocks leave and enter it in groups through page-locked host buffers
 //!   (`staging`), one DMA per group. A pipelined export's layer leaves during the
 //!   forward pass on a side stream, behind the layer's write and beside the compute
-//!   that follows (`layer_out`). The block ids a pack or unpack reads go through a ring
-//!   of page-locked slots into one reused device buffer (`id_upload`).
+//!   that follows (`layer_out`). The block ids a pack or unpack reads, and the index
+//!   arrays a forward pass repeats at every layer, reach the device through page-locked
+//!   slots into reused device buffers (`id_upload`).
 //!
 //! - A pure-decode step may run as a CUDA graph captured per batch bucket and
 //!   replayed, its inputs in fixed device buffers (`graph`, `step_inputs`).

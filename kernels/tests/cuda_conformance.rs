@@ -364,6 +364,99 @@ fn many_blocks_move_in_staged_groups() {
     }
 }
 
+/// Block ids reach the pack and unpack kernels through a ring of page-locked slots and one
+/// reused device buffer (`cuda/id_upload.rs`). Imports and exports layer by layer, over more
+/// layers than the ring has slots, with lists of varying lengths (one past the buffer's first
+/// size, so it grows), the same list at consecutive layers (copied once) and other index
+/// uploads in between (which overwrite the buffer, after the kernels queued before them), land
+/// and leave the CPU backend's bytes, all exports queued before any is waited on.
+#[test]
+fn block_ids_through_the_pinned_ring_move_layer_by_layer_unchanged() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(1).unwrap();
+    let layout = KvLayout { layers: 20, block_tokens: 4, kv_heads: 1, head_dim: 32, dtype: KvDtype::F32 };
+    let n = 2100;
+    let (mut kc, mut kg) = (c.kv(layout, n).unwrap(), g.kv(layout, n).unwrap());
+    let (bb, lb) = (layout.block_bytes(), layout.block_layer_bytes());
+    let data: Vec<Vec<u8>> = (0..n).map(|i| values(bb / 4, 90_000 + i as u64).iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()).collect();
+    // Arena blocks in a scattered order (13 is coprime to n).
+    let ids: Vec<usize> = (0..n).map(|i| (i * 13) % n).collect();
+    c.kv_blocks_in(&mut kc, &ids, &data.iter().map(Vec::as_slice).collect::<Vec<_>>());
+
+    // Imported as frames arrive: each layer in runs of lengths cycling through `lens`
+    // (1,500 ids pass the buffer's first 1,024 words), from another start at each layer.
+    let lens = [1usize, 7, 1500, 3, 64, 525];
+    let mut runs = 0;
+    for layer in 0..layout.layers {
+        let (mut at, mut k) = (0, layer);
+        while at < n {
+            let run = at..(at + lens[k % lens.len()]).min(n);
+            let blocks: Vec<u32> = ids[run.clone()].iter().map(|&b| b as u32).collect();
+            let frames: Vec<&[u8]> = data[run.clone()].iter().map(|d| &d[layer * lb..(layer + 1) * lb]).collect();
+            g.kv_unpack(&mut kg, &blocks, layer..layer + 1, &frames);
+            (at, k, runs) = (run.end, k + 1, runs + 1);
+        }
+    }
+    assert_eq!(runs, 120, "six lists a layer: the ring's 8 slots go round 15 times");
+    let mut back = vec![vec![0u8; bb]; n];
+    g.kv_blocks_out(&kg, &ids, &mut back.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>());
+    for i in 0..n {
+        assert!(back[i] == data[i], "block {i} (arena {}) installed layer by layer differs", ids[i]);
+    }
+
+    // Exported layer by layer as a forward pass does: mostly the same blocks, sometimes
+    // others, and now and then another index list (gather_rows') through the same buffer.
+    let width = 16;
+    let x = values(8 * width, 5);
+    let (xg, mut gathered) = (g.upload(&x), g.tensor(1));
+    let rows = [7usize, 0, 3];
+    let mut pending = Vec::new();
+    for layer in 0..layout.layers {
+        let blocks: Vec<usize> = match layer % 5 {
+            3 => ids[..1200].to_vec(),
+            4 => ids[layer..layer + 9].to_vec(),
+            _ => ids[100..400].to_vec(),
+        };
+        if layer % 7 == 6 {
+            g.gather_rows(&xg, width, &rows, &mut gathered);
+        }
+        let copy = g.kv_blocks_layer_out(&kg, &blocks, layer, lb);
+        pending.push((layer, blocks, copy));
+    }
+    for (layer, blocks, copy) in pending {
+        assert!(copy.wait() == c.kv_blocks_layer_out(&kc, &blocks, layer, lb).wait(), "layer {layer}'s export differs from the CPU's");
+    }
+    let want: Vec<f32> = rows.iter().flat_map(|&r| x[r * width..(r + 1) * width].iter().copied()).collect();
+    assert!(down(&g, &gathered, rows.len() * width) == want, "rows gathered between exports");
+}
+
+/// The index arrays a forward pass reuses across its layers (rope's positions here;
+/// kv_write's slots and attention's arrays go the same way) are rewritten in place, through
+/// page-locked slots, when they change. Calls queued back to back and waited on only at the
+/// end each read their own positions (a later copy into the buffer runs after the kernels
+/// queued before it), across the buffer's growth past 1,024 words and a list repeated (not
+/// copied again).
+#[test]
+fn reused_index_arrays_are_rewritten_after_the_kernels_that_read_them() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(1).unwrap();
+    let (heads, hd) = (2, 64);
+    let (rc, rg) = (c.rope(RopeTable::new(hd, 10_000.0, 4096)), g.rope(RopeTable::new(hd, 10_000.0, 4096)));
+    let repeated = vec![4095, 3, 17, 2000, 9];
+    let lists: Vec<Vec<u32>> = vec![(0..5).collect(), (0..1500).map(|i| i * 7 % 4096).collect(), repeated.clone(), repeated, (4000..4040).collect()];
+    let xs: Vec<Vec<f32>> = lists.iter().enumerate().map(|(i, p)| values(p.len() * heads * hd, 300 + i as u64)).collect();
+    let mut on_gpu: Vec<_> = xs.iter().map(|x| g.upload(x)).collect();
+    for (x, p) in on_gpu.iter_mut().zip(&lists) {
+        g.apply_rope(&rg, x, p, heads);
+    }
+    for ((x, xg), p) in xs.iter().zip(&on_gpu).zip(&lists) {
+        let mut want = x.clone();
+        c.apply_rope(&rc, &mut want, p, heads);
+        let e = rel_err(&down(&g, xg, x.len()), &want);
+        assert!(e <= 1e-5, "rope over {} positions: {e}", p.len());
+    }
+}
+
 #[test]
 fn an_embedding_lookup_matches_the_cpu() {
     let Some(g) = gpu() else { return };

@@ -39,7 +39,7 @@ impl CudaBackend {
         let (Some(part_acc), Some(part_ml)) = (part_acc.as_mut(), part_ml.as_mut()) else { return };
         let index = match active {
             Some(a) => &step_words[&a.key],
-            None => &attn_index.0.as_ref().expect("uploaded above").1,
+            None => attn_index.device(),
         };
         let [tables, offsets, positions, starts, lens] = ranges.map(|r| index.slice(r));
         let (layer_i, layers_i, bt, kvh, hd_i, nh, mp) =

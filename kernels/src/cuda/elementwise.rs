@@ -20,7 +20,7 @@ impl CudaBackend {
             None => match self.upload_u32(tokens) {
                 Some(ids) => {
                     uploaded = ids;
-                    uploaded.slice(..)
+                    uploaded.view()
                 }
                 None => return,
             },
@@ -129,7 +129,7 @@ impl CudaBackend {
             None => match self.upload_u32(&rows.iter().map(|&r| r as u32).collect::<Vec<_>>()) {
                 Some(ids) => {
                     uploaded = ids;
-                    uploaded.slice(..)
+                    uploaded.view()
                 }
                 None => return,
             },

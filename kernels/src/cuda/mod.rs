@@ -13,7 +13,9 @@
 //!   Blocks leave and enter it in groups through page-locked host buffers
 //!   (`staging`), one DMA per group. A pipelined export's layer leaves during the
 //!   forward pass on a side stream, behind the layer's write and beside the compute
-//!   that follows (`layer_out`).
+//!   that follows (`layer_out`). The block ids a pack or unpack reads, and the index
+//!   arrays a forward pass repeats at every layer, reach the device through page-locked
+//!   slots into reused device buffers (`id_upload`).
 //!
 //! - A pure-decode step may run as a CUDA graph captured per batch bucket and
 //!   replayed, its inputs in fixed device buffers (`graph`, `step_inputs`).
@@ -36,6 +38,7 @@ pub mod blas;
 pub mod compile;
 pub mod graph;
 mod fused;
+mod id_upload;
 mod layer_out;
 pub mod nvrtc;
 pub mod plan;
@@ -58,6 +61,7 @@ use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
 use crate::quant::WeightFormat;
 use crate::step::{CaptureGuard, StepInput};
+use id_upload::ReusedUpload;
 
 /// Rows of every cuBLAS call: a batch runs as whole calls of this many rows,
 /// the last one padded, so cuBLAS chooses the same kernel for every call with
@@ -153,26 +157,6 @@ impl Scratch {
     }
 }
 
-/// An index array kept on the device for the next call that asks for the same
-/// words. An upload from ordinary host memory first waits for everything the
-/// stream has queued; a forward pass asks the same indices of every layer, so
-/// uploading once per pass instead of once per layer lets the host queue the
-/// layers ahead of the GPU instead of waiting on each.
-#[derive(Default)]
-struct ReusedUpload(Option<(Vec<u32>, CudaSlice<u32>)>);
-
-impl ReusedUpload {
-    fn get(&mut self, stream: &Arc<CudaStream>, guard: &CaptureGuard, words: &[u32]) -> &CudaSlice<u32> {
-        // During a capture (refused) the stale buffer is launched with; the capture is thrown away.
-        if self.0.as_ref().is_none_or(|(last, _)| last.as_slice() != words) && (guard.allow("index upload") || self.0.is_none()) {
-            // The old buffer is freed in stream order, after the kernels queued on it.
-            let on_device = stream.memcpy_stod(words).unwrap_or_else(|e| fail("uploading indices", e));
-            self.0 = Some((words.to_vec(), on_device));
-        }
-        &self.0.as_ref().expect("uploaded above").1
-    }
-}
-
 /// Where the tensor-core kernel for a KV type and head size sits in
 /// `Kernels::attn_mma` (`attn_mma_{f16,bf16,e4m3}_d{32,64,128}`); `None` for
 /// f32 KV, which keeps the CUDA-core kernels' full precision.
@@ -205,6 +189,8 @@ pub struct CudaBackend {
     scratch: Mutex<Scratch>,
     /// Page-locked host buffers for KV blocks that leave or enter the arena.
     staging: Mutex<staging::Staging>,
+    /// Index lists (block ids, an eager step's tokens and rows) on their way to the device.
+    ids: Mutex<id_upload::PinnedIds>,
     /// Captured decode steps (`graph`), and the guard that keeps allocations out of a capture.
     graphs: Mutex<graph::Graphs>,
     capture: CaptureGuard,
@@ -318,7 +304,7 @@ impl CudaBackend {
         let layer_out = Arc::new(layer_out::LayerOut::new(&ctx).map_err(|e| cuda_error("creating the KV export stream", e))?);
         #[rustfmt::skip]
         let backend = CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging),
-            graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, layer_out, name, arch, driver };
+            ids: Mutex::new(id_upload::PinnedIds::new(id_upload::SLOTS)), graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, layer_out, name, arch, driver };
         Ok(backend)
     }
 
@@ -357,9 +343,15 @@ impl CudaBackend {
         Ok(CudaMatrix { n, k, w })
     }
 
-    /// `None` during a capture (refused: the op skips its launch, the capture is thrown away).
-    fn upload_u32(&self, data: &[u32]) -> Option<CudaSlice<u32>> {
-        self.capture.allow("index upload").then(|| self.stream.memcpy_stod(data).unwrap_or_else(|e| fail("uploading indices", e)))
+    /// `data` on the device for kernels queued while the result lives, through page-locked
+    /// memory (`id_upload`); `None` during a capture (refused: the op skips its launch, the
+    /// capture is thrown away).
+    fn upload_u32(&self, data: &[u32]) -> Option<id_upload::Uploaded<'_>> {
+        if !self.capture.allow("index upload") {
+            return None;
+        }
+        let ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+        Some(id_upload::Uploaded::new(ids, &self.stream, data).unwrap_or_else(|e| fail("uploading indices", e)))
     }
 
     /// The index of each row's largest value (ties to the lowest index).
@@ -424,7 +416,8 @@ impl CudaBackend {
     fn pack_into(&self, kv: &CudaKv, blocks: &[u32], layers: &std::ops::Range<usize>, out: &mut CudaSlice<u32>) {
         let l = &kv.layout;
         let span = layers.len() * l.block_layer_bytes();
-        let ids = self.upload_u32(blocks).unwrap_or_else(|| fail("kv_pack", "called inside a CUDA graph capture"));
+        let uploaded = self.upload_u32(blocks).unwrap_or_else(|| fail("kv_pack", "called inside a CUDA graph capture"));
+        let ids = uploaded.view();
         let (wpbl, nl, l0, l1) = ((l.block_layer_bytes() / 4) as u64, l.layers as i32, layers.start as i32, layers.end as i32);
         let cfg = config(plan::kv_copy(span, blocks.len()));
         // SAFETY: the arena's bytes are viewed as words (block_layer_bytes % 4 == 0, checked in `kv`).
@@ -457,7 +450,8 @@ impl CudaBackend {
                 packed.copy_from_slice(d);
             }
             st.upload(&self.stream, g % 2, range.len() * span).unwrap_or_else(|e| fail("kv_unpack upload", e));
-            let ids = self.upload_u32(&blocks[range.clone()]).unwrap_or_else(|| fail("kv_unpack", "called inside a CUDA graph capture"));
+            let uploaded = self.upload_u32(&blocks[range.clone()]).unwrap_or_else(|| fail("kv_unpack", "called inside a CUDA graph capture"));
+            let ids = uploaded.view();
             let cfg = config(plan::kv_copy(span, range.len()));
             // SAFETY: as in pack_group.
             let mut arena = unsafe { kv.arena.transmute_mut::<u32>(n_words) }.expect("arena word view");
@@ -551,6 +545,10 @@ impl Backend for CudaBackend {
         let staging = match &self.staging.lock().unwrap_or_else(|p| p.into_inner()).pageable_because {
             None => "pinned KV staging".to_string(),
             Some(why) => format!("pageable KV staging: {why}"),
+        };
+        let staging = match &self.ids.lock().unwrap_or_else(|p| p.into_inner()).pageable_because {
+            None => staging,
+            Some(why) => format!("{staging}, pageable index uploads: {why}"),
         };
         let streams = self.products.lock().unwrap_or_else(|p| p.into_inner()).streams;
         let graphs = match &*self.graphs.lock().unwrap_or_else(|p| p.into_inner()) {

@@ -530,6 +530,9 @@ impl CudaBackend {
     }
 
     fn upload_bf16(&self, n: usize, k: usize, bits: Vec<u16>) -> Result<CudaMatrix, KernelError> {
+        if !self.capture.alloc("a matrix upload") {
+            return Err(cuda_error("uploading a matrix", "inside a CUDA graph capture"));
+        }
         let w = self.stream.memcpy_stod(&bits).map_err(|e| cuda_error(&format!("uploading a {n} x {k} matrix"), e))?;
         Ok(CudaMatrix { n, k, w })
     }
@@ -611,6 +614,11 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, table: RopeTable) -> CudaRope {
+        // A new buffer (and a pageable upload a capture cannot hold): a graph that
+        // captured the old tables' addresses must be captured again.
+        if !self.capture.alloc("rope tables") {
+            fail("uploading rope tables", "inside a CUDA graph capture");
+        }
         let (cos, sin) = table.tables();
         let cos = self.stream.memcpy_stod(cos).unwrap_or_else(|e| fail("uploading rope tables", e));
         let sin = self.stream.memcpy_stod(sin).unwrap_or_else(|e| fail("uploading rope tables", e));
@@ -628,6 +636,10 @@ impl Backend for CudaBackend {
     fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
         if data.is_empty() {
             return self.tensor(1);
+        }
+        // Counted like `tensor`: a new buffer, from pageable memory a capture cannot copy.
+        if !self.capture.alloc("an upload") {
+            fail("uploading a tensor", "inside a CUDA graph capture");
         }
         self.stream.memcpy_stod(data).unwrap_or_else(|e| fail("upload", e))
     }

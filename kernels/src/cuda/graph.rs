@@ -32,8 +32,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{result, CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
+use cudarc::driver::sys::{CUgraph, CUgraphExec, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
 
 use super::staging::HostBuf;
 use super::step_inputs::{StepLayout, StepShape};
@@ -102,10 +102,51 @@ impl StepLimits {
     }
 }
 
-/// A graph, moved between threads only under the backend's lock.
-struct Captured(CudaGraph);
+/// An instantiated graph: its exec and the graph it came from, destroyed
+/// together (an exec still running is freed by the driver when it completes).
+/// Our own rather than cudarc's `CudaGraph`, whose `end_capture` leaks the
+/// graph when `cuGraphInstantiate` fails and instantiates even a capture
+/// that is about to be thrown away.
+struct Captured {
+    graph: CUgraph,
+    exec: CUgraphExec,
+    stream: Arc<CudaStream>,
+}
 // SAFETY: a CUgraphExec is used by one thread at a time (under `CudaBackend::graphs`).
 unsafe impl Send for Captured {}
+
+impl Captured {
+    /// Instantiates `graph`, taking ownership of it (destroyed on failure too).
+    fn instantiate(graph: CUgraph, stream: &Arc<CudaStream>) -> Result<Captured, DriverError> {
+        // Graphs hold no allocations (the guard refuses them), so freeing on launch changes nothing.
+        // SAFETY: a graph just returned by cuStreamEndCapture, owned here.
+        match unsafe { result::graph::instantiate(graph, CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) } {
+            Ok(exec) => Ok(Captured { graph, exec, stream: stream.clone() }),
+            Err(e) => {
+                // SAFETY: as above; nothing else refers to it.
+                unsafe { result::graph::destroy(graph) }.ok();
+                Err(e)
+            }
+        }
+    }
+
+    fn launch(&self) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: a live exec, launched on the stream it was captured on.
+        unsafe { result::graph::launch(self.exec, self.stream.cu_stream()) }
+    }
+}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: made by `instantiate`, destroyed once; the driver defers freeing a running exec.
+        unsafe {
+            result::graph::exec_destroy(self.exec).ok();
+            result::graph::destroy(self.graph).ok();
+        }
+    }
+}
 
 struct Entry {
     /// The graph and the generation it was captured at.
@@ -230,13 +271,13 @@ impl CudaBackend {
         match run {
             Run::Replay => {
                 let (graph, _) = entry.graph.as_ref().expect("matched above");
-                graph.0.launch().unwrap_or_else(|e| fail("cuGraphLaunch", e));
+                graph.launch().unwrap_or_else(|e| fail("cuGraphLaunch", e));
                 g.stats.replays += 1;
             }
             Run::Capture => match self.capture_step(kv, body) {
                 Ok(graph) => {
                     graph.launch().unwrap_or_else(|e| fail("cuGraphLaunch", e));
-                    entry.graph = Some((Captured(graph), generation));
+                    entry.graph = Some((graph, generation));
                     g.stats.captures += 1;
                 }
                 Err(why) => {
@@ -264,23 +305,40 @@ impl CudaBackend {
     /// Records `body` on the main stream and instantiates it; what the guard
     /// refused, or the driver's error, otherwise. The stream leaves capture
     /// mode whatever happens.
-    fn capture_step(&self, kv: &mut CudaKv, body: &mut dyn FnMut(&mut CudaKv)) -> Result<CudaGraph, String> {
+    fn capture_step(&self, kv: &mut CudaKv, body: &mut dyn FnMut(&mut CudaKv)) -> Result<Captured, String> {
         self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| format!("cuStreamBeginCapture: {e:?}"))?;
         self.capture.arm();
         // An operation the capture invalidated fails, and the backend panics on a failed
         // operation: caught here, so that the step falls back to eager instead.
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(kv)));
         let refused = self.capture.disarm();
-        // Graphs hold no allocations (the guard refuses them), so freeing on launch changes nothing.
-        let ended = self.stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        // Always ended, even after a failure (an invalidated capture still has to be
+        // ended), or the stream would stay capturing and reject the eager rerun.
+        // SAFETY: the stream this function began capturing.
+        let ended = unsafe { result::stream::end_capture(self.stream.cu_stream()) };
+        // A graph that is thrown away is destroyed without being instantiated.
+        let discard = |graph: &Result<CUgraph, DriverError>| {
+            if let Ok(&g) = graph.as_ref() {
+                if !g.is_null() {
+                    // SAFETY: returned by cuStreamEndCapture, owned here, used by nothing.
+                    unsafe { result::graph::destroy(g) }.ok();
+                }
+            }
+        };
         if let Err(panic) = ran {
+            discard(&ended);
             let why = panic.downcast_ref::<String>().map(String::as_str).or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("a panic");
             return Err(format!("an operation failed during capture: {why}"));
         }
         if !refused.is_empty() {
+            discard(&ended);
             return Err(format!("refused during capture: {}", refused.join(", ")));
         }
-        ended.map_err(|e| format!("cuStreamEndCapture or cuGraphInstantiate: {e:?}"))?.ok_or_else(|| "the capture recorded nothing".to_string())
+        let graph = ended.map_err(|e| format!("cuStreamEndCapture: {e:?}"))?;
+        if graph.is_null() {
+            return Err("the capture recorded nothing".to_string());
+        }
+        Captured::instantiate(graph, &self.stream).map_err(|e| format!("cuGraphInstantiate: {e:?}"))
     }
 
     /// Captures, replays and eager fallbacks so far.

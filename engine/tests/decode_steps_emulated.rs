@@ -11,7 +11,8 @@
 //!   after; while captured or replayed nothing allocates or uploads from host
 //!   memory (the guard refuses nothing), so the CUDA backend's capture holds.
 //! - The guard catches a body that allocates during a capture, and an allocation
-//!   between steps sends a captured shape back to eager (its buffers may have moved).
+//!   between steps (a tensor, a matrix, rope tables) sends a captured shape back to
+//!   eager (its buffers may have moved).
 //!
 //! The model is a tiny Qwen3 (QK-norm: the forward pass swaps scratch buffers
 //! every layer) with random weights, written as a GGUF here.
@@ -199,4 +200,15 @@ fn the_guard_catches_allocations_in_a_capture_and_allocations_invalidate() {
     step(&b, &mut kv, false);
     let st = b.step_stats();
     assert_eq!((st.eager, st.captures, st.replays), (2, 2, 1), "an allocation sends the shape back to eager: {st:?}");
+    // Uploads are new buffers too (a graph bakes in the rope tables' and weights' addresses).
+    step(&b, &mut kv, false); // captured
+    let _rope = b.rope(baton_kernels::RopeTable::new(16, 10_000.0, 64));
+    step(&b, &mut kv, false);
+    let st = b.step_stats();
+    assert_eq!((st.eager, st.captures), (3, 3), "new rope tables send the shape back to eager: {st:?}");
+    step(&b, &mut kv, false); // captured
+    let _w = b.matrix_from_f32(4, 32, vec![0.0; 128]).unwrap();
+    step(&b, &mut kv, false);
+    let st = b.step_stats();
+    assert_eq!((st.eager, st.captures, st.refused.len()), (4, 4, 1), "a new matrix sends the shape back to eager: {st:?}");
 }

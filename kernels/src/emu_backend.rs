@@ -204,10 +204,13 @@ impl Backend for EmuBackend {
     }
 
     fn matrix(&self, format: WeightFormat, n: usize, k: usize, bytes: &[u8]) -> Result<EmuMatrix, KernelError> {
+        // Counted as on the GPU, where a matrix is a new device buffer a graph may not hold.
+        self.capture.alloc("a matrix upload");
         Ok(EmuMatrix::new(self.cpu.matrix(format, n, k, bytes)?))
     }
 
     fn matrix_from_f32(&self, n: usize, k: usize, w: Vec<f32>) -> Result<EmuMatrix, KernelError> {
+        self.capture.alloc("a matrix upload");
         Ok(EmuMatrix::new(self.cpu.matrix_from_f32(n, k, w)?))
     }
 
@@ -233,6 +236,8 @@ impl Backend for EmuBackend {
     }
 
     fn rope(&self, table: RopeTable) -> RopeTable {
+        // As on the GPU, where the tables are new device buffers.
+        self.capture.alloc("rope tables");
         table
     }
 

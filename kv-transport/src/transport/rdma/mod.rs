@@ -35,6 +35,7 @@ use crate::transport::quic::{QuicConnector, QuicListener, QuicTuning, StreamHand
 use crate::transport::select::RdmaConfig;
 use crate::transport::{BoxFuture, Connector, Link, Listener, Peer};
 
+pub mod dmabuf;
 mod link;
 pub mod ring;
 pub mod setup;

@@ -57,8 +57,18 @@ impl fmt::Debug for DeviceMemory {
     }
 }
 
-/// Where an RDMA end keeps its rings.
-#[derive(Clone, Debug, Default)]
+/// The same memory: the same range, fd and owner.
+impl PartialEq for DeviceMemory {
+    fn eq(&self, other: &Self) -> bool {
+        (self.device_addr, self.len, self.dmabuf_fd, &self.label) == (other.device_addr, other.len, other.dmabuf_fd, &other.label)
+            && Arc::ptr_eq(&self.keeper, &other.keeper)
+    }
+}
+
+impl Eq for DeviceMemory {}
+
+/// Where an RDMA listener keeps its receive rings.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum RingMemory {
     /// Page-aligned host memory registered with `ibv_reg_mr` (the default).
     #[default]

@@ -99,7 +99,7 @@ pub fn check_part(buf_len: usize, iova_base: u64, offset: usize, part_bytes: usi
     if end > buf_len {
         return bad("dma-buf registration runs past the end of the device memory");
     }
-    if offset % page != 0 || part_bytes % page != 0 || iova_base % page as u64 != 0 {
+    if !offset.is_multiple_of(page) || !part_bytes.is_multiple_of(page) || !iova_base.is_multiple_of(page as u64) {
         return bad("dma-buf registration is not aligned to the host page size");
     }
     iova_base.checked_add(offset as u64).map_or(bad("dma-buf I/O address overflows"), Ok)

@@ -32,11 +32,12 @@ use crate::error::{Error, Result, KINDS};
 use crate::handoff::frame::{HEADER_LEN, TRAILER_LEN};
 use crate::handoff::KvReceiver;
 use crate::transport::quic::{QuicConnector, QuicListener, QuicTuning, StreamHandler};
-use crate::transport::select::RdmaConfig;
+use crate::transport::select::{RdmaConfig, RingPlacement};
 use crate::transport::{BoxFuture, Connector, Link, Listener, Peer};
 
 pub mod dmabuf;
 mod link;
+pub mod memory;
 pub mod ring;
 pub mod setup;
 pub mod verbs;
@@ -44,6 +45,7 @@ pub mod verbs;
 use link::{RecvArena, SendArena, NAME};
 use ring::{RingGeometry, RingPool};
 use setup::{read_msg, write_msg, Msg, RingInfo, SETUP_VERSION};
+use memory::RingRegion;
 use verbs::{Device, QueuePair, Region};
 
 /// How long either end waits for the other's half of the set-up.
@@ -148,6 +150,7 @@ impl Connector for RdmaConnector {
 /// registered once for every link it will serve.
 pub struct RdmaListener {
     quic: QuicListener,
+    placement: RingPlacement,
 }
 
 struct Shared {
@@ -177,7 +180,7 @@ impl RdmaListener {
         })?;
         let payload = config.slot_payload_bytes.max(block_layer);
         let geometry = RingGeometry::new(config.rings, config.slots, slot_bytes(payload)?)?;
-        let (region, keys) = Region::register(&device, config.rings, geometry.ring_bytes(), true)?;
+        let (region, keys, placement) = RingRegion::register(&device, &config.ring_memory, config.rings, geometry.ring_bytes())?;
         let per_peer = receiver.max_connections_per_peer();
         let shared = Arc::new(Shared {
             device,
@@ -196,7 +199,13 @@ impl RdmaListener {
         });
         Ok(RdmaListener {
             quic: QuicListener::bind_streams(addr, server_name, tls, tuning, handler, None, per_peer)?,
+            placement,
         })
+    }
+
+    /// Where the receive rings live (and why not in device memory, if that was refused).
+    pub fn placement(&self) -> &RingPlacement {
+        &self.placement
     }
 
     /// The control channel's address.

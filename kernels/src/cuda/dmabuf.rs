@@ -112,6 +112,18 @@ impl DmaBuf {
         Ok(buf)
     }
 
+    /// [`DmaBuf::new`] on GPU `ordinal`'s primary context (the one the CUDA backend on that
+    /// GPU uses), for a caller that holds no backend; checks for the driver first, so a
+    /// machine without one gets an error, not a panic.
+    pub fn on_gpu(ordinal: usize, bytes: usize) -> Result<DmaBuf, KernelError> {
+        let driver = super::runtime::check_cuda()?;
+        if ordinal >= driver.devices as usize {
+            return Err(unavailable(format!("GPU {ordinal} requested; the driver sees {}", driver.devices)));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("GPU {ordinal}: opening its context: {e:?}")))?;
+        DmaBuf::new(&ctx, bytes)
+    }
+
     /// The device address of the exported range's first byte (dma-buf offset 0).
     pub fn device_addr(&self) -> u64 {
         self.addr

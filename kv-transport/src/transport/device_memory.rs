@@ -75,4 +75,9 @@ pub enum RingMemory {
     Host,
     /// Device memory registered through its dma-buf; host memory where that fails.
     Device(DeviceMemory),
+    /// Device memory was asked for and none was supplied (the reason says why, e.g. the
+    /// node runs no GPU backend): host memory, reported as a fallback with that reason. A
+    /// node parses its flag into this and replaces it with [`RingMemory::Device`] once it
+    /// has the memory.
+    Wanted(String),
 }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::certs::NodeTls;
 use crate::error::{Error, Result};
+use crate::handoff::frame::{HEADER_LEN, TRAILER_LEN};
 use crate::handoff::KvReceiver;
 use crate::transport::device_memory::RingMemory;
 use crate::transport::quic::{QuicConnector, QuicListener, QuicTuning};
@@ -70,6 +71,27 @@ impl Default for RdmaConfig {
             rings: 16,
             ring_memory: RingMemory::Host,
         }
+    }
+}
+
+/// What device memory for a listener's rings is rounded to per ring: a multiple of every
+/// host page size, so each ring's dma-buf registration is page-aligned.
+pub const DEVICE_RING_ALIGN: usize = 64 << 10;
+
+impl RdmaConfig {
+    /// Payload bytes of a listener's slot: at least one block-layer of `block_layer` bytes,
+    /// the smallest frame a sender makes.
+    pub fn receive_slot_payload(&self, block_layer: u32) -> u32 {
+        self.slot_payload_bytes.max(block_layer)
+    }
+
+    /// Device memory a listener needs for its rings in device memory
+    /// ([`RingMemory::Device`]) with block-layers of `block_layer` bytes: every ring rounded
+    /// up to [`DEVICE_RING_ALIGN`]. `None` when it overflows.
+    pub fn device_ring_bytes(&self, block_layer: u32) -> Option<usize> {
+        let slot = self.receive_slot_payload(block_layer).checked_add((HEADER_LEN + TRAILER_LEN) as u32)?;
+        let ring = (slot as usize).checked_mul(self.slots as usize)?.checked_next_multiple_of(DEVICE_RING_ALIGN)?;
+        ring.checked_mul(self.rings as usize)
     }
 }
 

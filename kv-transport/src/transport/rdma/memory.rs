@@ -21,17 +21,17 @@ use crate::transport::select::RingPlacement;
 /// the memory does not satisfy); logs that reason once. Any other error, and every error of
 /// `host`, is returned.
 pub fn choose<T>(source: &RingMemory, device: impl FnOnce(&DeviceMemory) -> Result<T>, host: impl FnOnce() -> Result<T>) -> Result<(T, RingPlacement)> {
-    let mem = match source {
+    let reason = match source {
         RingMemory::Host => return Ok((host()?, RingPlacement { memory: "host", fallback: None })),
-        RingMemory::Device(mem) => mem,
+        RingMemory::Wanted(reason) => reason.clone(),
+        RingMemory::Device(mem) => match device(mem) {
+            Ok(t) => return Ok((t, RingPlacement { memory: "device", fallback: None })),
+            Err(Error::RdmaUnavailable { reason }) => reason,
+            Err(Error::InvalidArgument { what }) => format!("{}: {what}", mem.label),
+            Err(e) => return Err(e),
+        },
     };
-    let reason = match device(mem) {
-        Ok(t) => return Ok((t, RingPlacement { memory: "device", fallback: None })),
-        Err(Error::RdmaUnavailable { reason }) => reason,
-        Err(Error::InvalidArgument { what }) => format!("{}: {what}", mem.label),
-        Err(e) => return Err(e),
-    };
-    tracing::warn!(device = %mem.label, %reason, "RDMA receive rings cannot use device memory; using host memory");
+    tracing::warn!(%reason, "RDMA receive rings cannot use device memory; using host memory");
     Ok((host()?, RingPlacement { memory: "host", fallback: Some(reason) }))
 }
 
@@ -172,6 +172,10 @@ mod tests {
         let (v, p) = choose(&src, |_| refused(), || Ok(1u8)).unwrap();
         assert_eq!(v, 1);
         assert!(p.fallback.unwrap().contains("IBVERBS_1.12"));
+        // Asked for, never supplied: host memory with the reason the node gave.
+        let wanted = RingMemory::Wanted("the node runs no GPU backend".into());
+        let (v, p) = choose(&wanted, |_| -> Result<u8> { panic!("no memory to register") }, || Ok(1u8)).unwrap();
+        assert_eq!((v, p.memory, p.fallback.as_deref()), (1, "host", Some("the node runs no GPU backend")));
     }
 
     #[test]

@@ -178,7 +178,7 @@ impl RdmaListener {
                 what: "a block-layer is larger than an RDMA slot can be",
             }
         })?;
-        let payload = config.slot_payload_bytes.max(block_layer);
+        let payload = config.receive_slot_payload(block_layer);
         let geometry = RingGeometry::new(config.rings, config.slots, slot_bytes(payload)?)?;
         let (region, keys, placement) = RingRegion::register(&device, &config.ring_memory, config.rings, geometry.ring_bytes())?;
         let per_peer = receiver.max_connections_per_peer();

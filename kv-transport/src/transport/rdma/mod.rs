@@ -17,6 +17,21 @@
 //! handoff's rule that only checked frames for a live reservation touch the pool. Direct
 //! placement needs memory windows bound per reservation; it is not done.
 //!
+//! **Receive rings in device memory** ([`RdmaConfig::ring_memory`], [`memory`]): the rings
+//! may live in accelerator memory the node supplies ([`RingMemory`](crate::transport::device_memory::RingMemory),
+//! a neutral description: this crate has no CUDA), registered with `ibv_reg_dmabuf_mr`
+//! through its dma-buf ([`dmabuf`]), so the NIC writes frames straight into GPU memory.
+//! Security is unchanged: still one registration per ring, each page-aligned, so a peer's
+//! rkey reaches only its own ring and never the engine's KV arena. The frame is copied out
+//! of the slot (device to host, through the owner's copy) and checked exactly as from a
+//! host ring. Where the registration is refused (no `ibv_reg_dmabuf_mr` in this
+//! libibverbs, `EOPNOTSUPP` from the driver, a bad fd, memory too small or unaligned) the
+//! rings go to host memory and [`RdmaListener::placement`] says why. Not built yet: copying
+//! a checked payload device-to-device into the arena's blocks (the receiver's sink takes
+//! host bytes today, so a device ring costs one device-to-host copy per frame), and sending
+//! from the packed layer's device buffer (`kernels/src/cuda/layer_out.rs`) as the send
+//! source; the send rings are host memory.
+//!
 //! The connector registers its send rings once too. Without an RDMA device (no kernel
 //! support, no device, port down) [`RdmaConnector::new`] and [`RdmaListener::bind`] fail
 //! with [`Error::RdmaUnavailable`] naming the cause, and

@@ -142,9 +142,6 @@ fn gpu_ring_memory(gpu: usize, bytes: usize) -> std::result::Result<baton_kv_tra
     use baton_kv_transport::transport::device_memory::{DeviceCopy, DeviceMemory};
     struct CudaRing(baton_kernels::cuda::dmabuf::DmaBuf);
     impl DeviceCopy for CudaRing {
-        fn write(&self, offset: usize, src: &[u8]) -> std::result::Result<(), String> {
-            self.0.write(offset, src)
-        }
         fn read(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
             self.0.read(offset, dst)
         }

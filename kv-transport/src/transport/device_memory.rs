@@ -17,12 +17,10 @@ use std::fmt;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-/// Copies between host memory and the device memory a [`DeviceMemory`] describes. Both
-/// return once the bytes arrived (the transport reads a frame right after, and reuses the
-/// source buffer right after), and fail with the runtime's message.
+/// Copies out of the device memory a [`DeviceMemory`] describes: what the transport needs
+/// to check a frame the NIC wrote there. Returns once the bytes arrived; fails with the
+/// runtime's message.
 pub trait DeviceCopy: Send + Sync {
-    /// Copies `src` to `offset` bytes past the start of the memory.
-    fn write(&self, offset: usize, src: &[u8]) -> Result<(), String>;
     /// Copies `dst.len()` bytes from `offset` bytes past the start into `dst`.
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String>;
 }
@@ -40,7 +38,7 @@ pub struct DeviceMemory {
     pub dmabuf_fd: RawFd,
     /// Which device, for logs (`cuda:0`).
     pub label: String,
-    /// The owner's runtime copies into and out of the memory.
+    /// The owner's runtime copies out of the memory.
     pub copy: Arc<dyn DeviceCopy>,
     /// Keeps the allocation and the fd alive (dropping the last clone frees both).
     pub keeper: Arc<dyn Any + Send + Sync>,

@@ -1,8 +1,8 @@
 //! Where a listener's receive rings live: host memory (`ibv_reg_mr`) or device memory
-//! registered through its dma-buf (GPUDirect RDMA), with the fall back to host memory.
+//! registered through its dma-buf (GPUDirect RDMA), with the fallback to host memory.
 //!
-//! Owns: [`RingRegion`] (the registered rings, host or device, and how bytes get in and
-//! out of them), [`choose`] (the fallback decision).
+//! Owns: [`RingRegion`] (the registered rings, host or device, and how a frame is read out
+//! of them) and [`choose`] (the fallback decision).
 //! Invariants: each ring is its own registration, page-aligned on the device, so a peer's
 //! rkey reaches only its own ring whichever memory holds it; a device ring is read only
 //! through the owner's copies ([`DeviceCopy`](crate::transport::device_memory::DeviceCopy)),
@@ -114,16 +114,11 @@ mod tests {
     use crate::transport::device_memory::DeviceCopy;
     use crate::transport::rdma::dmabuf::check_part;
 
-    /// Host memory standing in for a device allocation: only the description matters to
-    /// the decision, and the copies are real.
+    /// Host memory standing in for a device allocation: only its description matters to
+    /// the decision tested here.
     struct HostCopy(std::sync::Mutex<Vec<u8>>);
 
     impl DeviceCopy for HostCopy {
-        fn write(&self, offset: usize, src: &[u8]) -> std::result::Result<(), String> {
-            let mut m = self.0.lock().unwrap();
-            m.get_mut(offset..offset + src.len()).ok_or("out of range")?.copy_from_slice(src);
-            Ok(())
-        }
         fn read(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
             let m = self.0.lock().unwrap();
             dst.copy_from_slice(m.get(offset..offset + dst.len()).ok_or("out of range")?);

@@ -21,7 +21,8 @@ use crate::error::{Error, Result};
 use baton_engine::kv::WindowRule;
 use baton_engine::EngineInfo;
 use baton_kv_transport::transport::quic::QuicTuning;
-use baton_kv_transport::transport::select::{bind_node_transport, RdmaConfig, TransportChoice};
+use baton_kv_transport::transport::device_memory::RingMemory;
+use baton_kv_transport::transport::select::{bind_node_transport, RdmaConfig, RingPlacement, TransportChoice};
 use baton_kv_transport::{ArenaPool, BlockId, BlockSink, BlockSource, KvDtype, KvLayout, KvReceiver, KvSender, Listener, NodeTls, Peer, ReceiverConfig, Reservation};
 
 /// The KV transport a node asks for (`--kv-transport`).
@@ -33,6 +34,17 @@ pub enum KvTransportKind {
     /// RDMA data path (RC queue pairs), QUIC control channel on the same address; falls
     /// back to QUIC, with a warning naming the reason, where RDMA cannot be used.
     Rdma,
+}
+
+/// Where a node's RDMA receive rings live (`--rdma-ring-memory`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RingMemoryKind {
+    /// Page-locked host memory.
+    #[default]
+    Host,
+    /// The engine's GPU (GPUDirect RDMA through dma-buf); host memory, with a warning
+    /// naming the reason, where that cannot be done.
+    Device,
 }
 
 /// The KV transport flags both node roles share.
@@ -58,6 +70,13 @@ pub struct KvTransportArgs {
     /// `--rdma-slots` slots, registered when the node starts.
     #[arg(long, env = "BATON_RDMA_RINGS", default_value_t = RdmaConfig::default().rings)]
     pub rdma_rings: u32,
+    /// Where the RDMA receive rings live: `host`, or `device` (the engine's GPU memory,
+    /// registered with the NIC through dma-buf so frames land without host staging; needs
+    /// a CUDA engine, a driver that exports dma-bufs and a NIC driver that imports them,
+    /// else host memory with a warning naming the reason). Each ring is still its own
+    /// registration: a peer's key reaches only its ring, never the KV arena.
+    #[arg(long, env = "BATON_RDMA_RING_MEMORY", value_enum, default_value = "host")]
+    pub rdma_ring_memory: RingMemoryKind,
 }
 
 impl TryFrom<KvTransportArgs> for TransportChoice {
@@ -80,10 +99,62 @@ impl TryFrom<KvTransportArgs> for TransportChoice {
                 gid_index: a.rdma_gid_index,
                 slots: a.rdma_slots,
                 rings: a.rdma_rings,
+                ring_memory: match a.rdma_ring_memory {
+                    RingMemoryKind::Host => RingMemory::Host,
+                    // Replaced by the GPU's memory at start (`supply_ring_memory`).
+                    RingMemoryKind::Device => RingMemory::Wanted("no device memory was supplied".into()),
+                },
                 ..RdmaConfig::default()
             }),
         })
     }
+}
+
+/// Supplies the device memory `--rdma-ring-memory device` asked for: rings' worth of the
+/// GPU `gpu` the engine runs on (`backend` is the engine's description; `layout` sizes a
+/// slot). Where that cannot be, the request keeps the reason, and the listener reports the
+/// host-memory fallback with it. Does nothing for any other choice.
+pub fn supply_ring_memory(choice: &mut TransportChoice, backend: &str, gpu: usize, layout: KvLayout) {
+    let TransportChoice::Rdma(config) = choice else { return };
+    if !matches!(config.ring_memory, RingMemory::Wanted(_)) {
+        return;
+    }
+    let supplied = if !cfg!(feature = "rdma") {
+        Err("this build has no RDMA support".to_string())
+    } else if !backend.starts_with("cuda") {
+        Err(format!("the engine does not run on CUDA ({})", backend.split(' ').next().unwrap_or(backend)))
+    } else {
+        u32::try_from(layout.bytes_per_block_layer())
+            .ok()
+            .and_then(|block_layer| config.device_ring_bytes(block_layer))
+            .ok_or_else(|| "the rings' size overflows".to_string())
+            .and_then(|bytes| gpu_ring_memory(gpu, bytes))
+    };
+    config.ring_memory = match supplied {
+        Ok(mem) => RingMemory::Device(mem),
+        Err(why) => RingMemory::Wanted(why),
+    };
+}
+
+/// `bytes` of GPU `gpu` exported as a dma-buf, described for the transport.
+#[cfg(feature = "cuda")]
+fn gpu_ring_memory(gpu: usize, bytes: usize) -> std::result::Result<baton_kv_transport::transport::device_memory::DeviceMemory, String> {
+    use baton_kv_transport::transport::device_memory::{DeviceCopy, DeviceMemory};
+    struct CudaRing(baton_kernels::cuda::dmabuf::DmaBuf);
+    impl DeviceCopy for CudaRing {
+        fn read(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
+            self.0.read(offset, dst)
+        }
+    }
+    let buf = baton_kernels::cuda::dmabuf::DmaBuf::on_gpu(gpu, bytes).map_err(|e| e.to_string())?;
+    let (device_addr, len, dmabuf_fd) = (buf.device_addr(), buf.len(), buf.fd());
+    let ring = Arc::new(CudaRing(buf));
+    Ok(DeviceMemory { device_addr, len, dmabuf_fd, label: format!("cuda:{gpu}"), copy: ring.clone(), keeper: ring })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_ring_memory(_gpu: usize, _bytes: usize) -> std::result::Result<baton_kv_transport::transport::device_memory::DeviceMemory, String> {
+    Err("this build has no CUDA backend (cargo feature `cuda` is off)".into())
 }
 
 /// The transport's view of the engine's block layout.
@@ -141,6 +212,8 @@ pub struct KvNode {
     pub transport: &'static str,
     /// Why RDMA was asked for and QUIC runs instead.
     pub fallback: Option<String>,
+    /// With RDMA: where the receive rings live (and why not in device memory, if asked).
+    pub ring_memory: Option<RingPlacement>,
     /// The engine's sliding windows: what a reservation asks senders not to ship
     /// ([`KvNode::reserve_tail`]). Every layer global unless [`KvNode::with_windows`] said.
     pub window: WindowRule,
@@ -159,9 +232,10 @@ impl KvNode {
             .map_err(Error::transport(format!("starting the KV transport ({requested}) on {listen}")))?;
         let transport = t.transport();
         let endpoint = endpoint_string(name, t.local_addr);
-        match &t.fallback {
-            Some(reason) => tracing::info!(transport, requested, %endpoint, fallback = %reason, "KV transport started (QUIC instead of RDMA)"),
-            None => tracing::info!(transport, requested, %endpoint, "KV transport started"),
+        match (&t.fallback, &t.ring_memory) {
+            (Some(reason), _) => tracing::info!(transport, requested, %endpoint, fallback = %reason, "KV transport started (QUIC instead of RDMA)"),
+            (None, Some(rings)) => tracing::info!(transport, requested, %endpoint, rings = %rings.describe(), "KV transport started"),
+            (None, None) => tracing::info!(transport, requested, %endpoint, "KV transport started"),
         }
         Ok(KvNode {
             layout,
@@ -174,6 +248,7 @@ impl KvNode {
             requested,
             transport,
             fallback: t.fallback,
+            ring_memory: t.ring_memory,
             window: WindowRule::new(layout.block_tokens as usize, vec![None; layout.layers as usize]),
         })
     }
@@ -196,14 +271,15 @@ impl KvNode {
         self.receiver.reserve_skipping(blocks, 0..self.layout.layers, skip, Some(deadline))
     }
 
-    /// Appends `baton_kv_transport_info` (Prometheus text): which transport runs, and
-    /// which was asked for.
+    /// Appends `baton_kv_transport_info` (Prometheus text): which transport runs, which
+    /// was asked for, and where RDMA's receive rings live (`none` without RDMA).
     pub fn render_info(&self, out: &mut String) {
         use std::fmt::Write;
         let name = KV_TRANSPORT_INFO;
+        let rings = self.ring_memory.as_ref().map_or("none", |r| r.memory);
         let _ = write!(
             out,
-            "# HELP {name} The KV transport this node runs (transport) and the one asked for (requested)\n# TYPE {name} gauge\n{name}{{transport=\"{}\",requested=\"{}\"}} 1\n\n",
+            "# HELP {name} The KV transport this node runs (transport), the one asked for (requested) and where RDMA's receive rings live (ring_memory)\n# TYPE {name} gauge\n{name}{{transport=\"{}\",requested=\"{}\",ring_memory=\"{rings}\"}} 1\n\n",
             self.transport, self.requested
         );
     }
@@ -268,6 +344,54 @@ mod tests {
         flags.kv.try_into()
     }
 
+    /// `--rdma-ring-memory device` is a request the node fills at start; where it cannot
+    /// (no CUDA engine, no CUDA build, no GPU here) the request carries why, which the
+    /// listener reports as its host-memory fallback.
+    #[test]
+    fn device_rings_are_supplied_or_refused_with_a_reason() {
+        if std::env::var_os("BATON_RDMA_RING_MEMORY").is_some() {
+            return;
+        }
+        let wanted = choice(&["--kv-transport", "rdma", "--rdma-ring-memory", "device"]).unwrap();
+        let rings = |c: &TransportChoice| match c {
+            TransportChoice::Rdma(c) => c.ring_memory.clone(),
+            TransportChoice::Quic => panic!("RDMA was asked for"),
+        };
+        assert!(matches!(rings(&wanted), RingMemory::Wanted(_)));
+        assert_eq!(rings(&choice(&["--kv-transport", "rdma"]).unwrap()), RingMemory::Host);
+        assert!(choice(&["--kv-transport", "rdma", "--rdma-ring-memory", "gpu"]).is_err());
+
+        let mut on_cpu = wanted.clone();
+        supply_ring_memory(&mut on_cpu, "cpu (2 threads, avx2)", 0, LAYOUT);
+        let RingMemory::Wanted(why) = rings(&on_cpu) else { panic!("device memory on a CPU engine") };
+        let expect = if cfg!(feature = "rdma") { "the engine does not run on CUDA (cpu)" } else { "no RDMA support" };
+        assert!(why.contains(expect), "{why}");
+
+        let mut on_cuda = wanted.clone();
+        supply_ring_memory(&mut on_cuda, "cuda (NVIDIA H100, sm_90)", 0, LAYOUT);
+        match rings(&on_cuda) {
+            RingMemory::Wanted(why) if !cfg!(feature = "rdma") => assert!(why.contains("no RDMA support"), "{why}"),
+            RingMemory::Wanted(why) if !cfg!(feature = "cuda") => assert!(why.contains("feature `cuda` is off"), "{why}"),
+            // A CUDA build: no GPU or no dma-buf export here, named by the backend.
+            RingMemory::Wanted(why) => assert!(why.contains("cuda"), "{why}"),
+            RingMemory::Device(mem) => {
+                assert!(cfg!(feature = "cuda") && mem.dmabuf_fd >= 0 && mem.label == "cuda:0", "{mem:?}");
+                let block_layer = LAYOUT.bytes_per_block_layer() as u32;
+                let TransportChoice::Rdma(c) = &on_cuda else { unreachable!() };
+                assert!(mem.len >= c.device_ring_bytes(block_layer).unwrap());
+            }
+            RingMemory::Host => panic!("a request for device memory became host memory silently"),
+        }
+
+        // Host rings and QUIC are left alone.
+        let mut quic = TransportChoice::Quic;
+        supply_ring_memory(&mut quic, "cuda (x)", 0, LAYOUT);
+        assert_eq!(quic, TransportChoice::Quic);
+        let mut host = choice(&["--kv-transport", "rdma"]).unwrap();
+        supply_ring_memory(&mut host, "cuda (x)", 0, LAYOUT);
+        assert_eq!(rings(&host), RingMemory::Host);
+    }
+
     #[test]
     fn flags_choose_the_transport() {
         // Only meaningful where the environment does not set the flags itself.
@@ -319,7 +443,9 @@ mod tests {
             }
             let mut info = String::new();
             node.render_info(&mut info);
-            assert!(info.contains(&format!("{KV_TRANSPORT_INFO}{{transport=\"{}\",requested=\"rdma\"}} 1", node.transport)), "{info}");
+            let rings = node.ring_memory.as_ref().map_or("none", |r| r.memory);
+            assert_eq!(rings == "none", node.transport == "quic", "rings {rings} on {}", node.transport);
+            assert!(info.contains(&format!("{KV_TRANSPORT_INFO}{{transport=\"{}\",requested=\"rdma\",ring_memory=\"{rings}\"}} 1", node.transport)), "{info}");
         }
 
         // The prefill node ships two blocks into a reservation on the decode node.

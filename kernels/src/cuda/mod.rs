@@ -32,6 +32,7 @@
 
 mod args;
 mod attention;
+pub mod dmabuf;
 mod elementwise;
 mod kv_ops;
 pub mod blas;
@@ -224,6 +225,12 @@ fn staging_groups(n: usize, span: usize, capacity: usize) -> Vec<std::ops::Range
 }
 
 impl CudaBackend {
+    /// At least `bytes` of this GPU's memory exported as a dma-buf, for a NIC to register
+    /// (GPUDirect RDMA); fails naming the reason where the GPU or driver cannot export.
+    pub fn dmabuf(&self, bytes: usize) -> Result<dmabuf::DmaBuf, KernelError> {
+        dmabuf::DmaBuf::new(&self.ctx, bytes)
+    }
+
     /// Opens GPU `ordinal`, compiling (or loading cached) kernels for its architecture.
     pub fn new(ordinal: usize) -> Result<Self, KernelError> {
         let driver = runtime::check_cuda()?;

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::handoff::frame::{Frame, FrameLimits};
 use crate::types::ReservationId;
 
+pub mod device_memory;
 pub mod inproc;
 pub mod quic;
 #[cfg(feature = "rdma")]

@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use crate::certs::NodeTls;
 use crate::error::{Error, Result};
+use crate::handoff::frame::{HEADER_LEN, TRAILER_LEN};
 use crate::handoff::KvReceiver;
+use crate::transport::device_memory::RingMemory;
 use crate::transport::quic::{QuicConnector, QuicListener, QuicTuning};
 use crate::transport::{Connector, Listener};
 
@@ -52,6 +54,10 @@ pub struct RdmaConfig {
     /// Links that may be open at once on one listener or connector; each has its own ring of
     /// `slots` slots, all registered once when the listener or connector is created.
     pub rings: u32,
+    /// Where the listener's receive rings live: host memory, or device memory registered
+    /// through its dma-buf (GPUDirect RDMA), which falls back to host memory with the
+    /// reason in [`NodeTransport::ring_memory`] where it cannot be registered.
+    pub ring_memory: RingMemory,
 }
 
 impl Default for RdmaConfig {
@@ -63,7 +69,29 @@ impl Default for RdmaConfig {
             slot_payload_bytes: 1 << 20,
             slots: 8,
             rings: 16,
+            ring_memory: RingMemory::Host,
         }
+    }
+}
+
+/// What device memory for a listener's rings is rounded to per ring: a multiple of every
+/// host page size, so each ring's dma-buf registration is page-aligned.
+pub const DEVICE_RING_ALIGN: usize = 64 << 10;
+
+impl RdmaConfig {
+    /// Payload bytes of a listener's slot: at least one block-layer of `block_layer` bytes,
+    /// the smallest frame a sender makes.
+    pub fn receive_slot_payload(&self, block_layer: u32) -> u32 {
+        self.slot_payload_bytes.max(block_layer)
+    }
+
+    /// Device memory a listener needs for its rings in device memory
+    /// ([`RingMemory::Device`]) with block-layers of `block_layer` bytes: every ring rounded
+    /// up to [`DEVICE_RING_ALIGN`]. `None` when it overflows.
+    pub fn device_ring_bytes(&self, block_layer: u32) -> Option<usize> {
+        let slot = self.receive_slot_payload(block_layer).checked_add((HEADER_LEN + TRAILER_LEN) as u32)?;
+        let ring = (slot as usize).checked_mul(self.slots as usize)?.checked_next_multiple_of(DEVICE_RING_ALIGN)?;
+        ring.checked_mul(self.rings as usize)
     }
 }
 
@@ -75,6 +103,28 @@ pub struct NodeTransport {
     pub local_addr: SocketAddr,
     /// Why RDMA was asked for and QUIC is used instead.
     pub fallback: Option<String>,
+    /// With RDMA: where the receive rings live, and why not in device memory if that was
+    /// asked for and refused.
+    pub ring_memory: Option<RingPlacement>,
+}
+
+/// Where an RDMA listener's receive rings ended up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingPlacement {
+    /// `host` or `device`.
+    pub memory: &'static str,
+    /// Why device memory was asked for and host memory is used instead.
+    pub fallback: Option<String>,
+}
+
+impl RingPlacement {
+    /// One line for a node's start-up log.
+    pub fn describe(&self) -> String {
+        match &self.fallback {
+            None => format!("receive rings in {} memory", self.memory),
+            Some(why) => format!("receive rings in host memory (device memory refused: {why})"),
+        }
+    }
 }
 
 impl NodeTransport {
@@ -84,7 +134,7 @@ impl NodeTransport {
     }
 
     fn bound(local_addr: SocketAddr, listener: impl Listener + 'static, connector: impl Connector + 'static, fallback: Option<String>) -> Self {
-        NodeTransport { local_addr, connector: Arc::new(connector), listener: Box::new(listener), fallback }
+        NodeTransport { local_addr, connector: Arc::new(connector), listener: Box::new(listener), fallback, ring_memory: None }
     }
 }
 
@@ -133,7 +183,10 @@ fn bind_rdma(config: &RdmaConfig, at: &Endpoint<'_>, receiver: KvReceiver) -> Re
     // socket is bound.
     let connector = RdmaConnector::new(config, at.tls, at.tuning)?;
     let listener = RdmaListener::bind(at.listen, at.server_name, at.tls, at.tuning, config, receiver)?;
-    Ok(NodeTransport::bound(listener.local_addr(), listener, connector, None))
+    let placement = listener.placement().clone();
+    let mut t = NodeTransport::bound(listener.local_addr(), listener, connector, None);
+    t.ring_memory = Some(placement);
+    Ok(t)
 }
 
 #[cfg(not(feature = "rdma"))]

@@ -161,9 +161,12 @@ pub async fn serve<R: NodeRole>(
     on_bound: impl FnOnce(&Bound),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let Config { node: config, role } = config;
+    let Config { node: mut config, role } = config;
     let Parts { engine, tls, grpc, http } = parts;
     let layout = kv::transport_layout(&engine.info)?;
+    // `--rdma-ring-memory device`: the rings in the engine's GPU memory (the config keeps it
+    // alive for as long as the node serves).
+    kv::supply_ring_memory(&mut config.kv_transport, &engine.info.backend, config.engine.gpu, layout);
     let staging_blocks = (config.kv_staging_bytes / layout.bytes_per_block()).max(1);
     let mut kv_node = KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?.with_windows(engine.info.layer_windows.clone());
     let grpc_local = grpc.local_addr().map_err(Error::io("the gRPC listener's address"))?;

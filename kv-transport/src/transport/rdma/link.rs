@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::handoff::frame::{self, Frame, FrameKind, FrameLimits, HEADER_LEN, TRAILER_LEN};
 use crate::transport::rdma::ring::{imm_for, RingGeometry, RingLease, SendWindow};
 use crate::transport::rdma::setup::{read_msg, write_msg, Msg, RingInfo};
+use crate::transport::rdma::memory::RingRegion;
 use crate::transport::rdma::verbs::{Completion, QueuePair, Region, WriteImm};
 use crate::transport::{BoxFuture, LinkRx, LinkTx};
 
@@ -293,7 +294,7 @@ impl LinkRx for SenderRx {
 
 /// The receiver's registered ring memory, shared by every link of one listener.
 pub(crate) struct RecvArena {
-    pub region: Region,
+    pub region: RingRegion,
     /// One registration (rkey) per ring: a peer can only write into its own ring.
     pub rkeys: Vec<u32>,
     pub geometry: RingGeometry,
@@ -302,7 +303,7 @@ pub(crate) struct RecvArena {
 impl RecvArena {
     pub fn ring_info(&self, ring: u32) -> RingInfo {
         RingInfo {
-            addr: self.region.base() as u64 + self.geometry.ring_offset(ring) as u64,
+            addr: self.region.addr(self.region.ring_offset(ring)),
             rkey: self.rkeys[ring as usize],
             slot_bytes: self.geometry.slot_bytes,
             slots: self.geometry.slots,
@@ -329,6 +330,8 @@ pub(crate) struct ReceiverRx {
     ctrl: Arc<Mutex<quinn::SendStream>>,
     bye: watch::Receiver<ByeState>,
     done: Vec<Completion>,
+    /// A frame copied out of a device ring.
+    scratch: Vec<u8>,
     _task: TaskGuard,
 }
 
@@ -366,6 +369,7 @@ pub(crate) fn receiver_link(
             ctrl,
             bye,
             done: Vec::new(),
+            scratch: Vec::new(),
             _task: TaskGuard(task.abort_handle()),
         },
     )
@@ -390,11 +394,12 @@ impl ReceiverRx {
                 what: "RDMA write larger than a slot",
             });
         }
-        let offset = g.ring_offset(self.lease.index) + g.slot_offset(self.seq);
-        // SAFETY: the slot lies inside the arena and belongs to this link's ring; the sender
-        // writes it again only after the credit sent below, so nothing writes it while it
-        // is read here. The completion was polled, which orders the data before this read.
-        let bytes = unsafe { std::slice::from_raw_parts(self.arena.region.base().add(offset), len) };
+        let offset = self.arena.region.ring_offset(self.lease.index) + g.slot_offset(self.seq);
+        // SAFETY: the slot lies inside this link's ring; the sender writes it again only
+        // after the credit sent below, so nothing writes it while it is read here. The
+        // completion was polled, which orders the data before this read (on the device, the
+        // memory's SYNC_MEMOPS makes the copy out see it).
+        let bytes = unsafe { self.arena.region.read(offset, len, &mut self.scratch)? };
         match frame::decode(bytes, &self.limits)? {
             Some((f, used)) if used == len => Ok(f),
             _ => Err(Error::FrameMalformed {

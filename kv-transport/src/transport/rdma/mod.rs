@@ -17,6 +17,21 @@
 //! handoff's rule that only checked frames for a live reservation touch the pool. Direct
 //! placement needs memory windows bound per reservation; it is not done.
 //!
+//! **Receive rings in device memory** ([`RdmaConfig::ring_memory`], [`memory`]): the rings
+//! may live in accelerator memory the node supplies ([`RingMemory`](crate::transport::device_memory::RingMemory),
+//! a neutral description: this crate has no CUDA), registered with `ibv_reg_dmabuf_mr`
+//! through its dma-buf ([`dmabuf`]), so the NIC writes frames straight into GPU memory.
+//! Security is unchanged: still one registration per ring, each page-aligned, so a peer's
+//! rkey reaches only its own ring and never the engine's KV arena. The frame is copied out
+//! of the slot (device to host, through the owner's copy) and checked exactly as from a
+//! host ring. Where the registration is refused (no `ibv_reg_dmabuf_mr` in this
+//! libibverbs, `EOPNOTSUPP` from the driver, a bad fd, memory too small or unaligned) the
+//! rings go to host memory and [`RdmaListener::placement`] says why. Not built yet: copying
+//! a checked payload device-to-device into the arena's blocks (the receiver's sink takes
+//! host bytes today, so a device ring costs one device-to-host copy per frame), and sending
+//! from the packed layer's device buffer (`kernels/src/cuda/layer_out.rs`) as the send
+//! source; the send rings are host memory.
+//!
 //! The connector registers its send rings once too. Without an RDMA device (no kernel
 //! support, no device, port down) [`RdmaConnector::new`] and [`RdmaListener::bind`] fail
 //! with [`Error::RdmaUnavailable`] naming the cause, and
@@ -32,10 +47,12 @@ use crate::error::{Error, Result, KINDS};
 use crate::handoff::frame::{HEADER_LEN, TRAILER_LEN};
 use crate::handoff::KvReceiver;
 use crate::transport::quic::{QuicConnector, QuicListener, QuicTuning, StreamHandler};
-use crate::transport::select::RdmaConfig;
+use crate::transport::select::{RdmaConfig, RingPlacement};
 use crate::transport::{BoxFuture, Connector, Link, Listener, Peer};
 
+pub mod dmabuf;
 mod link;
+pub mod memory;
 pub mod ring;
 pub mod setup;
 pub mod verbs;
@@ -43,6 +60,7 @@ pub mod verbs;
 use link::{RecvArena, SendArena, NAME};
 use ring::{RingGeometry, RingPool};
 use setup::{read_msg, write_msg, Msg, RingInfo, SETUP_VERSION};
+use memory::RingRegion;
 use verbs::{Device, QueuePair, Region};
 
 /// How long either end waits for the other's half of the set-up.
@@ -147,6 +165,7 @@ impl Connector for RdmaConnector {
 /// registered once for every link it will serve.
 pub struct RdmaListener {
     quic: QuicListener,
+    placement: RingPlacement,
 }
 
 struct Shared {
@@ -174,9 +193,9 @@ impl RdmaListener {
                 what: "a block-layer is larger than an RDMA slot can be",
             }
         })?;
-        let payload = config.slot_payload_bytes.max(block_layer);
+        let payload = config.receive_slot_payload(block_layer);
         let geometry = RingGeometry::new(config.rings, config.slots, slot_bytes(payload)?)?;
-        let (region, keys) = Region::register(&device, config.rings, geometry.ring_bytes(), true)?;
+        let (region, keys, placement) = RingRegion::register(&device, &config.ring_memory, config.rings, geometry.ring_bytes())?;
         let per_peer = receiver.max_connections_per_peer();
         let shared = Arc::new(Shared {
             device,
@@ -195,7 +214,13 @@ impl RdmaListener {
         });
         Ok(RdmaListener {
             quic: QuicListener::bind_streams(addr, server_name, tls, tuning, handler, None, per_peer)?,
+            placement,
         })
+    }
+
+    /// Where the receive rings live (and why not in device memory, if that was refused).
+    pub fn placement(&self) -> &RingPlacement {
+        &self.placement
     }
 
     /// The control channel's address.

@@ -166,6 +166,13 @@ impl Device {
     }
 }
 
+impl Device {
+    /// The protection domain, for registrations made outside this module.
+    pub(crate) fn pd_ptr(&self) -> *mut ffi::ibv_pd {
+        self.pd.as_ptr()
+    }
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: every object created from the PD and context holds an Arc<Device>, so none

@@ -1,0 +1,244 @@
+//! Device memory exported as a dma-buf, so a NIC can read and write it directly
+//! (GPUDirect RDMA through `ibv_reg_dmabuf_mr`, done by the KV transport).
+//!
+//! Owns: [`DmaBuf`] (one device allocation, the page-aligned range exported from it and the
+//! dma-buf file descriptor) and why a GPU cannot export one.
+//! Invariants: the fd is closed before the memory is freed (field order, then `Drop`); the
+//! exported range is host-page aligned in address and length, inside the allocation.
+//!
+//! What this relies on (CUDA driver API, 11.7 and later; cudarc binds it from 12.4):
+//! - `cuMemGetHandleForAddressRange(&fd, dptr, size, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)`
+//!   returns a dma-buf fd for `dptr..dptr + size` of a `cuMemAlloc` allocation; `dptr` and
+//!   `size` must be aligned to the host page size, and `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`
+//!   must be checked first (it is 0 with the proprietary kernel modules or an old kernel:
+//!   dma-buf export needs the open modules and Linux 5.12+).
+//! - `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` = 1 on the allocation makes every synchronous copy
+//!   on it synchronize with other work touching the memory, which is what a buffer a NIC
+//!   writes needs: a copy out after the RDMA completion was polled sees the NIC's data.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+
+use crate::backend::KernelError;
+
+/// Largest host page size the export is aligned to (4 KiB on x86-64, up to 64 KiB on
+/// aarch64): a multiple of every page size, so the range is aligned whatever the host.
+pub const EXPORT_ALIGN: usize = 64 << 10;
+
+fn unavailable(reason: String) -> KernelError {
+    KernelError::BackendUnavailable { backend: "cuda", reason }
+}
+
+/// The exported range inside an allocation at `base` of `alloc` bytes: its offset from
+/// `base` and its length (`bytes` rounded up to [`EXPORT_ALIGN`]), or `None` when it does
+/// not fit. The allocation is made `align - 1` bytes larger than the range for this.
+pub fn export_span(base: u64, alloc: usize, bytes: usize, align: usize) -> Option<(usize, usize)> {
+    let len = bytes.checked_next_multiple_of(align)?;
+    let start = base.checked_next_multiple_of(align as u64)?;
+    let offset = usize::try_from(start - base).ok()?;
+    (offset.checked_add(len)? <= alloc).then_some((offset, len))
+}
+
+/// One device allocation exported as a dma-buf.
+pub struct DmaBuf {
+    // Declared first: the fd is closed before the memory is freed (Drop below).
+    fd: Option<OwnedFd>,
+    /// What cuMemAlloc returned (freed on drop).
+    alloc: sys::CUdeviceptr,
+    /// The exported range: `addr..addr + len`, inside the allocation.
+    addr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DmaBuf {
+    /// Allocates at least `bytes` (zeroed) on the context's GPU and exports them. Fails,
+    /// naming the reason, where the GPU or its driver cannot export dma-bufs.
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DmaBuf, KernelError> {
+        if bytes == 0 {
+            return Err(unavailable("a dma-buf of zero bytes".into()));
+        }
+        let gpu = ctx.ordinal();
+        let supported = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+            .map_err(|e| unavailable(format!("GPU {gpu}: querying dma-buf support: {e:?}")))?;
+        if supported == 0 {
+            return Err(unavailable(format!(
+                "GPU {gpu}: the driver cannot export device memory as a dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0; \
+                 it needs the open GPU kernel modules and Linux 5.12+)"
+            )));
+        }
+        let len = bytes.checked_next_multiple_of(EXPORT_ALIGN).ok_or_else(|| unavailable("dma-buf size overflows".into()))?;
+        let alloc_len = len.checked_add(EXPORT_ALIGN - 1).ok_or_else(|| unavailable("dma-buf size overflows".into()))?;
+        ctx.bind_to_thread().map_err(|e| unavailable(format!("GPU {gpu}: binding the context: {e:?}")))?;
+        // SAFETY: the context is current; the allocation is freed by `Drop` (or below).
+        let alloc = unsafe { result::malloc_sync(alloc_len) }.map_err(|e| unavailable(format!("GPU {gpu}: allocating {alloc_len} bytes for a dma-buf: {e:?}")))?;
+        let mut buf = DmaBuf { fd: None, alloc, addr: alloc, len, ctx: ctx.clone() };
+        let (offset, len) = export_span(alloc, alloc_len, bytes, EXPORT_ALIGN).ok_or_else(|| unavailable("dma-buf range does not fit its allocation".into()))?;
+        buf.addr = alloc + offset as u64;
+        buf.len = len;
+        let sync: c_uint = 1;
+        // SAFETY: `alloc` is a live allocation of this context; the value is an unsigned int
+        // as the attribute requires.
+        unsafe { sys::cuPointerSetAttribute((&sync as *const c_uint).cast::<c_void>(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS, alloc) }
+            .result()
+            .map_err(|e| unavailable(format!("GPU {gpu}: setting SYNC_MEMOPS on the dma-buf memory: {e:?}")))?;
+        // Zeroed: a slot read before any write must not show an earlier allocation's data.
+        // SAFETY: the whole allocation is ours.
+        unsafe { result::memset_d8_sync(alloc, 0, alloc_len) }.map_err(|e| unavailable(format!("GPU {gpu}: zeroing the dma-buf memory: {e:?}")))?;
+        let mut fd: c_int = -1;
+        // SAFETY: `addr..addr + len` lies inside one cuMemAlloc allocation and is aligned to
+        // EXPORT_ALIGN (a multiple of the host page size); the handle is an int for DMA_BUF_FD;
+        // flags must be 0.
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                buf.addr,
+                len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .map_err(|e| unavailable(format!("GPU {gpu}: exporting {len} bytes as a dma-buf: {e:?}")))?;
+        if fd < 0 {
+            return Err(unavailable(format!("GPU {gpu}: the dma-buf export returned no file descriptor")));
+        }
+        // SAFETY: the driver just opened this fd for us and nothing else owns it.
+        buf.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
+        Ok(buf)
+    }
+
+    /// [`DmaBuf::new`] on GPU `ordinal`'s primary context (the one the CUDA backend on that
+    /// GPU uses), for a caller that holds no backend; checks for the driver first, so a
+    /// machine without one gets an error, not a panic.
+    pub fn on_gpu(ordinal: usize, bytes: usize) -> Result<DmaBuf, KernelError> {
+        let driver = super::runtime::check_cuda()?;
+        if ordinal >= driver.devices as usize {
+            return Err(unavailable(format!("GPU {ordinal} requested; the driver sees {}", driver.devices)));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("GPU {ordinal}: opening its context: {e:?}")))?;
+        DmaBuf::new(&ctx, bytes)
+    }
+
+    /// The device address of the exported range's first byte (dma-buf offset 0).
+    pub fn device_addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes exported: at least what was asked, a multiple of [`EXPORT_ALIGN`].
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The dma-buf file descriptor; valid while `self` lives.
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_ref().map_or(-1, AsRawFd::as_raw_fd)
+    }
+
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    fn check(&self, offset: usize, n: usize) -> Result<u64, String> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(self.addr + offset as u64),
+            _ => Err(format!("{n} bytes at offset {offset} run past the {}-byte dma-buf", self.len)),
+        }
+    }
+
+    /// Copies `src` to `offset` bytes into the exported range; returns once it landed.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), String> {
+        let dst = self.check(offset, src.len())?;
+        self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+        // SAFETY: the destination range lies inside the allocation (checked).
+        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| format!("copying into the dma-buf: {e:?}"))
+    }
+
+    /// Copies `dst.len()` bytes from `offset` bytes into the exported range.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+        let src = self.check(offset, dst.len())?;
+        self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+        // SAFETY: the source range lies inside the allocation (checked).
+        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| format!("copying out of the dma-buf: {e:?}"))
+    }
+}
+
+impl Drop for DmaBuf {
+    fn drop(&mut self) {
+        // The fd first: once every importer let go of it, nothing maps the memory.
+        self.fd = None;
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated in `new` on this context; nothing of ours uses it any more.
+            let _ = unsafe { result::free_sync(self.alloc) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exported_span_is_aligned_and_inside_the_allocation() {
+        let a = EXPORT_ALIGN;
+        // An aligned base: the range starts at it.
+        assert_eq!(export_span(0x7000_0000_0000, 2 * a - 1, 10, a), Some((0, a)));
+        // An unaligned base: the range starts at the next boundary, still inside.
+        let base = 0x7000_0000_0100u64;
+        let (off, len) = export_span(base, 3 * a - 1, a + 1, a).unwrap();
+        assert_eq!((base + off as u64) % a as u64, 0);
+        assert_eq!(len, 2 * a);
+        assert!(off + len < 3 * a);
+        // Too small an allocation, and overflow, are refused.
+        assert_eq!(export_span(base, a, a, a), None);
+        assert_eq!(export_span(base, usize::MAX, usize::MAX, a), None);
+        assert_eq!(export_span(u64::MAX - 5, 4 * a, a, a), None);
+    }
+
+    /// On a GPU: export, write, read back, and the bounds. Skipped loudly without one (and
+    /// failed with `BATON_REQUIRE_GPU=1`). A GPU whose driver cannot export dma-bufs must
+    /// say so through the attribute, which the error names.
+    #[test]
+    fn exports_and_round_trips_on_a_gpu() {
+        let g = match crate::CudaBackend::new(0) {
+            Ok(g) => g,
+            Err(e) if std::env::var("BATON_REQUIRE_GPU").as_deref() == Ok("1") => panic!("BATON_REQUIRE_GPU=1 but {e}"),
+            Err(e) => {
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "\n!!!!! SKIPPED: {e}; the dma-buf export is NOT tested !!!!!\n");
+                return;
+            }
+        };
+        let buf = match g.dmabuf(3000) {
+            Ok(b) => b,
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.contains("DMA_BUF_SUPPORTED is 0"), "export failed on a GPU that claims support: {msg}");
+                eprintln!("this GPU cannot export dma-bufs: {msg}");
+                return;
+            }
+        };
+        assert!(buf.fd() >= 0);
+        assert_eq!(buf.len(), EXPORT_ALIGN);
+        assert_eq!(buf.device_addr() % EXPORT_ALIGN as u64, 0);
+        let data: Vec<u8> = (0..=255).cycle().take(5000).collect();
+        buf.write(100, &data).unwrap();
+        let mut back = vec![0u8; 5000];
+        buf.read(100, &mut back).unwrap();
+        assert_eq!(back, data);
+        let mut head = [1u8; 100];
+        buf.read(0, &mut head).unwrap();
+        assert_eq!(head, [0u8; 100], "fresh dma-buf memory is zeroed");
+        assert!(buf.write(EXPORT_ALIGN - 1, &[0, 0]).is_err());
+        assert!(buf.read(usize::MAX, &mut [0]).is_err());
+    }
+}

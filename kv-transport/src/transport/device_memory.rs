@@ -21,7 +21,11 @@ use std::sync::Arc;
 /// to check a frame the NIC wrote there. Returns once the bytes arrived; fails with the
 /// runtime's message.
 pub trait DeviceCopy: Send + Sync {
-    /// Copies `dst.len()` bytes from `offset` bytes past the start into `dst`.
+    /// Copies `dst.len()` bytes from `offset` bytes past the start into `dst`, seeing every
+    /// RDMA write into the memory whose completion the caller polled before the call: a
+    /// polled completion does not make a NIC's writes visible to the device's own engines,
+    /// so the owner orders or flushes them first (CUDA: `cuFlushGPUDirectRDMAWrites` where
+    /// the GPU does not order them natively).
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String>;
 }
 

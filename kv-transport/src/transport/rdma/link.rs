@@ -397,8 +397,9 @@ impl ReceiverRx {
         let offset = self.arena.region.ring_offset(self.lease.index) + g.slot_offset(self.seq);
         // SAFETY: the slot lies inside this link's ring; the sender writes it again only
         // after the credit sent below, so nothing writes it while it is read here. The
-        // completion was polled, which orders the data before this read (on the device, the
-        // memory's SYNC_MEMOPS makes the copy out see it).
+        // completion was polled, which orders the data before this read in host memory; a
+        // device ring's owner makes the NIC's writes visible to its copy out first
+        // (DeviceCopy::read: the GPU's native ordering or cuFlushGPUDirectRDMAWrites).
         let bytes = unsafe { self.arena.region.read(offset, len, &mut self.scratch)? };
         match frame::decode(bytes, &self.limits)? {
             Some((f, used)) if used == len => Ok(f),

@@ -30,7 +30,11 @@
 //! a checked payload device-to-device into the arena's blocks (the receiver's sink takes
 //! host bytes today, so a device ring costs one device-to-host copy per frame), and sending
 //! from the packed layer's device buffer (`kernels/src/cuda/layer_out.rs`) as the send
-//! source; the send rings are host memory.
+//! source; the send rings are host memory. Both meet the frame's CRC-32, which covers the
+//! payload (`handoff/frame.rs`): checking or making it on the host needs the payload on the
+//! host, so a device-to-device path needs the checksum computed by the GPU (a CRC kernel
+//! over the slot) or a frame whose check the receiver can do from its header alone; the
+//! header's checks (reservation, ranges, layers, duplicates) already need only the header.
 //!
 //! The connector registers its send rings once too. Without an RDMA device (no kernel
 //! support, no device, port down) [`RdmaConnector::new`] and [`RdmaListener::bind`] fail

@@ -553,7 +553,7 @@ impl EmuBackend {
     /// `q`, `k` and `v`, the CUDA backend's one launch.
     #[allow(clippy::too_many_arguments)]
     #[rustfmt::skip]
-    fn fused_rope_kv_write(&self, kv: &mut KvStorage, layer: usize, rope: &RopeTable, norm: Option<QkNorm<'_, Vec<f32>>>, q: &mut Vec<f32>, q_heads: usize, k: &mut Vec<f32>, kv_heads: usize, v: &Vec<f32>, positions: &[u32], slots: &[(u32, u32)]) {
+    fn fused_rope_kv_write(&self, kv: &mut KvStorage, layer: usize, rope: &RopeTable, norm: Option<QkNorm<'_, Vec<f32>>>, q: &mut Vec<f32>, q_heads: usize, k: &mut Vec<f32>, kv_heads: usize, v: &[f32], positions: &[u32], slots: &[(u32, u32)]) {
         if slots.is_empty() {
             return;
         }

@@ -68,7 +68,7 @@ impl CudaBackend {
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         grow(&self.stream, &self.capture, &mut s.acts_bf16, padded * k, "bf16 activations");
         // Short only inside a capture that refused to grow it: that capture is thrown away.
-        if !s.acts_bf16.as_ref().is_some_and(|b| b.len() >= padded * k) {
+        if s.acts_bf16.as_ref().is_none_or(|b| b.len() < padded * k) {
             return;
         }
         // Out of the scratch while `fill` borrows the rest of it; put back below.

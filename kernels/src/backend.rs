@@ -171,7 +171,7 @@ pub trait Backend: Send + Sync {
     // Fused operations: each is the sequence of plain operations in `crate::fused`
     // unless a backend overrides it with fewer passes over memory. An override
     // gives the sequence's results (on the CUDA backend: the same bits); the
-    // scratch tensor a sequence needs (`h`, `a`) and the keys `k` hold whatever
+    // scratch tensor a sequence needs (`h`, `a`, `t`, `attn`) and the keys `k` hold whatever
     // the backend leaves there afterwards.
 
     /// `outs[i] = rmsnorm(x) · wᵢᵀ`, through the scratch `h`.

@@ -25,7 +25,9 @@
 //! counts the launches the CUDA backend would make for what it ran
 //! ([`EmuBackend::launches`]): each emulated kernel, and for the products and
 //! attention that the CPU stands in for, the cuBLAS calls (one per [`GEMM_ROWS`]
-//! rows of each weight matrix) and the attention plan's two launches.
+//! rows of each weight matrix) and the attention plan's two launches (with
+//! `attention_matmul`, the combine writes the products' bf16 input itself: no
+//! `to_bf16` launch is counted).
 //!
 //! For tests only: every kernel runs on the calling thread, one fiber per
 //! GPU thread.

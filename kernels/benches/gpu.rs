@@ -114,7 +114,8 @@ struct Acts {
 /// One forward pass over `rows` tokens (their positions and block tables in `attn`):
 /// with `fused`, through the backend's fused operations as the engine runs it
 /// (fused.cu: the residual add in the next norm, norms and the SiLU gate written
-/// as the products' bf16 input, RoPE inside the KV write), else op by op. Returns
+/// as the products' bf16 input, RoPE inside the KV write, attention's output
+/// written as the output projection's bf16 input), else op by op. Returns
 /// its launches: kernels, and cuBLAS calls (one per GEMM_ROWS rows of a matrix),
 /// counted per operation as the backend launches them.
 #[allow(clippy::too_many_arguments)]
@@ -134,11 +135,10 @@ fn forward(g: &CudaBackend, m: &Model, kv: &mut <CudaBackend as Backend>::Kv, a:
                 g.add_norm_matmul(&mut a.x, &a.o, None, &m.norm, 1e-5, rows, s.dim, &mut a.h, qkv);
             }
             g.rope_kv_write(kv, li, &m.rope, &mut a.q, s.heads, &mut a.k, s.kv_heads, &a.v, positions, slots);
-            g.attention(kv, li, &a.q, attn, s.heads, scale, None, &mut a.att);
-            g.matmul(&a.att, rows, &mut [(&l.wo, &mut a.o)]);
+            g.attention_matmul(kv, li, &a.q, attn, s.heads, scale, None, &mut a.att, &mut [(&l.wo, &mut a.o)]);
             g.add_norm_matmul(&mut a.x, &a.o, None, &m.norm, 1e-5, rows, s.dim, &mut a.h, &mut [(&l.gate, &mut a.gate), (&l.up, &mut a.up)]);
             g.glu_matmul(Glu::Silu, &a.gate, &a.up, rows, s.ffn, &mut a.act, &mut [(&l.down, &mut a.o)]);
-            launches += 1 + gemms(3, rows) + 1 + 2 + 1 + gemms(1, rows) + 1 + gemms(2, rows) + 1 + gemms(1, rows);
+            launches += 1 + gemms(3, rows) + 1 + 2 + gemms(1, rows) + 1 + gemms(2, rows) + 1 + gemms(1, rows);
         } else {
             g.rmsnorm(&a.x, &m.norm, 1e-5, rows, s.dim, &mut a.h);
             g.matmul(&a.h, rows, &mut [(&l.wq, &mut a.q), (&l.wk, &mut a.k), (&l.wv, &mut a.v)]);

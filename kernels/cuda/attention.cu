@@ -257,9 +257,11 @@ ATTN_PARTIAL_TILED(attn_partial_tiled_bf16, KV_BF16)
 ATTN_PARTIAL_TILED(attn_partial_tiled_e4m3, KV_E4M3)
 
 // Merges a row's partitions (those holding its keys), in partition order.
-// Grid: (rows, n_heads).
-extern "C" __global__ void attn_combine(const float* part_acc, const float* part_ml, const u32* pos, int n_heads, int head_dim,
-                                        int window, int max_parts, float* out) {
+// Grid: (rows, n_heads). Writes f32 (attn_combine), or bf16 (attn_combine_bf16:
+// the output projection's input, the bits to_bf16 gives the f32 output).
+template <bool BF16>
+__device__ void attn_combine_impl(const float* part_acc, const float* part_ml, const u32* pos, int n_heads, int head_dim, int window,
+                                  int max_parts, void* out) {
     int row = blockIdx.x, h = blockIdx.y;
     int p0 = first_key((int)pos[row], window) / ATTN_PART, parts = ((int)pos[row] + ATTN_PART) / ATTN_PART;
     u64 base = ((u64)row * n_heads + h) * max_parts;
@@ -268,12 +270,24 @@ extern "C" __global__ void attn_combine(const float* part_acc, const float* part
     float l = 0.f;
     for (int p = p0; p < parts; p++) l += expf(part_ml[(base + p) * 2] - m) * part_ml[(base + p) * 2 + 1];
     float inv = 1.f / l;
-    float* o = out + ((u64)row * n_heads + h) * head_dim;
+    u64 o = ((u64)row * n_heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.f;
         for (int p = p0; p < parts; p++) acc += expf(part_ml[(base + p) * 2] - m) * part_acc[(base + p) * head_dim + d];
-        o[d] = acc * inv;
+        float r = acc * inv;
+        if (BF16) ((u16*)out)[o + d] = f32_to_bf16(r);
+        else ((float*)out)[o + d] = r;
     }
+}
+
+extern "C" __global__ void attn_combine(const float* part_acc, const float* part_ml, const u32* pos, int n_heads, int head_dim,
+                                        int window, int max_parts, float* out) {
+    attn_combine_impl<false>(part_acc, part_ml, pos, n_heads, head_dim, window, max_parts, out);
+}
+
+extern "C" __global__ void attn_combine_bf16(const float* part_acc, const float* part_ml, const u32* pos, int n_heads, int head_dim,
+                                             int window, int max_parts, u16* out) {
+    attn_combine_impl<true>(part_acc, part_ml, pos, n_heads, head_dim, window, max_parts, out);
 }
 
 // ---------------------------------------------------------------------------

@@ -11,6 +11,8 @@
 //   gated activation as the down projection's bf16 input.
 // - rope_kv_write_* = rope of the queries, rope of the keys, then kv_write:
 //   the keys rotated on their way into the arena (they are not written back).
+// - qk_norm_rope_kv_write_* = rmsnorm of each query head and each key head by
+//   its norm (QK-norm: Qwen3, Gemma 3), then rope_kv_write_*.
 //
 // The arithmetic is common.cuh's helpers, the ones the unfused kernels use,
 // with the same launch geometry (cuda::plan), so sums run in the same order;
@@ -125,3 +127,53 @@ ROPE_KV_WRITE(rope_kv_write_f32, KV_F32)
 ROPE_KV_WRITE(rope_kv_write_f16, KV_F16)
 ROPE_KV_WRITE(rope_kv_write_bf16, KV_BF16)
 ROPE_KV_WRITE(rope_kv_write_e4m3, KV_E4M3)
+
+// The block_sum of a row's squares that rmsnorm (norm.cu) takes in a block of
+// NORM_ROW_THREADS threads, computed by one warp: lane l stands in for threads
+// l, l + 32, ..., each summing its elements in the same order, and the warps'
+// sums are combined as block_sum combines them, so the factor is rmsnorm's to
+// the bit. Every lane gets it.
+#define NORM_ROW_THREADS 256  // cuda::plan::ROW_THREADS, rmsnorm's launch
+__device__ float warp_sum_squares_as_block(const float* xr, int dim) {
+    int lane = threadIdx.x & 31;
+    float mine = 0.f;
+    for (int w = 0; w < NORM_ROW_THREADS / 32; w++) {
+        float ss = 0.f;
+        for (int i = w * 32 + lane; i < dim; i += NORM_ROW_THREADS) ss = sum_squares_step(ss, xr[i]);
+        ss = warp_sum(ss);
+        if (lane == w) mine = ss;
+    }
+    return warp_sum(mine);
+}
+
+// rmsnorm of `heads` rows of head_dim at x by w, in place, a warp per head
+// (warp-uniform loop: the shuffles see whole warps). A lane reads and writes
+// only elements lane + 32j, so no barrier is needed between sum and writes.
+__device__ void head_norms_in_place(float* x, int heads, int head_dim, const float* w, float eps) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int h = warp; h < heads; h += warps) {
+        float* xr = x + (u64)h * head_dim;
+        float scale = rms_factor(warp_sum_squares_as_block(xr, head_dim), head_dim, eps);
+        for (int i = lane; i < head_dim; i += 32) xr[i] = rms_apply(xr[i], scale, w[i]);
+    }
+}
+
+// rope_kv_write_* of the per-head normed queries and keys: row t of q and of k
+// (token_elems / head_dim heads) normed in place by q_norm and k_norm, then
+// rotated and stored as rope_kv_write_impl does (k is left normed, not rotated).
+#define QK_NORM_ROPE_KV_WRITE(name, D)                                                                                 \
+    extern "C" __global__ void name(void* arena, float* q, float* k, const float* v, const float* q_norm,              \
+                                    const float* k_norm, float eps, const float* cos_t, const float* sin_t,            \
+                                    const u32* positions, const u32* slots, int q_heads, int half, int layer,          \
+                                    int layers, int block_tokens, int token_elems) {                                   \
+        int hd = half * 2;                                                                                             \
+        head_norms_in_place(q + (u64)blockIdx.x * q_heads * hd, q_heads, hd, q_norm, eps);                             \
+        head_norms_in_place(k + (u64)blockIdx.x * token_elems, token_elems / hd, hd, k_norm, eps);                     \
+        __syncthreads();                                                                                               \
+        rope_kv_write_impl<D>(arena, q, k, v, cos_t, sin_t, positions, slots, q_heads, half, layer, layers,            \
+                              block_tokens, token_elems);                                                              \
+    }
+QK_NORM_ROPE_KV_WRITE(qk_norm_rope_kv_write_f32, KV_F32)
+QK_NORM_ROPE_KV_WRITE(qk_norm_rope_kv_write_f16, KV_F16)
+QK_NORM_ROPE_KV_WRITE(qk_norm_rope_kv_write_bf16, KV_BF16)
+QK_NORM_ROPE_KV_WRITE(qk_norm_rope_kv_write_e4m3, KV_E4M3)

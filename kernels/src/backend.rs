@@ -7,7 +7,7 @@
 //! row results must not depend on how many rows are batched together.
 
 use crate::attention::{attention, AttnRow};
-use crate::fused::{self, Glu};
+use crate::fused::{self, Glu, QkNorm};
 use crate::kv::{KvGroups, KvLayout, KvStorage};
 pub use crate::error::Error as KernelError;
 use crate::matmul::{matmul_many, Acts, QMatrix};
@@ -171,7 +171,7 @@ pub trait Backend: Send + Sync {
     // Fused operations: each is the sequence of plain operations in `crate::fused`
     // unless a backend overrides it with fewer passes over memory. An override
     // gives the sequence's results (on the CUDA backend: the same bits); the
-    // scratch tensor a sequence needs (`h`, `a`) and the keys `k` hold whatever
+    // scratch tensor a sequence needs (`h`, `a`, `t`, `attn`) and the keys `k` hold whatever
     // the backend leaves there afterwards.
 
     /// `outs[i] = rmsnorm(x) · wᵢᵀ`, through the scratch `h`.
@@ -195,6 +195,19 @@ pub trait Backend: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn rope_kv_write(&self, kv: &mut Self::Kv, layer: usize, rope: &Self::Rope, q: &mut Self::Tensor, q_heads: usize, k: &mut Self::Tensor, kv_heads: usize, v: &Self::Tensor, positions: &[u32], slots: &[(u32, u32)]) {
         fused::rope_kv_write(self, kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
+    }
+    /// QK-norm, then [`Backend::rope_kv_write`]: each head of `q` and `k` normed by
+    /// `norm` ([`Backend::rmsnorm`] over rows of one head, through the scratch `t`).
+    /// `q` holds the normed, rotated queries afterwards.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_kv_write(&self, kv: &mut Self::Kv, layer: usize, rope: &Self::Rope, norm: QkNorm<'_, Self::Tensor>, q: &mut Self::Tensor, q_heads: usize, k: &mut Self::Tensor, kv_heads: usize, v: &Self::Tensor, t: &mut Self::Tensor, positions: &[u32], slots: &[(u32, u32)]) {
+        fused::qk_norm_rope_kv_write(self, kv, layer, rope, norm, q, q_heads, k, kv_heads, v, t, positions, slots);
+    }
+    /// [`Backend::attention`] into the scratch `attn`, then `outs[i] = attn · wᵢᵀ`
+    /// (the output projection).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_matmul(&self, kv: &Self::Kv, layer: usize, q: &Self::Tensor, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, attn: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
+        fused::attention_matmul(self, kv, layer, q, rows, n_heads, scale, window, attn, outs);
     }
 
     /// Layer `layer` of `blocks`, block after block (`block_layer_bytes` each, as

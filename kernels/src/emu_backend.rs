@@ -25,7 +25,9 @@
 //! counts the launches the CUDA backend would make for what it ran
 //! ([`EmuBackend::launches`]): each emulated kernel, and for the products and
 //! attention that the CPU stands in for, the cuBLAS calls (one per [`GEMM_ROWS`]
-//! rows of each weight matrix) and the attention plan's two launches.
+//! rows of each weight matrix) and the attention plan's two launches (with
+//! `attention_matmul`, the combine writes the products' bf16 input itself: no
+//! `to_bf16` launch is counted).
 //!
 //! For tests only: every kernel runs on the calling thread, one fiber per
 //! GPU thread.
@@ -42,7 +44,7 @@ use crate::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
 use crate::cuda::GEMM_ROWS;
 use crate::emu::{self, Launch};
 use crate::emu_steps::{self, EmuStepStats, EmuSteps};
-use crate::fused::{self, Glu};
+use crate::fused::{self, Glu, QkNorm};
 use crate::kv::{KvDtype, KvGroups, KvLayout, KvStorage};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
@@ -522,6 +524,43 @@ impl Backend for EmuBackend {
         if !self.fuse {
             return fused::rope_kv_write(self, kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
         }
+        self.fused_rope_kv_write(kv, layer, rope, None, q, q_heads, k, kv_heads, v, positions, slots);
+    }
+
+    #[rustfmt::skip]
+    fn qk_norm_rope_kv_write(&self, kv: &mut KvStorage, layer: usize, rope: &RopeTable, norm: QkNorm<'_, Vec<f32>>, q: &mut Vec<f32>, q_heads: usize, k: &mut Vec<f32>, kv_heads: usize, v: &Vec<f32>, t: &mut Vec<f32>, positions: &[u32], slots: &[(u32, u32)]) {
+        if !self.fuse {
+            return fused::qk_norm_rope_kv_write(self, kv, layer, rope, norm, q, q_heads, k, kv_heads, v, t, positions, slots);
+        }
+        self.fused_rope_kv_write(kv, layer, rope, Some(norm), q, q_heads, k, kv_heads, v, positions, slots);
+    }
+
+    #[rustfmt::skip]
+    fn attention_matmul(&self, kv: &KvStorage, layer: usize, q: &Vec<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, attn: &mut Vec<f32>, outs: &mut [(&EmuMatrix, &mut Vec<f32>)]) {
+        if !self.fuse {
+            return fused::attention_matmul(self, kv, layer, q, rows, n_heads, scale, window, attn, outs);
+        }
+        self.attention(kv, layer, q, rows, n_heads, scale, window, attn);
+        if outs.is_empty() || rows.is_empty() {
+            return;
+        }
+        // The CPU's attention stands in for the partial kernel and the combine; on the
+        // GPU the combine writes bf16 itself (attn_combine_bf16), the bits to_bf16
+        // gives its f32 output (tests/emulated/fused.rs): converted here, no launch counted.
+        let len = rows.len() * n_heads * kv.layout.head_dim;
+        let mut xb = vec![0u16; len];
+        // SAFETY: attention wrote len values into attn, xb holds as many.
+        unsafe { emu::to_bf16(&launch(plan::elementwise(len)), attn.as_ptr(), xb.as_mut_ptr(), len as u64) };
+        self.products(&xb, rows.len(), outs);
+    }
+}
+
+impl EmuBackend {
+    /// `rope_kv_write_*` (or with `norm` `qk_norm_rope_kv_write_*`) of the rows of
+    /// `q`, `k` and `v`, the CUDA backend's one launch.
+    #[allow(clippy::too_many_arguments)]
+    #[rustfmt::skip]
+    fn fused_rope_kv_write(&self, kv: &mut KvStorage, layer: usize, rope: &RopeTable, norm: Option<QkNorm<'_, Vec<f32>>>, q: &mut Vec<f32>, q_heads: usize, k: &mut Vec<f32>, kv_heads: usize, v: &[f32], positions: &[u32], slots: &[(u32, u32)]) {
         if slots.is_empty() {
             return;
         }
@@ -534,6 +573,9 @@ impl Backend for EmuBackend {
         }
         let (rows, te) = (slots.len(), l.token_elems());
         assert!(q.len() >= rows * q_heads * l.head_dim && k.len() >= rows * te && v.len() >= rows * te, "rope_kv_write: rows past the tensors");
+        if let Some(n) = &norm {
+            assert!(n.head_dim == l.head_dim && n.q.len() >= l.head_dim && n.k.len() >= l.head_dim, "qk_norm_rope_kv_write: norms of {} for heads of {}", n.head_dim, l.head_dim);
+        }
         // A replayable step's positions and slots are the staged ones, as rope's and kv_write's.
         let staged = self.staged(|s| (s.words(&s.layout.positions).to_vec(), s.slots()));
         let (positions, slots) = match &staged {
@@ -543,15 +585,25 @@ impl Backend for EmuBackend {
         let (cos, sin) = rope.tables();
         self.write_kv(kv, layer, slots, |arena, flat, one| {
             let g = launch(plan::per_row(rows, TOKEN_THREADS));
-            let (qp, kp, vp, c, s, p, f) = (q.as_mut_ptr(), k.as_ptr(), v.as_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), flat.as_ptr());
+            let (qp, kp, vp, c, s, p, f) = (q.as_mut_ptr(), k.as_mut_ptr(), v.as_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), flat.as_ptr());
             let (qh, half, bt, te) = (q_heads as i32, (l.head_dim / 2) as i32, one.block_tokens as i32, te as i32);
-            // SAFETY: the scratch arena holds one block per row; q, k and v a row each, the tables max_pos rows (checked above).
+            // SAFETY: the scratch arena holds one block per row; q, k and v a row each, the
+            // tables max_pos rows, the norms a head's width (checked above).
             unsafe {
-                match one.dtype {
-                    KvDtype::F32 => emu::rope_kv_write_f32(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
-                    KvDtype::F16 => emu::rope_kv_write_f16(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
-                    KvDtype::BF16 => emu::rope_kv_write_bf16(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
-                    KvDtype::F8E4M3 => emu::rope_kv_write_e4m3(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                match (one.dtype, norm) {
+                    (KvDtype::F32, None) => emu::rope_kv_write_f32(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                    (KvDtype::F16, None) => emu::rope_kv_write_f16(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                    (KvDtype::BF16, None) => emu::rope_kv_write_bf16(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                    (KvDtype::F8E4M3, None) => emu::rope_kv_write_e4m3(&g, arena, qp, kp, vp, c, s, p, f, qh, half, 0, 1, bt, te),
+                    (dtype, Some(n)) => {
+                        let kernel = match dtype {
+                            KvDtype::F32 => emu::qk_norm_rope_kv_write_f32,
+                            KvDtype::F16 => emu::qk_norm_rope_kv_write_f16,
+                            KvDtype::BF16 => emu::qk_norm_rope_kv_write_bf16,
+                            KvDtype::F8E4M3 => emu::qk_norm_rope_kv_write_e4m3,
+                        };
+                        kernel(&g, arena, qp, kp, vp, n.q.as_ptr(), n.k.as_ptr(), n.eps, c, s, p, f, qh, half, 0, 1, bt, te)
+                    }
                 }
             }
         });

@@ -10,6 +10,7 @@
 //! write the product's input directly and skip the f32 round trips between
 //! the steps (`kernels/cuda/fused.cu`).
 
+use crate::attention::AttnRow;
 use crate::backend::Backend;
 
 /// The gated activation of a GLU feed-forward: `act(gate) * up`.
@@ -82,4 +83,58 @@ pub fn rope_kv_write<B: Backend + ?Sized>(
     b.apply_rope(rope, q, positions, q_heads);
     b.apply_rope(rope, k, positions, kv_heads);
     b.kv_write(kv, layer, k, v, slots);
+}
+
+/// The per-head norms of QK-norm (Qwen3, Gemma 3): every head of the queries
+/// and of the keys RMS-normed, over its `head_dim` elements, by `q` or `k`.
+pub struct QkNorm<'a, T> {
+    pub q: &'a T,
+    pub k: &'a T,
+    pub eps: f32,
+    pub head_dim: usize,
+}
+
+/// Each head of `q` (`q_heads` a row) and `k` (`kv_heads`) normed by `norm`
+/// through `t`, then [`rope_kv_write`]. `q` and `k` are swapped with `t` after
+/// their norms, as the forward pass did before the fusion.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_kv_write<B: Backend + ?Sized>(
+    b: &B,
+    kv: &mut B::Kv,
+    layer: usize,
+    rope: &B::Rope,
+    norm: QkNorm<'_, B::Tensor>,
+    q: &mut B::Tensor,
+    q_heads: usize,
+    k: &mut B::Tensor,
+    kv_heads: usize,
+    v: &B::Tensor,
+    t: &mut B::Tensor,
+    positions: &[u32],
+    slots: &[(u32, u32)],
+) {
+    let (rows, hd) = (positions.len(), norm.head_dim);
+    b.rmsnorm(q, norm.q, norm.eps, rows * q_heads, hd, t);
+    std::mem::swap(q, t);
+    b.rmsnorm(k, norm.k, norm.eps, rows * kv_heads, hd, t);
+    std::mem::swap(k, t);
+    rope_kv_write(b, kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
+}
+
+/// [`Backend::attention`] into `attn`, then `outs[i] = attn · wᵢᵀ`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_matmul<B: Backend + ?Sized>(
+    b: &B,
+    kv: &B::Kv,
+    layer: usize,
+    q: &B::Tensor,
+    rows: &[AttnRow],
+    n_heads: usize,
+    scale: f32,
+    window: Option<usize>,
+    attn: &mut B::Tensor,
+    outs: &mut [(&B::Matrix, &mut B::Tensor)],
+) {
+    b.attention(kv, layer, q, rows, n_heads, scale, window, attn);
+    b.matmul(attn, rows.len(), outs);
 }

@@ -34,7 +34,7 @@ pub mod step;
 pub use attention::AttnRow;
 pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, KernelError, KvBytes, OptionalOp, PendingKvBytes};
 pub use error::{Error, Result};
-pub use fused::Glu;
+pub use fused::{Glu, QkNorm};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
 #[cfg(feature = "emu")]

@@ -17,7 +17,7 @@
 
 use std::io::Write;
 
-use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout, RopeTable};
+use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout, QkNorm, RopeTable};
 use support::{rel_err, scattered_tables, sequence_kv, values};
 
 mod support;
@@ -729,6 +729,41 @@ fn fused_operations_give_the_unfused_bits() {
             g.kv_copy_block_out(&kv2, block, &mut b);
             assert!(a == b, "rope_kv_write {dtype:?}: block {block}'s bytes");
         }
+
+        // QK-norm's per-head norms in the same launch (Qwen3, Gemma 3), against the
+        // trait's sequence (rmsnorm of each head, then the unfused rope and kv_write).
+        let (nq, nk) = (g.upload(&values(hd, 68)), g.upload(&values(hd, 69).iter().map(|v| v * 900.0).collect::<Vec<_>>()));
+        let norm = || QkNorm { q: &nq, k: &nk, eps: 1e-6, head_dim: hd };
+        let (mut kv3, mut kv4) = (g.kv(layout, 4).unwrap(), g.kv(layout, 4).unwrap());
+        let (mut q3, mut k3, mut q4, mut k4, mut t) = (g.upload(&q), g.upload(&k), g.upload(&q), g.upload(&k), g.tensor(1));
+        #[rustfmt::skip]
+        baton_kernels::fused::qk_norm_rope_kv_write(&g, &mut kv3, 1, &rope, norm(), &mut q3, q_heads, &mut k3, kv_heads, &vg, &mut t, &positions, &slots);
+        g.qk_norm_rope_kv_write(&mut kv4, 1, &rope, norm(), &mut q4, q_heads, &mut k4, kv_heads, &vg, &mut t, &positions, &slots);
+        assert!(bits(&down(&g, &q4, q.len()), &down(&g, &q3, q.len())), "qk_norm_rope_kv_write {dtype:?}: the normed, rotated queries");
+        for block in 0..4 {
+            let (mut a, mut b) = (vec![0u8; layout.block_bytes()], vec![0u8; layout.block_bytes()]);
+            g.kv_copy_block_out(&kv3, block, &mut a);
+            g.kv_copy_block_out(&kv4, block, &mut b);
+            assert!(a == b, "qk_norm_rope_kv_write {dtype:?}: block {block}'s bytes");
+        }
+
+        // Attention's combine writing the output projection's bf16 input, against
+        // attention's f32 output then matmul's to_bf16: every slot of the arena written.
+        let tokens = 4 * layout.block_tokens;
+        let (ka, va) = (values(tokens * kv_heads * hd, 70), values(tokens * kv_heads * hd, 71));
+        let all: Vec<(u32, u32)> = (0..tokens as u32).map(|i| (i / 16, i % 16)).collect();
+        g.kv_write(&mut kv1, 0, &g.upload(&ka), &g.upload(&va), &all);
+        let table = [2u32, 0, 3, 1];
+        let attn: Vec<AttnRow> = [3, 17, 40, 63].map(|pos| AttnRow { block_table: &table, pos }).to_vec();
+        let qa = g.upload(&values(attn.len() * q_heads * hd, 72));
+        let om = g.matrix_from_f32(n, q_heads * hd, values(n * q_heads * hd, 73)).unwrap();
+        let scale = 1.0 / (hd as f32).sqrt();
+        g.attention(&kv1, 0, &qa, &attn, q_heads, scale, None, &mut h);
+        g.matmul(&h, attn.len(), &mut [(&om, &mut want)]);
+        g.attention_matmul(&kv1, 0, &qa, &attn, q_heads, scale, None, &mut h, &mut [(&om, &mut got)]);
+        let len = attn.len() * n;
+        assert!(down(&g, &want, len).iter().all(|v| v.is_finite()), "attention_matmul {dtype:?}: the unfused output is not finite");
+        assert!(bits(&down(&g, &got, len), &down(&g, &want, len)), "attention_matmul {dtype:?}");
     }
 }
 

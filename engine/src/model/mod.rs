@@ -24,7 +24,7 @@ pub use format::weight_format;
 pub use load::{config_from_gguf, export_hf, load_gguf, load_gguf_weights, load_hf_dir, LoadedModel, ModelError};
 
 use baton_kernels::step::{pad_tables, PaddedStep};
-use baton_kernels::{Backend, Glu};
+use baton_kernels::{Backend, Glu, QkNorm};
 pub use baton_kernels::StepInput;
 
 /// Weights of one transformer layer. The `Option`s are present exactly when
@@ -171,17 +171,18 @@ impl<B: Backend> Model<B> {
                 backend.add_rows(&mut s.k, bk, rows, kvw);
                 backend.add_rows(&mut s.v, bv, rows, kvw);
             }
-            if let Some([nq, nk]) = &layer.qk_norm {
-                backend.rmsnorm(&s.q, nq, c.rms_eps, rows * c.n_heads, hd, &mut s.t);
-                std::mem::swap(&mut s.q, &mut s.t);
-                backend.rmsnorm(&s.k, nk, c.rms_eps, rows * c.n_kv_heads, hd, &mut s.t);
-                std::mem::swap(&mut s.k, &mut s.t);
-            }
             let rope = &self.ropes[self.layer_rope[li]];
-            backend.rope_kv_write(kv, li, rope, &mut s.q, c.n_heads, &mut s.k, c.n_kv_heads, &s.v, input.positions, input.slots);
+            match &layer.qk_norm {
+                Some([nq, nk]) => {
+                    let norm = QkNorm { q: nq, k: nk, eps: c.rms_eps, head_dim: hd };
+                    #[rustfmt::skip]
+                    backend.qk_norm_rope_kv_write(kv, li, rope, norm, &mut s.q, c.n_heads, &mut s.k, c.n_kv_heads, &s.v, &mut s.t, input.positions, input.slots);
+                }
+                None => backend.rope_kv_write(kv, li, rope, &mut s.q, c.n_heads, &mut s.k, c.n_kv_heads, &s.v, input.positions, input.slots),
+            }
             on_layer(backend, kv, li);
-            backend.attention(kv, li, &s.q, input.attn, c.n_heads, c.attn_scale, c.layers[li].window, &mut s.attn);
-            backend.matmul(&s.attn, rows, &mut [(&layer.wo, &mut s.o)]);
+            #[rustfmt::skip]
+            backend.attention_matmul(kv, li, &s.q, input.attn, c.n_heads, c.attn_scale, c.layers[li].window, &mut s.attn, &mut [(&layer.wo, &mut s.o)]);
             let post = layer.post_norms.as_ref().map(|n| &n[0]);
             let gate_up = &mut [(&layer.w_gate, &mut s.gate), (&layer.w_up, &mut s.up)];
             backend.add_norm_matmul(&mut s.x, &s.o, post, &layer.ffn_norm, c.rms_eps, rows, hid, &mut s.h, gate_up);

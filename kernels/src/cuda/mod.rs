@@ -56,7 +56,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use crate::attention::AttnRow;
 use crate::backend::{Backend, KernelError, OptionalOp};
-use crate::fused::Glu;
+use crate::fused::{Glu, QkNorm};
 use crate::kv::{KvDtype, KvLayout};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
@@ -130,6 +130,7 @@ struct Kernels {
     /// The tensor-core kernels (sm_80 on), indexed by [`mma_index`]; `None` before sm_80.
     attn_mma: Option<Vec<CudaFunction>>,
     attn_combine: CudaFunction,
+    attn_combine_bf16: CudaFunction,
     argmax_rows: CudaFunction,
     softmax_rows: CudaFunction,
     fused: fused::FusedKernels,
@@ -297,6 +298,7 @@ impl CudaBackend {
                 None
             },
             attn_combine: get("attention", "attn_combine")?,
+            attn_combine_bf16: get("attention", "attn_combine_bf16")?,
             argmax_rows: get("sampling", "argmax_rows")?,
             softmax_rows: get("sampling", "softmax_rows")?,
             fused: fused::FusedKernels::load(&get)?,
@@ -800,7 +802,18 @@ impl Backend for CudaBackend {
 
     #[rustfmt::skip]
     fn rope_kv_write(&self, kv: &mut CudaKv, layer: usize, rope: &CudaRope, q: &mut CudaSlice<f32>, q_heads: usize, k: &mut CudaSlice<f32>, kv_heads: usize, v: &CudaSlice<f32>, positions: &[u32], slots: &[(u32, u32)]) {
-        self.fused_rope_kv_write(kv, layer, rope, q, q_heads, k, kv_heads, v, positions, slots);
+        self.fused_rope_kv_write(kv, layer, rope, None, q, q_heads, k, kv_heads, v, positions, slots);
+    }
+
+    #[rustfmt::skip]
+    fn qk_norm_rope_kv_write(&self, kv: &mut CudaKv, layer: usize, rope: &CudaRope, norm: QkNorm<'_, CudaSlice<f32>>, q: &mut CudaSlice<f32>, q_heads: usize, k: &mut CudaSlice<f32>, kv_heads: usize, v: &CudaSlice<f32>, _t: &mut CudaSlice<f32>, positions: &[u32], slots: &[(u32, u32)]) {
+        // The norms run in place in the one launch: no scratch needed.
+        self.fused_rope_kv_write(kv, layer, rope, Some(norm), q, q_heads, k, kv_heads, v, positions, slots);
+    }
+
+    #[rustfmt::skip]
+    fn attention_matmul(&self, kv: &CudaKv, layer: usize, q: &CudaSlice<f32>, rows: &[AttnRow], n_heads: usize, scale: f32, window: Option<usize>, attn: &mut CudaSlice<f32>, outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)]) {
+        self.fused_attention_matmul(kv, layer, q, rows, n_heads, scale, window, attn, outs);
     }
 
     fn kv_blocks_layer_out(&self, kv: &CudaKv, blocks: &[usize], layer: usize, block_layer_bytes: usize) -> crate::backend::KvBytes {

@@ -25,7 +25,8 @@ pub const MMA_KEYS: usize = 64;
 pub const MMA_ROWS: usize = 64;
 pub const MMA_THREADS: u32 = 128;
 pub const MMA_HEAD_DIMS: [usize; 3] = [32, 64, 128];
-/// Threads per row of the row-wise kernels (`SAMPLING_THREADS` in sampling.cu for argmax).
+/// Threads per row of the row-wise kernels (`SAMPLING_THREADS` in sampling.cu for argmax;
+/// `NORM_ROW_THREADS` in fused.cu, whose per-head norms sum as rmsnorm's block does).
 pub const ROW_THREADS: u32 = 256;
 /// Threads per token of rope and kv_write.
 pub const TOKEN_THREADS: u32 = 128;

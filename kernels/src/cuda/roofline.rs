@@ -208,6 +208,10 @@ pub const DESIGNS: &[Design] = &[
     row("silu_mul_bf16", || plan::elementwise(1 << 20), (8, 8), SCALAR_F32),
     row("gelu_mul_bf16", || plan::elementwise(1 << 20), (8, 8), SCALAR_F32),
     row("rope_kv_write_", || plan::per_row(1, TOKEN_THREADS), (16, 16), SCALAR_F32),
+    // QK-norm's per-head norms in the same launch (a warp per head), before the
+    // rotation: ptxas 12.8 gives 40 registers, so 12 blocks; a block per token
+    // (a decode step has a few) is far from filling an SM either way.
+    row("qk_norm_rope_kv_write_", || plan::per_row(1, TOKEN_THREADS), (12, 12), SCALAR_F32),
     // Decode: a warp per (key, head) dot product, one scalar KV load per lane at
     // a time. Registers allow 9 blocks (Nsight: 52 registers, 56% occupancy).
     row("attn_partial_", || reference_decode(false).partial, (9, 9), SCALAR_BF16),
@@ -224,6 +228,8 @@ pub const DESIGNS: &[Design] = &[
         smem_opt_in: false,
     },
     row("attn_combine", || reference_decode(false).combine, (16, 16), SCALAR_F32),
+    // The same combine writing the output projection's bf16 input (attention_matmul).
+    row("attn_combine_bf16", || reference_decode(false).combine, (16, 16), SCALAR_F32),
     // Tensor cores (sm_80 on), decode and prefill alike: 212 registers a thread at
     // head size 128 (ptxas 12.8, sm_90) and 68 KiB of shared memory (two 64-key
     // buffers of keys and values, opted in) allow 2 blocks; smaller heads allow

@@ -5,9 +5,9 @@
 
 use super::{emu_kv_write, launch};
 use crate::support::values;
-use baton_kernels::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
+use baton_kernels::cuda::plan::{self, AttentionPlan, ROW_THREADS, TOKEN_THREADS};
 use baton_kernels::emu;
-use baton_kernels::{KvDtype, KvLayout, RopeTable};
+use baton_kernels::{AttnRow, KvDtype, KvLayout, RopeTable};
 
 /// `to_bf16` of `x`, emulated.
 fn to_bf16(x: &[f32]) -> Vec<u16> {
@@ -160,6 +160,93 @@ fn rope_kv_write_gives_the_bits_of_rope_then_kv_write() {
             assert!(got_q == want_q, "{what}: the rotated queries differ");
             assert!(got_arena == want_arena, "{what}: the arena's bytes differ");
             assert!(want_arena.iter().any(|&b| b != 0), "{what}: nothing written");
+        }
+    }
+}
+
+/// `rmsnorm` of each head (rows of `hd`, rmsnorm's launch), what QK-norm runs unfused.
+fn head_norms(x: &[f32], w: &[f32], eps: f32, hd: usize) -> Vec<f32> {
+    let rows = x.len() / hd;
+    let mut out = vec![0f32; x.len()];
+    unsafe { emu::rmsnorm(&launch(plan::per_row(rows, ROW_THREADS)), x.as_ptr(), w.as_ptr(), eps, hd as i32, out.as_mut_ptr()) };
+    out
+}
+
+#[test]
+fn qk_norm_rope_kv_write_gives_the_bits_of_the_head_norms_then_rope_kv_write() {
+    // (query heads, KV heads, head size): Qwen3, Gemma 3, a head past rmsnorm's
+    // 256 threads (each thread two elements), and a small one (idle lanes).
+    let shapes = [(16, 8, 128), (4, 1, 256), (2, 1, 512), (9, 3, 64), (3, 1, 16)];
+    for (q_heads, kv_heads, hd) in shapes {
+        let table = RopeTable::new(hd, 1_000_000.0, 4096);
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16, KvDtype::F8E4M3] {
+            let layout = KvLayout { layers: 3, block_tokens: 16, kv_heads, head_dim: hd, dtype };
+            let blocks = 6;
+            let te = layout.token_elems();
+            let positions: Vec<u32> = vec![0, 1, 2, 17, 511, 4095, 77];
+            let slots: Vec<(u32, u32)> = vec![(5, 0), (5, 1), (0, 15), (2, 7), (3, 3), (1, 9), (4, 12)];
+            let rows = slots.len();
+            // Heads of very different scales, so that each head's factor matters.
+            let q: Vec<f32> = values(rows * q_heads * hd, 60 + hd as u64).iter().enumerate().map(|(i, x)| x * [1.0, 1e-3, 40.0][(i / hd) % 3]).collect();
+            let k: Vec<f32> = values(rows * te, 61).iter().enumerate().map(|(i, x)| x * [600.0, 0.01][(i / hd) % 2]).collect();
+            let v = values(rows * te, 62);
+            // Norm weights past e4m3's range, so that saturation is checked after the norm too.
+            let (wq, wk): (Vec<f32>, Vec<f32>) = (values(hd, 63), values(hd, 64).iter().map(|x| x * 900.0).collect());
+            let eps = 1e-6;
+
+            let mut want_arena = vec![0u8; blocks * layout.block_bytes()];
+            let mut want_q = head_norms(&q, &wq, eps, hd);
+            let want_k = head_norms(&k, &wk, eps, hd);
+            rope_then_kv_write(&mut want_arena, layout, 1, &table, &mut want_q, q_heads, &want_k, &v, &positions, &slots);
+
+            let mut got_arena = vec![0u8; blocks * layout.block_bytes()];
+            let (mut got_q, mut got_k) = (q.clone(), k.clone());
+            let flat: Vec<u32> = slots.iter().flat_map(|&(b, s)| [b, s]).collect();
+            let (cos, sin) = table.tables();
+            let g = launch(plan::per_row(rows, TOKEN_THREADS));
+            let (a, qp, kp, vp, c, s, p, f) = (got_arena.as_mut_ptr(), got_q.as_mut_ptr(), got_k.as_mut_ptr(), v.as_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), flat.as_ptr());
+            let (qh, half, nl, bt, te_i) = (q_heads as i32, (hd / 2) as i32, layout.layers as i32, layout.block_tokens as i32, te as i32);
+            let kernel = match dtype {
+                KvDtype::F32 => emu::qk_norm_rope_kv_write_f32,
+                KvDtype::F16 => emu::qk_norm_rope_kv_write_f16,
+                KvDtype::BF16 => emu::qk_norm_rope_kv_write_bf16,
+                KvDtype::F8E4M3 => emu::qk_norm_rope_kv_write_e4m3,
+            };
+            unsafe { kernel(&g, a, qp, kp, vp, wq.as_ptr(), wk.as_ptr(), eps, c, s, p, f, qh, half, 1, nl, bt, te_i) };
+
+            let what = format!("qk_norm_rope_kv_write, {q_heads}/{kv_heads} heads of {hd}, {dtype:?}");
+            assert!(got_q == want_q, "{what}: the normed, rotated queries differ");
+            assert!(got_k == want_k, "{what}: the normed keys differ");
+            assert!(got_arena == want_arena, "{what}: the arena's bytes differ");
+            assert!(want_arena.iter().any(|&b| b != 0), "{what}: nothing written");
+        }
+    }
+}
+
+#[test]
+fn attn_combine_bf16_gives_the_bits_of_attn_combine_then_to_bf16() {
+    // Rows in one partition, at its edges and over many (a decode row at 3000),
+    // with and without a window that drops the first partitions.
+    let positions = [0usize, 5, 255, 256, 700, 3000];
+    let table: Vec<u32> = (0..3000 / 16 + 1).collect();
+    let rows: Vec<AttnRow> = positions.iter().map(|&pos| AttnRow { block_table: &table, pos }).collect();
+    for (n_heads, kv_heads, hd) in [(9, 3, 64), (4, 1, 256), (32, 8, 128)] {
+        let p = AttentionPlan::new(&rows, 16, hd, n_heads, kv_heads);
+        let slots = p.partial_slots(n_heads);
+        // Partials of very different maxima (the exponentials reach zero) and sums.
+        let acc: Vec<f32> = values(slots * hd, 70 + hd as u64).iter().map(|x| x * 50.0).collect();
+        let ml: Vec<f32> = values(slots * 2, 71).chunks(2).flat_map(|c| [c[0] * 120.0, c[1].abs() * 30.0 + 0.5]).collect();
+        for window in [0i32, 300] {
+            let n = rows.len() * n_heads * hd;
+            let (nh, hd_i, mp) = (n_heads as i32, hd as i32, p.max_parts as i32);
+            let mut f32_out = vec![0f32; n];
+            let mut got = vec![0u16; n];
+            let g = launch(p.combine);
+            unsafe { emu::attn_combine(&g, acc.as_ptr(), ml.as_ptr(), p.positions.as_ptr(), nh, hd_i, window, mp, f32_out.as_mut_ptr()) };
+            unsafe { emu::attn_combine_bf16(&g, acc.as_ptr(), ml.as_ptr(), p.positions.as_ptr(), nh, hd_i, window, mp, got.as_mut_ptr()) };
+            let what = format!("attn_combine_bf16, {n_heads}/{kv_heads} heads of {hd}, window {window}");
+            assert!(f32_out.iter().all(|x| x.is_finite()) && f32_out.iter().any(|&x| x != 0.0), "{what}: the f32 output is not a real one");
+            assert_eq!(got, to_bf16(&f32_out), "{what}");
         }
     }
 }

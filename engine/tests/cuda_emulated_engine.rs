@@ -164,3 +164,31 @@ fn gemma3_decode_layer_launch_counts() {
     let Some(path) = gemma_path() else { return };
     check_launches("Gemma 3", &path, (25, 13));
 }
+
+/// Greedy streams through the engine with their tokens sampled by the emulated
+/// sampling kernel (`Backend::greedy_rows`, decode steps replayed) are the host
+/// sampler's tokens, and every block comes back.
+#[test]
+fn greedy_sampling_on_the_device_gives_the_host_samplers_tokens() {
+    use baton_engine::model::load_gguf;
+    use baton_engine::{Engine, EngineConfig};
+    use common::{assert_no_leaks, collect, request};
+    let Some(path) = model_path() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = with_bf16_embedding(&path, dir.path());
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|s| (0..20 + 7 * s).map(|i| 100 + (i * 31 + s * 17) % 4000).collect()).collect();
+    let run = |backend: EmuBackend| {
+        let loaded = load_gguf(&backend, &path).expect("load on the emulated backend");
+        let config = EngineConfig { step_token_budget: 256, kv_memory_bytes: 32 << 20, max_context: Some(512), ..EngineConfig::default() };
+        let engine = Engine::start(backend, loaded, config).expect("engine start");
+        let streams: Vec<_> = prompts.iter().enumerate().map(|(i, p)| engine.submit(request(p.clone(), "alice", 6 + 3 * i)).unwrap()).collect();
+        let tokens: Vec<Vec<u32>> = streams.into_iter().map(|s| collect(s).tokens).collect();
+        assert_no_leaks(&engine);
+        engine.shutdown();
+        tokens
+    };
+    let device = run(EmuBackend::with_decode_steps(2).unwrap());
+    let host = run(EmuBackend::with_decode_steps(2).unwrap().with_host_sampling());
+    assert_eq!(device, host, "greedy tokens sampled on the device and on the host");
+    assert_eq!(device.iter().map(Vec::len).collect::<Vec<_>>(), [6, 9, 12, 15]);
+}

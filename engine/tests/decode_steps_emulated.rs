@@ -19,7 +19,7 @@
 #![cfg(feature = "emu")]
 
 use baton_engine::model::{load_gguf_weights, Model, Scratch, StepInput};
-use baton_kernels::{AttnRow, Backend, EmuBackend, KvDtype, KvLayout};
+use baton_kernels::{AttnRow, Backend, EmuBackend, GreedyRow, KvDtype, KvLayout};
 use baton_text::gguf::writer::{write_gguf, TensorSpec};
 use baton_text::gguf::{GgufFile, MetaValue};
 
@@ -142,6 +142,7 @@ fn padded_replayed_decode_steps_give_the_eager_bits_and_allocate_nothing() {
         next[s] = argmax(&want);
     }
     let mut pos = lens.to_vec();
+    let host_b = EmuBackend::new(1).unwrap().with_host_sampling();
     // Batches of 5 (bucket 8), 2 (bucket 2) and 1; each shape at least three times.
     let schedule: Vec<Vec<usize>> = [vec![vec![0, 1, 2, 3, 4]; 4], vec![vec![1, 3]; 3], vec![vec![2]; 3], vec![vec![4, 0, 3, 1, 2]; 2]].concat();
     for (i, seqs) in schedule.iter().enumerate() {
@@ -155,6 +156,11 @@ fn padded_replayed_decode_steps_give_the_eager_bits_and_allocate_nothing() {
             next[s] = argmax(&want[r * VOCAB..(r + 1) * VOCAB]);
             pos[s] += 1;
         }
+        // The sampling kernel picks the same tokens from the (replayed) step's logits on the device.
+        let picked = stepped.model.greedy(&stepped_b, &stepped.scratch, rows.len()).expect("the emulated backend samples greedy rows");
+        let want_tokens: Vec<GreedyRow> = seqs.iter().map(|&s| GreedyRow::Token(next[s])).collect();
+        assert_eq!(picked, want_tokens, "step {i}: greedy tokens sampled on the device");
+        assert_eq!(stepped.model.greedy(&host_b, &stepped.scratch, rows.len()), None, "BATON_DEVICE_SAMPLING=0's backend declines");
     }
     let st = stepped_b.step_stats();
     println!("{st:?}");

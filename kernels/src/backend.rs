@@ -57,6 +57,39 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// A row's greedy token as the device sampled it (`argmax_rows` in sampling.cu),
+/// by the CPU sampler's rules: the largest logit, ties to the lowest index; a row with a
+/// NaN or `+inf` fails at the first such index; a row of only `-inf` fails as masked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GreedyRow {
+    Token(u32),
+    /// The index of the row's first NaN or `+inf`.
+    NonFinite(u32),
+    AllMasked,
+}
+
+impl GreedyRow {
+    /// Decodes the kernel's `(token, status)` words (status 0: a token, 1: non-finite
+    /// at `token`, 2: all masked).
+    pub fn from_kernel(token: u32, status: u32) -> GreedyRow {
+        match status {
+            0 => GreedyRow::Token(token),
+            1 => GreedyRow::NonFinite(token),
+            _ => GreedyRow::AllMasked,
+        }
+    }
+}
+
+/// Whether `BATON_DEVICE_SAMPLING` leaves greedy sampling on the device on (unset, `1`,
+/// `on`, `true`); `0` makes a device backend's [`Backend::greedy_rows`] decline.
+pub fn device_sampling_enabled() -> Result<bool, String> {
+    match std::env::var("BATON_DEVICE_SAMPLING").as_deref() {
+        Err(_) | Ok("1") | Ok("on") | Ok("true") => Ok(true),
+        Ok("0") | Ok("off") | Ok("false") => Ok(false),
+        Ok(other) => Err(format!("BATON_DEVICE_SAMPLING={other}: expected 1 or 0 (on or off)")),
+    }
+}
+
 /// The operations of a forward pass. Tensors are flat row-major f32 arrays
 /// from the caller's point of view; their storage is the backend's.
 pub trait Backend: Send + Sync {
@@ -146,6 +179,16 @@ pub trait Backend: Send + Sync {
     }
     fn kv_block_layer_out(&self, kv: &Self::Kv, block: usize, layer: usize, out: &mut [u8]);
     fn kv_block_layer_in(&self, kv: &mut Self::Kv, block: usize, layer: usize, data: &[u8]);
+
+    /// The greedy token of each of the first `rows` rows (of `n` logits) of `logits`,
+    /// sampled where the logits are, so that a step whose every row is greedy downloads
+    /// 8 bytes a row rather than the vocabulary; `None`, the default, when the backend
+    /// does not (the caller then downloads the rows and samples on the host, by the
+    /// same rules).
+    fn greedy_rows(&self, logits: &Self::Tensor, rows: usize, n: usize) -> Option<Vec<GreedyRow>> {
+        let _ = (logits, rows, n);
+        None
+    }
 
     /// The rows a step of `input` runs as: `Some(bucket)` when the backend may
     /// replay it from a capture (a decode-shaped step, [`crate::step::decode_rows`]),

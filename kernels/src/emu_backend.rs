@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use crate::attention::AttnRow;
-use crate::backend::{Backend, CpuBackend, KernelError, OptionalOp};
+use crate::backend::{Backend, CpuBackend, GreedyRow, KernelError, OptionalOp};
 use crate::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
 use crate::cuda::GEMM_ROWS;
 use crate::emu::{self, Launch};
@@ -62,18 +62,26 @@ pub struct EmuBackend {
     /// Whether products read their input rounded to bf16, as cuBLAS does on the GPU.
     bf16_products: bool,
     launches: AtomicUsize,
+    /// Whether [`Backend::greedy_rows`] runs the sampling kernel (else the caller samples on the host).
+    device_sampling: bool,
 }
 
 impl EmuBackend {
     /// `threads`: the CPU backend's, for the products and attention.
     pub fn new(threads: usize) -> Result<Self, KernelError> {
-        Ok(EmuBackend { cpu: CpuBackend::new(threads)?, steps: None, capture: CaptureGuard::default(), fuse: true, bf16_products: true, launches: AtomicUsize::new(0) })
+        Ok(EmuBackend { cpu: CpuBackend::new(threads)?, steps: None, capture: CaptureGuard::default(), fuse: true, bf16_products: true, launches: AtomicUsize::new(0), device_sampling: true })
     }
 
     /// The backend with the CUDA backend's replayable decode steps (`emu_steps`):
     /// decode-shaped steps padded to buckets, their inputs read from staged words.
     pub fn with_decode_steps(threads: usize) -> Result<Self, KernelError> {
         Ok(EmuBackend { steps: Some(Mutex::default()), ..EmuBackend::new(threads)? })
+    }
+
+    /// The backend with greedy rows sampled on the host, as without `greedy_rows`
+    /// (`BATON_DEVICE_SAMPLING=0` on the GPU): for comparisons.
+    pub fn with_host_sampling(self) -> Self {
+        EmuBackend { device_sampling: false, ..self }
     }
 
     /// What the decode steps did so far (all zero without them).
@@ -382,6 +390,20 @@ impl Backend for EmuBackend {
         // SAFETY: both hold len values (checked above).
         unsafe { emu::add_inplace(&launch(plan::elementwise(len)), x.as_mut_ptr(), y.as_ptr(), len as u64) };
         self.count(1);
+    }
+
+    fn greedy_rows(&self, logits: &Vec<f32>, rows: usize, n: usize) -> Option<Vec<GreedyRow>> {
+        if !self.device_sampling {
+            return None;
+        }
+        assert!(logits.len() >= rows * n, "greedy_rows: {rows} rows of {n} in {} logits", logits.len());
+        let (mut token, mut status) = (vec![0u32; rows], vec![0u32; rows]);
+        if rows > 0 {
+            // SAFETY: logits holds rows x n values (checked); token and status one word a row.
+            unsafe { emu::argmax_rows(&launch(plan::per_row(rows, ROW_THREADS)), logits.as_ptr(), n as i32, token.as_mut_ptr(), status.as_mut_ptr()) };
+            self.count(1);
+        }
+        Some(token.into_iter().zip(status).map(|(t, s)| GreedyRow::from_kernel(t, s)).collect())
     }
 
     fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {

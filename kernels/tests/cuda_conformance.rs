@@ -17,7 +17,7 @@
 
 use std::io::Write;
 
-use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, KvDtype, KvLayout, QkNorm, RopeTable};
+use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, GreedyRow, KvDtype, KvLayout, QkNorm, RopeTable};
 use support::{rel_err, scattered_tables, sequence_kv, values};
 
 mod support;
@@ -91,9 +91,18 @@ fn elementwise_operations_match_the_cpu() {
     logits[49_152 + 7] = 5.0;
     logits[49_152 + 9] = 5.0;
     let picked = g.argmax_rows(&g.upload(&logits), 3, 49_152);
-    let want: Vec<u32> = logits.chunks(49_152).map(|r| baton_kernels::ops::argmax(r) as u32).collect();
+    let want: Vec<GreedyRow> = logits.chunks(49_152).map(|r| GreedyRow::Token(baton_kernels::ops::argmax(r) as u32)).collect();
     assert_eq!(picked, want);
-    assert_eq!(picked[1], 7);
+    assert_eq!(picked[1], GreedyRow::Token(7));
+    // The sampler's failures: the first NaN or +inf, and a row of only -inf.
+    let n = 1000;
+    let mut bad = vec![0.5f32; 3 * n];
+    bad[10] = f32::INFINITY;
+    bad[700] = f32::NAN;
+    bad[n + 999] = f32::NAN;
+    bad[2 * n..].fill(f32::NEG_INFINITY);
+    let picked = g.argmax_rows(&g.upload(&bad), 3, n);
+    assert_eq!(picked, [GreedyRow::NonFinite(10), GreedyRow::NonFinite(999), GreedyRow::AllMasked]);
 }
 
 #[test]

@@ -12,7 +12,7 @@
 
 use baton_kernels::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
 use baton_kernels::emu::{self, Launch};
-use baton_kernels::{Backend, CpuBackend, KvDtype, KvLayout};
+use baton_kernels::{Backend, CpuBackend, GreedyRow, KvDtype, KvLayout};
 use support::{rel_err, values};
 
 mod support;
@@ -107,11 +107,10 @@ fn sampling_kernels_match_the_cpu() {
     let mut logits = values(3 * n, 5);
     logits[n + 7] = 5.0;
     logits[n + 9] = 5.0; // a tie: the lower index wins
-    let mut got = vec![0u32; 3];
-    unsafe { emu::argmax_rows(&launch(plan::per_row(3, ROW_THREADS)), logits.as_ptr(), n as i32, got.as_mut_ptr()) };
-    let want: Vec<u32> = logits.chunks(n).map(|r| baton_kernels::ops::argmax(r) as u32).collect();
+    let got = greedy_rows(&logits, 3, n);
+    let want: Vec<GreedyRow> = logits.chunks(n).map(|r| GreedyRow::Token(baton_kernels::ops::argmax(r) as u32)).collect();
     assert_eq!(got, want);
-    assert_eq!(got[1], 7);
+    assert_eq!(got[1], GreedyRow::Token(7));
 
     let t = 0.7f32;
     let mut got = vec![0f32; 3 * n];
@@ -274,5 +273,73 @@ fn family_operations_match_the_cpu() {
         unsafe { emu::rope(&launch(plan::per_row(positions.len(), TOKEN_THREADS)), got.as_mut_ptr(), cos.as_ptr(), sin.as_ptr(), positions.as_ptr(), heads as i32, (hd / 2) as i32) };
         let e = rel_err(&got, &want);
         assert!(e <= 1e-5, "rope ({what}): {e}");
+    }
+}
+
+/// The sampling kernel's greedy token and status of each of `rows` rows of `n`.
+fn greedy_rows(logits: &[f32], rows: usize, n: usize) -> Vec<GreedyRow> {
+    let (mut token, mut status) = (vec![0u32; rows], vec![0u32; rows]);
+    // SAFETY: logits holds rows x n values; token and status one word a row.
+    unsafe { emu::argmax_rows(&launch(plan::per_row(rows, ROW_THREADS)), logits.as_ptr(), n as i32, token.as_mut_ptr(), status.as_mut_ptr()) };
+    token.into_iter().zip(status).map(|(t, s)| GreedyRow::from_kernel(t, s)).collect()
+}
+
+/// The CPU sampler's greedy outcome for `row`, in the kernel's terms.
+fn sampler_greedy(row: &[f32]) -> GreedyRow {
+    use baton_text::sampling::{Sampler, SamplingError, SamplingParams};
+    let params = SamplingParams { temperature: 0.0, ..SamplingParams::default() }.validate().expect("greedy parameters");
+    let mut sampler = Sampler::with_seed(&params, 1);
+    assert!(sampler.is_plain_greedy());
+    match sampler.sample(row) {
+        Ok(s) => GreedyRow::Token(s.token),
+        Err(SamplingError::NonFiniteLogit { index }) => GreedyRow::NonFinite(index as u32),
+        Err(SamplingError::AllMasked) => GreedyRow::AllMasked,
+        Err(e) => panic!("greedy sampling failed unexpectedly: {e}"),
+    }
+}
+
+#[test]
+fn greedy_kernel_follows_the_cpu_sampler() {
+    // A vocabulary that is not a multiple of the 256 threads, and one shorter than them.
+    for n in [1000usize, 37] {
+        let base = values(n, 11);
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        rows.push(base.clone());
+        let mut tie = base.clone();
+        tie[n - 3] = 9.0;
+        tie[n - 1] = 9.0;
+        tie[n / 2] = 9.0; // the lowest of three equal maxima wins
+        rows.push(tie);
+        let mut zeros = vec![f32::NEG_INFINITY; n];
+        zeros[n - 1] = 0.0;
+        zeros[n - 2] = -0.0; // -0 equals 0: the lower index wins
+        rows.push(zeros);
+        let mut nan = base.clone();
+        nan[n - 2] = f32::NAN;
+        nan[n - 1] = f32::INFINITY;
+        rows.push(nan);
+        let mut inf = base.clone();
+        inf[n / 3] = f32::INFINITY;
+        inf[n - 1] = f32::NAN;
+        rows.push(inf);
+        rows.push(vec![f32::NEG_INFINITY; n]);
+        let mut single = vec![f32::NEG_INFINITY; n];
+        single[n - 1] = -1e30;
+        rows.push(single);
+        let mut low = vec![f32::NEG_INFINITY; n];
+        low[0] = f32::MIN;
+        rows.push(low);
+        let flat: Vec<f32> = rows.concat();
+        let got = greedy_rows(&flat, rows.len(), n);
+        let want: Vec<GreedyRow> = rows.iter().map(|r| sampler_greedy(r)).collect();
+        assert_eq!(got, want, "vocabulary {n}");
+        // The rules were exercised: a tie, both failures, a lone finite value.
+        assert_eq!(want[1], GreedyRow::Token((n / 2) as u32));
+        assert_eq!(want[2], GreedyRow::Token((n - 2) as u32));
+        assert_eq!(want[3], GreedyRow::NonFinite((n - 2) as u32));
+        assert_eq!(want[4], GreedyRow::NonFinite((n / 3) as u32));
+        assert_eq!(want[5], GreedyRow::AllMasked);
+        assert_eq!(want[6], GreedyRow::Token((n - 1) as u32));
+        assert_eq!(want[7], GreedyRow::Token(0));
     }
 }

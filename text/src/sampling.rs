@@ -297,6 +297,13 @@ impl Sampler {
         }
     }
 
+    /// Whether this sampler's draw is the argmax alone and it wants no log-probabilities:
+    /// its token may then be picked where the logits are, by [`Sampler::sample`]'s rules
+    /// (a greedy draw leaves the sampler's state as it was, so nothing else changes).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.top_k == 1 && !self.logprobs
+    }
+
     /// Draws the next token from `logits` (one per vocabulary entry; `-inf` masks a
     /// token). Fails on empty logits, NaN or `+inf`, or when everything is masked.
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled, SamplingError> {

@@ -24,8 +24,8 @@ use super::{Command, EngineConfig, EngineError, Event, FinishReason, ImportUse, 
 use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId, WindowRule};
 use crate::model::{Model, Scratch, StepInput};
 use super::arena::ArenaPlan;
-use baton_kernels::{AttnRow, Backend, KvLayout};
-use baton_text::sampling::{Sampled, Sampler, StopMatcher};
+use baton_kernels::{AttnRow, Backend, GreedyRow, KvLayout};
+use baton_text::sampling::{Sampled, Sampler, SamplingError, StopMatcher};
 use baton_text::tokenizer::{IncrementalDecoder, Tokenizer};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -668,8 +668,8 @@ impl<B: Backend> Worker<B> {
         let predicted = self.cost.predict(shape);
         let input = StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
         let jobs = self.layer_jobs(&slices);
-        let logits = if jobs.is_empty() {
-            self.model.forward(&self.backend, &mut self.kv, &input, &mut self.scratch)
+        if jobs.is_empty() {
+            self.model.step(&self.backend, &mut self.kv, &input, &mut self.scratch);
         } else {
             let bl = self.layout.block_layer_bytes();
             let mut on_layer = |backend: &B, kv: &B::Kv, layer: usize| {
@@ -677,14 +677,18 @@ impl<B: Backend> Worker<B> {
                     job.send(layer, backend.kv_blocks_layer_out(kv, &job.arena, layer, bl));
                 }
             };
-            let logits = self.model.forward_with(&self.backend, &mut self.kv, &input, &mut self.scratch, &mut on_layer);
+            self.model.step_with(&self.backend, &mut self.kv, &input, &mut self.scratch, &mut on_layer);
             for job in &jobs {
                 if let Some(ExportTo::Layers(x)) = &mut self.running[job.seq].export {
                     job.sent(x);
                 }
             }
-            logits
-        };
+        }
+        // Rows that all take the argmax and want no log-probabilities are sampled where
+        // the logits are: 8 bytes a row come back instead of the vocabulary.
+        let all_greedy = slices.iter().filter(|sl| sl.wants_logits).all(|sl| self.running[sl.seq].sampler.is_plain_greedy());
+        let mut picked = if all_greedy { self.model.greedy(&self.backend, &self.scratch, logit_rows.len()) } else { None }.map(Vec::into_iter);
+        let logits = if picked.is_some() { Vec::new() } else { self.model.logits(&self.backend, &self.scratch, logit_rows.len()) };
         {
             let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
             st.steps += 1;
@@ -706,9 +710,12 @@ impl<B: Backend> Worker<B> {
             self.trim_window(sl.seq);
             let seq = &mut self.running[sl.seq];
             if sl.wants_logits {
-                let row = &logits[li * vocab..(li + 1) * vocab];
+                let sampled = match picked.as_mut().and_then(Iterator::next) {
+                    Some(row) => greedy_sampled(row),
+                    None => seq.sampler.sample(&logits[li * vocab..(li + 1) * vocab]),
+                };
                 li += 1;
-                let reason = sample_into(seq, row, &self.tokenizer, self.max_context, &self.shared);
+                let reason = sample_into(seq, sampled, &self.tokenizer, self.max_context, &self.shared);
                 if seq.generated == 1 {
                     match seq.export.take() {
                         Some(ExportTo::Whole { start, tx }) => {
@@ -790,10 +797,19 @@ impl<B: Backend> Queues for Worker<B> {
     }
 }
 
-/// Samples the next token of `seq` from `logits`; returns why it ends,
-/// if it does.
-fn sample_into(seq: &mut Sequence, logits: &[f32], tokenizer: &Tokenizer, max_context: usize, shared: &Shared) -> Option<FinishReason> {
-    let sampled = match seq.sampler.sample(logits) {
+/// A token the backend picked greedily, as [`Sampler::sample`] reports it: the
+/// kernel follows the sampler's rules, and a greedy draw leaves the sampler as it was.
+fn greedy_sampled(row: GreedyRow) -> Result<Sampled, SamplingError> {
+    match row {
+        GreedyRow::Token(token) => Ok(Sampled { token, logprob: 0.0, top_logprobs: Vec::new() }),
+        GreedyRow::NonFinite(index) => Err(SamplingError::NonFiniteLogit { index: index as usize }),
+        GreedyRow::AllMasked => Err(SamplingError::AllMasked),
+    }
+}
+
+/// Takes `seq`'s sampled next token (or fails it); returns why it ends, if it does.
+fn sample_into(seq: &mut Sequence, sampled: Result<Sampled, SamplingError>, tokenizer: &Tokenizer, max_context: usize, shared: &Shared) -> Option<FinishReason> {
+    let sampled = match sampled {
         Ok(s) => s,
         Err(e) => {
             let _ = seq.events.send(Event::Failed(e.into()));

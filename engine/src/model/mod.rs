@@ -24,7 +24,7 @@ pub use format::weight_format;
 pub use load::{config_from_gguf, export_hf, load_gguf, load_gguf_weights, load_hf_dir, LoadedModel, ModelError};
 
 use baton_kernels::step::{pad_tables, PaddedStep};
-use baton_kernels::{Backend, Glu, QkNorm};
+use baton_kernels::{Backend, Glu, GreedyRow, QkNorm};
 pub use baton_kernels::StepInput;
 
 /// Weights of one transformer layer. The `Option`s are present exactly when
@@ -105,7 +105,13 @@ impl<B: Backend> Model<B> {
     /// (`logit_rows.len() x vocab`, row-major). Must run inside
     /// `backend.run`.
     pub fn forward(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>) -> Vec<f32> {
-        let n = input.logit_rows.len();
+        self.step(backend, kv, input, s);
+        self.logits(backend, s, input.logit_rows.len())
+    }
+
+    /// Runs one step, its logits (of `input.logit_rows`) left on the backend in `s`
+    /// for [`Model::logits`] or [`Model::greedy`]. Must run inside `backend.run`.
+    pub fn step(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>) {
         match backend.decode_step_rows(input) {
             Some(rows) => {
                 let pads = pad_tables(rows - input.tokens.len());
@@ -117,20 +123,18 @@ impl<B: Backend> Model<B> {
             }
             None => self.compute(backend, kv, input, s, &mut |_, _, _| {}),
         }
-        self.logits(backend, s, n)
     }
 
-    /// [`Model::forward`], calling `on_layer(backend, kv, layer)` right after each
+    /// [`Model::step`], calling `on_layer(backend, kv, layer)` right after each
     /// layer's keys and values are in `kv` (and before its attention): a pipelined
     /// export copies the layer out there while later layers compute. Always eager:
     /// a replayed capture (`Backend::decode_step`) would not call `on_layer`.
-    pub fn forward_with(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>, on_layer: &mut dyn FnMut(&B, &B::Kv, usize)) -> Vec<f32> {
+    pub fn step_with(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>, on_layer: &mut dyn FnMut(&B, &B::Kv, usize)) {
         self.compute(backend, kv, input, s, on_layer);
-        self.logits(backend, s, input.logit_rows.len())
     }
 
-    /// The `n` rows of logits a step left in `s.logits`, on the host.
-    fn logits(&self, backend: &B, s: &Scratch<B>, n: usize) -> Vec<f32> {
+    /// The `n` rows of logits the last step left in `s`, on the host.
+    pub fn logits(&self, backend: &B, s: &Scratch<B>, n: usize) -> Vec<f32> {
         if n == 0 {
             return Vec::new();
         }
@@ -141,6 +145,17 @@ impl<B: Backend> Model<B> {
             baton_kernels::ops::softcap(&mut out, cap);
         }
         out
+    }
+
+    /// The greedy token of each of the `n` rows of logits the last step left in `s`,
+    /// picked on the backend ([`Backend::greedy_rows`]) without downloading the rows;
+    /// `None` when the backend does not, or the model soft-caps its logits (on the
+    /// host, after which `+inf` is finite and close logits may tie).
+    pub fn greedy(&self, backend: &B, s: &Scratch<B>, n: usize) -> Option<Vec<GreedyRow>> {
+        if self.config.logit_softcap.is_some() {
+            return None;
+        }
+        backend.greedy_rows(&s.logits, n, self.config.vocab)
     }
 
     /// Queues one step on the backend, its logits (for `input.logit_rows`) left in `s.logits`.

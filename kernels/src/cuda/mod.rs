@@ -55,7 +55,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use crate::attention::AttnRow;
-use crate::backend::{Backend, KernelError, OptionalOp};
+use crate::backend::{Backend, GreedyRow, KernelError, OptionalOp};
 use crate::fused::{Glu, QkNorm};
 use crate::kv::{KvDtype, KvLayout};
 use crate::matmul::QMatrix;
@@ -198,6 +198,8 @@ pub struct CudaBackend {
     capture: CaptureGuard,
     /// Whether the main stream can be captured (not the legacy default stream).
     capturable: bool,
+    /// Whether [`Backend::greedy_rows`] samples here (`BATON_DEVICE_SAMPLING`).
+    device_sampling: bool,
     /// The side stream and buffers of pipelined layer exports.
     layer_out: Arc<layer_out::LayerOut>,
     name: String,
@@ -244,6 +246,7 @@ impl CudaBackend {
         // SAFETY: before any buffer of this context exists.
         unsafe { ctx.disable_event_tracking() };
         let graphs_on = graph::graphs_enabled().map_err(|e| cuda_error("reading BATON_CUDA_GRAPHS", e))?;
+        let device_sampling = crate::backend::device_sampling_enabled().map_err(|e| cuda_error("reading BATON_DEVICE_SAMPLING", e))?;
         let (major, minor) = ctx.compute_capability().map_err(|e| cuda_error("reading the compute capability", e))?;
         let arch = compile::arch_for(major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
@@ -313,7 +316,7 @@ impl CudaBackend {
         let layer_out = Arc::new(layer_out::LayerOut::new(&ctx).map_err(|e| cuda_error("creating the KV export stream", e))?);
         #[rustfmt::skip]
         let backend = CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging),
-            ids: Mutex::new(id_upload::PinnedIds::new(id_upload::SLOTS)), graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, layer_out, name, arch, driver };
+            ids: Mutex::new(id_upload::PinnedIds::new(id_upload::SLOTS)), graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, device_sampling, layer_out, name, arch, driver };
         Ok(backend)
     }
 
@@ -363,17 +366,22 @@ impl CudaBackend {
         Some(id_upload::Uploaded::new(ids, &self.stream, data).unwrap_or_else(|e| fail("uploading indices", e)))
     }
 
-    /// The index of each row's largest value (ties to the lowest index).
-    pub fn argmax_rows(&self, logits: &CudaSlice<f32>, rows: usize, n: usize) -> Vec<u32> {
+    /// Each of the first `rows` rows' greedy token and status (`argmax_rows` in
+    /// sampling.cu: the CPU sampler's rules), downloaded: 8 bytes a row instead of the row.
+    pub fn argmax_rows(&self, logits: &CudaSlice<f32>, rows: usize, n: usize) -> Vec<GreedyRow> {
         if rows == 0 {
             return Vec::new();
         }
-        let mut out = self.stream.alloc_zeros::<u32>(rows).unwrap_or_else(|e| fail("argmax_rows", e));
+        let mut token = self.stream.alloc_zeros::<u32>(rows).unwrap_or_else(|e| fail("argmax_rows", e));
+        let mut status = self.stream.alloc_zeros::<u32>(rows).unwrap_or_else(|e| fail("argmax_rows", e));
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(&self.k.argmax_rows);
-        args::argmax_rows(&mut b, logits, &n_i, &mut out);
+        args::argmax_rows(&mut b, logits, &n_i, &mut token, &mut status);
         unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("argmax_rows", e));
-        self.stream.memcpy_dtov(&out).unwrap_or_else(|e| fail("argmax_rows download", e))
+        let token = self.stream.memcpy_dtov(&token).unwrap_or_else(|e| fail("argmax_rows download", e));
+        let status = self.stream.memcpy_dtov(&status).unwrap_or_else(|e| fail("argmax_rows download", e));
+        self.synchronize();
+        token.into_iter().zip(status).map(|(t, s)| GreedyRow::from_kernel(t, s)).collect()
     }
 
     /// Row-wise `softmax(logits / temperature)`.
@@ -773,6 +781,10 @@ impl Backend for CudaBackend {
 
     fn kv_block_layer_in(&self, kv: &mut CudaKv, block: usize, layer: usize, data: &[u8]) {
         self.kv_unpack(kv, &[block as u32], layer..layer + 1, &[data]);
+    }
+
+    fn greedy_rows(&self, logits: &CudaSlice<f32>, rows: usize, n: usize) -> Option<Vec<GreedyRow>> {
+        self.device_sampling.then(|| self.argmax_rows(logits, rows, n))
     }
 
     fn decode_step_rows(&self, input: &StepInput) -> Option<usize> {

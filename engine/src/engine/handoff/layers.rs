@@ -3,7 +3,7 @@
 //!
 //! Owns: what the caller receives ([`LayerExport`], a stream of [`LayerExportEvent`]),
 //! the sequence's side of it ([`LayerExporter`]: which blocks went out already), and the
-//! per-step plan ([`LayerJob`]) that the scheduler hands to `Model::forward_with`.
+//! per-step plan ([`LayerJob`]) that the scheduler hands to `Model::step_with`.
 //!
 //! A block goes out once every token of it (up to the prompt's end) has its keys and
 //! values in a layer: in the step whose chunk completes it, each layer right after that

@@ -198,8 +198,17 @@ impl Graphs {
         self.copied[half].synchronize()?;
         let bytes = self.words.len() * 4;
         if self.host[half].as_slice().len() < bytes {
-            let pinned = self.pageable_because.is_none();
-            self.host[half] = HostBuf::new(ctx, bytes.next_power_of_two(), pinned)?;
+            let len = bytes.next_power_of_two();
+            // A page-locking refused at growth leaves this half in ordinary memory (a slower
+            // copy), as at start-up, rather than failing the step.
+            let pinned = match self.pageable_because {
+                None => HostBuf::new(ctx, len, true).map_err(|e| self.pageable_because = Some(format!("cuMemHostAlloc of {len} bytes: {e:?}"))).ok(),
+                Some(_) => None,
+            };
+            self.host[half] = match pinned {
+                Some(buf) => buf,
+                None => HostBuf::new(ctx, len, false)?,
+            };
         }
         // SAFETY: a u32 slice viewed as its bytes (any bit pattern is a valid u8).
         let src = unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), bytes) };
@@ -316,6 +325,11 @@ impl CudaBackend {
         // ended), or the stream would stay capturing and reject the eager rerun.
         // SAFETY: the stream this function began capturing.
         let ended = unsafe { result::stream::end_capture(self.stream.cu_stream()) };
+        // cudarc keeps an error of a call whose result it cannot return (a buffer's free in
+        // Drop: illegal in a capture for memory the graph did not allocate) and hands it to
+        // the next call that binds the context; taken here, it fails this capture instead
+        // of the eager rerun.
+        let recorded = self.ctx.check_err();
         // A graph that is thrown away is destroyed without being instantiated.
         let discard = |graph: &Result<CUgraph, DriverError>| {
             if let Ok(&g) = graph.as_ref() {
@@ -333,6 +347,10 @@ impl CudaBackend {
         if !refused.is_empty() {
             discard(&ended);
             return Err(format!("refused during capture: {}", refused.join(", ")));
+        }
+        if let Err(e) = recorded {
+            discard(&ended);
+            return Err(format!("a deferred driver error during capture: {e:?}"));
         }
         let graph = ended.map_err(|e| format!("cuStreamEndCapture: {e:?}"))?;
         if graph.is_null() {

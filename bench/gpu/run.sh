@@ -124,7 +124,7 @@ step conformance 60 "$prebuilt/cuda_conformance" --test-threads=1
 # (the folder listing test reads the source tree at the path it was built in)
 step ptx 30 "$prebuilt/cuda_ptx" --nocapture --skip every_cu_file_in_the_folder
 BATON_MODEL="$PWD/$prebuilt/smollm2-2-layers.gguf" BATON_GEMMA_MODEL="$PWD/$prebuilt/gemma3-2-layers.gguf" \
-    step engine 60 "$prebuilt/cuda_engine" --test-threads=1 --nocapture
+    step engine 90 "$prebuilt/cuda_engine" --test-threads=1 --nocapture
 step roofline 120 "$prebuilt/gpu"
 if python3 -c "import torch" 2>/dev/null; then
     step torch 120 python3 bench/gpu/torch_reference.py

@@ -192,3 +192,65 @@ fn greedy_sampling_on_the_device_gives_the_host_samplers_tokens() {
     assert_eq!(device, host, "greedy tokens sampled on the device and on the host");
     assert_eq!(device.iter().map(Vec::len).collect::<Vec<_>>(), [6, 9, 12, 15]);
 }
+
+/// Run-ahead decoding (`baton_kernels::run_ahead`): each decode step is queued with
+/// its tokens taken on the device from the step before, before the host has read
+/// them. The streams get the same tokens as when every step waits for its tokens;
+/// a stream that ends on a stop token has the row queued for it thrown away; every
+/// block comes back.
+#[test]
+fn run_ahead_decoding_gives_the_same_tokens_and_drops_rows_of_ended_streams() {
+    use baton_engine::model::load_gguf;
+    use baton_engine::{Engine, EngineConfig, EngineStats};
+    use common::{assert_no_leaks, collect, request, Outcome};
+    let Some(path) = model_path() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = with_bf16_embedding(&path, dir.path());
+    let prompts: Vec<Vec<u32>> = (0..3u32).map(|s| (0..20 + 9 * s).map(|i| 100 + (i * 37 + s * 11) % 4000).collect()).collect();
+    let run = |backend: EmuBackend, stop: Option<u32>| -> (Vec<Outcome>, EngineStats) {
+        let loaded = load_gguf(&backend, &path).expect("load on the emulated backend");
+        let config = EngineConfig { step_token_budget: 256, kv_memory_bytes: 32 << 20, max_context: Some(512), ..EngineConfig::default() };
+        let engine = Engine::start(backend, loaded, config).expect("engine start");
+        let streams: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                // The middle stream ends first: the rows run ahead after it skip a pick.
+                let mut r = request(p.clone(), "alice", [9, 5, 13][i]);
+                if i == 2 {
+                    let mut params = r.sampling.into_inner();
+                    params.stop_token_ids = stop.into_iter().collect();
+                    r.sampling = params.validate().unwrap();
+                }
+                engine.submit(r).unwrap()
+            })
+            .collect();
+        let outs: Vec<Outcome> = streams.into_iter().map(collect).collect();
+        assert_no_leaks(&engine);
+        let stats = engine.stats();
+        engine.shutdown();
+        (outs, stats)
+    };
+    let tokens = |outs: &[Outcome]| outs.iter().map(|o| o.tokens.clone()).collect::<Vec<_>>();
+    let (waited, waited_stats) = run(EmuBackend::with_decode_steps(2).unwrap().without_run_ahead(), None);
+    assert_eq!(waited_stats.run_ahead_steps, 0);
+    assert_eq!(tokens(&waited).iter().map(Vec::len).collect::<Vec<_>>(), [9, 5, 13]);
+    let (ahead, ahead_stats) = run(EmuBackend::with_decode_steps(2).unwrap(), None);
+    assert_eq!(tokens(&ahead), tokens(&waited), "greedy tokens with and without running ahead");
+    assert!(ahead_stats.run_ahead_steps > 0, "no step ran ahead: {ahead_stats:?}");
+    // Streams ended by their length are known to end: nothing was queued past them.
+    assert_eq!(ahead_stats.run_ahead_discarded_rows, 0);
+    assert_eq!((ahead_stats.decode_tokens, ahead_stats.generated_tokens), (waited_stats.decode_tokens, waited_stats.generated_tokens));
+
+    // The third stream stops at its sixth token, which only the host sees: the row
+    // run ahead for it is dropped, and the others go on as before (a row's tokens do
+    // not depend on its batch).
+    let stop = waited[2].tokens[5];
+    let first = waited[2].tokens.iter().position(|&t| t == stop).unwrap();
+    let (stopped, stopped_stats) = run(EmuBackend::with_decode_steps(2).unwrap(), Some(stop));
+    let mut want = tokens(&waited);
+    want[2].truncate(first + 1);
+    assert_eq!(tokens(&stopped), want);
+    assert_eq!(stopped[2].reason, baton_text::FinishReason::Stop);
+    assert_eq!(stopped_stats.run_ahead_discarded_rows, 1, "{stopped_stats:?}");
+}

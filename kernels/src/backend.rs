@@ -190,6 +190,33 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Run-ahead decoding ([`crate::run_ahead`]): [`Backend::greedy_rows`] queued
+    /// without waiting. The picks stay on the backend, where the next step may take
+    /// them as its tokens ([`Backend::decode_step_fed`]), and reach the host at
+    /// [`Backend::greedy_rows_finish`]. `None`, the default, when the backend does not
+    /// run ahead (`BATON_RUN_AHEAD=0`, no device sampling, no replayable steps) or
+    /// two picks are already in flight; nothing was queued then.
+    fn greedy_rows_start(&self, logits: &Self::Tensor, rows: usize, n: usize) -> Option<crate::run_ahead::PendingPicks> {
+        let _ = (logits, rows, n);
+        None
+    }
+
+    /// Waits for `picks` (the oldest in flight) and returns them, as
+    /// [`Backend::greedy_rows`] would have.
+    fn greedy_rows_finish(&self, picks: crate::run_ahead::PendingPicks) -> Vec<GreedyRow> {
+        panic!("greedy_rows_finish: this backend started no picks ({picks:?})")
+    }
+
+    /// [`Backend::decode_step`] whose first `from.len()` rows take as their token the
+    /// pick `from[i]` of `picks` (the latest started, maybe not yet computed: queued
+    /// work runs in order) instead of `input.tokens[i]`. `false`, having queued
+    /// nothing, when the step cannot run so (the default; a step that does not fit
+    /// its capture): the caller then reads the picks and runs the step as usual.
+    fn decode_step_fed(&self, kv: &mut Self::Kv, input: &StepInput, program: usize, picks: &crate::run_ahead::PendingPicks, from: &[u32], body: &mut dyn FnMut(&mut Self::Kv)) -> bool {
+        let _ = (kv, input, program, picks, from, body);
+        false
+    }
+
     /// The rows a step of `input` runs as: `Some(bucket)` when the backend may
     /// replay it from a capture (a decode-shaped step, [`crate::step::decode_rows`]),
     /// in which case the caller pads it to that many rows

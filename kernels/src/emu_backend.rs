@@ -40,6 +40,7 @@ use std::sync::{Mutex, OnceLock};
 
 use crate::attention::AttnRow;
 use crate::backend::{Backend, CpuBackend, GreedyRow, KernelError, OptionalOp};
+use crate::run_ahead::{fed_runs, PendingPicks, PickQueue};
 use crate::cuda::plan::{self, ROW_THREADS, TOKEN_THREADS};
 use crate::cuda::GEMM_ROWS;
 use crate::emu::{self, Launch};
@@ -64,12 +65,25 @@ pub struct EmuBackend {
     launches: AtomicUsize,
     /// Whether [`Backend::greedy_rows`] runs the sampling kernel (else the caller samples on the host).
     device_sampling: bool,
+    /// Whether greedy picks may stay "on the device" for the next step (run-ahead
+    /// decoding; with decode steps and device sampling only, as on the GPU).
+    run_ahead: bool,
+    picks: Mutex<EmuPicks>,
+}
+
+/// Picks in flight: the latest picks' tokens (what the GPU keeps in device memory)
+/// and each ticket's rows (its host half).
+#[derive(Default)]
+struct EmuPicks {
+    queue: PickQueue,
+    halves: [Vec<GreedyRow>; 2],
+    latest: Vec<u32>,
 }
 
 impl EmuBackend {
     /// `threads`: the CPU backend's, for the products and attention.
     pub fn new(threads: usize) -> Result<Self, KernelError> {
-        Ok(EmuBackend { cpu: CpuBackend::new(threads)?, steps: None, capture: CaptureGuard::default(), fuse: true, bf16_products: true, launches: AtomicUsize::new(0), device_sampling: true })
+        Ok(EmuBackend { cpu: CpuBackend::new(threads)?, steps: None, capture: CaptureGuard::default(), fuse: true, bf16_products: true, launches: AtomicUsize::new(0), device_sampling: true, run_ahead: true, picks: Mutex::default() })
     }
 
     /// The backend with the CUDA backend's replayable decode steps (`emu_steps`):
@@ -82,6 +96,12 @@ impl EmuBackend {
     /// (`BATON_DEVICE_SAMPLING=0` on the GPU): for comparisons.
     pub fn with_host_sampling(self) -> Self {
         EmuBackend { device_sampling: false, ..self }
+    }
+
+    /// The backend that waits for each step's tokens before the next step is queued
+    /// (`BATON_RUN_AHEAD=0` on the GPU): for comparisons.
+    pub fn without_run_ahead(self) -> Self {
+        EmuBackend { run_ahead: false, ..self }
     }
 
     /// What the decode steps did so far (all zero without them).
@@ -392,6 +412,42 @@ impl Backend for EmuBackend {
         self.count(1);
     }
 
+    fn greedy_rows_start(&self, logits: &Vec<f32>, rows: usize, n: usize) -> Option<PendingPicks> {
+        if !(self.run_ahead && self.steps.is_some()) {
+            return None;
+        }
+        let picked = self.greedy_rows(logits, rows, n)?;
+        let mut p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        let (pending, half) = p.queue.start(rows)?;
+        // What stays on the device: the token words, whatever the status (`from_kernel`'s inverse).
+        p.latest = picked.iter().map(|r| match *r {
+            GreedyRow::Token(t) | GreedyRow::NonFinite(t) => t,
+            GreedyRow::AllMasked => 0,
+        }).collect();
+        p.halves[half] = picked;
+        Some(pending)
+    }
+
+    fn greedy_rows_finish(&self, picks: PendingPicks) -> Vec<GreedyRow> {
+        let mut p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        let half = p.queue.finish(picks);
+        std::mem::take(&mut p.halves[half])
+    }
+
+    fn decode_step_fed(&self, kv: &mut KvStorage, input: &StepInput, program: usize, picks: &PendingPicks, from: &[u32], body: &mut dyn FnMut(&mut KvStorage)) -> bool {
+        let Some(steps) = &self.steps else { return false };
+        let tokens = {
+            let p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+            assert!(p.queue.is_latest(picks), "decode_step_fed: {picks:?} are not the latest picks");
+            let mut tokens = input.tokens.to_vec();
+            for run in fed_runs(from) {
+                tokens[run.dst..run.dst + run.len].copy_from_slice(&p.latest[run.src..run.src + run.len]);
+            }
+            tokens
+        };
+        emu_steps::decode_step(steps, &self.capture, kv, input, program, Some(&tokens), body)
+    }
+
     fn greedy_rows(&self, logits: &Vec<f32>, rows: usize, n: usize) -> Option<Vec<GreedyRow>> {
         if !self.device_sampling {
             return None;
@@ -458,7 +514,9 @@ impl Backend for EmuBackend {
 
     fn decode_step(&self, kv: &mut KvStorage, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut KvStorage)) {
         match &self.steps {
-            Some(steps) => emu_steps::decode_step(steps, &self.capture, kv, input, program, body),
+            Some(steps) => {
+                emu_steps::decode_step(steps, &self.capture, kv, input, program, None, body);
+            }
             None => body(kv),
         }
     }

@@ -33,6 +33,8 @@ pub struct EmuStepStats {
     pub replays: u64,
     /// Steps that did not fit their shape's words and ran as they were.
     pub unfit: u64,
+    /// Steps whose tokens were the last step's picks, taken on the device (run-ahead).
+    pub fed: u64,
     pub refused: Vec<&'static str>,
 }
 
@@ -88,16 +90,26 @@ enum Run {
 }
 
 /// `Backend::decode_step` of the emulated backend; `kv` has one spare block past
-/// the engine's (the padding rows').
-pub(crate) fn decode_step(steps: &Mutex<EmuSteps>, guard: &CaptureGuard, kv: &mut KvStorage, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut KvStorage)) {
+/// the engine's (the padding rows'). With `fed` (`Backend::decode_step_fed`: the
+/// step's first tokens as the device holds them), the staged tokens are those;
+/// a fed step that does not fit runs nothing and returns false.
+pub(crate) fn decode_step(steps: &Mutex<EmuSteps>, guard: &CaptureGuard, kv: &mut KvStorage, input: &StepInput, program: usize, fed: Option<&[u32]>, body: &mut dyn FnMut(&mut KvStorage)) -> bool {
     let lock = || steps.lock().unwrap_or_else(|p| p.into_inner());
     let shape = StepShape::of(input);
     let layout = StepLayout::new(shape, kv.layout.block_tokens);
     let mut words = vec![0u32; layout.words];
     let engine_blocks = kv.num_blocks - 1;
     if layout.fill(input, engine_blocks, engine_blocks as u32, &mut words).is_err() {
+        if fed.is_some() {
+            return false;
+        }
         lock().stats.unfit += 1;
-        return body(kv);
+        body(kv);
+        return true;
+    }
+    if let Some(fed) = fed {
+        words[layout.tokens.start..][..fed.len()].copy_from_slice(fed);
+        lock().stats.fed += 1;
     }
     let key = Key { program, arena: kv as *const KvStorage as usize, shape };
     let generation = guard.generation();
@@ -135,4 +147,5 @@ pub(crate) fn decode_step(steps: &Mutex<EmuSteps>, guard: &CaptureGuard, kv: &mu
         }
     }
     lock().active = None;
+    true
 }

@@ -29,6 +29,7 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod quant;
+pub mod run_ahead;
 pub mod step;
 
 pub use attention::AttnRow;
@@ -45,4 +46,5 @@ pub use kv::{KvDtype, KvGroups, KvLayout, KvStorage, UNMAPPED};
 pub use matmul::QMatrix;
 pub use ops::RopeTable;
 pub use quant::WeightFormat;
+pub use run_ahead::PendingPicks;
 pub use step::StepInput;

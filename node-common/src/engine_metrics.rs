@@ -175,6 +175,10 @@ struct EngineSeries {
     /// Counter: tokens computed by phase (`prefill`, `decode`).
     engine_tokens: String,
     preemptions: String,
+    /// Counters: decode steps queued before the previous step's tokens were read, and
+    /// their rows thrown away because the stream ended at the step before.
+    run_ahead_steps: String,
+    run_ahead_discarded_rows: String,
     /// Counter: prefix-cache hash collisions refused (tokens or scope differed).
     hash_collisions: String,
     /// Gauge: sequences waiting for admission. The autoscaler relies on this name.
@@ -212,6 +216,8 @@ impl EngineSeries {
             busy_seconds: name("busy_seconds_total"),
             engine_tokens: name("engine_tokens_total"),
             preemptions: name("preemptions_total"),
+            run_ahead_steps: name("run_ahead_steps_total"),
+            run_ahead_discarded_rows: name("run_ahead_discarded_rows_total"),
             hash_collisions: name("prefix_hash_collisions_total"),
             queue_depth: name("queue_depth"),
             running: name("running_sequences"),
@@ -250,6 +256,10 @@ impl EngineSeries {
         counter(r, &self.engine_tokens, help, &[("phase", "prefill")]).absolute(st.prefill_tokens);
         counter(r, &self.engine_tokens, help, &[("phase", "decode")]).absolute(st.decode_tokens);
         counter(r, &self.preemptions, "Sequences preempted to make room", &[]).absolute(st.preemptions);
+        let help = "Decode steps queued on the GPU before the previous step's tokens reached the host (run-ahead decoding)";
+        counter(r, &self.run_ahead_steps, help, &[]).absolute(st.run_ahead_steps);
+        let help = "Rows of run-ahead steps thrown away because their stream ended at the step before (a stop, a cancel)";
+        counter(r, &self.run_ahead_discarded_rows, help, &[]).absolute(st.run_ahead_discarded_rows);
         let help = "Prefix-cache lookups that met another block under the same hash (refused: tokens or scope differed)";
         counter(r, &self.hash_collisions, help, &[]).absolute(st.kv.hash_collisions);
         gauge(r, &self.queue_depth, "Sequences waiting for admission", &[]).set(st.waiting as f64);

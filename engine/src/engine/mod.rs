@@ -8,6 +8,7 @@
 //! every path out of a sequence (finish, stop, error, cancel, preemption)
 //! returns its blocks exactly once.
 
+mod accept;
 mod arena;
 mod cost;
 mod handoff;
@@ -207,6 +208,12 @@ pub struct EngineStats {
     pub step_p95_seconds: f64,
     /// The step cost model's coefficients as last fitted (`None` before the first step).
     pub step_cost: Option<StepCost>,
+    /// Decode steps queued before the previous step's tokens were read (run-ahead
+    /// decoding: the host's work on step N overlapped with step N+1 on the GPU).
+    pub run_ahead_steps: u64,
+    /// Rows of such steps thrown away because their stream ended at the step before
+    /// (a stop token, a stop string, a cancel): the price of running ahead.
+    pub run_ahead_discarded_rows: u64,
 }
 
 /// Which export a submission asks for, from which block.

@@ -20,12 +20,13 @@ use super::handoff::layers::LayerJob;
 use super::handoff::{plan_import, ExportTo, ImportPlan};
 use super::cost::{CostModel, RecentSteps, StepCost, StepShape};
 use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
-use super::{Command, EngineConfig, EngineError, Event, FinishReason, ImportUse, KvExport, KvImport, PrefixQuery, Request, Shared, TokenOut};
+use super::{Command, EngineConfig, EngineError, Event, FinishReason, ImportUse, KvExport, KvImport, PrefixQuery, Request, Shared};
 use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId, WindowRule};
 use crate::model::{Model, Scratch, StepInput};
 use super::arena::ArenaPlan;
-use baton_kernels::{AttnRow, Backend, GreedyRow, KvLayout};
-use baton_text::sampling::{Sampled, Sampler, SamplingError, StopMatcher};
+use super::accept::{accept_token, ends_at_next_token, greedy_sampled, sample_into};
+use baton_kernels::{AttnRow, Backend, KvLayout, PendingPicks};
+use baton_text::sampling::{Sampled, Sampler, StopMatcher};
 use baton_text::tokenizer::{IncrementalDecoder, Tokenizer};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -69,6 +70,36 @@ impl<B: Backend> BlockStore for ArenaStore<'_, B> {
     }
 }
 
+/// A row of a queued step, by sequence (the running queue may change before the
+/// step completes when it was queued ahead).
+struct LaunchedRow {
+    id: SeqId,
+    /// Where the sequence was in the running queue when the step was queued.
+    hint: usize,
+    len: usize,
+    wants_logits: bool,
+}
+
+/// A step queued on the backend, as [`Worker::complete`] takes its results in.
+struct Launched {
+    rows: Vec<LaunchedRow>,
+    shape: StepShape,
+    /// The cost model's prediction of the step, made before it ran.
+    predicted: f64,
+    started: Instant,
+    prefill_budget: usize,
+    decode_tokens: u64,
+    prefill_tokens: u64,
+}
+
+/// A queued step whose tokens the host has not taken yet: with `picks` (run-ahead
+/// decoding, [`baton_kernels::run_ahead`]) its greedy tokens are on their way from
+/// the backend; without, its logits wait in the scratch.
+struct InFlight {
+    step: Launched,
+    picks: Option<PendingPicks>,
+}
+
 /// Copies of arena blocks `ids` (all layers), in one backend call.
 fn copy_blocks_out<B: Backend>(backend: &B, kv: &B::Kv, ids: &[usize], block_bytes: usize) -> Vec<Vec<u8>> {
     let mut blocks = vec![vec![0u8; block_bytes]; ids.len()];
@@ -100,6 +131,10 @@ pub(crate) struct Worker<B: Backend> {
     cost: CostModel,
     /// Times of the recent steps with decode rows.
     recent: RecentSteps,
+    /// The step queued whose tokens are not taken yet (at most one between steps).
+    in_flight: Option<InFlight>,
+    /// When the last step's tokens were taken (a step queued ahead is timed from there).
+    last_completed: Instant,
 }
 
 impl<B: Backend> Worker<B> {
@@ -143,6 +178,8 @@ impl<B: Backend> Worker<B> {
             scratch,
             cost: CostModel::new(StepCost::PRIOR),
             recent: RecentSteps::new(RECENT_STEPS),
+            in_flight: None,
+            last_completed: Instant::now(),
         };
         // Before the thread starts: a node that registers at once reports its
         // real free blocks, not the zeros of a default (a coordinator reads
@@ -164,6 +201,8 @@ impl<B: Backend> Worker<B> {
         loop {
             let idle = self.running.is_empty() && self.waiting.is_empty();
             if idle {
+                // Rows queued ahead for streams that have all ended since.
+                self.drain();
                 self.publish_stats(0.0);
                 // Wakes now and then while idle so the recent steps' p95 ages out
                 // (an idle node has all its ITL headroom back).
@@ -180,6 +219,9 @@ impl<B: Backend> Worker<B> {
             loop {
                 match self.rx.try_recv() {
                     Ok(cmd) => {
+                        // A command may cancel a stream or start one: the step queued
+                        // ahead completes first, so nothing in flight sees it change.
+                        self.drain();
                         if !self.apply(cmd) {
                             return self.shutdown();
                         }
@@ -195,6 +237,7 @@ impl<B: Backend> Worker<B> {
     }
 
     fn shutdown(&mut self) {
+        self.drain();
         let ids: Vec<SeqId> = self.running.iter().chain(self.waiting.iter()).map(|s| s.id).collect();
         for id in ids {
             self.cancel(id);
@@ -617,6 +660,18 @@ impl<B: Backend> Worker<B> {
     }
 
     fn step(&mut self) {
+        if let Some(prev) = self.in_flight.take() {
+            // Step N is queued and its tokens not yet read: queue step N+1 fed from them
+            // on the device, then take step N's tokens while N+1 runs.
+            match self.launch_ahead(&prev) {
+                Some(next) => {
+                    self.complete(prev);
+                    self.in_flight = Some(next);
+                    return;
+                }
+                None => self.complete(prev),
+            }
+        }
         let started = Instant::now();
         let prefill_budget = self.prefill_budget();
         let limits = Limits {
@@ -663,9 +718,7 @@ impl<B: Backend> Worker<B> {
                 logit_rows.push(tokens.len() - 1);
             }
         }
-        let decode_rows = slices.iter().filter(|sl| sl.len == 1 && sl.wants_logits).count();
-        let shape = StepShape { decode_rows, prefill_tokens: rows - decode_rows, attended: positions.iter().map(|&p| p as usize + 1).sum() };
-        let predicted = self.cost.predict(shape);
+        let launched = self.launched(&slices, &positions, prefill_budget, started);
         let input = StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
         let jobs = self.layer_jobs(&slices);
         if jobs.is_empty() {
@@ -687,48 +740,160 @@ impl<B: Backend> Worker<B> {
         // Rows that all take the argmax and want no log-probabilities are sampled where
         // the logits are: 8 bytes a row come back instead of the vocabulary.
         let all_greedy = slices.iter().filter(|sl| sl.wants_logits).all(|sl| self.running[sl.seq].sampler.is_plain_greedy());
-        let mut picked = if all_greedy { self.model.greedy(&self.backend, &self.scratch, logit_rows.len()) } else { None }.map(Vec::into_iter);
-        let logits = if picked.is_some() { Vec::new() } else { self.model.logits(&self.backend, &self.scratch, logit_rows.len()) };
+        if all_greedy && jobs.is_empty() && self.may_run_ahead_from(&slices) {
+            if let Some(picks) = self.model.greedy_start(&self.backend, &self.scratch, logit_rows.len()) {
+                self.in_flight = Some(InFlight { step: launched, picks: Some(picks) });
+                return;
+            }
+        }
+        self.complete(InFlight { step: launched, picks: None });
+    }
+
+    /// What [`Worker::complete`] needs of a step about to be queued: whose rows it
+    /// runs, its shape for the cost model, and the counts it adds to the stats.
+    fn launched(&self, slices: &[super::plan::Slice], positions: &[u32], prefill_budget: usize, started: Instant) -> Launched {
+        let decode_rows = slices.iter().filter(|sl| sl.len == 1 && sl.wants_logits).count();
+        let shape = StepShape { decode_rows, prefill_tokens: positions.len() - decode_rows, attended: positions.iter().map(|&p| p as usize + 1).sum() };
+        let (mut decode_tokens, mut prefill_tokens) = (0, 0);
+        for sl in slices {
+            let s = &self.running[sl.seq];
+            if sl.len == 1 && s.computed + 1 == s.tokens.len() && s.generated > 0 {
+                decode_tokens += 1;
+            } else {
+                prefill_tokens += sl.len as u64;
+            }
+        }
+        let rows = slices.iter().map(|sl| LaunchedRow { id: self.running[sl.seq].id, hint: sl.seq, len: sl.len, wants_logits: sl.wants_logits }).collect();
+        Launched { rows, shape, predicted: self.cost.predict(shape), started, prefill_budget, decode_tokens, prefill_tokens }
+    }
+
+    /// Whether the step of `slices` may leave its tokens on the backend for a next
+    /// step to be queued before they are read: every row decodes one token (so the
+    /// next step's rows are known, one position further), no prompt leaves with it,
+    /// and no block changes its layers' memory as the window slides (a grouped arena
+    /// remaps units between steps, which a queued step would not see; a plain one,
+    /// CUDA's, keeps every layer of a block for good).
+    fn may_run_ahead_from(&self, slices: &[super::plan::Slice]) -> bool {
+        !self.cache.is_grouped() && slices.iter().all(|sl| sl.len == 1 && sl.wants_logits && self.running[sl.seq].export.is_none())
+    }
+
+    /// Queues the step after `prev` (still running, its tokens unread) with each
+    /// row's token taken from `prev`'s picks on the device; `None`, having queued
+    /// nothing, when the next step is not the same streams one token further (a
+    /// sequence waits to start, memory runs short, the backend declines).
+    fn launch_ahead(&mut self, prev: &InFlight) -> Option<InFlight> {
+        let picks = prev.picks.as_ref()?;
+        if !self.waiting.is_empty() || self.running.len() != prev.step.rows.len() {
+            return None;
+        }
+        let started = Instant::now();
+        let bt = self.layout.block_tokens;
+        // Each stream one row further, fed by its pick, unless the pick is surely its last.
+        let mut next = Vec::with_capacity(prev.step.rows.len());
+        for (pick, row) in prev.step.rows.iter().enumerate() {
+            let i = self.position_of(row)?;
+            let s = &self.running[i];
+            debug_assert_eq!(s.tokens.len(), s.computed + 1, "a decode row computes its sequence's last token");
+            if ends_at_next_token(s, self.max_context) {
+                continue;
+            }
+            let pos = s.computed + 1;
+            if !self.grow_blocks(i, pos + 1) {
+                return None;
+            }
+            next.push((i, pos, pick as u32));
+        }
+        if next.is_empty() {
+            return None;
+        }
+        let tables: Vec<Vec<u32>> = next.iter().map(|&(i, _, _)| self.running[i].blocks.iter().map(|b| b.0).collect()).collect();
+        let positions: Vec<u32> = next.iter().map(|&(_, pos, _)| pos as u32).collect();
+        let slots: Vec<(u32, u32)> = next.iter().zip(&tables).map(|(&(_, pos, _), t)| (t[pos / bt], (pos % bt) as u32)).collect();
+        let attn: Vec<AttnRow> = next.iter().zip(&tables).map(|(&(_, pos, _), t)| AttnRow { block_table: t, pos }).collect();
+        let from: Vec<u32> = next.iter().map(|&(_, _, pick)| pick).collect();
+        let logit_rows: Vec<usize> = (0..next.len()).collect();
+        // Placeholders: the backend puts the picks there.
+        let tokens = vec![0u32; next.len()];
+        let input = StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
+        if !self.model.step_fed(&self.backend, &mut self.kv, &input, &mut self.scratch, picks, &from) {
+            return None;
+        }
+        let slices: Vec<super::plan::Slice> = next.iter().map(|&(i, pos, _)| super::plan::Slice { seq: i, start: pos, len: 1, wants_logits: true }).collect();
+        let mut step = self.launched(&slices, &positions, self.prefill_budget(), started);
+        // Counted as it will stand once the previous step's tokens are in: every row decodes.
+        (step.decode_tokens, step.prefill_tokens) = (next.len() as u64, 0);
+        let picks = self.model.greedy_start(&self.backend, &self.scratch, next.len());
+        self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).run_ahead_steps += 1;
+        Some(InFlight { step, picks })
+    }
+
+    /// Where the sequence of `row` is in the running queue now (`None`: it ended).
+    fn position_of(&self, row: &LaunchedRow) -> Option<usize> {
+        match self.running.get(row.hint) {
+            Some(s) if s.id == row.id => Some(row.hint),
+            _ => self.running.iter().position(|s| s.id == row.id),
+        }
+    }
+
+    /// Takes the tokens of a queued step (waiting for them if they are still on
+    /// the backend) into its sequences, and finishes those that end.
+    fn complete(&mut self, done_step: InFlight) {
+        let InFlight { step, picks } = done_step;
+        let logit_count = step.rows.iter().filter(|r| r.wants_logits).count();
+        let all_greedy = step.rows.iter().filter(|r| r.wants_logits).filter_map(|r| self.position_of(r)).all(|i| self.running[i].sampler.is_plain_greedy());
+        let mut picked = match picks {
+            Some(p) => Some(self.backend.greedy_rows_finish(p)),
+            None if all_greedy => self.model.greedy(&self.backend, &self.scratch, logit_count),
+            None => None,
+        }
+        .map(Vec::into_iter);
+        let logits = if picked.is_some() { Vec::new() } else { self.model.logits(&self.backend, &self.scratch, logit_count) };
         {
             let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
             st.steps += 1;
-            for sl in &slices {
-                if sl.len == 1 && self.running[sl.seq].computed + 1 == self.running[sl.seq].tokens.len() && self.running[sl.seq].generated > 0 {
-                    st.decode_tokens += 1;
-                } else {
-                    st.prefill_tokens += sl.len as u64;
-                }
-            }
+            st.decode_tokens += step.decode_tokens;
+            st.prefill_tokens += step.prefill_tokens;
         }
+        let bt = self.layout.block_tokens;
         let vocab = self.model.config.vocab;
         let mut done: Vec<(SeqId, FinishReason)> = Vec::new();
-        let mut li = 0;
-        for sl in &slices {
-            let seq = &mut self.running[sl.seq];
-            seq.computed += sl.len;
+        let mut discarded = 0;
+        let mut next_li = 0;
+        for row in &step.rows {
+            // The index of this row's logits (or pick), if it has any.
+            let li = row.wants_logits.then(|| {
+                next_li += 1;
+                next_li - 1
+            });
+            let pick = li.and_then(|_| picked.as_mut().and_then(Iterator::next));
+            let Some(i) = self.position_of(row) else {
+                // Its sequence ended at the step before, while this one was queued.
+                discarded += 1;
+                continue;
+            };
+            let seq = &mut self.running[i];
+            seq.computed += row.len;
             register_full_blocks(&mut self.cache, bt, seq);
-            self.trim_window(sl.seq);
-            let seq = &mut self.running[sl.seq];
-            if sl.wants_logits {
-                let sampled = match picked.as_mut().and_then(Iterator::next) {
-                    Some(row) => greedy_sampled(row),
-                    None => seq.sampler.sample(&logits[li * vocab..(li + 1) * vocab]),
-                };
-                li += 1;
-                let reason = sample_into(seq, sampled, &self.tokenizer, self.max_context, &self.shared);
-                if seq.generated == 1 {
-                    match seq.export.take() {
-                        Some(ExportTo::Whole { start, tx }) => {
-                            let seq = &self.running[sl.seq];
-                            let _ = tx.send(self.export_blocks(seq, start));
-                        }
-                        Some(ExportTo::Layers(x)) => x.finish(seq.prompt_len, bt),
-                        None => {}
+            self.trim_window(i);
+            let Some(li) = li else { continue };
+            let seq = &mut self.running[i];
+            let sampled = match pick {
+                Some(row) => greedy_sampled(row),
+                None => seq.sampler.sample(&logits[li * vocab..(li + 1) * vocab]),
+            };
+            let reason = sample_into(seq, sampled, &self.tokenizer, self.max_context, &self.shared);
+            if seq.generated == 1 {
+                match seq.export.take() {
+                    Some(ExportTo::Whole { start, tx }) => {
+                        let seq = &self.running[i];
+                        let _ = tx.send(self.export_blocks(seq, start));
                     }
+                    Some(ExportTo::Layers(x)) => x.finish(seq.prompt_len, bt),
+                    None => {}
                 }
-                if let Some(reason) = reason {
-                    done.push((self.running[sl.seq].id, reason));
-                }
+            }
+            if let Some(reason) = reason {
+                done.push((self.running[i].id, reason));
             }
         }
         for (id, reason) in done {
@@ -737,18 +902,29 @@ impl<B: Backend> Worker<B> {
                 self.finish(seq, reason);
             }
         }
-        // Planning, the forward pass and sampling: what a stream waits between tokens.
+        // Planning, the forward pass and sampling: what a stream waits between tokens
+        // (from the previous step's end where this step was queued before it).
         let ended = Instant::now();
-        let measured = ended.duration_since(started).as_secs_f64();
-        self.cost.observe(shape, measured);
-        if decode_rows > 0 {
+        let measured = ended.duration_since(step.started.max(self.last_completed)).as_secs_f64();
+        self.last_completed = ended;
+        self.cost.observe(step.shape, measured);
+        if step.shape.decode_rows > 0 {
             self.recent.push(ended, measured);
         }
         let mut st = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-        st.predicted_step_seconds += predicted;
+        st.run_ahead_discarded_rows += discarded;
+        st.predicted_step_seconds += step.predicted;
         st.measured_step_seconds += measured;
-        st.prefill_budget_tokens = if decode_rows > 0 { prefill_budget.min(self.config.step_token_budget) } else { self.config.step_token_budget };
+        st.prefill_budget_tokens = if step.shape.decode_rows > 0 { step.prefill_budget.min(self.config.step_token_budget) } else { self.config.step_token_budget };
         st.step_cost = Some(self.cost.cost());
+    }
+
+    /// Completes the step in flight, if there is one: before anything changes the
+    /// running sequences or their blocks from outside a step.
+    fn drain(&mut self) {
+        if let Some(step) = self.in_flight.take() {
+            self.complete(step);
+        }
     }
 
     fn publish_stats(&mut self, busy: f64) {
@@ -794,63 +970,6 @@ impl<B: Backend> Queues for Worker<B> {
         if let Some(last) = self.running.len().checked_sub(1) {
             self.park(last);
         }
-    }
-}
-
-/// A token the backend picked greedily, as [`Sampler::sample`] reports it: the
-/// kernel follows the sampler's rules, and a greedy draw leaves the sampler as it was.
-fn greedy_sampled(row: GreedyRow) -> Result<Sampled, SamplingError> {
-    match row {
-        GreedyRow::Token(token) => Ok(Sampled { token, logprob: 0.0, top_logprobs: Vec::new() }),
-        GreedyRow::NonFinite(index) => Err(SamplingError::NonFiniteLogit { index: index as usize }),
-        GreedyRow::AllMasked => Err(SamplingError::AllMasked),
-    }
-}
-
-/// Takes `seq`'s sampled next token (or fails it); returns why it ends, if it does.
-fn sample_into(seq: &mut Sequence, sampled: Result<Sampled, SamplingError>, tokenizer: &Tokenizer, max_context: usize, shared: &Shared) -> Option<FinishReason> {
-    let sampled = match sampled {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = seq.events.send(Event::Failed(e.into()));
-            return Some(FinishReason::Cancelled);
-        }
-    };
-    accept_token(seq, sampled, tokenizer, max_context, shared)
-}
-
-/// Appends a sampled token to `seq` and emits it; returns why it ends, if it does.
-fn accept_token(seq: &mut Sequence, sampled: Sampled, tokenizer: &Tokenizer, max_context: usize, shared: &Shared) -> Option<FinishReason> {
-    let id = sampled.token;
-    seq.tokens.push(id);
-    seq.generated += 1;
-    shared.stats.lock().unwrap_or_else(|p| p.into_inner()).generated_tokens += 1;
-    let params = &seq.request.sampling;
-    let is_stop = params.is_stop_token(id) || (!seq.request.ignore_eos && tokenizer.is_end_of_generation(id));
-    let mut text = String::new();
-    let mut stopped = is_stop;
-    if !is_stop && !tokenizer.is_special(id) {
-        let chunk = seq.decoder.push(id);
-        let check = seq.stop.push(&chunk);
-        text = check.text;
-        stopped = check.stopped;
-    }
-    let out = TokenOut {
-        id,
-        text,
-        logprob: params.logprobs.then_some(sampled.logprob),
-        top_logprobs: sampled.top_logprobs,
-        elapsed: seq.submitted.elapsed(),
-    };
-    if !seq.emit(out) {
-        return Some(FinishReason::Cancelled);
-    }
-    if stopped {
-        Some(FinishReason::Stop)
-    } else if seq.generated >= seq.request.sampling.max_tokens || seq.tokens.len() >= max_context {
-        Some(FinishReason::Length)
-    } else {
-        None
     }
 }
 

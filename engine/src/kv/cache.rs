@@ -246,6 +246,12 @@ impl KvCache {
     }
 
     /// Whether `block` holds memory for its sliding-window layers (always, in a plain arena).
+    /// Whether blocks hold their window layers' memory in units mapped and unmapped
+    /// as windows slide (a grouped arena), rather than in every block for good.
+    pub fn is_grouped(&self) -> bool {
+        self.units.is_some()
+    }
+
     pub fn has_local(&self, block: BlockId) -> bool {
         self.pool.state(block).is_some_and(|s| s != BlockState::Free) && self.units.as_ref().is_none_or(|u| u.has_local(block))
     }

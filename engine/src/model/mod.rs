@@ -24,7 +24,7 @@ pub use format::weight_format;
 pub use load::{config_from_gguf, export_hf, load_gguf, load_gguf_weights, load_hf_dir, LoadedModel, ModelError};
 
 use baton_kernels::step::{pad_tables, PaddedStep};
-use baton_kernels::{Backend, Glu, GreedyRow, QkNorm};
+use baton_kernels::{Backend, Glu, GreedyRow, PendingPicks, QkNorm};
 pub use baton_kernels::StepInput;
 
 /// Weights of one transformer layer. The `Option`s are present exactly when
@@ -125,6 +125,19 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// [`Model::step`] of a decode step whose first `from.len()` rows take as their token
+    /// the pick `from[i]` of `picks`, the last step's greedy picks still on the backend
+    /// (run-ahead decoding, [`Backend::decode_step_fed`]); `input.tokens` of those rows
+    /// are placeholders. False, having queued nothing, when the backend cannot run it so.
+    pub fn step_fed(&self, backend: &B, kv: &mut B::Kv, input: &StepInput, s: &mut Scratch<B>, picks: &PendingPicks, from: &[u32]) -> bool {
+        let Some(rows) = backend.decode_step_rows(input) else { return false };
+        let pads = pad_tables(rows - input.tokens.len());
+        let padded = PaddedStep::new(input, rows, &pads);
+        let step = padded.input();
+        let program = s as *const Scratch<B> as usize;
+        backend.decode_step_fed(kv, &step, program, picks, from, &mut |kv| self.compute(backend, kv, &step, s, &mut |_, _, _| {}))
+    }
+
     /// [`Model::step`], calling `on_layer(backend, kv, layer)` right after each
     /// layer's keys and values are in `kv` (and before its attention): a pipelined
     /// export copies the layer out there while later layers compute. Always eager:
@@ -156,6 +169,16 @@ impl<B: Backend> Model<B> {
             return None;
         }
         backend.greedy_rows(&s.logits, n, self.config.vocab)
+    }
+
+    /// [`Model::greedy`] left on the backend for the next step to take as its tokens
+    /// ([`Model::step_fed`]) and read later ([`Backend::greedy_rows_finish`]); `None`
+    /// when the backend does not run ahead or the model soft-caps its logits.
+    pub fn greedy_start(&self, backend: &B, s: &Scratch<B>, n: usize) -> Option<PendingPicks> {
+        if self.config.logit_softcap.is_some() {
+            return None;
+        }
+        backend.greedy_rows_start(&s.logits, n, self.config.vocab)
     }
 
     /// Queues one step on the backend, its logits (for `input.logit_rows`) left in `s.logits`.

@@ -16,6 +16,11 @@
 //!   every scratch buffer to the shape); the next is captured (stream capture,
 //!   thread-local mode) and instantiated, and it and every later one replays.
 //!
+//! - Run-ahead decoding (`crate::run_ahead`) feeds a step the last step's
+//!   greedy picks: after the staging copy, device-to-device copies put them
+//!   over the step's staged tokens, so the step is queued before the host has
+//!   seen its tokens, eager, captured or replayed alike.
+//!
 //! A graph holds device addresses, so it is valid only while no buffer it
 //! captured is reallocated: [`crate::step::CaptureGuard`] counts every allocation of a
 //! tensor, scratch buffer or arena (its generation), and a graph captured at
@@ -32,12 +37,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraph, CUgraphExec, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUdeviceptr, CUgraph, CUgraphExec, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
 
 use super::staging::HostBuf;
 use super::step_inputs::{StepLayout, StepShape};
 use super::{fail, CudaBackend, CudaKv};
+use crate::run_ahead::fed_runs;
 use crate::step::StepInput;
 
 /// Graphs kept at once; past it every graph is dropped (shapes in use are
@@ -164,6 +170,8 @@ pub struct GraphStats {
     pub replays: u64,
     /// Steps run eagerly because a capture failed or the step did not fit.
     pub fallbacks: u64,
+    /// Steps whose tokens were the last step's picks, copied on the device (run-ahead).
+    pub fed: u64,
 }
 
 /// Captured graphs and the page-locked staging of step inputs.
@@ -229,6 +237,13 @@ impl Drop for Graphs {
     }
 }
 
+/// A fed step's tokens (`Backend::decode_step_fed`): row `i < from.len()` takes
+/// the word `from[i]` of the picks at `src` (device memory).
+pub(super) struct Fed<'a> {
+    pub src: CUdeviceptr,
+    pub from: &'a [u32],
+}
+
 /// How one step runs.
 enum Run {
     Replay,
@@ -237,13 +252,18 @@ enum Run {
 }
 
 impl CudaBackend {
-    /// `Backend::decode_step`: see the module comment.
-    pub(super) fn run_decode_step(&self, kv: &mut CudaKv, step: &StepInput, program: usize, body: &mut dyn FnMut(&mut CudaKv)) {
+    /// `Backend::decode_step`, and with `fed` `Backend::decode_step_fed` (false,
+    /// nothing queued, when a fed step cannot run from staged inputs): see the module comment.
+    pub(super) fn run_decode_step(&self, kv: &mut CudaKv, step: &StepInput, program: usize, fed: Option<Fed>, body: &mut dyn FnMut(&mut CudaKv)) -> bool {
         let mut guard = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         let g = &mut *guard;
         if !g.enabled {
+            if fed.is_some() {
+                return false;
+            }
             drop(guard);
-            return body(kv);
+            body(kv);
+            return true;
         }
         let shape = StepShape::of(step);
         let layout = StepLayout::new(shape, kv.layout.block_tokens);
@@ -259,14 +279,31 @@ impl CudaBackend {
         // The spare block past the engine's (`Backend::kv` allocates it) takes the padding rows.
         let fits = limits.check(step).and_then(|()| layout.fill(step, kv.blocks, kv.blocks as u32, &mut g.words));
         if let Err(why) = fits {
+            if fed.is_some() {
+                // Its tokens are on the device only: the caller reads them and runs it as usual.
+                return false;
+            }
             g.stats.fallbacks += 1;
             tracing::warn!(reason = %why, rows = shape.rows, parts = shape.parts, "decode step does not fit its CUDA graph; running it eagerly");
             drop((s, guard));
-            return body(kv);
+            body(kv);
+            return true;
         }
         // Not counted as an allocation: no other shape's graph holds this buffer.
         let dst = s.step_words.entry(key).or_insert_with(|| self.stream.alloc_zeros::<u32>(layout.words).unwrap_or_else(|e| fail("allocating step inputs", e)));
         g.stage(&self.ctx, &self.stream, dst).unwrap_or_else(|e| fail("copying step inputs", e));
+        if let Some(fed) = fed {
+            let (words, _guard) = dst.device_ptr_mut(&self.stream);
+            let tokens = words + 4 * layout.tokens.start as u64;
+            for run in fed_runs(fed.from) {
+                let (to, from) = (tokens + 4 * run.dst as u64, fed.src + 4 * run.src as u64);
+                // SAFETY: `dst` holds the layout's tokens (run.dst + run.len <= rows), the picks
+                // buffer the last step's rows (the engine feeds from those); queued after the
+                // staging copy and before the step, in stream order.
+                unsafe { result::memcpy_dtod_async(to, from, 4 * run.len, self.stream.cu_stream()) }.unwrap_or_else(|e| fail("feeding picks to the step", e));
+            }
+            g.stats.fed += 1;
+        }
         s.active = Some(ActiveStep { key, layout, limits });
         drop(s);
 
@@ -309,6 +346,7 @@ impl CudaBackend {
         if let Some(active) = s.active.take() {
             entry.limits = active.limits;
         }
+        true
     }
 
     /// Records `body` on the main stream and instantiates it; what the guard

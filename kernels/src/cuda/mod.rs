@@ -44,6 +44,7 @@ mod layer_out;
 pub mod nvrtc;
 pub mod plan;
 pub mod roofline;
+mod picks;
 mod products;
 pub mod runtime;
 mod staging;
@@ -61,6 +62,7 @@ use crate::kv::{KvDtype, KvLayout};
 use crate::matmul::QMatrix;
 use crate::ops::RopeTable;
 use crate::quant::WeightFormat;
+use crate::run_ahead::PendingPicks;
 use crate::step::{CaptureGuard, StepInput};
 use id_upload::ReusedUpload;
 
@@ -200,6 +202,11 @@ pub struct CudaBackend {
     capturable: bool,
     /// Whether [`Backend::greedy_rows`] samples here (`BATON_DEVICE_SAMPLING`).
     device_sampling: bool,
+    /// Whether greedy picks may feed the next step on the device (`BATON_RUN_AHEAD`;
+    /// with graphs and device sampling only).
+    run_ahead: bool,
+    /// The latest greedy picks and their way to the host.
+    picks: Mutex<picks::Picks>,
     /// The side stream and buffers of pipelined layer exports.
     layer_out: Arc<layer_out::LayerOut>,
     name: String,
@@ -247,6 +254,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let graphs_on = graph::graphs_enabled().map_err(|e| cuda_error("reading BATON_CUDA_GRAPHS", e))?;
         let device_sampling = crate::backend::device_sampling_enabled().map_err(|e| cuda_error("reading BATON_DEVICE_SAMPLING", e))?;
+        let run_ahead = crate::run_ahead::run_ahead_enabled().map_err(|e| cuda_error("reading BATON_RUN_AHEAD", e))? && graphs_on && device_sampling;
         let (major, minor) = ctx.compute_capability().map_err(|e| cuda_error("reading the compute capability", e))?;
         let arch = compile::arch_for(major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
@@ -314,10 +322,18 @@ impl CudaBackend {
         let staging = staging::Staging::new(&ctx, &stream, staging::STAGING_BYTES).map_err(|e| cuda_error("allocating KV staging", e))?;
         let graphs = graph::Graphs::new(&ctx, graphs_on).map_err(|e| cuda_error("allocating step staging", e))?;
         let layer_out = Arc::new(layer_out::LayerOut::new(&ctx).map_err(|e| cuda_error("creating the KV export stream", e))?);
+        let picks = Mutex::new(picks::Picks::new(&ctx, &stream).map_err(|e| cuda_error("allocating greedy picks", e))?);
         #[rustfmt::skip]
         let backend = CudaBackend { ctx, stream, products: Mutex::new(products), k, scratch: Mutex::new(Scratch::default()), staging: Mutex::new(staging),
-            ids: Mutex::new(id_upload::PinnedIds::new(id_upload::SLOTS)), graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, device_sampling, layer_out, name, arch, driver };
+            ids: Mutex::new(id_upload::PinnedIds::new(id_upload::SLOTS)), graphs: Mutex::new(graphs), capture: CaptureGuard::default(), capturable: graphs_on, device_sampling, run_ahead, picks, layer_out, name, arch, driver };
         Ok(backend)
+    }
+
+    /// The backend with run-ahead decoding on or off whatever `BATON_RUN_AHEAD` said (on
+    /// only with graphs and device sampling): A/B comparisons in one process.
+    pub fn with_run_ahead(self, on: bool) -> Self {
+        let run_ahead = on && self.capturable && self.device_sampling;
+        CudaBackend { run_ahead, ..self }
     }
 
     /// Whether attention over `dtype` KV of heads of `head_dim` runs on the tensor
@@ -372,16 +388,23 @@ impl CudaBackend {
         if rows == 0 {
             return Vec::new();
         }
-        let mut token = self.stream.alloc_zeros::<u32>(rows).unwrap_or_else(|e| fail("argmax_rows", e));
-        let mut status = self.stream.alloc_zeros::<u32>(rows).unwrap_or_else(|e| fail("argmax_rows", e));
-        let n_i = n as i32;
-        let mut b = self.stream.launch_builder(&self.k.argmax_rows);
-        args::argmax_rows(&mut b, logits, &n_i, &mut token, &mut status);
-        unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("argmax_rows", e));
-        let token = self.stream.memcpy_dtov(&token).unwrap_or_else(|e| fail("argmax_rows download", e));
-        let status = self.stream.memcpy_dtov(&status).unwrap_or_else(|e| fail("argmax_rows download", e));
+        let mut p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        self.launch_argmax(&mut p, logits, rows, n);
+        let token = self.stream.memcpy_dtov(&p.token.slice(..rows)).unwrap_or_else(|e| fail("argmax_rows download", e));
+        let status = self.stream.memcpy_dtov(&p.status.slice(..rows)).unwrap_or_else(|e| fail("argmax_rows download", e));
         self.synchronize();
         token.into_iter().zip(status).map(|(t, s)| GreedyRow::from_kernel(t, s)).collect()
+    }
+
+    /// Queues `argmax_rows` of the first `rows` rows into the picks' device buffers.
+    fn launch_argmax(&self, p: &mut picks::Picks, logits: &CudaSlice<f32>, rows: usize, n: usize) {
+        assert!(logits.len() >= rows * n, "argmax_rows: {rows} rows of {n} in {} logits", logits.len());
+        p.reserve(&self.stream, rows).unwrap_or_else(|e| fail("allocating greedy picks", e));
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(&self.k.argmax_rows);
+        args::argmax_rows(&mut b, logits, &n_i, &mut p.token, &mut p.status);
+        // SAFETY: logits holds rows x n values (checked), the picks a word a row each (reserved).
+        unsafe { b.launch(config(plan::per_row(rows, ROW_THREADS))) }.unwrap_or_else(|e| fail("argmax_rows", e));
     }
 
     /// Row-wise `softmax(logits / temperature)`.
@@ -574,6 +597,11 @@ impl Backend for CudaBackend {
         let graphs = match &*self.graphs.lock().unwrap_or_else(|p| p.into_inner()) {
             g if !g.enabled => "decode steps eager".to_string(),
             g => format!("decode steps as CUDA graphs{}", g.pageable_because.as_ref().map_or(String::new(), |why| format!(" (pageable step staging: {why})"))),
+        };
+        let graphs = match (self.run_ahead, &self.picks.lock().unwrap_or_else(|p| p.into_inner()).pageable_because) {
+            (false, _) => graphs,
+            (true, None) => format!("{graphs}, run-ahead decoding"),
+            (true, Some(why)) => format!("{graphs}, run-ahead decoding (pageable picks, no overlap: {why})"),
         };
         format!(
             "cuda ({}, {}, driver {}.{}, bf16 weights, cuBLAS on {streams} stream{}, {staging}, {graphs})",
@@ -783,6 +811,31 @@ impl Backend for CudaBackend {
         self.kv_unpack(kv, &[block as u32], layer..layer + 1, &[data]);
     }
 
+    fn greedy_rows_start(&self, logits: &CudaSlice<f32>, rows: usize, n: usize) -> Option<PendingPicks> {
+        let mut p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.run_ahead || rows == 0 || !p.can_start(rows) {
+            return None;
+        }
+        self.launch_argmax(&mut p, logits, rows, n);
+        p.start(&self.stream, rows).unwrap_or_else(|e| fail("queueing the picks' download", e))
+    }
+
+    fn greedy_rows_finish(&self, picks: PendingPicks) -> Vec<GreedyRow> {
+        let mut p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        p.finish(picks).unwrap_or_else(|e| fail("waiting for greedy picks", e))
+    }
+
+    fn decode_step_fed(&self, kv: &mut CudaKv, input: &StepInput, program: usize, picks: &PendingPicks, from: &[u32], body: &mut dyn FnMut(&mut CudaKv)) -> bool {
+        if !self.run_ahead {
+            return false;
+        }
+        // Held through the step: nothing reallocates the picks while a copy out of them is queued.
+        let p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        assert!(p.is_latest(picks), "decode_step_fed: {picks:?} are not the latest picks");
+        let (src, _g) = p.token.device_ptr(&self.stream);
+        self.run_decode_step(kv, input, program, Some(graph::Fed { src, from }), body)
+    }
+
     fn greedy_rows(&self, logits: &CudaSlice<f32>, rows: usize, n: usize) -> Option<Vec<GreedyRow>> {
         self.device_sampling.then(|| self.argmax_rows(logits, rows, n))
     }
@@ -793,7 +846,7 @@ impl Backend for CudaBackend {
     }
 
     fn decode_step(&self, kv: &mut CudaKv, input: &StepInput, program: usize, body: &mut dyn FnMut(&mut CudaKv)) {
-        self.run_decode_step(kv, input, program, body);
+        self.run_decode_step(kv, input, program, None, body);
     }
 
     // The fused operations: kernels of fused.cu, in `fused` (the scratch `h`/`a` is not used).

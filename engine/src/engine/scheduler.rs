@@ -219,9 +219,6 @@ impl<B: Backend> Worker<B> {
             loop {
                 match self.rx.try_recv() {
                     Ok(cmd) => {
-                        // A command may cancel a stream or start one: the step queued
-                        // ahead completes first, so nothing in flight sees it change.
-                        self.drain();
                         if !self.apply(cmd) {
                             return self.shutdown();
                         }
@@ -255,7 +252,13 @@ impl<B: Backend> Worker<B> {
             Command::ExportPrefix { query, start_block, reply } => {
                 let _ = reply.send(self.export_prefix(&query, start_block));
             }
-            Command::Cancel(id) => self.cancel(id),
+            Command::Cancel(id) => {
+                // A cancel releases a running stream's blocks: the step queued ahead
+                // completes first, so no queued step runs over blocks given away. The
+                // other commands touch the queue or unreferenced cached blocks only.
+                self.drain();
+                self.cancel(id)
+            }
             Command::EvictConversation(conv, reply) => {
                 let _ = reply.send(self.cache.evict_conversation(&conv));
             }

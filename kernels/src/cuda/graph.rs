@@ -190,10 +190,7 @@ pub(super) struct Graphs {
 impl Graphs {
     pub fn new(ctx: &Arc<CudaContext>, enabled: bool) -> Result<Graphs, DriverError> {
         let bytes = if enabled { INITIAL_WORDS * 4 } else { 4 };
-        let (host, pageable_because) = match (HostBuf::new(ctx, bytes, true), HostBuf::new(ctx, bytes, true)) {
-            (Ok(a), Ok(b)) => ([a, b], None),
-            (Err(e), _) | (_, Err(e)) => ([HostBuf::new(ctx, bytes, false)?, HostBuf::new(ctx, bytes, false)?], Some(format!("cuMemHostAlloc: {e:?}"))),
-        };
+        let (host, pageable_because) = HostBuf::pair(ctx, bytes)?;
         let copied = [ctx.new_event(None)?, ctx.new_event(None)?];
         Ok(Graphs { enabled, entries: HashMap::new(), host, copied, next: 0, words: Vec::new(), stats: GraphStats::default(), pageable_because })
     }

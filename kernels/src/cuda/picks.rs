@@ -34,10 +34,7 @@ impl Picks {
     pub fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Picks, DriverError> {
         // Sized for the largest replayable step, so run-ahead never grows them.
         let bytes = 2 * MAX_STEP_ROWS * 4;
-        let (host, pageable_because) = match (HostBuf::new(ctx, bytes, true), HostBuf::new(ctx, bytes, true)) {
-            (Ok(a), Ok(b)) => ([a, b], None),
-            (Err(e), _) | (_, Err(e)) => ([HostBuf::new(ctx, bytes, false)?, HostBuf::new(ctx, bytes, false)?], Some(format!("cuMemHostAlloc: {e:?}"))),
-        };
+        let (host, pageable_because) = HostBuf::pair(ctx, bytes)?;
         Ok(Picks {
             token: stream.alloc_zeros::<u32>(MAX_STEP_ROWS)?,
             status: stream.alloc_zeros::<u32>(MAX_STEP_ROWS)?,

@@ -47,6 +47,16 @@ impl HostBuf {
         Ok(HostBuf::Pinned { ptr, len, ctx: ctx.clone() })
     }
 
+    /// Two buffers of `len` bytes, page-locked if the driver allows both, else ordinary
+    /// memory with the reason (a locked-memory limit): double-buffered copies stay
+    /// correct, only slower.
+    pub(super) fn pair(ctx: &Arc<CudaContext>, len: usize) -> Result<([HostBuf; 2], Option<String>), DriverError> {
+        Ok(match (HostBuf::new(ctx, len, true), HostBuf::new(ctx, len, true)) {
+            (Ok(a), Ok(b)) => ([a, b], None),
+            (Err(e), _) | (_, Err(e)) => ([HostBuf::new(ctx, len, false)?, HostBuf::new(ctx, len, false)?], Some(format!("cuMemHostAlloc of {len} bytes: {e:?}"))),
+        })
+    }
+
     pub(super) fn as_slice(&self) -> &[u8] {
         match self {
             // SAFETY: `len` bytes allocated by cuMemHostAlloc, owned by self.
@@ -90,10 +100,7 @@ impl Staging {
     /// Two buffers of `bytes` each (a multiple of 4), page-locked if the driver allows.
     pub fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, bytes: usize) -> Result<Staging, DriverError> {
         assert!(bytes.is_multiple_of(4), "staging holds whole 32-bit words");
-        let (host, pageable_because) = match (HostBuf::new(ctx, bytes, true), HostBuf::new(ctx, bytes, true)) {
-            (Ok(a), Ok(b)) => ([a, b], None),
-            (Err(e), _) | (_, Err(e)) => ([HostBuf::new(ctx, bytes, false)?, HostBuf::new(ctx, bytes, false)?], Some(format!("cuMemHostAlloc of {} MiB: {e:?}", bytes >> 20))),
-        };
+        let (host, pageable_because) = HostBuf::pair(ctx, bytes)?;
         let done = [ctx.new_event(None)?, ctx.new_event(None)?];
         let device = stream.alloc_zeros::<u32>(bytes / 4)?;
         Ok(Staging { host, done, device, pageable_because })

@@ -253,4 +253,21 @@ fn run_ahead_decoding_gives_the_same_tokens_and_drops_rows_of_ended_streams() {
     assert_eq!(tokens(&stopped), want);
     assert_eq!(stopped[2].reason, baton_text::FinishReason::Stop);
     assert_eq!(stopped_stats.run_ahead_discarded_rows, 1, "{stopped_stats:?}");
+
+    // A client that goes away mid-stream (its cancel waits for the step in flight):
+    // the others' tokens are unchanged and every block comes back.
+    let backend = EmuBackend::with_decode_steps(2).unwrap();
+    let loaded = load_gguf(&backend, &path).expect("load on the emulated backend");
+    let config = EngineConfig { step_token_budget: 256, kv_memory_bytes: 32 << 20, max_context: Some(512), ..EngineConfig::default() };
+    let engine = Engine::start(backend, loaded, config).expect("engine start");
+    let mut streams: Vec<_> = prompts.iter().enumerate().map(|(i, p)| engine.submit(request(p.clone(), "alice", [9, 5, 13][i])).unwrap()).collect();
+    let mut gone = streams.remove(0);
+    for _ in 0..3 {
+        gone.blocking_next().expect("a token before the client leaves");
+    }
+    drop(gone);
+    let rest: Vec<Vec<u32>> = streams.into_iter().map(|s| collect(s).tokens).collect();
+    assert_eq!(rest, tokens(&waited)[1..]);
+    assert_no_leaks(&engine);
+    engine.shutdown();
 }

@@ -594,22 +594,12 @@ fn mini_step(g: &CudaBackend, m: &mut Mini, kv: &mut <CudaBackend as Backend>::K
     g.matmul(last, s.logit_rows.len(), &mut [(&m.head, &mut *logits)]);
 }
 
-/// Decode steps replayed as CUDA graphs (`cuda::graph`) against the same steps
-/// run eagerly and unpadded: the same logits bit for bit at batches of 5 and 2
-/// (buckets 8 and 2), through the first step of each shape (eager, from the
-/// staged inputs), its capture and its replays, while the contexts grow; one
-/// capture per shape and no eager fallback.
-#[test]
-fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
-    use baton_kernels::step::{decode_rows, pad_tables, PaddedStep};
-    let Some(g) = gpu() else { return };
-    if !g.set_graphs(true) {
-        println!("CUDA graphs are off (BATON_CUDA_GRAPHS=0): not tested");
-        return;
-    }
+/// `Mini`'s weights, and an arena holding five sequences of `MINI_LENS` tokens, sequence
+/// `s` in blocks `64 s .. 64 (s + 1)` (its table).
+fn mini_with_sequences(g: &CudaBackend) -> (Mini, <CudaBackend as Backend>::Kv, Vec<Vec<u32>>, [usize; 5]) {
     let (hid, heads, kvh, hd, vocab) = MINI;
     let mat = |n: usize, k: usize, seed: u64| g.matrix_from_f32(n, k, values(n * k, seed).iter().map(|v| v / (k as f32).sqrt()).collect()).unwrap();
-    let mut m = Mini {
+    let m = Mini {
         embed: mat(vocab, hid, 1),
         wq: mat(heads * hd, hid, 2),
         wk: mat(kvh * hd, hid, 3),
@@ -630,6 +620,29 @@ fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
             g.kv_write(&mut kv, layer, &g.upload(&k), &g.upload(&v), &slots);
         }
     }
+    (m, kv, tables, lens)
+}
+
+/// The index of each row's largest logit (ties to the lowest), as `argmax_rows` picks.
+fn host_argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits.chunks(vocab).map(|row| row.iter().enumerate().fold((0, f32::MIN), |b, (j, &x)| if x > b.1 { (j, x) } else { b }).0 as u32).collect()
+}
+
+/// Decode steps replayed as CUDA graphs (`cuda::graph`) against the same steps
+/// run eagerly and unpadded: the same logits bit for bit at batches of 5 and 2
+/// (buckets 8 and 2), through the first step of each shape (eager, from the
+/// staged inputs), its capture and its replays, while the contexts grow; one
+/// capture per shape and no eager fallback.
+#[test]
+fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
+    use baton_kernels::step::{decode_rows, pad_tables, PaddedStep};
+    let Some(g) = gpu() else { return };
+    if !g.set_graphs(true) {
+        println!("CUDA graphs are off (BATON_CUDA_GRAPHS=0): not tested");
+        return;
+    }
+    let vocab = MINI.4;
+    let (mut m, mut kv, tables, lens) = mini_with_sequences(&g);
     let (mut pos, mut next) = (lens.to_vec(), vec![7u32; lens.len()]);
     let schedule: Vec<Vec<usize>> = [vec![vec![0, 1, 2, 3, 4]; 5], vec![vec![3, 1]; 4]].concat();
     for (i, seqs) in schedule.iter().enumerate() {
@@ -653,9 +666,8 @@ fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
         g.decode_step(&mut kv, &step, program, &mut |kv| mini_step(&g, &mut m, kv, &step));
         let graph = down(&g, &m.t[8], n * vocab);
         assert!(eager.iter().zip(&graph).all(|(a, b)| a.to_bits() == b.to_bits()), "step {i} ({n} rows, bucket {rows}): the graph's logits are not the eager step's bits");
-        for (r, &s) in seqs.iter().enumerate() {
-            let row = &eager[r * vocab..(r + 1) * vocab];
-            next[s] = row.iter().enumerate().fold((0, f32::MIN), |b, (j, &x)| if x > b.1 { (j, x) } else { b }).0 as u32;
+        for (&s, t) in seqs.iter().zip(host_argmax(&eager, vocab)) {
+            next[s] = t;
             pos[s] += 1;
         }
     }
@@ -663,6 +675,79 @@ fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
     println!("{st:?}");
     // Shapes (8 rows, 4 partitions) and (2, 2): eager, captured, then replayed.
     assert_eq!((st.captures, st.replays, st.fallbacks), (2, 3 + 2, 0), "{st:?}");
+}
+
+/// Run-ahead decoding (`baton_kernels::run_ahead`): each step's tokens are the last
+/// step's greedy picks, copied on the device over its staged inputs before the host
+/// has read them (`Backend::decode_step_fed`; the host's tokens are zeros). Every
+/// step's logits are the bits of the same step run eagerly with the tokens the host
+/// picked, through eager, captured and replayed graphs and a batch that drops three
+/// streams and reorders the rest; the picks read back later are the host's argmax.
+#[test]
+fn fed_decode_steps_take_the_last_steps_picks_on_the_device() {
+    use baton_kernels::step::{pad_tables, PaddedStep};
+    use baton_kernels::PendingPicks;
+    let Some(g) = gpu() else { return };
+    let g = g.with_run_ahead(true);
+    if !g.set_graphs(true) {
+        println!("CUDA graphs are off (BATON_CUDA_GRAPHS=0): not tested");
+        return;
+    }
+    let vocab = MINI.4;
+    let (mut m, mut kv, tables, lens) = mini_with_sequences(&g);
+    let (mut pos, mut next) = (lens.to_vec(), vec![7u32; lens.len()]);
+    let schedule: Vec<Vec<usize>> = [vec![vec![0, 1, 2, 3, 4]; 4], vec![vec![3, 1]; 4]].concat();
+    // The last step's picks in flight, its sequences and the tokens the host picked for them.
+    let mut in_flight: Option<(PendingPicks, Vec<usize>, Vec<u32>)> = None;
+    for (i, seqs) in schedule.iter().enumerate() {
+        let n = seqs.len();
+        let tokens: Vec<u32> = seqs.iter().map(|&s| next[s]).collect();
+        let positions: Vec<u32> = seqs.iter().map(|&s| pos[s] as u32).collect();
+        let slots: Vec<(u32, u32)> = seqs.iter().map(|&s| (tables[s][pos[s] / 16], (pos[s] % 16) as u32)).collect();
+        let attn: Vec<AttnRow> = seqs.iter().map(|&s| AttnRow { block_table: &tables[s], pos: pos[s] }).collect();
+        let logit_rows: Vec<usize> = (0..n).collect();
+        let input = baton_kernels::StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
+        g.set_graphs(false);
+        mini_step(&g, &mut m, &mut kv, &input);
+        let eager = down(&g, &m.t[8], n * vocab);
+        g.set_graphs(true);
+        let zeros = vec![0u32; n];
+        let unknown = baton_kernels::StepInput { tokens: &zeros, ..input };
+        let rows = g.decode_step_rows(&unknown).expect("a decode-shaped step is bucketed");
+        let pads = pad_tables(rows - n);
+        let padded = PaddedStep::new(if in_flight.is_some() { &unknown } else { &input }, rows, &pads);
+        let step = padded.input();
+        let program = &m as *const Mini as usize;
+        match &in_flight {
+            None => g.decode_step(&mut kv, &step, program, &mut |kv| mini_step(&g, &mut m, kv, &step)),
+            Some((picks, last, _)) => {
+                let from: Vec<u32> = seqs.iter().map(|s| last.iter().position(|l| l == s).expect("a stream of the last step") as u32).collect();
+                let ran = g.decode_step_fed(&mut kv, &step, program, picks, &from, &mut |kv| mini_step(&g, &mut m, kv, &step));
+                assert!(ran, "step {i}: the fed step did not run");
+            }
+        }
+        let fed = down(&g, &m.t[8], n * vocab);
+        assert!(eager.iter().zip(&fed).all(|(a, b)| a.to_bits() == b.to_bits()), "step {i} ({n} rows): the fed step's logits are not the bits of the step with the host's tokens");
+        let Some(picks) = g.greedy_rows_start(&m.t[8], n, vocab) else {
+            println!("run-ahead is off (BATON_RUN_AHEAD=0 or BATON_DEVICE_SAMPLING=0): not tested");
+            return;
+        };
+        let picked = host_argmax(&eager, vocab);
+        if let Some((last_picks, _, want)) = in_flight.take() {
+            let got = g.greedy_rows_finish(last_picks);
+            assert_eq!(got, want.iter().map(|&t| GreedyRow::Token(t)).collect::<Vec<_>>(), "step {i}: the last step's picks read back");
+        }
+        for (&s, &t) in seqs.iter().zip(&picked) {
+            next[s] = t;
+            pos[s] += 1;
+        }
+        in_flight = Some((picks, seqs.clone(), picked));
+    }
+    let (picks, _, want) = in_flight.expect("the last step's picks");
+    assert_eq!(g.greedy_rows_finish(picks), want.iter().map(|&t| GreedyRow::Token(t)).collect::<Vec<_>>());
+    let st = g.graph_stats();
+    println!("{st:?}");
+    assert_eq!((st.fed, st.fallbacks), (schedule.len() as u64 - 1, 0), "{st:?}");
 }
 
 /// The fused operations (fused.cu) give exactly the bits of the unfused

@@ -88,8 +88,11 @@ pub(super) async fn beat(pool: &Pool, instance: &str) -> StoreResult<()> {
     Ok(())
 }
 
+/// Beats every `every` from one period after the start: `connect` beats once itself
+/// before it returns, and a first beat of this task arriving late (a loaded machine)
+/// would otherwise refresh the row at an unpredictable moment after it.
 pub(super) async fn heartbeat(pool: Pool, instance: String, every: Duration) {
-    let mut tick = tokio::time::interval(every);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;

@@ -35,6 +35,7 @@ pub fn run_ahead_enabled() -> Result<bool, String> {
 
 /// The picks in flight: at most two (step N's, being read, and step N+1's,
 /// being computed), each in a host buffer of its own (`half`).
+#[cfg(any(feature = "cuda", test))]
 #[derive(Debug, Default)]
 pub(crate) struct PickQueue {
     pending: VecDeque<(u64, usize)>,
@@ -42,6 +43,7 @@ pub(crate) struct PickQueue {
     next_half: usize,
 }
 
+#[cfg(any(feature = "cuda", test))]
 impl PickQueue {
     /// A ticket for new picks of `rows` rows and the host half they go to; `None`
     /// while both halves hold picks not yet read.

@@ -413,12 +413,12 @@ impl Backend for EmuBackend {
     }
 
     fn greedy_rows_start(&self, logits: &Vec<f32>, rows: usize, n: usize) -> Option<PendingPicks> {
-        if !(self.run_ahead && self.steps.is_some()) {
+        let mut p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        if !(self.run_ahead && self.steps.is_some() && p.queue.can_start()) {
             return None;
         }
         let picked = self.greedy_rows(logits, rows, n)?;
-        let mut p = self.picks.lock().unwrap_or_else(|p| p.into_inner());
-        let (pending, half) = p.queue.start(rows)?;
+        let (pending, half) = p.queue.start(rows).expect("a free half (checked above)");
         // What stays on the device: the token words, whatever the status (`from_kernel`'s inverse).
         p.latest = picked.iter().map(|r| match *r {
             GreedyRow::Token(t) | GreedyRow::NonFinite(t) => t,

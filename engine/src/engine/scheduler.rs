@@ -740,10 +740,7 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
-        // Rows that all take the argmax and want no log-probabilities are sampled where
-        // the logits are: 8 bytes a row come back instead of the vocabulary.
-        let all_greedy = slices.iter().filter(|sl| sl.wants_logits).all(|sl| self.running[sl.seq].sampler.is_plain_greedy());
-        if all_greedy && jobs.is_empty() && self.may_run_ahead_from(&slices) {
+        if jobs.is_empty() && self.may_run_ahead_from(&slices) {
             if let Some(picks) = self.model.greedy_start(&self.backend, &self.scratch, logit_rows.len()) {
                 self.in_flight = Some(InFlight { step: launched, picks: Some(picks) });
                 return;
@@ -771,13 +768,17 @@ impl<B: Backend> Worker<B> {
     }
 
     /// Whether the step of `slices` may leave its tokens on the backend for a next
-    /// step to be queued before they are read: every row decodes one token (so the
+    /// step to be queued before they are read: every row decodes one greedy token (so the
     /// next step's rows are known, one position further), no prompt leaves with it,
     /// and no block changes its layers' memory as the window slides (a grouped arena
     /// remaps units between steps, which a queued step would not see; a plain one,
     /// CUDA's, keeps every layer of a block for good).
     fn may_run_ahead_from(&self, slices: &[super::plan::Slice]) -> bool {
-        !self.cache.is_grouped() && slices.iter().all(|sl| sl.len == 1 && sl.wants_logits && self.running[sl.seq].export.is_none())
+        !self.cache.is_grouped()
+            && slices.iter().all(|sl| {
+                let s = &self.running[sl.seq];
+                sl.len == 1 && sl.wants_logits && s.sampler.is_plain_greedy() && s.export.is_none()
+            })
     }
 
     /// Queues the step after `prev` (still running, its tokens unread) with each
@@ -843,10 +844,12 @@ impl<B: Backend> Worker<B> {
     fn complete(&mut self, done_step: InFlight) {
         let InFlight { step, picks } = done_step;
         let logit_count = step.rows.iter().filter(|r| r.wants_logits).count();
-        let all_greedy = step.rows.iter().filter(|r| r.wants_logits).filter_map(|r| self.position_of(r)).all(|i| self.running[i].sampler.is_plain_greedy());
+        // Rows that all take the argmax and want no log-probabilities are sampled where
+        // the logits are: 8 bytes a row come back instead of the vocabulary.
+        let all_greedy = || step.rows.iter().filter(|r| r.wants_logits).filter_map(|r| self.position_of(r)).all(|i| self.running[i].sampler.is_plain_greedy());
         let mut picked = match picks {
             Some(p) => Some(self.backend.greedy_rows_finish(p)),
-            None if all_greedy => self.model.greedy(&self.backend, &self.scratch, logit_count),
+            None if all_greedy() => self.model.greedy(&self.backend, &self.scratch, logit_count),
             None => None,
         }
         .map(Vec::into_iter);

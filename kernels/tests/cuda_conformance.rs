@@ -623,6 +623,39 @@ fn mini_with_sequences(g: &CudaBackend) -> (Mini, <CudaBackend as Backend>::Kv, 
     (m, kv, tables, lens)
 }
 
+/// A decode step of `Mini` over sequences `seqs`: one row each, at `pos[s]` with token `next[s]`.
+struct DecodeRows<'a> {
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<(u32, u32)>,
+    attn: Vec<AttnRow<'a>>,
+    logit_rows: Vec<usize>,
+}
+
+impl<'a> DecodeRows<'a> {
+    fn new(seqs: &[usize], pos: &[usize], next: &[u32], tables: &'a [Vec<u32>]) -> Self {
+        DecodeRows {
+            tokens: seqs.iter().map(|&s| next[s]).collect(),
+            positions: seqs.iter().map(|&s| pos[s] as u32).collect(),
+            slots: seqs.iter().map(|&s| (tables[s][pos[s] / 16], (pos[s] % 16) as u32)).collect(),
+            attn: seqs.iter().map(|&s| AttnRow { block_table: &tables[s], pos: pos[s] }).collect(),
+            logit_rows: (0..seqs.len()).collect(),
+        }
+    }
+
+    fn input(&self) -> baton_kernels::StepInput<'_> {
+        baton_kernels::StepInput { tokens: &self.tokens, positions: &self.positions, slots: &self.slots, attn: &self.attn, logit_rows: &self.logit_rows }
+    }
+
+    /// The step's logits run eagerly and unpadded, graphs off (the reference).
+    fn eager_logits(&self, g: &CudaBackend, m: &mut Mini, kv: &mut <CudaBackend as Backend>::Kv) -> Vec<f32> {
+        g.set_graphs(false);
+        mini_step(g, m, kv, &self.input());
+        g.set_graphs(true);
+        down(g, &m.t[8], self.tokens.len() * MINI.4)
+    }
+}
+
 /// The index of each row's largest logit (ties to the lowest), as `argmax_rows` picks.
 fn host_argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
     logits.chunks(vocab).map(|row| row.iter().enumerate().fold((0, f32::MIN), |b, (j, &x)| if x > b.1 { (j, x) } else { b }).0 as u32).collect()
@@ -647,16 +680,9 @@ fn decode_steps_replayed_as_cuda_graphs_give_the_eager_bits() {
     let schedule: Vec<Vec<usize>> = [vec![vec![0, 1, 2, 3, 4]; 5], vec![vec![3, 1]; 4]].concat();
     for (i, seqs) in schedule.iter().enumerate() {
         let n = seqs.len();
-        let tokens: Vec<u32> = seqs.iter().map(|&s| next[s]).collect();
-        let positions: Vec<u32> = seqs.iter().map(|&s| pos[s] as u32).collect();
-        let slots: Vec<(u32, u32)> = seqs.iter().map(|&s| (tables[s][pos[s] / 16], (pos[s] % 16) as u32)).collect();
-        let attn: Vec<AttnRow> = seqs.iter().map(|&s| AttnRow { block_table: &tables[s], pos: pos[s] }).collect();
-        let logit_rows: Vec<usize> = (0..n).collect();
-        let input = baton_kernels::StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
-        g.set_graphs(false);
-        mini_step(&g, &mut m, &mut kv, &input);
-        let eager = down(&g, &m.t[8], n * vocab);
-        g.set_graphs(true);
+        let step_rows = DecodeRows::new(seqs, &pos, &next, &tables);
+        let input = step_rows.input();
+        let eager = step_rows.eager_logits(&g, &mut m, &mut kv);
         let rows = g.decode_step_rows(&input).expect("a decode-shaped step is bucketed");
         assert_eq!((rows, decode_rows(&input)), (n.next_power_of_two(), Some(rows)));
         let pads = pad_tables(rows - n);
@@ -701,16 +727,9 @@ fn fed_decode_steps_take_the_last_steps_picks_on_the_device() {
     let mut in_flight: Option<(PendingPicks, Vec<usize>, Vec<u32>)> = None;
     for (i, seqs) in schedule.iter().enumerate() {
         let n = seqs.len();
-        let tokens: Vec<u32> = seqs.iter().map(|&s| next[s]).collect();
-        let positions: Vec<u32> = seqs.iter().map(|&s| pos[s] as u32).collect();
-        let slots: Vec<(u32, u32)> = seqs.iter().map(|&s| (tables[s][pos[s] / 16], (pos[s] % 16) as u32)).collect();
-        let attn: Vec<AttnRow> = seqs.iter().map(|&s| AttnRow { block_table: &tables[s], pos: pos[s] }).collect();
-        let logit_rows: Vec<usize> = (0..n).collect();
-        let input = baton_kernels::StepInput { tokens: &tokens, positions: &positions, slots: &slots, attn: &attn, logit_rows: &logit_rows };
-        g.set_graphs(false);
-        mini_step(&g, &mut m, &mut kv, &input);
-        let eager = down(&g, &m.t[8], n * vocab);
-        g.set_graphs(true);
+        let step_rows = DecodeRows::new(seqs, &pos, &next, &tables);
+        let input = step_rows.input();
+        let eager = step_rows.eager_logits(&g, &mut m, &mut kv);
         let zeros = vec![0u32; n];
         let unknown = baton_kernels::StepInput { tokens: &zeros, ..input };
         let rows = g.decode_step_rows(&unknown).expect("a decode-shaped step is bucketed");

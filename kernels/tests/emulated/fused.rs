@@ -126,6 +126,11 @@ fn rope_then_kv_write(arena: &mut [u8], layout: KvLayout, layer: usize, table: &
     emu_kv_write(arena, layout, layer, &k, v, slots);
 }
 
+/// A prefill chunk's rows (in 6 blocks of 16): scattered slots, positions up to a
+/// 4,096-position rope table's end.
+const CHUNK_POSITIONS: [u32; 7] = [0, 1, 2, 17, 511, 4095, 77];
+const CHUNK_SLOTS: [(u32, u32); 7] = [(5, 0), (5, 1), (0, 15), (2, 7), (3, 3), (1, 9), (4, 12)];
+
 #[test]
 fn rope_kv_write_gives_the_bits_of_rope_then_kv_write() {
     // (query heads, KV heads, head size, rotary table): SmolLM2, Gemma 3 (local and
@@ -142,9 +147,7 @@ fn rope_kv_write_gives_the_bits_of_rope_then_kv_write() {
             let layout = KvLayout { layers: 3, block_tokens: 16, kv_heads, head_dim: hd, dtype };
             let blocks = 6;
             let te = layout.token_elems();
-            // A prefill chunk's scattered slots, positions up to the table's end.
-            let positions: Vec<u32> = vec![0, 1, 2, 17, 511, 4095, 77];
-            let slots: Vec<(u32, u32)> = vec![(5, 0), (5, 1), (0, 15), (2, 7), (3, 3), (1, 9), (4, 12)];
+            let (positions, slots) = (CHUNK_POSITIONS, CHUNK_SLOTS);
             let rows = slots.len();
             let q = values(rows * q_heads * hd, 50 + hd as u64);
             // Keys past e4m3's range, so that saturation is checked too.
@@ -183,8 +186,7 @@ fn qk_norm_rope_kv_write_gives_the_bits_of_the_head_norms_then_rope_kv_write() {
             let layout = KvLayout { layers: 3, block_tokens: 16, kv_heads, head_dim: hd, dtype };
             let blocks = 6;
             let te = layout.token_elems();
-            let positions: Vec<u32> = vec![0, 1, 2, 17, 511, 4095, 77];
-            let slots: Vec<(u32, u32)> = vec![(5, 0), (5, 1), (0, 15), (2, 7), (3, 3), (1, 9), (4, 12)];
+            let (positions, slots) = (CHUNK_POSITIONS, CHUNK_SLOTS);
             let rows = slots.len();
             // Heads of very different scales, so that each head's factor matters.
             let q: Vec<f32> = values(rows * q_heads * hd, 60 + hd as u64).iter().enumerate().map(|(i, x)| x * [1.0, 1e-3, 40.0][(i / hd) % 3]).collect();

@@ -68,7 +68,7 @@ impl Picks {
         if !self.can_start(rows) {
             return Ok(None);
         }
-        let Some((picks, half)) = self.queue.start(rows) else { return Ok(None) };
+        let (picks, half) = self.queue.start(rows).expect("a free half (checked above)");
         let host = self.host[half].as_mut_slice();
         let (token, _t) = self.token.device_ptr(stream);
         let (status, _s) = self.status.device_ptr(stream);

@@ -158,6 +158,13 @@ fn open_streams_hold_across_replicas_and_a_dead_replicas_streams_free_themselves
             use sha2::Digest;
             sha2::Sha256::digest(b"alice").iter().map(|b| format!("{b:02x}")).collect()
         };
+        // The request just answered gives its slot back right after its reply, which
+        // the client may have read first: wait for it.
+        let t0 = Instant::now();
+        while c.raw.query_one("SELECT count(*) FROM limit_streams WHERE bucket = $1", &[&bucket]).await.unwrap().get::<_, i64>(0) > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "the last reply's slot was never given back");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         c.raw
             .execute("INSERT INTO limit_streams (id, bucket, instance) VALUES ('crashed-stream', $1, 'crashed-instance')", &[&bucket])
             .await

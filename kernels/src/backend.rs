@@ -177,6 +177,15 @@ pub trait Backend: Send + Sync {
             self.kv_copy_block_in(kv, block, d);
         }
     }
+    /// Installs the block that starts at device address `srcs[i]` of this backend's
+    /// device (laid out as [`Backend::kv_blocks_out`] writes it) into block `blocks[i]`,
+    /// copying on the device: a KV import that arrived in device memory (GPUDirect RDMA)
+    /// never goes through the host. The sources may be reused once this returns. `false`,
+    /// the default, when the backend has no device memory (the caller then copies the
+    /// blocks to the host and calls [`Backend::kv_blocks_in`]).
+    fn kv_blocks_in_device(&self, _kv: &mut Self::Kv, _blocks: &[usize], _srcs: &[u64]) -> bool {
+        false
+    }
     fn kv_block_layer_out(&self, kv: &Self::Kv, block: usize, layer: usize, out: &mut [u8]);
     fn kv_block_layer_in(&self, kv: &mut Self::Kv, block: usize, layer: usize, data: &[u8]);
 

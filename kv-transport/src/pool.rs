@@ -1,8 +1,10 @@
 //! The boundary between the transport and a node's KV block pool.
 //!
 //! Owns: [`BlockSink`] (the receiver writes into reserved blocks through it), [`BlockSource`]
-//! (the sender reads computed blocks through it) and [`ArenaPool`], a simple pool that
-//! implements both, used by tests, the benchmark and single-process setups.
+//! (the sender reads computed blocks through it) and [`ArenaPool`], a pool that implements
+//! both, in host memory (tests, the benchmark, a node's staging pool) or in device memory
+//! (a node whose RDMA rings are in GPU memory stages received blocks there too, so that no
+//! byte of a frame crosses to the host: [`ArenaPool::on_device`]).
 //! Invariants: a sink never accepts a write to a block that is not reserved; `release` of a
 //! block that is already free is counted (a bug in the caller) and otherwise ignored, so it
 //! can never put a block on the free list twice.
@@ -11,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::transport::device_memory::{DeviceBytes, DeviceMemory};
 use crate::types::{BlockId, KvLayout};
 
 /// Where received KV lands: the decode node's pool.
@@ -22,6 +25,12 @@ pub trait BlockSink: Send + Sync {
     /// Writes one layer of one reserved block. `bytes` is exactly
     /// `layout().bytes_per_block_layer()` long.
     fn write_layer(&self, block: BlockId, layer: u32, bytes: &[u8]) -> Result<()>;
+    /// Writes one layer of one reserved block from device memory, copying on the device:
+    /// `Ok(false)` (the default) when this sink cannot take device bytes (host memory, or
+    /// another device), and the caller brings them to the host for [`BlockSink::write_layer`].
+    fn write_layer_device(&self, _block: BlockId, _layer: u32, _bytes: DeviceBytes<'_>) -> Result<bool> {
+        Ok(false)
+    }
     /// Returns blocks to the free list.
     fn release(&self, blocks: &[BlockId]);
     /// Blocks currently free.
@@ -37,14 +46,50 @@ pub trait BlockSource: Send + Sync {
 }
 
 struct ArenaState {
-    data: Vec<u8>,
+    data: Storage,
     free: Vec<BlockId>,
     reserved: Vec<bool>,
 }
 
-/// A pool of `blocks` blocks in one contiguous arena, with a free list.
+/// Where a pool's bytes are.
+enum Storage {
+    Host(Vec<u8>),
+    Device(DeviceMemory),
+}
+
+impl Storage {
+    fn write(&mut self, at: usize, bytes: &[u8]) -> std::result::Result<(), String> {
+        match self {
+            Storage::Host(data) => {
+                data[at..at + bytes.len()].copy_from_slice(bytes);
+                Ok(())
+            }
+            Storage::Device(mem) => mem.copy.write(at, bytes),
+        }
+    }
+
+    fn read(&self, at: usize, out: &mut [u8]) -> std::result::Result<(), String> {
+        match self {
+            Storage::Host(data) => {
+                out.copy_from_slice(&data[at..at + out.len()]);
+                Ok(())
+            }
+            Storage::Device(mem) => mem.copy.read(at, out),
+        }
+    }
+}
+
+/// A failed copy into or out of a device pool.
+fn device_err(block: BlockId, layer: u32, detail: String) -> Error {
+    tracing::error!(block = block.0, layer, %detail, "device staging pool copy failed");
+    Error::Sink { block, layer, what: "device memory copy failed" }
+}
+
+/// A pool of `blocks` blocks in one contiguous arena (host or device memory), with a free
+/// list.
 ///
-/// Block `b`, layer `l` lives at `(b * layers + l) * bytes_per_block_layer`.
+/// Block `b`, layer `l` lives at `(b * layers + l) * bytes_per_block_layer`: a block's
+/// layers are contiguous, as an engine's `kv_blocks_out` packs them.
 pub struct ArenaPool {
     layout: KvLayout,
     total: usize,
@@ -56,12 +101,26 @@ pub struct ArenaPool {
 impl ArenaPool {
     /// A pool of `blocks` zeroed blocks, all free.
     pub fn new(layout: KvLayout, blocks: usize) -> Result<Self> {
+        let bytes = Self::bytes_for(layout, blocks)?;
+        Self::with_storage(layout, blocks, Storage::Host(vec![0u8; bytes]))
+    }
+
+    /// A pool of `blocks` blocks in `memory` (which must hold them; its bytes are taken as
+    /// they are), all free.
+    pub fn on_device(layout: KvLayout, blocks: usize, memory: DeviceMemory) -> Result<Self> {
+        if Self::bytes_for(layout, blocks)? > memory.len {
+            return Err(Error::InvalidArgument { what: "device memory smaller than the pool" });
+        }
+        Self::with_storage(layout, blocks, Storage::Device(memory))
+    }
+
+    /// Bytes `blocks` blocks of `layout` take.
+    pub fn bytes_for(layout: KvLayout, blocks: usize) -> Result<usize> {
         layout.validate()?;
-        let bytes = blocks
-            .checked_mul(layout.bytes_per_block())
-            .ok_or(Error::InvalidArgument {
-                what: "pool size overflows",
-            })?;
+        blocks.checked_mul(layout.bytes_per_block()).ok_or(Error::InvalidArgument { what: "pool size overflows" })
+    }
+
+    fn with_storage(layout: KvLayout, blocks: usize, data: Storage) -> Result<Self> {
         let blocks_u32 = u32::try_from(blocks).map_err(|_| Error::InvalidArgument {
             what: "pool has more than u32::MAX blocks",
         })?;
@@ -69,7 +128,7 @@ impl ArenaPool {
             layout,
             total: blocks,
             state: Mutex::new(ArenaState {
-                data: vec![0u8; bytes],
+                data,
                 // Pop from the end hands out low IDs first.
                 free: (0..blocks_u32).rev().map(BlockId).collect(),
                 reserved: vec![false; blocks],
@@ -98,17 +157,36 @@ impl ArenaPool {
     pub fn read_block(&self, block: BlockId) -> Result<Vec<u8>> {
         let state = self.lock();
         let range = self.block_range(&state, block, 0)?;
-        let len = self.layout.bytes_per_block();
-        Ok(state.data[range.start..range.start + len].to_vec())
+        let mut out = vec![0u8; self.layout.bytes_per_block()];
+        state.data.read(range.start, &mut out).map_err(|d| device_err(block, 0, d))?;
+        Ok(out)
     }
 
     /// Fills all layers of a reserved block with bytes from a seeded generator.
     pub fn fill_block(&self, block: BlockId, seed: u64) -> Result<()> {
         let mut state = self.lock();
         let start = self.block_range(&state, block, 0)?.start;
-        let len = self.layout.bytes_per_block();
-        fill_pseudo_random(&mut state.data[start..start + len], seed);
-        Ok(())
+        let mut bytes = vec![0u8; self.layout.bytes_per_block()];
+        fill_pseudo_random(&mut bytes, seed);
+        state.data.write(start, &bytes).map_err(|d| device_err(block, 0, d))
+    }
+
+    /// The memory of a device pool (`None` for a host pool).
+    pub fn device_memory(&self) -> Option<DeviceMemory> {
+        match &self.lock().data {
+            Storage::Device(mem) => Some(mem.clone()),
+            Storage::Host(_) => None,
+        }
+    }
+
+    /// The device address of a reserved block's first byte, in a device pool.
+    pub fn block_device_addr(&self, block: BlockId) -> Result<Option<u64>> {
+        let state = self.lock();
+        let start = self.block_range(&state, block, 0)?.start;
+        Ok(match &state.data {
+            Storage::Device(mem) => Some(mem.device_addr + start as u64),
+            Storage::Host(_) => None,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, ArenaState> {
@@ -172,9 +250,29 @@ impl BlockSink for ArenaPool {
                 what: "write is not exactly one block-layer",
             });
         }
-        state.data[range].copy_from_slice(bytes);
+        state.data.write(range.start, bytes).map_err(|d| device_err(block, layer, d))?;
         self.layer_writes.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn write_layer_device(&self, block: BlockId, layer: u32, bytes: DeviceBytes<'_>) -> Result<bool> {
+        let state = self.lock();
+        let Storage::Device(mem) = &state.data else { return Ok(false) };
+        if mem.label != bytes.memory.label {
+            return Ok(false);
+        }
+        let range = self.block_range(&state, block, layer)?;
+        if bytes.len != range.len() {
+            return Err(Error::Sink {
+                block,
+                layer,
+                what: "write is not exactly one block-layer",
+            });
+        }
+        let dst = mem.device_addr + range.start as u64;
+        bytes.memory.copy.copy_to_device(bytes.offset, dst, bytes.len).map_err(|d| device_err(block, layer, d))?;
+        self.layer_writes.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
     }
 
     fn release(&self, blocks: &[BlockId]) {
@@ -211,8 +309,7 @@ impl BlockSource for ArenaPool {
                 what: "read is not exactly one block-layer",
             });
         }
-        out.copy_from_slice(&state.data[range]);
-        Ok(())
+        state.data.read(range.start, out).map_err(|d| device_err(block, layer, d))
     }
 }
 
@@ -243,6 +340,35 @@ mod tests {
     use super::*;
     use crate::types::KvDtype;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_device_pool_keeps_its_blocks_in_device_memory() {
+        use crate::transport::device_memory::host_device::HostDevice;
+        let l = tiny();
+        let (small, _) = HostDevice::memory("cuda:0", ArenaPool::bytes_for(l, 4).unwrap() - 1);
+        assert!(matches!(ArenaPool::on_device(l, 4, small), Err(Error::InvalidArgument { .. })));
+        let (mem, dev) = HostDevice::memory("cuda:0", ArenaPool::bytes_for(l, 4).unwrap());
+        let base = mem.device_addr;
+        let pool = ArenaPool::on_device(l, 4, mem).unwrap();
+        let b = pool.reserve(2).unwrap();
+        let bl = l.bytes_per_block_layer();
+        pool.write_layer(b[1], 2, &vec![9u8; bl]).unwrap();
+        let mut out = vec![0u8; bl];
+        pool.read_layer(b[1], 2, &mut out).unwrap();
+        assert_eq!(out, vec![9u8; bl]);
+        assert_eq!(dev.host_reads.load(Ordering::SeqCst), bl as u64);
+        // Addresses are the blocks' own (block-major, a block's layers contiguous).
+        assert_eq!(pool.block_device_addr(b[1]).unwrap(), Some(base + (b[1].0 as usize * l.bytes_per_block()) as u64));
+        assert!(pool.block_device_addr(BlockId(3)).is_err(), "a free block has no address to hand out");
+        assert!(pool.device_memory().is_some());
+        assert_eq!(ArenaPool::new(l, 1).unwrap().device_memory(), None);
+        // A device write of the wrong length, or into a free block, is refused.
+        let (src, _) = HostDevice::memory("cuda:0", 4 * bl);
+        let bytes = |len| DeviceBytes { memory: &src, offset: 0, len };
+        assert!(pool.write_layer_device(b[0], 0, bytes(bl - 2)).is_err());
+        assert!(pool.write_layer_device(BlockId(3), 0, bytes(bl)).is_err());
+        assert!(pool.write_layer_device(b[0], 0, bytes(bl)).unwrap());
+    }
 
     fn tiny() -> KvLayout {
         KvLayout {

@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, Result, WireFailure};
 use crate::handoff::buffers::BufferPool;
+use crate::transport::device_memory::DevicePayload;
 use crate::types::{Epoch, KvDtype, KvLayout, ReservationId};
 
 pub const MAGIC: [u8; 4] = *b"BKV1";
@@ -205,8 +206,12 @@ impl FrameHeader {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frame {
     pub header: FrameHeader,
+    /// The payload, on the host; empty when it stayed on the device (`device`).
     pub payload: Bytes,
     pub checksum: u32,
+    /// A `Data` frame's payload left in the device memory the NIC wrote it to (an RDMA
+    /// ring in GPU memory), checked there; `None` for every other frame.
+    pub device: Option<DevicePayload>,
 }
 
 impl Frame {
@@ -218,6 +223,7 @@ impl Frame {
             header,
             payload,
             checksum,
+            device: None,
         }
     }
 
@@ -228,7 +234,24 @@ impl Frame {
             header,
             payload,
             checksum,
+            device: None,
         }
+    }
+
+    /// A `Data` frame whose payload stayed in device memory: `header` and `checksum` (the
+    /// trailer) were read from the slot, the payload's own checksum computed on the device.
+    pub fn on_device(header: FrameHeader, payload: DevicePayload, checksum: u32) -> Self {
+        Frame {
+            header,
+            payload: Bytes::new(),
+            checksum,
+            device: Some(payload),
+        }
+    }
+
+    /// Payload bytes, wherever they are.
+    pub fn payload_len(&self) -> usize {
+        self.device.as_ref().map_or(self.payload.len(), DevicePayload::len)
     }
 
     /// A control frame with no payload.
@@ -275,18 +298,23 @@ impl Frame {
     }
 
     /// Whether the checksum matches header and payload.
+    /// A device payload's checksum was computed on the device, over the same slot bytes the
+    /// header was read from.
     pub fn verify(&self) -> bool {
-        self.header.payload_len as usize == self.payload.len()
-            && checksum(&self.header, &self.payload) == self.checksum
+        match &self.device {
+            Some(d) => self.header.payload_len as usize == d.len() && self.payload.is_empty() && d.checksum() == self.checksum,
+            None => self.header.payload_len as usize == self.payload.len() && checksum(&self.header, &self.payload) == self.checksum,
+        }
     }
 
     /// Bytes this frame takes on a byte-stream link.
     pub fn wire_len(&self) -> usize {
-        HEADER_LEN + self.payload.len() + TRAILER_LEN
+        HEADER_LEN + self.payload_len() + TRAILER_LEN
     }
 
     /// Appends the encoded frame to `out`.
     pub fn encode_to(&self, out: &mut BytesMut) {
+        assert!(self.device.is_none(), "a received device payload is never sent on");
         out.reserve(self.wire_len());
         out.put_slice(&self.header.encode());
         out.put_slice(&self.payload);
@@ -352,14 +380,7 @@ pub fn decode(buf: &[u8], limits: &FrameLimits) -> Result<Option<(Frame, usize)>
     let payload = payload.freeze();
     let mut c = [0u8; 4];
     c.copy_from_slice(&buf[total - TRAILER_LEN..total]);
-    Ok(Some((
-        Frame {
-            header,
-            payload,
-            checksum: u32::from_le_bytes(c),
-        },
-        total,
-    )))
+    Ok(Some((Frame::from_parts(header, payload, u32::from_le_bytes(c)), total)))
 }
 
 /// Fills `head` from `r`. `Ok(false)`: the stream ended cleanly before its first byte;
@@ -419,17 +440,13 @@ pub(crate) async fn read_frame_within<R: AsyncRead + Unpin>(
     r.read_exact(&mut c)
         .await
         .map_err(|e| Error::io("reading a frame checksum", e))?;
-    let frame = Frame {
-        header,
-        payload: payload.freeze(),
-        checksum: u32::from_le_bytes(c),
-    };
-    Ok(Some((frame, permit)))
+    Ok(Some((Frame::from_parts(header, payload.freeze(), u32::from_le_bytes(c)), permit)))
 }
 
 /// Writes one frame to a byte stream (not flushed).
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, f: &Frame) -> Result<()> {
     let op = "writing a frame";
+    assert!(f.device.is_none(), "a received device payload is never sent on");
     w.write_all(&f.header.encode())
         .await
         .map_err(|e| Error::io(op, e))?;

@@ -28,9 +28,12 @@ use crate::handoff::grant::{Grant, MAX_GRANT_BLOCKS};
 use crate::handoff::progress::Progress;
 use crate::metrics::TransportStats;
 use crate::pool::BlockSink;
+use crate::transport::device_memory::DevicePayload;
 use crate::transport::Link;
 use crate::types::{BlockId, Epoch, KvLayout, ReservationId};
 
+#[cfg(test)]
+mod device_tests;
 mod frames;
 mod reservation;
 

@@ -1,25 +1,28 @@
-//! A neutral description of accelerator memory the RDMA transport may use as a ring
-//! (GPUDirect RDMA through dma-buf), so that this crate needs no CUDA.
+//! A neutral description of accelerator memory the KV transport may use (GPUDirect RDMA
+//! through dma-buf), so that this crate needs no CUDA.
 //!
 //! Owns: [`DeviceMemory`] (where the memory is, its dma-buf, what keeps it alive, how bytes
-//! get in and out) and [`DeviceCopy`] (the copies the owner's runtime performs).
+//! get in and out), [`DeviceCopy`] (the copies and the checksum the owner's runtime
+//! performs), [`DeviceBytes`] (a range of it) and [`DevicePayload`] (a frame's payload left
+//! where the NIC wrote it).
 //! Invariants: the dma-buf fd covers exactly `len` bytes from `device_addr` (dma-buf offset
 //! 0 is `device_addr`), and stays open and the memory allocated while any clone of the
 //! `keeper` lives; every registration of this memory holds a clone of the keeper, so it
-//! is deregistered before the memory can be freed.
+//! is deregistered before the memory can be freed. A [`DevicePayload`] holds its ring slot:
+//! the sender may write the slot again only after the payload is dropped.
 //!
 //! The backend that allocates the memory (the kernels crate's CUDA backend,
 //! `kernels/src/cuda/dmabuf.rs`) builds one of these, and the node hands it to the RDMA
-//! transport ([`RingMemory::Device`]).
+//! transport ([`RingMemory::Device`]) and to its staging pool
+//! ([`ArenaPool::on_device`](crate::ArenaPool::on_device)).
 
 use std::any::Any;
 use std::fmt;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-/// Copies out of the device memory a [`DeviceMemory`] describes: what the transport needs
-/// to check a frame the NIC wrote there. Returns once the bytes arrived; fails with the
-/// runtime's message.
+/// What the owner's runtime does with the device memory a [`DeviceMemory`] describes. Each
+/// returns once done; a failure is the runtime's message.
 pub trait DeviceCopy: Send + Sync {
     /// Copies `dst.len()` bytes from `offset` bytes past the start into `dst`, seeing every
     /// RDMA write into the memory whose completion the caller polled before the call: a
@@ -27,6 +30,15 @@ pub trait DeviceCopy: Send + Sync {
     /// so the owner orders or flushes them first (CUDA: `cuFlushGPUDirectRDMAWrites` where
     /// the GPU does not order them natively).
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String>;
+    /// Copies `src` to `offset` bytes past the start.
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), String>;
+    /// The frame checksum (CRC-32, as [`checksum`](crate::handoff::frame::checksum)
+    /// computes it) of the `len` bytes from `offset`, computed on the device, seeing NIC
+    /// writes as [`DeviceCopy::read`] does: only 4 bytes come to the host.
+    fn checksum(&self, offset: usize, len: usize) -> Result<u32, String>;
+    /// Copies `len` bytes from `offset` to the device address `dst` of the same device
+    /// (another allocation of the owner's), seeing NIC writes as [`DeviceCopy::read`] does.
+    fn copy_to_device(&self, offset: usize, dst: u64, len: usize) -> Result<(), String>;
 }
 
 /// Device memory exported as a dma-buf.
@@ -82,4 +94,163 @@ pub enum RingMemory {
     /// node parses its flag into this and replaces it with [`RingMemory::Device`] once it
     /// has the memory.
     Wanted(String),
+}
+
+/// `len` bytes at `offset` of `memory`.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBytes<'a> {
+    pub memory: &'a DeviceMemory,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl DeviceBytes<'_> {
+    /// The bytes, copied to the host.
+    pub fn to_host(&self) -> Result<Vec<u8>, String> {
+        let mut out = vec![0u8; self.len];
+        self.memory.copy.read(self.offset, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// A `Data` frame's payload left in the device ring slot the NIC wrote it to, with the
+/// checksum the device computed over the slot's header and payload (what
+/// [`Frame::verify`](crate::handoff::frame::Frame::verify) compares with the trailer).
+/// Holds the slot: the link returns its credit only once every clone is dropped.
+#[derive(Clone)]
+pub struct DevicePayload {
+    memory: DeviceMemory,
+    offset: usize,
+    len: usize,
+    checksum: u32,
+    _slot: Arc<dyn Any + Send + Sync>,
+}
+
+impl DevicePayload {
+    /// The payload at `offset..offset + len` of `memory`, whose frame's checksum the device
+    /// computed as `checksum`; `slot` is held until the last clone is dropped.
+    pub fn new(memory: DeviceMemory, offset: usize, len: usize, checksum: u32, slot: Arc<dyn Any + Send + Sync>) -> Self {
+        DevicePayload { memory, offset, len, checksum, _slot: slot }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The checksum the device computed over the frame's header and this payload.
+    pub fn checksum(&self) -> u32 {
+        self.checksum
+    }
+
+    /// `len` bytes from `at` bytes into the payload; `None` past its end.
+    pub fn bytes(&self, at: usize, len: usize) -> Option<DeviceBytes<'_>> {
+        (at.checked_add(len)? <= self.len).then_some(DeviceBytes { memory: &self.memory, offset: self.offset + at, len })
+    }
+
+    /// The whole payload, copied to the host.
+    pub fn to_host(&self) -> Result<Vec<u8>, String> {
+        DeviceBytes { memory: &self.memory, offset: self.offset, len: self.len }.to_host()
+    }
+}
+
+impl fmt::Debug for DevicePayload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevicePayload")
+            .field("memory", &self.memory.label)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("checksum", &format_args!("{:#010x}", self.checksum))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The same bytes of the same memory.
+impl PartialEq for DevicePayload {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.memory, self.offset, self.len, self.checksum) == (&other.memory, other.offset, other.len, other.checksum)
+    }
+}
+
+impl Eq for DevicePayload {}
+
+/// Host memory standing in for one device's memory, for tests of the device paths on
+/// machines without a GPU: addresses are host addresses, and a copy to another
+/// [`HostDevice`]'s address is a host copy. Feature `test-support` (and this crate's tests).
+#[cfg(any(test, feature = "test-support"))]
+pub mod host_device {
+    use std::any::Any;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use super::{DeviceCopy, DeviceMemory};
+
+    /// Every live allocation, so that a copy finds the one its address falls in.
+    static ALL: Mutex<Vec<std::sync::Weak<HostDevice>>> = Mutex::new(Vec::new());
+
+    /// One allocation; counts the bytes that left for the host and the device-side copies.
+    pub struct HostDevice {
+        bytes: Mutex<Box<[u8]>>,
+        base: u64,
+        len: usize,
+        /// Bytes copied out to the host by `read`.
+        pub host_reads: AtomicU64,
+        /// Device-to-device copies made by `copy_to_device`.
+        pub device_copies: AtomicU64,
+    }
+
+    impl HostDevice {
+        /// `len` zeroed bytes on the device called `label`.
+        pub fn memory(label: &str, len: usize) -> (DeviceMemory, Arc<HostDevice>) {
+            let bytes = vec![0u8; len].into_boxed_slice();
+            let base = bytes.as_ptr() as u64;
+            let dev = Arc::new(HostDevice { bytes: Mutex::new(bytes), base, len, host_reads: AtomicU64::new(0), device_copies: AtomicU64::new(0) });
+            let mut all = ALL.lock().unwrap();
+            all.retain(|d| d.strong_count() > 0);
+            all.push(Arc::downgrade(&dev));
+            let mem = DeviceMemory { device_addr: base, len, dmabuf_fd: -1, label: label.into(), copy: dev.clone(), keeper: dev.clone() as Arc<dyn Any + Send + Sync> };
+            (mem, dev)
+        }
+
+        fn range(&self, offset: usize, n: usize) -> Result<std::ops::Range<usize>, String> {
+            match offset.checked_add(n) {
+                Some(end) if end <= self.len => Ok(offset..end),
+                _ => Err(format!("{n} bytes at {offset} run past the {}-byte allocation", self.len)),
+            }
+        }
+    }
+
+    impl DeviceCopy for HostDevice {
+        fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+            let r = self.range(offset, dst.len())?;
+            dst.copy_from_slice(&self.bytes.lock().unwrap()[r]);
+            self.host_reads.fetch_add(dst.len() as u64, Ordering::Relaxed);
+            Ok(())
+        }
+
+        fn write(&self, offset: usize, src: &[u8]) -> Result<(), String> {
+            let r = self.range(offset, src.len())?;
+            self.bytes.lock().unwrap()[r].copy_from_slice(src);
+            Ok(())
+        }
+
+        fn checksum(&self, offset: usize, len: usize) -> Result<u32, String> {
+            let r = self.range(offset, len)?;
+            Ok(crc32fast::hash(&self.bytes.lock().unwrap()[r]))
+        }
+
+        fn copy_to_device(&self, offset: usize, dst: u64, len: usize) -> Result<(), String> {
+            let r = self.range(offset, len)?;
+            let bytes = self.bytes.lock().unwrap()[r].to_vec();
+            let target = ALL.lock().unwrap().iter().filter_map(std::sync::Weak::upgrade).find(|d| dst >= d.base && dst + len as u64 <= d.base + d.len as u64);
+            let target = target.ok_or_else(|| format!("{len} bytes at device address {dst:#x} are in no allocation"))?;
+            let at = (dst - target.base) as usize;
+            target.bytes.lock().unwrap()[at..at + len].copy_from_slice(&bytes);
+            self.device_copies.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    }
 }

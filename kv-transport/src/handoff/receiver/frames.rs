@@ -156,7 +156,7 @@ impl Inner {
             return self.reject(entry, e);
         }
         let bl = self.layout.bytes_per_block_layer();
-        if frame.payload.len() != h.block_count as usize * bl {
+        if frame.payload_len() != h.block_count as usize * bl {
             drop(st);
             return self.reject(
                 entry,
@@ -167,11 +167,13 @@ impl Inner {
             );
         }
         let first = h.first_block as usize;
-        for (i, bytes) in frame.payload.chunks_exact(bl).enumerate() {
-            if let Err(e) = self.sink.write_layer(entry.blocks[first + i], h.layer, bytes) {
-                drop(st);
-                return self.reject(entry, e);
-            }
+        let written = match &frame.device {
+            None => self.write_host(&entry.blocks[first..], h.layer, &frame.payload),
+            Some(d) => self.write_device(&entry.blocks[first..], h.layer, d),
+        };
+        if let Err(e) = written {
+            drop(st);
+            return self.reject(entry, e);
         }
         st.progress.record(h.layer, h.first_block, h.block_count);
         let ready = st.progress.ready_layers();
@@ -183,6 +185,26 @@ impl Inner {
             changed
         });
         Step::Continue
+    }
+
+    /// Writes `payload`'s block-layers into `blocks`, in order.
+    fn write_host(&self, blocks: &[BlockId], layer: u32, payload: &[u8]) -> Result<()> {
+        let bl = self.layout.bytes_per_block_layer();
+        payload.chunks_exact(bl).zip(blocks).try_for_each(|(bytes, &block)| self.sink.write_layer(block, layer, bytes))
+    }
+
+    /// Writes a payload that stayed in device memory: copied on the device where the sink
+    /// can take it there, else brought to the host once and written as any other.
+    fn write_device(&self, blocks: &[BlockId], layer: u32, payload: &DevicePayload) -> Result<()> {
+        let bl = self.layout.bytes_per_block_layer();
+        for (i, &block) in blocks.iter().take(payload.len() / bl).enumerate() {
+            let bytes = payload.bytes(i * bl, bl).ok_or(Error::InvalidArgument { what: "device payload shorter than its blocks" })?;
+            if !self.sink.write_layer_device(block, layer, bytes)? {
+                let host = payload.to_host().map_err(|detail| Error::Link { transport: "device memory", detail: format!("copying a payload to the host: {detail}") })?;
+                return self.write_host(&blocks[i..], layer, &host[i * bl..]);
+            }
+        }
+        Ok(())
     }
 
     fn complete(&self, entry: &Entry) -> Step {

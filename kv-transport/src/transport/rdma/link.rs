@@ -7,8 +7,10 @@
 //! Invariants:
 //! - Frame `seq` is written to slot `seq % slots` with immediate data `seq`; the receiver
 //!   accepts only the sequence it expects, so a lost or reordered write is an error.
-//! - The receiver copies a frame out of its slot before it returns the credit for it, and
-//!   the sender writes into a slot only with a credit for it ([`SendWindow`]).
+//! - The receiver is done with a frame's slot before it returns the credit for it (a frame
+//!   copied out at once; a `Data` frame left in a device ring once the receiver installed
+//!   it and dropped it), credits go back in order, and the sender writes into a slot only
+//!   with a credit for it ([`SendWindow`]).
 //! - A frame other than `Data` (`Open`, `Done`, `Cancel`) is sent only once every earlier
 //!   write completed, so the goodbye, which counts completed writes, covers it.
 //! - Queue pairs are destroyed before the ring they write to or from is given back (field
@@ -25,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::handoff::frame::{self, Frame, FrameKind, FrameLimits, HEADER_LEN, TRAILER_LEN};
 use crate::transport::rdma::ring::{imm_for, RingGeometry, RingLease, SendWindow};
 use crate::transport::rdma::setup::{read_msg, write_msg, Msg, RingInfo};
+use crate::transport::device_memory::DevicePayload;
 use crate::transport::rdma::memory::RingRegion;
 use crate::transport::rdma::verbs::{Completion, QueuePair, Region, WriteImm};
 use crate::transport::{BoxFuture, LinkRx, LinkTx};
@@ -322,11 +325,21 @@ struct ByeState {
 pub(crate) struct ReceiverRx {
     // Field order is drop order: the QP before the lease and the memory.
     qp: QueuePair,
-    lease: RingLease,
+    /// Shared with every [`SlotHold`] still alive: the ring goes back to the pool only once
+    /// no payload left in it is in use.
+    lease: Arc<RingLease>,
     arena: Arc<RecvArena>,
     limits: FrameLimits,
-    /// The next frame's sequence number (= frames consumed).
+    /// The next frame's sequence number (= frames taken out of the ring).
     seq: u64,
+    /// Frames whose slots were credited back to the sender, in order.
+    credited: u64,
+    /// Frames done with their slots but not credited yet (a later frame's slot can be free
+    /// before an earlier one's: credits are cumulative, so they wait for the gap).
+    released: std::collections::BTreeSet<u64>,
+    /// Where a dropped [`SlotHold`] says its frame is done with the slot.
+    slot_done_tx: mpsc::UnboundedSender<u64>,
+    slot_done: mpsc::UnboundedReceiver<u64>,
     ctrl: Arc<Mutex<quinn::SendStream>>,
     bye: watch::Receiver<ByeState>,
     done: Vec<Completion>,
@@ -358,14 +371,19 @@ pub(crate) fn receiver_link(
         bye_tx.send_modify(|b| b.closed = true);
     });
     let ctrl = Arc::new(Mutex::new(ctrl_send));
+    let (slot_done_tx, slot_done) = mpsc::unbounded_channel();
     (
         ReceiverTx { ctrl: ctrl.clone() },
         ReceiverRx {
             qp,
-            lease,
+            lease: Arc::new(lease),
             arena,
             limits,
             seq: 0,
+            credited: 0,
+            released: Default::default(),
+            slot_done_tx,
+            slot_done,
             ctrl,
             bye,
             done: Vec::new(),
@@ -375,9 +393,26 @@ pub(crate) fn receiver_link(
     )
 }
 
+/// A frame's hold on its ring slot: while it lives, the sender gets no credit for the slot
+/// (and the ring stays leased to this link); dropped, it tells the receiver the slot is free.
+struct SlotHold {
+    seq: u64,
+    done: mpsc::UnboundedSender<u64>,
+    _ring: Arc<RingLease>,
+}
+
+impl Drop for SlotHold {
+    fn drop(&mut self) {
+        // The link may be gone: then nobody needs the credit.
+        let _ = self.done.send(self.seq);
+    }
+}
+
 impl ReceiverRx {
-    /// Copies the frame of the completion `c` out of its slot and checks its place in the
-    /// sequence.
+    /// Takes the frame of the completion `c` out of its slot and checks its place in the
+    /// sequence: a `Data` frame in a device ring stays there (its header and trailer read,
+    /// its checksum computed on the device) and holds the slot; any other frame is copied
+    /// out, and its slot is free at once.
     fn take_frame(&mut self, c: Completion) -> Result<Frame> {
         let imm = c.imm.ok_or(Error::FrameMalformed {
             what: "RDMA completion without immediate data",
@@ -395,35 +430,87 @@ impl ReceiverRx {
             });
         }
         let offset = self.arena.region.ring_offset(self.lease.index) + g.slot_offset(self.seq);
+        if let Some(frame) = self.device_frame(offset, len)? {
+            return Ok(frame);
+        }
         // SAFETY: the slot lies inside this link's ring; the sender writes it again only
         // after the credit sent below, so nothing writes it while it is read here. The
         // completion was polled, which orders the data before this read in host memory; a
         // device ring's owner makes the NIC's writes visible to its copy out first
         // (DeviceCopy::read: the GPU's native ordering or cuFlushGPUDirectRDMAWrites).
         let bytes = unsafe { self.arena.region.read(offset, len, &mut self.scratch)? };
-        match frame::decode(bytes, &self.limits)? {
-            Some((f, used)) if used == len => Ok(f),
-            _ => Err(Error::FrameMalformed {
-                what: "RDMA write is not exactly one frame",
-            }),
+        let frame = match frame::decode(bytes, &self.limits)? {
+            Some((f, used)) if used == len => f,
+            _ => {
+                return Err(Error::FrameMalformed {
+                    what: "RDMA write is not exactly one frame",
+                })
+            }
+        };
+        self.released.insert(self.seq);
+        Ok(frame)
+    }
+
+    /// A `Data` frame with a payload in a device ring, left there: `None` for a host ring
+    /// or any other frame. The header is decoded (and judged against the limits) before
+    /// anything else is read; the checksum the device computes covers the same slot bytes.
+    fn device_frame(&mut self, offset: usize, len: usize) -> Result<Option<Frame>> {
+        let RingRegion::Device { region, .. } = &self.arena.region else { return Ok(None) };
+        let mem = region.memory();
+        let copy_err = |what: &str, detail: String| Error::Link { transport: NAME, detail: format!("{what} in {}: {detail}", mem.label) };
+        if len < HEADER_LEN + TRAILER_LEN {
+            return Err(Error::FrameMalformed { what: "RDMA write is not exactly one frame" });
         }
+        let mut head = [0u8; HEADER_LEN];
+        mem.copy.read(offset, &mut head).map_err(|d| copy_err("reading a frame header", d))?;
+        let header = frame::FrameHeader::decode(&head, &self.limits)?;
+        if header.kind != FrameKind::Data || header.payload_len == 0 {
+            return Ok(None);
+        }
+        let payload = header.payload_len as usize;
+        if HEADER_LEN + payload + TRAILER_LEN != len {
+            return Err(Error::FrameMalformed { what: "RDMA write is not exactly one frame" });
+        }
+        let mut trailer = [0u8; TRAILER_LEN];
+        mem.copy.read(offset + HEADER_LEN + payload, &mut trailer).map_err(|d| copy_err("reading a frame checksum", d))?;
+        let sum = mem.copy.checksum(offset, HEADER_LEN + payload).map_err(|d| copy_err("checksumming a frame", d))?;
+        let hold = Arc::new(SlotHold { seq: self.seq, done: self.slot_done_tx.clone(), _ring: self.lease.clone() });
+        let payload = DevicePayload::new(mem.clone(), offset + HEADER_LEN, payload, sum, hold);
+        Ok(Some(Frame::on_device(header, payload, u32::from_le_bytes(trailer))))
+    }
+
+    /// Credits back every slot whose frame is done, in order: one receive re-armed per slot
+    /// and one cumulative credit message for all of them.
+    async fn credit_released(&mut self) -> Result<()> {
+        while let Ok(seq) = self.slot_done.try_recv() {
+            self.released.insert(seq);
+        }
+        let before = self.credited;
+        while self.released.remove(&self.credited) {
+            self.credited += 1;
+            self.qp.post_recv_empty(self.credited)?;
+        }
+        if self.credited == before {
+            return Ok(());
+        }
+        let credit = Msg::Credit { consumed: self.credited };
+        write_msg(&mut *self.ctrl.lock().await, &credit).await.map_err(|e| link_err(format!("returning a credit: {e}")))
     }
 
     async fn next_frame(&mut self) -> Result<Option<Frame>> {
         let mut backoff = Backoff(0);
         let mut bye_seen: Option<Instant> = None;
         loop {
+            // Slots freed since the last call (a device frame dropped after it was installed).
+            self.credit_released().await?;
             self.done.clear();
             self.qp.poll(&mut self.done, 1)?;
             if let Some(&c) = self.done.first() {
                 let frame = self.take_frame(c)?;
                 self.seq += 1;
-                // The slot is free again: re-arm one receive and hand the sender its credit.
-                self.qp.post_recv_empty(self.seq)?;
-                let credit = Msg::Credit { consumed: self.seq };
-                write_msg(&mut *self.ctrl.lock().await, &credit)
-                    .await
-                    .map_err(|e| link_err(format!("returning a credit: {e}")))?;
+                // A frame copied out frees its slot now: re-arm one receive and hand the
+                // sender its credit.
+                self.credit_released().await?;
                 return Ok(Some(frame));
             }
             let state = *self.bye.borrow_and_update();

@@ -108,27 +108,14 @@ impl RingRegion {
 
 #[cfg(test)]
 mod tests {
-    use std::any::Any;
-
     use super::*;
-    use crate::transport::device_memory::DeviceCopy;
+    use crate::transport::device_memory::host_device;
     use crate::transport::rdma::dmabuf::check_part;
 
-    /// Host memory standing in for a device allocation: only its description matters to
-    /// the decision tested here.
-    struct HostCopy(std::sync::Mutex<Vec<u8>>);
-
-    impl DeviceCopy for HostCopy {
-        fn read(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
-            let m = self.0.lock().unwrap();
-            dst.copy_from_slice(m.get(offset..offset + dst.len()).ok_or("out of range")?);
-            Ok(())
-        }
-    }
-
+    /// Host memory standing in for a device allocation at `device_addr` (only its
+    /// description matters to the decision tested here).
     fn memory(device_addr: u64, len: usize) -> DeviceMemory {
-        let copy = Arc::new(HostCopy(std::sync::Mutex::new(vec![0; len])));
-        DeviceMemory { device_addr, len, dmabuf_fd: -1, label: "cuda:0".into(), copy, keeper: Arc::new(()) as Arc<dyn Any + Send + Sync> }
+        DeviceMemory { device_addr, ..host_device::HostDevice::memory("cuda:0", len).0 }
     }
 
     #[test]

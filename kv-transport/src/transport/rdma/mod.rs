@@ -22,19 +22,22 @@
 //! a neutral description: this crate has no CUDA), registered with `ibv_reg_dmabuf_mr`
 //! through its dma-buf ([`dmabuf`]), so the NIC writes frames straight into GPU memory.
 //! Security is unchanged: still one registration per ring, each page-aligned, so a peer's
-//! rkey reaches only its own ring and never the engine's KV arena. The frame is copied out
-//! of the slot (device to host, through the owner's copy) and checked exactly as from a
-//! host ring. Where the registration is refused (no `ibv_reg_dmabuf_mr` in this
-//! libibverbs, `EOPNOTSUPP` from the driver, a bad fd, memory too small or unaligned) the
-//! rings go to host memory and [`RdmaListener::placement`] says why. Not built yet: copying
-//! a checked payload device-to-device into the arena's blocks (the receiver's sink takes
-//! host bytes today, so a device ring costs one device-to-host copy per frame), and sending
-//! from the packed layer's device buffer (`kernels/src/cuda/layer_out.rs`) as the send
-//! source; the send rings are host memory. Both meet the frame's CRC-32, which covers the
-//! payload (`handoff/frame.rs`): checking or making it on the host needs the payload on the
-//! host, so a device-to-device path needs the checksum computed by the GPU (a CRC kernel
-//! over the slot) or a frame whose check the receiver can do from its header alone; the
-//! header's checks (reservation, ranges, layers, duplicates) already need only the header.
+//! rkey reaches only its own ring and never the engine's KV arena. A `Data` frame stays
+//! in its slot: its header and trailer come to the host (48 bytes), the checksum over header
+//! and payload is computed by the GPU ([`DeviceCopy::checksum`](crate::transport::device_memory::DeviceCopy::checksum)),
+//! and the frame carries a [`DevicePayload`](crate::transport::device_memory::DevicePayload)
+//! that holds the slot. The receiver checks it like any frame ([`Frame::verify`](crate::handoff::frame::Frame::verify)
+//! compares the device's checksum with the trailer) and installs it with a device-to-device
+//! copy into a staging pool in the same GPU's memory ([`crate::ArenaPool::on_device`]), from
+//! which the engine copies it into its arena on the device: no payload byte crosses to the
+//! host. A sink in host memory gets the payload through the host. The slot's credit goes
+//! back only when the frame is dropped (credits stay in order). Other frames (`Open`,
+//! `Done`) are copied out and checked on the host. Where the registration is refused (no
+//! `ibv_reg_dmabuf_mr` in this libibverbs, `EOPNOTSUPP` from the driver, a bad fd, memory
+//! too small or unaligned) the rings go to host memory and [`RdmaListener::placement`] says
+//! why. Not built yet: sending from the packed layer's device buffer
+//! (`kernels/src/cuda/layer_out.rs`); the send rings are host memory, so a prefill node
+//! still stages each frame through the host.
 //!
 //! The connector registers its send rings once too. Without an RDMA device (no kernel
 //! support, no device, port down) [`RdmaConnector::new`] and [`RdmaListener::bind`] fail

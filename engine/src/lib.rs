@@ -10,7 +10,7 @@ pub mod model;
 
 pub use error::{Error, Result};
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, ImportUse, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
+    DeviceBlockHolder, DeviceBlocks, Engine, EngineConfig, EngineError, EngineInfo, EngineStats, Event, ImportBlocks, ImportUse, ImportedToken, KvExport, KvImport, PreemptionMode, Request,
     StepCost,
     RequestStream, SubmitOptions, Submission, LayerChunk, LayerExport, LayerExportEvent,
 };

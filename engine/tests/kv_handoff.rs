@@ -62,7 +62,7 @@ fn remote_prefill_matches_local_including_pulled_prefix_and_fallback() {
     assert!(have < k, "the prefiller must lack part of the prefix ({have} of {k})");
     let pulled = decoder.export_prefix(&turn2[..k], &alice, 0, have / bt).unwrap();
     assert_eq!(pulled.blocks.len(), (k - have) / bt);
-    let pulled = KvImport { start_block: pulled.start_block, blocks: pulled.blocks, first_token: None };
+    let pulled = KvImport { start_block: pulled.start_block, blocks: pulled.blocks.into(), first_token: None };
     let p2 = prefill(&prefiller, request(turn2.clone(), "alice", 24), k / bt, Some(pulled));
     let (remote2, used) = decode_imported(&decoder, request(turn2.clone(), "alice", 24), p2);
     assert_eq!(used, ImportUse::Used);
@@ -103,18 +103,84 @@ fn bad_imports_are_refused() {
     let bytes = e.info.kv_layout.block_bytes();
     let bad = |import: KvImport| e.submit_with(request(prompt.clone(), "u", 4), SubmitOptions { import: Some(import), export_from_block: None }).err().map(|x| x.label());
     let first = Some(ImportedToken { id: 5, logprob: 0.0, top_logprobs: vec![] });
-    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes - 1]; 4], first_token: first.clone() }), Some("bad_import"));
-    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 2], first_token: first }), Some("bad_import"));
-    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 4], first_token: None }), Some("bad_import"));
+    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes - 1]; 4].into(), first_token: first.clone() }), Some("bad_import"));
+    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 2].into(), first_token: first }), Some("bad_import"));
+    assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 4].into(), first_token: None }), Some("bad_import"));
     // A prefill node's first token outside the vocabulary (it panicked the engine's
     // thread, leaving a node in the ring with a dead engine), or one with a NaN logprob.
     let vocab = e.info.vocab as u32;
     for first in [ImportedToken { id: vocab, logprob: 0.0, top_logprobs: vec![] }, ImportedToken { id: 5, logprob: 0.0, top_logprobs: vec![(u32::MAX, -1.0)] }, ImportedToken { id: 5, logprob: f32::NAN, top_logprobs: vec![] }] {
-        assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 4], first_token: Some(first) }), Some("bad_import"));
+        assert_eq!(bad(KvImport { start_block: 0, blocks: vec![vec![0; bytes]; 4].into(), first_token: Some(first) }), Some("bad_import"));
     }
     // The engine is alive and serves.
     assert!(!collect(e.submit(request(prompt.clone(), "u", 2)).unwrap()).tokens.is_empty());
     assert!(e.submit_with(request(prompt.clone(), "u", 4), SubmitOptions { import: None, export_from_block: Some(4) }).is_err());
     assert_no_leaks(&e);
     e.shutdown();
+}
+
+/// Blocks standing in for a staging pool in device memory: the CPU backend cannot copy on
+/// a device, so the engine reads them through the holder; the holder is let go once the
+/// import was admitted (the node's staging blocks are released then).
+struct Staged {
+    blocks: Vec<Vec<u8>>,
+    reads: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    broken: bool,
+    dropped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl baton_engine::DeviceBlockHolder for Staged {
+    fn read_block(&self, i: usize, out: &mut [u8]) -> Result<(), String> {
+        if self.broken {
+            return Err("the device is gone".into());
+        }
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        out.copy_from_slice(&self.blocks[i]);
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        self.dropped.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn an_import_left_in_device_memory_is_read_through_its_holder_or_recomputed() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let Some(reference) = engine(config()) else { return };
+    let prefiller = engine(config()).unwrap();
+    let prompt = chat_prompt(&reference, SYSTEM, "What is a comet made of?");
+    let local = collect(reference.submit(request(prompt.clone(), "alice", 16)).unwrap());
+    for broken in [false, true] {
+        let decoder = engine(config()).unwrap();
+        let p = prefill(&prefiller, request(prompt.clone(), "alice", 16), 0, None);
+        let n = p.export.blocks.len();
+        let block_bytes = p.export.blocks[0].len();
+        let dropped = Arc::new(AtomicBool::new(false));
+        let reads = Arc::new(AtomicUsize::new(0));
+        let holder = Arc::new(Staged { blocks: p.export.blocks.clone(), reads: reads.clone(), broken, dropped: dropped.clone() });
+        let import = KvImport {
+            start_block: 0,
+            blocks: baton_engine::ImportBlocks::Device(baton_engine::DeviceBlocks { addrs: (0..n as u64).map(|i| 0x1000 * (i + 1)).collect(), block_bytes, holder }),
+            first_token: Some(p.first.clone()),
+        };
+        let sub = decoder.submit_with(request(prompt.clone(), "alice", 16), SubmitOptions { import: Some(import), export_from_block: None }).unwrap();
+        let mut said = sub.import.unwrap();
+        let out = collect(sub.stream);
+        assert_eq!(out.tokens, local.tokens, "broken holder: {broken}");
+        let used = said.try_recv().unwrap();
+        if broken {
+            // Nothing could be read: computed here, said so, same tokens.
+            assert_eq!(used, ImportUse::DeviceCopyFailed);
+            assert_eq!(out.usage.cached_tokens, 0);
+        } else {
+            assert_eq!(used, ImportUse::Used);
+            assert_eq!(reads.load(Ordering::SeqCst), n, "each block read once");
+        }
+        assert!(dropped.load(Ordering::SeqCst), "the holder is let go once the import was admitted");
+        assert_no_leaks(&decoder);
+    }
 }

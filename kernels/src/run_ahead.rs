@@ -10,8 +10,6 @@
 //! tickets of picks in flight and which of two host buffers each lands in
 //! ([`PickQueue`]), and which device words a fed step copies ([`fed_runs`]).
 
-use std::collections::VecDeque;
-
 /// Greedy picks queued by [`crate::Backend::greedy_rows_start`] and not yet read:
 /// redeemed once, in the order they were started, with
 /// [`crate::Backend::greedy_rows_finish`].
@@ -38,7 +36,7 @@ pub fn run_ahead_enabled() -> Result<bool, String> {
 #[cfg(any(feature = "cuda", test))]
 #[derive(Debug, Default)]
 pub(crate) struct PickQueue {
-    pending: VecDeque<(u64, usize)>,
+    pending: std::collections::VecDeque<(u64, usize)>,
     next_ticket: u64,
     next_half: usize,
 }

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 pub use cost::StepCost;
 pub use handoff::layers::{LayerChunk, LayerExport, LayerExportEvent};
-pub use handoff::{ImportUse, ImportedToken, KvExport, KvImport, SubmitOptions, Submission};
+pub use handoff::{DeviceBlockHolder, DeviceBlocks, ImportBlocks, ImportUse, ImportedToken, KvExport, KvImport, SubmitOptions, Submission};
 pub use scheduler::PreemptionMode;
 
 /// How the engine uses memory and schedules work.

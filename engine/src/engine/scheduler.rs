@@ -20,7 +20,7 @@ use super::handoff::layers::LayerJob;
 use super::handoff::{plan_import, ExportTo, ImportPlan};
 use super::cost::{CostModel, RecentSteps, StepCost, StepShape};
 use super::plan::{plan_step, Admission, Limits, Queues, SeqProgress};
-use super::{Command, EngineConfig, EngineError, Event, FinishReason, ImportUse, KvExport, KvImport, PrefixQuery, Request, Shared};
+use super::{Command, EngineConfig, EngineError, Event, FinishReason, ImportBlocks, ImportUse, KvExport, KvImport, PrefixQuery, Request, Shared};
 use crate::kv::{BlockHasher, BlockId, BlockOwner, BlockStore, HashChain, KvCache, KvError, Registered, SeqId, WindowRule};
 use crate::model::{Model, Scratch, StepInput};
 use super::arena::ArenaPlan;
@@ -596,14 +596,34 @@ impl<B: Backend> Worker<B> {
                             // Blocks behind every window of the rows after `computed` get
                             // no window layers' memory: the import's zeros there are dropped.
                             let ids: Vec<usize> = seq.blocks[first..end].iter().map(|b| b.index()).collect();
-                            let data: Vec<&[u8]> = import.blocks[first - import.start_block..end - import.start_block].iter().map(Vec::as_slice).collect();
-                            store.backend.kv_blocks_in(store.kv, &ids, &data);
-                            // The sender may have left these blocks' local layers out (the
-                            // receiver skipped them by the same rule, continuing at `computed`).
-                            seq.local_layers_absent_below = self.window.partial_blocks(computed).min(end);
-                            seq.computed = computed;
-                            seq.imported_first = import.first_token;
-                            ImportUse::Used
+                            let range = first - import.start_block..end - import.start_block;
+                            let copied = match &import.blocks {
+                                ImportBlocks::Host(blocks) => {
+                                    let data: Vec<&[u8]> = blocks[range].iter().map(Vec::as_slice).collect();
+                                    store.backend.kv_blocks_in(store.kv, &ids, &data);
+                                    Ok(())
+                                }
+                                // On the device: copied there, else through the host.
+                                ImportBlocks::Device(d) if store.backend.kv_blocks_in_device(store.kv, &ids, &d.addrs[range.clone()]) => Ok(()),
+                                ImportBlocks::Device(d) => d.to_host(range).map(|blocks| {
+                                    let data: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
+                                    store.backend.kv_blocks_in(store.kv, &ids, &data);
+                                }),
+                            };
+                            match copied {
+                                Ok(()) => {
+                                    // The sender may have left these blocks' local layers out (the
+                                    // receiver skipped them by the same rule, continuing at `computed`).
+                                    seq.local_layers_absent_below = self.window.partial_blocks(computed).min(end);
+                                    seq.computed = computed;
+                                    seq.imported_first = import.first_token;
+                                    ImportUse::Used
+                                }
+                                Err(e) => {
+                                    tracing::warn!(seq = seq.id.0, error = %e, "the import's device blocks could not be copied; computing locally");
+                                    ImportUse::DeviceCopyFailed
+                                }
+                            }
                         }
                     };
                     // Sent before the imported first token is: a caller reading the

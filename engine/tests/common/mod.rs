@@ -173,7 +173,7 @@ pub struct Prefilled {
 impl Prefilled {
     /// The import a decode node builds from the handover.
     pub fn into_import(self) -> baton_engine::KvImport {
-        baton_engine::KvImport { start_block: self.export.start_block, blocks: self.export.blocks, first_token: Some(self.first) }
+        baton_engine::KvImport { start_block: self.export.start_block, blocks: self.export.blocks.into(), first_token: Some(self.first) }
     }
 }
 

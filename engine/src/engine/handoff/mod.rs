@@ -47,11 +47,75 @@ pub struct KvImport {
     /// Index (in the sequence) of the first block in `blocks`.
     pub start_block: usize,
     /// Whole blocks (all layers, the arena's block layout), in sequence order.
-    pub blocks: Vec<Vec<u8>>,
+    pub blocks: ImportBlocks,
     /// The token sampled after the prompt by the engine that computed it.
     /// Present: the import covers the whole prompt (its last block may be
     /// partial). Absent: the import covers whole blocks of a prefix only.
     pub first_token: Option<ImportedToken>,
+}
+
+/// An import's blocks: on the host, or still in device memory of the engine's device.
+#[derive(Clone, Debug)]
+pub enum ImportBlocks {
+    Host(Vec<Vec<u8>>),
+    Device(DeviceBlocks),
+}
+
+impl ImportBlocks {
+    pub fn len(&self) -> usize {
+        match self {
+            ImportBlocks::Host(b) => b.len(),
+            ImportBlocks::Device(d) => d.addrs.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl From<Vec<Vec<u8>>> for ImportBlocks {
+    fn from(blocks: Vec<Vec<u8>>) -> Self {
+        ImportBlocks::Host(blocks)
+    }
+}
+
+/// What holds an import's device blocks (a node's staging pool in the engine's GPU
+/// memory): keeps them from reuse until dropped, and copies one to the host for a backend
+/// that cannot copy on the device.
+pub trait DeviceBlockHolder: Send + Sync {
+    /// Copies block `i` of the import (`out.len()` bytes) to the host.
+    fn read_block(&self, i: usize, out: &mut [u8]) -> Result<(), String>;
+}
+
+/// Whole blocks that arrived in device memory (GPUDirect RDMA into a staging pool on the
+/// engine's GPU): the engine copies them into its arena on the device
+/// ([`Backend::kv_blocks_in_device`](baton_kernels::Backend::kv_blocks_in_device)).
+#[derive(Clone)]
+pub struct DeviceBlocks {
+    /// Device address of each block's first byte, in sequence order.
+    pub addrs: Vec<u64>,
+    /// Bytes of each block.
+    pub block_bytes: usize,
+    pub holder: std::sync::Arc<dyn DeviceBlockHolder>,
+}
+
+impl DeviceBlocks {
+    /// Blocks `range`, copied to the host.
+    pub fn to_host(&self, range: std::ops::Range<usize>) -> Result<Vec<Vec<u8>>, String> {
+        range
+            .map(|i| {
+                let mut out = vec![0u8; self.block_bytes];
+                self.holder.read_block(i, &mut out).map(|()| out)
+            })
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for DeviceBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBlocks").field("blocks", &self.addrs.len()).field("block_bytes", &self.block_bytes).finish_non_exhaustive()
+    }
 }
 
 /// A token sampled by another engine.
@@ -103,6 +167,8 @@ pub enum ImportUse {
     NotContiguous,
     /// No memory for its blocks' sliding-window layers.
     NoWindowMemory,
+    /// Its blocks were in device memory and could not be copied out of it.
+    DeviceCopyFailed,
 }
 
 /// Checks an import's shape against the prompt.
@@ -110,7 +176,11 @@ pub(crate) fn validate_import(import: &KvImport, prompt_len: usize, block_tokens
     if import.blocks.is_empty() {
         return Err(EngineError::BadImport { what: "no blocks" });
     }
-    if import.blocks.iter().any(|b| b.len() != block_bytes) {
+    let sizes_ok = match &import.blocks {
+        ImportBlocks::Host(blocks) => blocks.iter().all(|b| b.len() == block_bytes),
+        ImportBlocks::Device(d) => d.block_bytes == block_bytes,
+    };
+    if !sizes_ok {
         return Err(EngineError::BadImport { what: "block size differs from this engine's blocks" });
     }
     let end = import.start_block + import.blocks.len();
@@ -167,7 +237,7 @@ mod tests {
     fn import(start: usize, n: usize, first: bool) -> KvImport {
         KvImport {
             start_block: start,
-            blocks: vec![vec![0u8; 8]; n],
+            blocks: vec![vec![0u8; 8]; n].into(),
             first_token: first.then(|| ImportedToken { id: 1, logprob: 0.0, top_logprobs: vec![] }),
         }
     }
@@ -183,7 +253,8 @@ mod tests {
         assert!(validate_import(&import(0, 2, false), 32, 16, 8).is_err());
         assert!(validate_import(&import(0, 2, false), 33, 16, 8).is_ok());
         let mut bad = import(1, 2, true);
-        bad.blocks[1].push(0);
+        let ImportBlocks::Host(blocks) = &mut bad.blocks else { unreachable!() };
+        blocks[1].push(0);
         assert!(validate_import(&bad, 40, 16, 8).is_err());
         assert!(validate_import(&import(0, 0, false), 40, 16, 8).is_err());
     }

@@ -25,10 +25,11 @@ pub trait BlockSink: Send + Sync {
     /// Writes one layer of one reserved block. `bytes` is exactly
     /// `layout().bytes_per_block_layer()` long.
     fn write_layer(&self, block: BlockId, layer: u32, bytes: &[u8]) -> Result<()>;
-    /// Writes one layer of one reserved block from device memory, copying on the device:
-    /// `Ok(false)` (the default) when this sink cannot take device bytes (host memory, or
-    /// another device), and the caller brings them to the host for [`BlockSink::write_layer`].
-    fn write_layer_device(&self, _block: BlockId, _layer: u32, _bytes: DeviceBytes<'_>) -> Result<bool> {
+    /// Writes one layer of reserved blocks `blocks` from device memory (`bytes`: their
+    /// block-layers back to back), copying on the device: `Ok(false)` (the default) when
+    /// this sink cannot take device bytes (host memory, or another device), and the caller
+    /// brings them to the host for [`BlockSink::write_layer`].
+    fn write_layers_device(&self, _blocks: &[BlockId], _layer: u32, _bytes: DeviceBytes<'_>) -> Result<bool> {
         Ok(false)
     }
     /// Returns blocks to the free list.
@@ -233,7 +234,10 @@ impl BlockSink for ArenaPool {
         if n > free {
             return Err(Error::PoolExhausted { requested: n, free });
         }
-        let blocks = state.free.split_off(free - n);
+        let mut blocks = state.free.split_off(free - n);
+        // Ascending: a fresh pool's reservation is one run of consecutive blocks, which a
+        // device pool fills with one copy per frame (`write_layers_device`).
+        blocks.reverse();
         for b in &blocks {
             state.reserved[b.0 as usize] = true;
         }
@@ -255,23 +259,38 @@ impl BlockSink for ArenaPool {
         Ok(())
     }
 
-    fn write_layer_device(&self, block: BlockId, layer: u32, bytes: DeviceBytes<'_>) -> Result<bool> {
+    /// One device copy per run of consecutive block IDs (a fresh pool hands them out in
+    /// runs): a run's block-layers are a block apart.
+    fn write_layers_device(&self, blocks: &[BlockId], layer: u32, bytes: DeviceBytes<'_>) -> Result<bool> {
         let state = self.lock();
         let Storage::Device(mem) = &state.data else { return Ok(false) };
         if mem.label != bytes.memory.label {
             return Ok(false);
         }
-        let range = self.block_range(&state, block, layer)?;
-        if bytes.len != range.len() {
+        let bl = self.layout.bytes_per_block_layer();
+        if Some(bytes.len) != blocks.len().checked_mul(bl) {
             return Err(Error::Sink {
-                block,
+                block: blocks.first().copied().unwrap_or(BlockId(0)),
                 layer,
-                what: "write is not exactly one block-layer",
+                what: "write is not exactly one block-layer per block",
             });
         }
-        let dst = mem.device_addr + range.start as u64;
-        bytes.memory.copy.copy_to_device(bytes.offset, dst, bytes.len).map_err(|d| device_err(block, layer, d))?;
-        self.layer_writes.fetch_add(1, Ordering::Relaxed);
+        let mut starts = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            starts.push(self.block_range(&state, b, layer)?.start);
+        }
+        let mut i = 0;
+        while i < blocks.len() {
+            let run = 1 + blocks[i + 1..].iter().zip(&blocks[i..]).take_while(|(next, prev)| next.0 == prev.0.wrapping_add(1)).count();
+            let dst = mem.device_addr + starts[i] as u64;
+            bytes
+                .memory
+                .copy
+                .copy_rows_to_device(bytes.offset + i * bl, bl, run, dst, self.layout.bytes_per_block())
+                .map_err(|d| device_err(blocks[i], layer, d))?;
+            i += run;
+        }
+        self.layer_writes.fetch_add(blocks.len() as u64, Ordering::Relaxed);
         Ok(true)
     }
 
@@ -363,11 +382,28 @@ mod tests {
         assert!(pool.device_memory().is_some());
         assert_eq!(ArenaPool::new(l, 1).unwrap().device_memory(), None);
         // A device write of the wrong length, or into a free block, is refused.
-        let (src, _) = HostDevice::memory("cuda:0", 4 * bl);
+        let (src, src_dev) = HostDevice::memory("cuda:0", 4 * bl);
         let bytes = |len| DeviceBytes { memory: &src, offset: 0, len };
-        assert!(pool.write_layer_device(b[0], 0, bytes(bl - 2)).is_err());
-        assert!(pool.write_layer_device(BlockId(3), 0, bytes(bl)).is_err());
-        assert!(pool.write_layer_device(b[0], 0, bytes(bl)).unwrap());
+        assert!(pool.write_layers_device(&[b[0]], 0, bytes(bl - 2)).is_err());
+        assert!(pool.write_layers_device(&[BlockId(3)], 0, bytes(bl)).is_err());
+        assert!(pool.write_layers_device(&[b[0], BlockId(3)], 0, bytes(2 * bl)).is_err());
+        // Runs of consecutive blocks go in one copy each: [hi, lo] is two runs ...
+        let (lo, hi) = if b[0].0 < b[1].0 { (b[0], b[1]) } else { (b[1], b[0]) };
+        assert_eq!(hi.0, lo.0 + 1);
+        let rows: Vec<u8> = (0..2 * bl).map(|i| (i / bl) as u8 + 1).collect();
+        src.copy.write(0, &rows).unwrap();
+        assert!(pool.write_layers_device(&[hi, lo], 1, bytes(2 * bl)).unwrap());
+        assert_eq!(src_dev.device_copies.load(Ordering::SeqCst), 2);
+        let mut out = vec![0u8; bl];
+        pool.read_layer(hi, 1, &mut out).unwrap();
+        assert_eq!(out, vec![1u8; bl]);
+        pool.read_layer(lo, 1, &mut out).unwrap();
+        assert_eq!(out, vec![2u8; bl]);
+        // ... and [lo, hi] one.
+        assert!(pool.write_layers_device(&[lo, hi], 2, bytes(2 * bl)).unwrap());
+        assert_eq!(src_dev.device_copies.load(Ordering::SeqCst), 3);
+        pool.read_layer(hi, 2, &mut out).unwrap();
+        assert_eq!(out, vec![2u8; bl]);
     }
 
     fn tiny() -> KvLayout {

@@ -36,9 +36,12 @@ pub trait DeviceCopy: Send + Sync {
     /// computes it) of the `len` bytes from `offset`, computed on the device, seeing NIC
     /// writes as [`DeviceCopy::read`] does: only 4 bytes come to the host.
     fn checksum(&self, offset: usize, len: usize) -> Result<u32, String>;
-    /// Copies `len` bytes from `offset` to the device address `dst` of the same device
-    /// (another allocation of the owner's), seeing NIC writes as [`DeviceCopy::read`] does.
-    fn copy_to_device(&self, offset: usize, dst: u64, len: usize) -> Result<(), String>;
+    /// Copies `rows` rows of `row_bytes`, contiguous from `offset`, to the device address
+    /// `dst` of the same device (another allocation of the owner's), row `i` to
+    /// `dst + i * dst_pitch`, in one copy (CUDA: `cuMemcpy2D`), seeing NIC writes as
+    /// [`DeviceCopy::read`] does. A frame's payload (one layer of consecutive blocks) goes
+    /// to consecutive blocks of a pool this way: block-layers `dst_pitch` apart.
+    fn copy_rows_to_device(&self, offset: usize, row_bytes: usize, rows: usize, dst: u64, dst_pitch: usize) -> Result<(), String>;
 }
 
 /// Device memory exported as a dma-buf.
@@ -198,7 +201,7 @@ pub mod host_device {
         len: usize,
         /// Bytes copied out to the host by `read`.
         pub host_reads: AtomicU64,
-        /// Device-to-device copies made by `copy_to_device`.
+        /// Device-to-device copies made by `copy_rows_to_device`.
         pub device_copies: AtomicU64,
     }
 
@@ -242,13 +245,17 @@ pub mod host_device {
             Ok(crc32fast::hash(&self.bytes.lock().unwrap()[r]))
         }
 
-        fn copy_to_device(&self, offset: usize, dst: u64, len: usize) -> Result<(), String> {
-            let r = self.range(offset, len)?;
+        fn copy_rows_to_device(&self, offset: usize, row_bytes: usize, rows: usize, dst: u64, dst_pitch: usize) -> Result<(), String> {
+            let r = self.range(offset, row_bytes * rows)?;
             let bytes = self.bytes.lock().unwrap()[r].to_vec();
-            let target = ALL.lock().unwrap().iter().filter_map(std::sync::Weak::upgrade).find(|d| dst >= d.base && dst + len as u64 <= d.base + d.len as u64);
-            let target = target.ok_or_else(|| format!("{len} bytes at device address {dst:#x} are in no allocation"))?;
-            let at = (dst - target.base) as usize;
-            target.bytes.lock().unwrap()[at..at + len].copy_from_slice(&bytes);
+            let span = (dst_pitch * rows.saturating_sub(1) + row_bytes) as u64;
+            let target = ALL.lock().unwrap().iter().filter_map(std::sync::Weak::upgrade).find(|d| dst >= d.base && dst + span <= d.base + d.len as u64);
+            let target = target.ok_or_else(|| format!("{span} bytes at device address {dst:#x} are in no allocation"))?;
+            let mut to = target.bytes.lock().unwrap();
+            for (i, row) in bytes.chunks_exact(row_bytes.max(1)).enumerate() {
+                let at = (dst - target.base) as usize + i * dst_pitch;
+                to[at..at + row_bytes].copy_from_slice(row);
+            }
             self.device_copies.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }

@@ -120,10 +120,10 @@ async fn device_payloads_go_device_to_device_into_a_device_pool() {
     let (staging, staging_dev) = HostDevice::memory("cuda:0", ArenaPool::bytes_for(LAYOUT, 4).unwrap());
     let run = run(ArenaPool::on_device(LAYOUT, 4, staging).unwrap(), 2, frames(&ring, &HELD, None)).await;
     check_blocks(&run);
-    // Not one payload byte came to the host: one device copy per block-layer, and only the
-    // pool's own readback (check_blocks) read the staging memory.
+    // Not one payload byte came to the host: one device copy per frame (the two blocks are
+    // consecutive), and only the pool's own readback (check_blocks) read the staging memory.
     assert_eq!(ring_dev.host_reads.load(Ordering::SeqCst), 0);
-    assert_eq!(ring_dev.device_copies.load(Ordering::SeqCst), 4);
+    assert_eq!(ring_dev.device_copies.load(Ordering::SeqCst), 2);
     assert_eq!(staging_dev.host_reads.load(Ordering::SeqCst), 2 * LAYOUT.bytes_per_block() as u64);
     assert_eq!(HELD.load(Ordering::SeqCst), 0, "every frame let go of its slot");
 }
@@ -159,8 +159,9 @@ async fn a_corrupted_device_payload_is_refused_by_its_checksum() {
     let reply = run.reply.expect("the receiver replied");
     assert_eq!(reply.header.kind, FrameKind::Failed);
     assert_eq!(crate::error::KINDS[reply.failure().code as usize], "frame_checksum");
-    // Layer 0 went in before layer 1 was refused; nothing of layer 1 did; the blocks are free.
-    assert_eq!(ring_dev.device_copies.load(Ordering::SeqCst), 2);
+    // Layer 0 went in (one copy) before layer 1 was refused; nothing of layer 1 did; the
+    // blocks are free.
+    assert_eq!(ring_dev.device_copies.load(Ordering::SeqCst), 1);
     assert_eq!(run.pool.layer_writes(), 2);
     assert_eq!(run.pool.free_blocks(), 4);
     assert_eq!(HELD.load(Ordering::SeqCst), 0);

@@ -197,14 +197,13 @@ impl Inner {
     /// can take it there, else brought to the host once and written as any other.
     fn write_device(&self, blocks: &[BlockId], layer: u32, payload: &DevicePayload) -> Result<()> {
         let bl = self.layout.bytes_per_block_layer();
-        for (i, &block) in blocks.iter().take(payload.len() / bl).enumerate() {
-            let bytes = payload.bytes(i * bl, bl).ok_or(Error::InvalidArgument { what: "device payload shorter than its blocks" })?;
-            if !self.sink.write_layer_device(block, layer, bytes)? {
-                let host = payload.to_host().map_err(|detail| Error::Link { transport: "device memory", detail: format!("copying a payload to the host: {detail}") })?;
-                return self.write_host(&blocks[i..], layer, &host[i * bl..]);
-            }
+        let blocks = &blocks[..payload.len() / bl];
+        let bytes = payload.bytes(0, payload.len()).ok_or(Error::InvalidArgument { what: "device payload range" })?;
+        if self.sink.write_layers_device(blocks, layer, bytes)? {
+            return Ok(());
         }
-        Ok(())
+        let host = payload.to_host().map_err(|detail| Error::Link { transport: "device memory", detail: format!("copying a payload to the host: {detail}") })?;
+        self.write_host(blocks, layer, &host)
     }
 
     fn complete(&self, entry: &Entry) -> Step {

@@ -19,9 +19,9 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use baton_engine::kv::WindowRule;
-use baton_engine::EngineInfo;
+use baton_engine::{DeviceBlockHolder, DeviceBlocks, EngineInfo, ImportBlocks};
 use baton_kv_transport::transport::quic::QuicTuning;
-use baton_kv_transport::transport::device_memory::RingMemory;
+use baton_kv_transport::transport::device_memory::{DeviceMemory, RingMemory};
 use baton_kv_transport::transport::select::{bind_node_transport, RdmaConfig, RingPlacement, TransportChoice};
 use baton_kv_transport::{ArenaPool, BlockId, BlockSink, BlockSource, KvDtype, KvLayout, KvReceiver, KvSender, Listener, NodeTls, Peer, ReceiverConfig, Reservation};
 
@@ -136,14 +136,36 @@ pub fn supply_ring_memory(choice: &mut TransportChoice, backend: &str, gpu: usiz
     };
 }
 
+/// Device memory for the staging pool, where the receive rings are in device memory
+/// (`--rdma-ring-memory device`, supplied): `bytes` of the same GPU, so that a frame's
+/// payload goes from its ring slot into a staging block, and from there into the engine's
+/// arena, without leaving the GPU. `None` (host staging) otherwise, or where the GPU cannot
+/// give it (logged).
+pub fn device_staging_memory(choice: &TransportChoice, gpu: usize, bytes: usize) -> Option<DeviceMemory> {
+    let TransportChoice::Rdma(config) = choice else { return None };
+    let RingMemory::Device(_) = config.ring_memory else { return None };
+    gpu_ring_memory(gpu, bytes)
+        .inspect_err(|why| tracing::warn!(reason = %why, "the KV staging pool cannot use device memory; using host memory"))
+        .ok()
+}
+
 /// `bytes` of GPU `gpu` exported as a dma-buf, described for the transport.
 #[cfg(feature = "cuda")]
-fn gpu_ring_memory(gpu: usize, bytes: usize) -> std::result::Result<baton_kv_transport::transport::device_memory::DeviceMemory, String> {
-    use baton_kv_transport::transport::device_memory::{DeviceCopy, DeviceMemory};
+fn gpu_ring_memory(gpu: usize, bytes: usize) -> std::result::Result<DeviceMemory, String> {
+    use baton_kv_transport::transport::device_memory::DeviceCopy;
     struct CudaRing(baton_kernels::cuda::dmabuf::DmaBuf);
     impl DeviceCopy for CudaRing {
         fn read(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
             self.0.read(offset, dst)
+        }
+        fn write(&self, offset: usize, src: &[u8]) -> std::result::Result<(), String> {
+            self.0.write(offset, src)
+        }
+        fn checksum(&self, offset: usize, len: usize) -> std::result::Result<u32, String> {
+            self.0.checksum(offset, len)
+        }
+        fn copy_rows_to_device(&self, offset: usize, row_bytes: usize, rows: usize, dst: u64, dst_pitch: usize) -> std::result::Result<(), String> {
+            self.0.copy_rows_to_device(offset, row_bytes, rows, dst, dst_pitch)
         }
     }
     let buf = baton_kernels::cuda::dmabuf::DmaBuf::on_gpu(gpu, bytes).map_err(|e| e.to_string())?;
@@ -153,7 +175,7 @@ fn gpu_ring_memory(gpu: usize, bytes: usize) -> std::result::Result<baton_kv_tra
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_ring_memory(_gpu: usize, _bytes: usize) -> std::result::Result<baton_kv_transport::transport::device_memory::DeviceMemory, String> {
+fn gpu_ring_memory(_gpu: usize, _bytes: usize) -> std::result::Result<DeviceMemory, String> {
     Err("this build has no CUDA backend (cargo feature `cuda` is off)".into())
 }
 
@@ -224,7 +246,23 @@ impl KvNode {
     /// from RDMA to QUIC (with a warning naming the reason) where RDMA cannot be used.
     /// Logs the transport it runs. Needs a Tokio runtime.
     pub fn start(name: &str, listen: SocketAddr, tls: &NodeTls, choice: &TransportChoice, layout: KvLayout, staging_blocks: usize) -> Result<KvNode> {
-        let staging = Arc::new(ArenaPool::new(layout, staging_blocks).map_err(Error::transport("staging pool"))?);
+        Self::start_staging_in(name, listen, tls, choice, layout, staging_blocks, None)
+    }
+
+    /// [`KvNode::start`] with the staging pool in `staging_memory` where given
+    /// ([`device_staging_memory`]): received blocks stay in device memory until the engine
+    /// copies them into its arena there.
+    pub fn start_staging_in(name: &str, listen: SocketAddr, tls: &NodeTls, choice: &TransportChoice, layout: KvLayout, staging_blocks: usize, staging_memory: Option<DeviceMemory>) -> Result<KvNode> {
+        let pool = match staging_memory {
+            Some(mem) => {
+                let label = mem.label.clone();
+                let pool = ArenaPool::on_device(layout, staging_blocks, mem).map_err(Error::transport("device staging pool"))?;
+                tracing::info!(device = %label, blocks = staging_blocks, "KV staging pool in device memory");
+                pool
+            }
+            None => ArenaPool::new(layout, staging_blocks).map_err(Error::transport("staging pool"))?,
+        };
+        let staging = Arc::new(pool);
         let receiver = KvReceiver::new(staging.clone(), ReceiverConfig::default()).map_err(Error::transport("KV receiver"))?;
         let tuning = if listen.ip().is_loopback() { QuicTuning::loopback() } else { QuicTuning::default() };
         let requested = choice.name();
@@ -284,16 +322,44 @@ impl KvNode {
         );
     }
 
-    /// Copies completed staging blocks out (all layers each) and releases them.
-    pub fn take_blocks(&self, blocks: &[BlockId]) -> baton_kv_transport::Result<Vec<Vec<u8>>> {
-        let out = blocks.iter().map(|&b| self.staging.read_block(b)).collect();
+    /// Completed staging blocks (all layers each) for the engine: copied out and released
+    /// from a host pool; from a device pool, left where they are and released once the
+    /// engine let go of them ([`DeviceBlocks`]).
+    pub fn take_blocks(&self, blocks: &[BlockId]) -> baton_kv_transport::Result<ImportBlocks> {
+        if self.staging.device_memory().is_some() {
+            let hold = StagedBlocks { pool: self.staging.clone(), blocks: blocks.to_vec() };
+            let addrs = blocks.iter().map(|&b| self.staging.block_device_addr(b).map(|a| a.unwrap_or_default())).collect::<baton_kv_transport::Result<Vec<u64>>>()?;
+            return Ok(ImportBlocks::Device(DeviceBlocks { addrs, block_bytes: self.layout.bytes_per_block(), holder: Arc::new(hold) }));
+        }
+        let out: baton_kv_transport::Result<Vec<Vec<u8>>> = blocks.iter().map(|&b| self.staging.read_block(b)).collect();
         self.staging.release(blocks);
-        out
+        out.map(ImportBlocks::Host)
     }
 
     /// Staging blocks in use (reserved or being received).
     pub fn staging_used(&self) -> usize {
         self.staging.total_blocks() - self.staging.free_blocks()
+    }
+}
+
+/// Received blocks in a device staging pool, held for the engine: released when dropped.
+struct StagedBlocks {
+    pool: Arc<ArenaPool>,
+    blocks: Vec<BlockId>,
+}
+
+impl DeviceBlockHolder for StagedBlocks {
+    fn read_block(&self, i: usize, out: &mut [u8]) -> std::result::Result<(), String> {
+        let block = *self.blocks.get(i).ok_or_else(|| format!("block {i} of {}", self.blocks.len()))?;
+        let bytes = self.pool.read_block(block).map_err(|e| e.to_string())?;
+        out.copy_from_slice(&bytes);
+        Ok(())
+    }
+}
+
+impl Drop for StagedBlocks {
+    fn drop(&mut self) {
+        self.pool.release(&self.blocks);
     }
 }
 
@@ -459,11 +525,50 @@ mod tests {
         prefill.sender.send(&peer, &grant, source, ids).await.unwrap();
         let landed = reservation.finished().await.unwrap();
         assert_eq!(decode.staging_used(), blocks.len());
-        assert_eq!(decode.take_blocks(&landed).unwrap(), blocks);
+        let ImportBlocks::Host(taken) = decode.take_blocks(&landed).unwrap() else { panic!("a host staging pool gives host blocks") };
+        assert_eq!(taken, blocks);
         assert_eq!(decode.staging_used(), 0);
         let sent = prefill.sender.stats();
         assert_eq!(sent.transport, prefill.transport);
         assert!(sent.bytes.load(std::sync::atomic::Ordering::Relaxed) >= (2 * bytes) as u64);
+    }
+
+    /// A staging pool in device memory: blocks land there (QUIC frames are written into it
+    /// from the host), the engine gets them as device blocks, and the staging blocks stay
+    /// taken until the engine lets go of them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn device_staging_holds_blocks_until_the_engine_lets_go() {
+        use baton_kv_transport::transport::device_memory::host_device::HostDevice;
+        let certs = generate_dev_certs("test", &["decode-0", "prefill-0"]).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let (mem, _dev) = HostDevice::memory("cuda:0", ArenaPool::bytes_for(LAYOUT, 4).unwrap());
+        let base = mem.device_addr;
+        let decode = KvNode::start_staging_in("decode-0", loopback, &certs.node_tls("decode-0").unwrap(), &TransportChoice::Quic, LAYOUT, 4, Some(mem)).unwrap();
+        let prefill = KvNode::start("prefill-0", loopback, &certs.node_tls("prefill-0").unwrap(), &TransportChoice::Quic, LAYOUT, 1).unwrap();
+        let bytes = LAYOUT.bytes_per_block();
+        let blocks: Vec<Vec<u8>> = (0..3u8).map(|b| (0..bytes).map(|i| (i as u8).wrapping_mul(5).wrapping_add(b * 17)).collect()).collect();
+        let reservation = decode.receiver.reserve(blocks.len(), Some(std::time::Duration::from_secs(10))).unwrap();
+        let grant = reservation.grant().clone();
+        let source = Arc::new(ExportSource { layout: LAYOUT, blocks: blocks.clone() });
+        let ids = source.ids();
+        prefill.sender.send(&parse_endpoint(&decode.endpoint).unwrap(), &grant, source, ids).await.unwrap();
+        let landed = reservation.finished().await.unwrap();
+        let ImportBlocks::Device(taken) = decode.take_blocks(&landed).unwrap() else { panic!("a device staging pool gives device blocks") };
+        assert_eq!(taken.block_bytes, bytes);
+        let expect: Vec<u64> = landed.iter().map(|b| base + (b.0 as usize * bytes) as u64).collect();
+        assert_eq!(taken.addrs, expect);
+        assert_eq!(taken.to_host(0..3).unwrap(), blocks);
+        assert_eq!(decode.staging_used(), 3, "held while the engine may still copy them");
+        let clone = taken.clone();
+        drop(taken);
+        assert_eq!(decode.staging_used(), 3);
+        drop(clone);
+        assert_eq!(decode.staging_used(), 0);
+        assert_eq!(decode.staging.double_releases(), 0);
+        // Without device rings, no device staging is asked for.
+        assert!(device_staging_memory(&TransportChoice::Quic, 0, 1 << 20).is_none());
+        let host_rings = TransportChoice::Rdma(RdmaConfig::default());
+        assert!(device_staging_memory(&host_rings, 0, 1 << 20).is_none());
     }
 
     #[tokio::test]

@@ -97,7 +97,7 @@ pub async fn pull_prefix(
         .map_err(|_| Status::deadline_exceeded("prefix pull"))?
         .map_err(|e| Status::unavailable(e.to_string()))?;
     let bytes = kv.take_blocks(&ids).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(KvImport { start_block, blocks: bytes.into(), first_token: None })
+    Ok(KvImport { start_block, blocks: bytes, first_token: None })
 }
 
 #[cfg(test)]

@@ -144,7 +144,7 @@ async fn a_turn_longer_than_the_window_ships_without_out_of_window_blocks_and_de
     let landed = res.finished().await.unwrap();
     let bytes = decode.take_blocks(&landed).unwrap();
     assert_eq!(decode.staging_used(), 0);
-    let import = KvImport { start_block: 0, blocks: bytes.into(), first_token: Some(first) };
+    let import = KvImport { start_block: 0, blocks: bytes, first_token: Some(first) };
     let (remote, _) = run(&decoder, request(prompt.clone(), 12), Some(import)).await;
     assert_eq!(remote, local, "remote prefill with out-of-window blocks left out vs local");
 

@@ -159,10 +159,9 @@ pub async fn remote_prefill(
     let left = deadline.saturating_sub(started.elapsed());
     let blocks =
         tokio::time::timeout(left, reservation.finished()).await.map_err(|_| HandoffError::Deadline(deadline))?.map_err(HandoffError::Transfer)?;
-    let bytes = kv.take_blocks(&blocks).map_err(HandoffError::Transfer)?;
     let import = KvImport {
         start_block,
-        blocks: bytes,
+        blocks: kv.take_blocks(&blocks).map_err(HandoffError::Transfer)?,
         first_token: Some(ImportedToken {
             id: first.id,
             logprob: first.logprob.unwrap_or(0.0),

@@ -168,7 +168,10 @@ pub async fn serve<R: NodeRole>(
     // alive for as long as the node serves).
     kv::supply_ring_memory(&mut config.kv_transport, &engine.info.backend, config.engine.gpu, layout);
     let staging_blocks = (config.kv_staging_bytes / layout.bytes_per_block()).max(1);
-    let mut kv_node = KvNode::start(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks)?.with_windows(engine.info.layer_windows.clone());
+    // With the rings on the GPU, staging there too: a received block never visits the host.
+    let staging_memory = kv::device_staging_memory(&config.kv_transport, config.engine.gpu, staging_blocks * layout.bytes_per_block());
+    let mut kv_node = KvNode::start_staging_in(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks, staging_memory)?
+        .with_windows(engine.info.layer_windows.clone());
     let grpc_local = grpc.local_addr().map_err(Error::io("the gRPC listener's address"))?;
     let host = config.advertise_host.clone().unwrap_or_else(|| advertise_ip(grpc_local));
     let grpc_addr = format!("{host}:{}", grpc_local.port());

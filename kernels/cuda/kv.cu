@@ -44,3 +44,13 @@ extern "C" __global__ void kv_unpack(u32* arena, const u32* blocks, u64 words_pe
     const u32* src = packed + (u64)blockIdx.y * span;
     FOR_EACH(i, span) dst[i] = src[i];
 }
+
+// kv_unpack with each block's packed layers anywhere on the device: block
+// i's source starts at the address srcs[2i] | srcs[2i+1] << 32 (a frame in a
+// GPU-memory RDMA ring, 4-byte aligned), not at packed + i * span.
+extern "C" __global__ void kv_unpack_from(u32* arena, const u32* blocks, u64 words_per_block_layer, int layers, int l0, int l1, const u32* srcs) {
+    u64 span = (u64)(l1 - l0) * words_per_block_layer;
+    u32* dst = arena + ((u64)blocks[blockIdx.y] * layers + l0) * words_per_block_layer;
+    const u32* src = (const u32*)((u64)srcs[2 * blockIdx.y] | (u64)srcs[2 * blockIdx.y + 1] << 32);
+    FOR_EACH(i, span) dst[i] = src[i];
+}

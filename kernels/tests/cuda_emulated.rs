@@ -25,6 +25,9 @@ mod step;
 // The fused kernels against the unfused sequences they replace.
 #[path = "emulated/fused.rs"]
 mod fused;
+// The CRC-32 of a frame in device memory against crc32fast.
+#[path = "emulated/crc.rs"]
+mod crc;
 
 fn launch(g: plan::Geometry) -> Launch {
     Launch::new(g.grid, g.block, g.shared_bytes as usize)
@@ -180,6 +183,39 @@ fn kv_pack_and_unpack_move_whole_layers() {
         let at = b as usize * layout.block_bytes() + layers.start * lb;
         assert!(arena[at..at + span] == packed[i * span..(i + 1) * span], "block {b}: unpacked bytes differ");
     }
+}
+
+/// `kv_unpack_from` (each block's layers at its own device address: frames left in a
+/// GPU-memory RDMA ring) installs the same bytes as `kv_unpack` from one packed buffer,
+/// the sources scattered through a larger buffer, in another order than the blocks.
+#[test]
+fn kv_unpack_from_scattered_sources_equals_kv_unpack() {
+    let layout = KvLayout { layers: 4, block_tokens: 16, kv_heads: 2, head_dim: 32, dtype: KvDtype::F16 };
+    let blocks = 10;
+    let (lb, bb) = (layout.block_layer_bytes(), layout.block_bytes());
+    let (layers, into) = (1..3, [7u32, 2, 9, 0, 5]);
+    let span = layers.len() * lb;
+    let packed: Vec<u8> = values(into.len() * span / 4, 31).iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    let (wpbl, nl, l0, l1) = ((lb / 4) as u64, layout.layers as i32, layers.start as i32, layers.end as i32);
+    let before: Vec<u8> = values(blocks * bb / 4, 32).iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+
+    let mut want = before.clone();
+    unsafe { emu::kv_unpack(&launch(plan::kv_copy(span, into.len())), want.as_mut_ptr().cast(), into.as_ptr(), wpbl, nl, l0, l1, packed.as_ptr().cast()) };
+
+    // Block i's bytes at slot order[i] of a ring with room between the slots (a header's worth).
+    let (slot, order) = (span + 44, [3usize, 0, 4, 1, 2]);
+    let mut ring = vec![0xa5u8; (into.len() + 1) * slot];
+    for (i, &o) in order.iter().enumerate() {
+        ring[o * slot + 44..o * slot + 44 + span].copy_from_slice(&packed[i * span..(i + 1) * span]);
+    }
+    let srcs: Vec<u32> = order.iter().flat_map(|&o| {
+        let addr = ring[o * slot + 44..].as_ptr() as u64;
+        [addr as u32, (addr >> 32) as u32]
+    }).collect();
+    let mut got = before.clone();
+    unsafe { emu::kv_unpack_from(&launch(plan::kv_copy(span, into.len())), got.as_mut_ptr().cast(), into.as_ptr(), wpbl, nl, l0, l1, srcs.as_ptr()) };
+    assert!(got == want, "kv_unpack_from and kv_unpack installed different bytes");
+    assert!(got != before, "nothing was installed");
 }
 
 /// The emulator keeps CUDA's rules: a warp shuffle needs a whole warp, so a

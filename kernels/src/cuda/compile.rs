@@ -27,6 +27,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention", include_str!("../../cuda/attention.cu")),
     ("sampling", include_str!("../../cuda/sampling.cu")),
     ("fused", include_str!("../../cuda/fused.cu")),
+    ("crc", include_str!("../../cuda/crc.cu")),
 ];
 
 /// The architecture name NVRTC takes for compute capability `major.minor`.
@@ -70,8 +71,7 @@ type PtxByArch = HashMap<&'static str, Vec<(&'static str, String)>>;
 
 /// Every kernel file compiled for `arch`, from the caches when possible.
 pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, Ptx)>, KernelError> {
-    static MEMORY: OnceLock<Mutex<PtxByArch>> = OnceLock::new();
-    let memory = MEMORY.get_or_init(|| Mutex::new(HashMap::new()));
+    let memory = memory_cache();
     if let Some(done) = memory.lock().unwrap_or_else(|p| p.into_inner()).get(arch) {
         return Ok(done.iter().map(|(n, p)| (*n, Ptx::from_src(p.clone()))).collect());
     }
@@ -79,28 +79,52 @@ pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, Ptx)>, Kerne
     let mut out = Vec::new();
     let mut texts = Vec::new();
     for &(name, source) in SOURCES {
-        let cached = disk_cache_path(name, source, arch, version);
-        let text = match cached.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
-            Some(text) => text,
-            None => {
-                let ptx = compile(name, source, arch)?;
-                let text = ptx.to_src();
-                if let Some(p) = &cached {
-                    // Best effort: a read-only cache only costs a recompile next time.
-                    let _ = p.parent().map(std::fs::create_dir_all);
-                    let tmp = p.with_extension("tmp");
-                    if std::fs::write(&tmp, &text).is_ok() {
-                        let _ = std::fs::rename(&tmp, p);
-                    }
-                }
-                text
-            }
-        };
+        let text = compile_cached(name, source, arch, version)?;
         out.push((name, Ptx::from_src(text.clone())));
         texts.push((name, text));
     }
     memory.lock().unwrap_or_else(|p| p.into_inner()).insert(arch, texts);
     Ok(out)
+}
+
+/// One kernel file of [`SOURCES`] compiled for `arch`, from the caches when possible: for
+/// an owner of a few kernels (a `DmaBuf`'s checksum) that holds no backend.
+pub fn compile_one(name: &str, arch: &'static str) -> Result<Ptx, KernelError> {
+    let &(name, source) = SOURCES.iter().find(|(n, _)| *n == name).ok_or_else(|| KernelError::Compile {
+        file: format!("{name}.cu"),
+        arch,
+        log: "no such kernel file in cuda::compile::SOURCES".into(),
+    })?;
+    if let Some(done) = memory_cache().lock().unwrap_or_else(|p| p.into_inner()).get(arch) {
+        if let Some((_, text)) = done.iter().find(|(n, _)| *n == name) {
+            return Ok(Ptx::from_src(text.clone()));
+        }
+    }
+    Ok(Ptx::from_src(compile_cached(name, source, arch, nvrtc_version()?)?))
+}
+
+/// The PTX text of every module compiled in this process, per architecture.
+fn memory_cache() -> &'static Mutex<PtxByArch> {
+    static MEMORY: OnceLock<Mutex<PtxByArch>> = OnceLock::new();
+    MEMORY.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// One file's PTX text from the disk cache, else compiled and stored there.
+fn compile_cached(name: &str, source: &str, arch: &'static str, version: (i32, i32)) -> Result<String, KernelError> {
+    let cached = disk_cache_path(name, source, arch, version);
+    if let Some(text) = cached.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+        return Ok(text);
+    }
+    let text = compile(name, source, arch)?.to_src();
+    if let Some(p) = &cached {
+        // Best effort: a read-only cache only costs a recompile next time.
+        let _ = p.parent().map(std::fs::create_dir_all);
+        let tmp = p.with_extension("tmp");
+        if std::fs::write(&tmp, &text).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(text)
 }
 
 /// NVRTC's (major, minor) version.

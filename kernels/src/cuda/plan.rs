@@ -58,6 +58,34 @@ pub fn kv_copy(span_bytes: usize, blocks: usize) -> Geometry {
     g
 }
 
+/// Threads of a CRC-32 block (`CRC_THREADS` in crc.cu).
+pub const CRC_THREADS: u32 = 256;
+/// Most blocks of `crc32_chunks`: the length of its partials buffer.
+pub const CRC_MAX_BLOCKS: usize = 1024;
+/// Fewest bytes a thread of `crc32_chunks` takes: below this, shifting its CRC past the
+/// chunks after it costs more than the bytes themselves.
+pub const CRC_MIN_CHUNK: usize = 64;
+
+/// The two launches of a CRC-32 over `len` bytes (crc.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CrcPlan {
+    /// `crc32_chunks`: a partial CRC per block into the partials buffer.
+    pub chunks: Geometry,
+    /// Bytes per thread: `chunks.grid.0 * CRC_THREADS * chunk >= len`.
+    pub chunk: u64,
+    /// `crc32_finish`: one block combining `chunks.grid.0` partials.
+    pub finish: Geometry,
+}
+
+/// `len` bytes cut into chunks of at least [`CRC_MIN_CHUNK`] over at most
+/// [`CRC_MAX_BLOCKS`] blocks (any `len` up to 2^58; frames are up to 64 MiB).
+pub fn crc32(len: usize) -> CrcPlan {
+    let threads = CRC_THREADS as usize;
+    let chunk = len.div_ceil(threads * CRC_MAX_BLOCKS).max(CRC_MIN_CHUNK);
+    let blocks = len.div_ceil(threads * chunk).max(1);
+    CrcPlan { chunks: per_row(blocks, CRC_THREADS), chunk: chunk as u64, finish: per_row(1, CRC_THREADS) }
+}
+
 /// Which partial kernel an attention call launches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnKernel {
@@ -210,6 +238,25 @@ impl AttentionPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every length a frame may have gets a grid that covers it (the kernel's padding in
+    /// front is `blocks * CRC_THREADS * chunk - len`, never negative), within the partials
+    /// buffer and the powers crc.cu keeps (2^20 chunks), threads never much emptier than
+    /// they must be.
+    #[test]
+    fn crc_plans_cover_every_length_within_their_buffers() {
+        let threads = CRC_THREADS as usize;
+        for len in [0, 1, 3, 255, 4096, 4097, (1 << 20) + 44, 16 << 20, (64 << 20) + 64, 1 << 40] {
+            let p = crc32(len);
+            let (blocks, chunk) = (p.chunks.grid.0 as usize, p.chunk as usize);
+            assert!(blocks * threads * chunk >= len, "{len}: {blocks} blocks of {chunk}-byte chunks");
+            assert!((1..=CRC_MAX_BLOCKS).contains(&blocks) && chunk >= CRC_MIN_CHUNK, "{len}: {p:?}");
+            assert!(blocks * threads <= 1 << 20, "{len}: more chunks than crc.cu keeps powers for");
+            assert!(blocks == 1 || (blocks - 1) * threads * chunk < len, "{len}: a whole block of nothing");
+            assert_eq!((p.chunks.block, p.finish.block, p.finish.grid), (CRC_THREADS, CRC_THREADS, (1, 1, 1)));
+        }
+        assert_eq!(crc32((1 << 20) + 44).chunks.grid.0, 65, "a 1 MiB frame spreads over 65 blocks");
+    }
 
     #[test]
     fn attention_plans_share_tables_and_group_heads() {

@@ -197,6 +197,12 @@ pub const DESIGNS: &[Design] = &[
     row("kv_write_", || plan::per_row(1, TOKEN_THREADS), (16, 16), SCALAR_F32),
     row("kv_pack", || plan::kv_copy(1 << 16, 1), (8, 8), SCALAR_F32),
     row("kv_unpack", || plan::kv_copy(1 << 16, 1), (8, 8), SCALAR_F32),
+    // The same copy from sources anywhere on the device (GPUDirect RDMA rings).
+    row("kv_unpack_from", || plan::kv_copy(1 << 16, 1), (8, 8), SCALAR_F32),
+    // A frame's CRC-32 (crc.cu): 8 KiB of tables and sums in shared memory a block;
+    // one 4-byte load per lane in flight, each lane on its own chunk.
+    row("crc32_chunks", || plan::crc32(1 << 20).chunks, (8, 8), SCALAR_F32),
+    row("crc32_finish", || plan::crc32(1 << 20).finish, (8, 8), SCALAR_F32),
     row("argmax_rows", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
     row("softmax_rows", || plan::per_row(1, ROW_THREADS), (8, 8), SCALAR_F32),
     // The fused glue (fused.cu): the launches of the kernels they replace

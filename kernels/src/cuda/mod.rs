@@ -22,7 +22,8 @@
 //!
 //! - The `Backend` impl below delegates each launch to a module of its kind:
 //!   `attention` (partials and combine), `elementwise` (embedding, norms, RoPE,
-//!   gates, adds, gathers), `kv_ops` (KV writes, one layer's export), `fused`.
+//!   gates, adds, gathers), `kv_ops` (KV writes, one layer's export, installs from
+//!   device addresses), `fused`.
 //!
 //! Construction checks for the driver, a GPU, NVRTC and cuBLAS before cudarc
 //! is touched (`runtime`), so a machine without them gets an error, not a panic.
@@ -127,6 +128,8 @@ struct Kernels {
     kv_write: [CudaFunction; 4],
     kv_pack: CudaFunction,
     kv_unpack: CudaFunction,
+    /// `kv_unpack` from sources anywhere on the device ([`Backend::kv_blocks_in_device`]).
+    kv_unpack_from: CudaFunction,
     attn_partial: [CudaFunction; 4],
     attn_partial_tiled: [CudaFunction; 4],
     /// The tensor-core kernels (sm_80 on), indexed by [`mma_index`]; `None` before sm_80.
@@ -280,6 +283,7 @@ impl CudaBackend {
             kv_write: [get("kv", "kv_write_f32")?, get("kv", "kv_write_f16")?, get("kv", "kv_write_bf16")?, get("kv", "kv_write_e4m3")?],
             kv_pack: get("kv", "kv_pack")?,
             kv_unpack: get("kv", "kv_unpack")?,
+            kv_unpack_from: get("kv", "kv_unpack_from")?,
             attn_partial: [
                 get("attention", "attn_partial_f32")?,
                 get("attention", "attn_partial_f16")?,
@@ -801,6 +805,10 @@ impl Backend for CudaBackend {
         let ids: Vec<u32> = blocks.iter().map(|&b| b as u32).collect();
         let layers = kv.layout.layers;
         self.kv_unpack(kv, &ids, 0..layers, data);
+    }
+
+    fn kv_blocks_in_device(&self, kv: &mut CudaKv, blocks: &[usize], srcs: &[u64]) -> bool {
+        self.launch_kv_blocks_in_device(kv, blocks, srcs)
     }
 
     fn kv_block_layer_out(&self, kv: &CudaKv, block: usize, layer: usize, out: &mut [u8]) {

@@ -193,7 +193,7 @@ fn kv_unpack_from_scattered_sources_equals_kv_unpack() {
     let layout = KvLayout { layers: 4, block_tokens: 16, kv_heads: 2, head_dim: 32, dtype: KvDtype::F16 };
     let blocks = 10;
     let (lb, bb) = (layout.block_layer_bytes(), layout.block_bytes());
-    let (layers, into) = (1..3, [7u32, 2, 9, 0, 5]);
+    let (layers, into) = (1usize..3, [7u32, 2, 9, 0, 5]);
     let span = layers.len() * lb;
     let packed: Vec<u8> = values(into.len() * span / 4, 31).iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
     let (wpbl, nl, l0, l1) = ((lb / 4) as u64, layout.layers as i32, layers.start as i32, layers.end as i32);
@@ -208,10 +208,8 @@ fn kv_unpack_from_scattered_sources_equals_kv_unpack() {
     for (i, &o) in order.iter().enumerate() {
         ring[o * slot + 44..o * slot + 44 + span].copy_from_slice(&packed[i * span..(i + 1) * span]);
     }
-    let srcs: Vec<u32> = order.iter().flat_map(|&o| {
-        let addr = ring[o * slot + 44..].as_ptr() as u64;
-        [addr as u32, (addr >> 32) as u32]
-    }).collect();
+    let addrs = order.iter().map(|&o| ring[o * slot + 44..].as_ptr() as u64);
+    let srcs: Vec<u32> = addrs.flat_map(|a| [a as u32, (a >> 32) as u32]).collect();
     let mut got = before.clone();
     unsafe { emu::kv_unpack_from(&launch(plan::kv_copy(span, into.len())), got.as_mut_ptr().cast(), into.as_ptr(), wpbl, nl, l0, l1, srcs.as_ptr()) };
     assert!(got == want, "kv_unpack_from and kv_unpack installed different bytes");

@@ -918,3 +918,108 @@ fn device_memory_exports_as_a_dma_buf() {
     // Closed with the buffer (run.sh runs one test at a time, so nothing reused the number).
     assert!(std::fs::read_link(&link).map_or(true, |t| !t.to_string_lossy().contains("dmabuf")), "the dma-buf fd outlived its buffer");
 }
+
+/// A dma-buf of at least `bytes` on `g`'s GPU, or `None` after saying why this GPU cannot
+/// export one (as `device_memory_exports_as_a_dma_buf` accepts).
+fn dmabuf_or_skip(g: &CudaBackend, bytes: usize) -> Option<baton_kernels::cuda::dmabuf::DmaBuf> {
+    match g.dmabuf(bytes) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.contains("DMA_BUF_SUPPORTED is 0") || msg.contains("nor can flush them"), "export failed on a GPU that claims support: {msg}");
+            let _ = writeln!(std::io::stderr(), "\n!!!!! SKIPPED: this GPU cannot export dma-bufs ({msg}) !!!!!\n");
+            None
+        }
+    }
+}
+
+/// Pseudo-random bytes (every value, no structure a CRC table error could hide in).
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    values(n.div_ceil(4), seed).iter().flat_map(|v| v.to_bits().to_le_bytes()).take(n).collect()
+}
+
+/// A frame's CRC-32 computed on the GPU where the NIC left it equals the transport's
+/// host checksum (crc32fast) of the same bytes: every alignment, empty to past 1 MiB, the
+/// range's last byte included; a range past the end is refused, not read.
+#[test]
+fn dma_buf_checksum_on_the_gpu_equals_crc32fast() {
+    let Some(g) = gpu() else { return };
+    let Some(buf) = dmabuf_or_skip(&g, (1 << 20) + 4096) else { return };
+    let data = random_bytes(buf.len(), 11);
+    buf.write(0, &data).unwrap();
+    let cases = [(0, 0), (5, 0), (0, 1), (1, 3), (3, 255), (44, 4096), (7, 4097), (2, 16_385), (44, (1 << 20) + 44), (0, buf.len()), (buf.len() - 3, 3)];
+    for (offset, len) in cases {
+        let want = crc32fast::hash(&data[offset..offset + len]);
+        assert_eq!(buf.checksum(offset, len).unwrap(), want, "{len} bytes at offset {offset}");
+    }
+    assert_eq!(buf.checksum(0, 9).unwrap(), crc32fast::hash(&data[..9]), "a second call reuses the compiled kernels");
+    assert!(buf.checksum(buf.len() - 3, 4).is_err());
+    assert!(buf.checksum(usize::MAX, 1).is_err());
+}
+
+/// Bytes leave a dma-buf for other memory of the GPU and come back device to device,
+/// unchanged, at unaligned offsets; out-of-range copies are refused.
+#[test]
+fn dma_buf_copies_to_and_from_device_memory_round_trip() {
+    let Some(g) = gpu() else { return };
+    let Some(buf) = dmabuf_or_skip(&g, 64 << 10) else { return };
+    let data = random_bytes(10_000, 12);
+    buf.write(3, &data).unwrap();
+    let tensor = g.tensor(4000); // 16,000 bytes of other device memory
+    let base = g.device_addr(&tensor);
+    buf.copy_to_device(3, base + 1, data.len()).unwrap();
+    let mut words = vec![0f32; 4000];
+    g.download(&tensor, &mut words);
+    let bytes: Vec<u8> = words.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    assert!(bytes[1..1 + data.len()] == data[..], "copy_to_device changed the bytes");
+    buf.copy_from_device(20_001, base + 1, data.len()).unwrap();
+    let mut back = vec![0u8; data.len()];
+    buf.read(20_001, &mut back).unwrap();
+    assert!(back == data, "copy_from_device changed the bytes");
+    buf.copy_from_device(0, base, 0).unwrap();
+    assert!(buf.copy_to_device(buf.len() - 1, base, 2).is_err());
+    assert!(buf.copy_from_device(usize::MAX, base, 1).is_err());
+}
+
+/// Blocks installed from device addresses (frames left in GPU memory, scattered, in
+/// another order than the blocks) read back exactly as the same blocks installed from the
+/// host; a source that is not 4-byte aligned is declined and nothing changes.
+#[test]
+fn kv_blocks_in_device_installs_what_kv_blocks_in_does() {
+    let Some(g) = gpu() else { return };
+    let layout = KvLayout { layers: 6, block_tokens: 16, kv_heads: 2, head_dim: 64, dtype: KvDtype::BF16 };
+    let (n, arena_blocks) = (9, 20);
+    let bb = layout.block_bytes();
+    let data: Vec<Vec<f32>> = (0..n).map(|i| values(bb / 4, 300 + i as u64)).collect();
+    let ids: Vec<usize> = (0..n).map(|i| (i * 7 + 3) % arena_blocks).collect();
+    // Block i's bytes at slot order[i] of device memory, 44 bytes (a frame header) into each slot.
+    let slot_words = bb / 4 + 11;
+    let order: Vec<usize> = (0..n).map(|i| (i * 4 + 1) % n).collect();
+    let mut staged = values(n * slot_words, 400);
+    for (i, &o) in order.iter().enumerate() {
+        staged[o * slot_words + 11..(o + 1) * slot_words].copy_from_slice(&data[i]);
+    }
+    let staged = g.upload(&staged);
+    let srcs: Vec<u64> = order.iter().map(|&o| g.device_addr(&staged) + ((o * slot_words + 11) * 4) as u64).collect();
+
+    let bytes: Vec<Vec<u8>> = data.iter().map(|d| d.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()).collect();
+    let (mut from_host, mut from_device) = (g.kv(layout, arena_blocks).unwrap(), g.kv(layout, arena_blocks).unwrap());
+    g.kv_blocks_in(&mut from_host, &ids, &bytes.iter().map(Vec::as_slice).collect::<Vec<_>>());
+    assert!(g.kv_blocks_in_device(&mut from_device, &ids, &srcs), "the CUDA backend installs from device memory");
+    let all: Vec<usize> = (0..arena_blocks).collect();
+    let read = |kv: &<CudaBackend as Backend>::Kv| {
+        let mut out = vec![vec![0u8; bb]; arena_blocks];
+        g.kv_blocks_out(kv, &all, &mut out.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>());
+        out
+    };
+    let (want, got) = (read(&from_host), read(&from_device));
+    assert!(got == want, "the arenas differ");
+    for (i, &b) in ids.iter().enumerate() {
+        assert!(got[b] == bytes[i], "block {i} (arena {b}) differs from its source");
+    }
+    let mut unaligned = srcs.clone();
+    unaligned[4] += 2;
+    assert!(!g.kv_blocks_in_device(&mut from_device, &[ids[0]; 9], &unaligned), "a misaligned source is declined");
+    assert!(read(&from_device) == want, "a declined install changed the arena");
+    assert!(g.kv_blocks_in_device(&mut from_device, &[], &[]), "nothing to install");
+}

@@ -40,4 +40,14 @@ impl<'a, 'v: 'a, T> Out<'a, T> for &'a mut CudaViewMut<'v, T> {
     }
 }
 
+/// A device address no `CudaSlice` owns (a dma-buf's exported range), for a `const T*`
+/// parameter: the caller vouches that it holds what the kernel reads.
+pub struct RawIn<'a>(pub &'a u64);
+
+impl<'a, T> In<'a, T> for RawIn<'a> {
+    fn push(self, b: &mut LaunchArgs<'a>) {
+        b.arg(self.0);
+    }
+}
+
 include!(concat!(env!("OUT_DIR"), "/kernel_args.rs"));

@@ -22,13 +22,19 @@
 //!   TO_OWNER)` blocks until they are, where `..._FLUSH_WRITES_OPTIONS` has the `HOST` bit.
 //!   A GPU with neither cannot be a safe target: the export is refused (the transport then
 //!   keeps its rings in host memory). See [`rdma_visibility`].
+//!
+//! A frame stays where the NIC wrote it: [`DmaBuf::checksum`] computes its CRC-32 on the GPU
+//! (crc.cu, compiled on first use: one module, stream and pair of small buffers per
+//! `DmaBuf`) and [`DmaBuf::copy_to_device`] moves it to other memory of the same GPU, both
+//! after the same flush as [`DmaBuf::read`]; only 4 bytes of a checksum reach the host.
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{result, sys, CudaContext};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 
+use super::{args, compile, plan};
 use crate::backend::KernelError;
 
 /// Largest host page size the export is aligned to (4 KiB on x86-64, up to 64 KiB on
@@ -87,7 +93,54 @@ pub struct DmaBuf {
     len: usize,
     /// What a copy out needs first to see the NIC's writes.
     visibility: RdmaVisibility,
+    /// The checksum's kernels and buffers, made by the first [`DmaBuf::checksum`] (or why not).
+    crc: OnceLock<Result<Mutex<Crc>, String>>,
     ctx: Arc<CudaContext>,
+}
+
+/// The CRC-32 kernels (crc.cu) on a stream of their own, with their partials and result.
+struct Crc {
+    stream: Arc<CudaStream>,
+    chunks: CudaFunction,
+    finish: CudaFunction,
+    partials: CudaSlice<u32>,
+    out: CudaSlice<u32>,
+}
+
+impl Crc {
+    /// Compiles crc.cu for the context's GPU (through the PTX caches) and loads it.
+    fn new(ctx: &Arc<CudaContext>) -> Result<Crc, String> {
+        let gpu = ctx.ordinal();
+        let (major, minor) = ctx.compute_capability().map_err(|e| format!("GPU {gpu}: reading the compute capability: {e:?}"))?;
+        let arch = compile::arch_for(major, minor).map_err(|e| format!("GPU {gpu}: {e}"))?;
+        let ptx = compile::compile_one("crc", arch).map_err(|e| format!("GPU {gpu}: compiling the checksum kernels: {e}"))?;
+        let module = ctx.load_module(ptx).map_err(|e| format!("GPU {gpu}: loading crc.cu: {e:?}"))?;
+        let get = |f: &str| module.load_function(f).map_err(|e| format!("GPU {gpu}: finding {f} in crc.cu: {e:?}"));
+        let stream = ctx.new_stream().map_err(|e| format!("GPU {gpu}: creating the checksum stream: {e:?}"))?;
+        let partials = stream.alloc_zeros::<u32>(plan::CRC_MAX_BLOCKS).map_err(|e| format!("GPU {gpu}: allocating checksum partials: {e:?}"))?;
+        let out = stream.alloc_zeros::<u32>(1).map_err(|e| format!("GPU {gpu}: allocating the checksum: {e:?}"))?;
+        Ok(Crc { chunks: get("crc32_chunks")?, finish: get("crc32_finish")?, stream, partials, out })
+    }
+
+    /// The CRC-32 of the `len` bytes at device address `data`, waited for.
+    fn run(&mut self, data: u64, len: usize) -> Result<u32, String> {
+        let p = plan::crc32(len);
+        let cfg = |g: plan::Geometry| LaunchConfig { grid_dim: g.grid, block_dim: (g.block, 1, 1), shared_mem_bytes: g.shared_bytes };
+        let (len, blocks) = (len as u64, p.chunks.grid.0 as i32);
+        let mut b = self.stream.launch_builder(&self.chunks);
+        args::crc32_chunks(&mut b, args::RawIn(&data), &len, &p.chunk, &mut self.partials);
+        // SAFETY: `data..data + len` is device memory of this context (the caller checked it
+        // against the exported range); the plan's blocks fit the partials buffer.
+        unsafe { b.launch(cfg(p.chunks)) }.map_err(|e| format!("launching crc32_chunks: {e:?}"))?;
+        let mut b = self.stream.launch_builder(&self.finish);
+        args::crc32_finish(&mut b, &self.partials, &blocks, &mut self.out);
+        // SAFETY: reads the `blocks` partials just written, writes one word.
+        unsafe { b.launch(cfg(p.finish)) }.map_err(|e| format!("launching crc32_finish: {e:?}"))?;
+        let mut sum = [0u32; 1];
+        self.stream.memcpy_dtoh(&self.out, &mut sum[..]).map_err(|e| format!("reading the checksum: {e:?}"))?;
+        self.stream.synchronize().map_err(|e| format!("computing the checksum: {e:?}"))?;
+        Ok(sum[0])
+    }
 }
 
 impl DmaBuf {
@@ -116,7 +169,7 @@ impl DmaBuf {
         ctx.bind_to_thread().map_err(|e| unavailable(format!("GPU {gpu}: binding the context: {e:?}")))?;
         // SAFETY: the context is current; the allocation is freed by `Drop` (or below).
         let alloc = unsafe { result::malloc_sync(alloc_len) }.map_err(|e| unavailable(format!("GPU {gpu}: allocating {alloc_len} bytes for a dma-buf: {e:?}")))?;
-        let mut buf = DmaBuf { fd: None, alloc, addr: alloc, len, visibility, ctx: ctx.clone() };
+        let mut buf = DmaBuf { fd: None, alloc, addr: alloc, len, visibility, crc: OnceLock::new(), ctx: ctx.clone() };
         let (offset, len) = export_span(alloc, alloc_len, bytes, EXPORT_ALIGN).ok_or_else(|| unavailable("dma-buf range does not fit its allocation".into()))?;
         buf.addr = alloc + offset as u64;
         buf.len = len;
@@ -208,11 +261,10 @@ impl DmaBuf {
         self.visibility
     }
 
-    /// Copies `dst.len()` bytes from `offset` bytes into the exported range, after every
-    /// RDMA write whose completion the caller has polled (flushed to the GPU first where
-    /// it does not order them itself).
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
-        let src = self.check(offset, dst.len())?;
+    /// Binds the context and makes every RDMA write whose completion the caller has polled
+    /// visible to this GPU's own work that follows (flushed where it does not order them
+    /// itself): what every copy or kernel reading the range needs first.
+    fn see_nic_writes(&self) -> Result<(), String> {
         self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
         if self.visibility == RdmaVisibility::Flush {
             // SAFETY: plain driver call on the context just bound.
@@ -225,8 +277,56 @@ impl DmaBuf {
             .result()
             .map_err(|e| format!("flushing RDMA writes to the GPU: {e:?}"))?;
         }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes from `offset` bytes into the exported range, after every
+    /// RDMA write whose completion the caller has polled (flushed to the GPU first where
+    /// it does not order them itself).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+        let src = self.check(offset, dst.len())?;
+        self.see_nic_writes()?;
         // SAFETY: the source range lies inside the allocation (checked).
         unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| format!("copying out of the dma-buf: {e:?}"))
+    }
+
+    /// The CRC-32 (crc32fast's, the KV frame checksum) of `len` bytes from `offset` bytes
+    /// into the exported range, computed on the GPU after the RDMA writes as [`DmaBuf::read`]
+    /// sees them; relies on crc.cu, compiled for this GPU on the first call (an error names
+    /// why it could not be).
+    pub fn checksum(&self, offset: usize, len: usize) -> Result<u32, String> {
+        let data = self.check(offset, len)?;
+        let crc = self.crc.get_or_init(|| Crc::new(&self.ctx).map(Mutex::new)).as_ref().map_err(|why| format!("no checksum kernel: {why}"))?;
+        self.see_nic_writes()?;
+        crc.lock().unwrap_or_else(|p| p.into_inner()).run(data, len)
+    }
+
+    /// Copies `len` bytes from device address `src` of the same GPU (another allocation,
+    /// or this one's) to `offset` bytes into the exported range; returns once they landed
+    /// (a synchronous copy on memory with `SYNC_MEMOPS`, set at export).
+    pub fn copy_from_device(&self, offset: usize, src: u64, len: usize) -> Result<(), String> {
+        let dst = self.check(offset, len)?;
+        self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the destination lies inside the allocation (checked); the caller vouches
+        // for `src..src + len` on this GPU.
+        unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| format!("copying into the dma-buf from device memory: {e:?}"))
+    }
+
+    /// Copies `len` bytes from `offset` bytes into the exported range to device address
+    /// `dst` of the same GPU, seeing the RDMA writes as [`DmaBuf::read`] does; returns once
+    /// they landed (synchronous, as [`DmaBuf::copy_from_device`]).
+    pub fn copy_to_device(&self, offset: usize, dst: u64, len: usize) -> Result<(), String> {
+        let src = self.check(offset, len)?;
+        self.see_nic_writes()?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the source lies inside the allocation (checked); the caller vouches for
+        // `dst..dst + len` on this GPU.
+        unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| format!("copying out of the dma-buf to device memory: {e:?}"))
     }
 }
 
@@ -244,6 +344,14 @@ impl Drop for DmaBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The transport keeps a `DmaBuf` in an `Arc<dyn Any + Send + Sync>` and checksums from
+    /// any thread: the lazily made kernels must not take that away.
+    #[test]
+    fn a_dma_buf_is_shared_between_threads() {
+        fn shared<T: Send + Sync + 'static>() {}
+        shared::<DmaBuf>();
+    }
 
     #[test]
     fn the_exported_span_is_aligned_and_inside_the_allocation() {

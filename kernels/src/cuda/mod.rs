@@ -358,6 +358,13 @@ impl CudaBackend {
         self.stream.memcpy_dtod(src, &mut dst.slice_mut(..src.len())).unwrap_or_else(|e| fail("memcpy_dtod", e));
     }
 
+    /// The device address of a tensor's first element, for the operations that take raw
+    /// addresses on this GPU ([`Backend::kv_blocks_in_device`], `DmaBuf`'s device copies);
+    /// valid while the tensor lives.
+    pub fn device_addr(&self, t: &CudaSlice<f32>) -> u64 {
+        t.device_ptr(&self.stream).0
+    }
+
     /// The GPU's free and total memory in bytes.
     pub fn memory(&self) -> (usize, usize) {
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));

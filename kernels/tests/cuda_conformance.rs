@@ -976,6 +976,21 @@ fn dma_buf_copies_to_and_from_device_memory_round_trip() {
     let mut back = vec![0u8; data.len()];
     buf.read(20_001, &mut back).unwrap();
     assert!(back == data, "copy_from_device changed the bytes");
+    // Rows out to a pitch (a frame of consecutive blocks' layer into a pool's blocks).
+    let (row, rows, pitch) = (1000, 5, 3000);
+    buf.copy_rows_to_device(3, row, rows, base + 4, pitch).unwrap();
+    g.download(&tensor, &mut words);
+    let bytes: Vec<u8> = words.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    for i in 0..rows {
+        assert!(bytes[4 + i * pitch..4 + i * pitch + row] == data[i * row..(i + 1) * row], "copy_rows_to_device: row {i}");
+    }
+    // Between the rows, what copy_to_device left (data shifted by one byte) is untouched.
+    for i in 0..3 {
+        let gap = 4 + i * pitch + row..4 + (i + 1) * pitch;
+        assert!(bytes[gap.clone()] == data[gap.start - 1..gap.end - 1], "copy_rows_to_device wrote between rows {i} and {}", i + 1);
+    }
+    assert!(buf.copy_rows_to_device(buf.len() - 10, 5, 3, base, 5).is_err());
+    assert!(buf.copy_rows_to_device(0, 8, 2, base, 4).is_err(), "rows that overlap");
     buf.copy_from_device(0, base, 0).unwrap();
     assert!(buf.copy_to_device(buf.len() - 1, base, 2).is_err());
     assert!(buf.copy_from_device(usize::MAX, base, 1).is_err());

@@ -5,7 +5,7 @@
 
 use std::io::Write;
 
-use baton_kernels::cuda::compile::{compile, full_source, nvrtc_version, SOURCES};
+use baton_kernels::cuda::compile::{compile, compile_one, full_source, nvrtc_version, SOURCES};
 use baton_kernels::cuda::runtime::load_nvrtc;
 use baton_kernels::KernelError;
 
@@ -100,6 +100,19 @@ fn every_cu_file_in_the_folder_is_compiled_by_the_backend() {
     let mut listed: Vec<String> = SOURCES.iter().map(|(n, _)| n.to_string()).collect();
     listed.sort();
     assert_eq!(on_disk, listed, "kernels/cuda/*.cu and cuda::compile::SOURCES differ");
+}
+
+/// One file alone (what a `DmaBuf` compiles for its checksum) comes from the same caches
+/// as the backend's modules and holds its kernels; a name that is no file is an error.
+#[test]
+fn one_kernel_file_compiles_alone() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let ptx = compile_one("crc", "sm_90").unwrap_or_else(|e| panic!("{e}")).to_src();
+    assert!(ptx.contains(".entry crc32_chunks(") && ptx.contains(".entry crc32_finish("), "crc.cu's kernels missing");
+    let err = compile_one("no_such_file", "sm_90").unwrap_err();
+    assert!(err.to_string().contains("no_such_file.cu"), "{err}");
 }
 
 #[test]

@@ -328,6 +328,44 @@ impl DmaBuf {
         // `dst..dst + len` on this GPU.
         unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| format!("copying out of the dma-buf to device memory: {e:?}"))
     }
+
+    /// Copies `rows` rows of `row_bytes`, contiguous from `offset` bytes into the exported
+    /// range, to device address `dst` of the same GPU, row `i` at `dst + i * dst_pitch`, in
+    /// one copy (`cuMemcpy2D`), seeing the RDMA writes as [`DmaBuf::read`] does; returns once
+    /// they landed (synchronous, as [`DmaBuf::copy_from_device`]). A frame of consecutive
+    /// blocks' layer goes to a pool's blocks this way (the transport's `copy_rows_to_device`).
+    pub fn copy_rows_to_device(&self, offset: usize, row_bytes: usize, rows: usize, dst: u64, dst_pitch: usize) -> Result<(), String> {
+        let total = row_bytes.checked_mul(rows).ok_or_else(|| format!("{rows} rows of {row_bytes} bytes overflow"))?;
+        let src = self.check(offset, total)?;
+        if rows > 1 && dst_pitch < row_bytes {
+            return Err(format!("rows of {row_bytes} bytes cannot be {dst_pitch} bytes apart"));
+        }
+        self.see_nic_writes()?;
+        if total == 0 {
+            return Ok(());
+        }
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: row_bytes,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch.max(row_bytes),
+            WidthInBytes: row_bytes,
+            Height: rows,
+        };
+        // SAFETY: the source rows lie inside the allocation (checked); the caller vouches for
+        // the destination rows on this GPU.
+        unsafe { sys::cuMemcpy2D_v2(&copy) }.result().map_err(|e| format!("copying {rows} rows out of the dma-buf to device memory: {e:?}"))
+    }
 }
 
 impl Drop for DmaBuf {

@@ -25,8 +25,10 @@
 //!
 //! A frame stays where the NIC wrote it: [`DmaBuf::checksum`] computes its CRC-32 on the GPU
 //! (crc.cu, compiled on first use: one module, stream and pair of small buffers per
-//! `DmaBuf`) and [`DmaBuf::copy_to_device`] moves it to other memory of the same GPU, both
-//! after the same flush as [`DmaBuf::read`]; only 4 bytes of a checksum reach the host.
+//! `DmaBuf`) and [`DmaBuf::copy_to_device`] / [`DmaBuf::copy_rows_to_device`] move it to
+//! other memory of the same GPU, all after the same flush as [`DmaBuf::read`]; only 4 bytes
+//! of a checksum reach the host. The device-to-device copies are synchronous because the
+//! allocation has `SYNC_MEMOPS` (without it a `cuMemcpyDtoD` may return before it is done).
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch, Mutex};
 
 use crate::error::{Error, Result};
 use crate::handoff::frame::{self, Frame, FrameKind, FrameLimits, HEADER_LEN, TRAILER_LEN};
-use crate::transport::rdma::ring::{imm_for, RingGeometry, RingLease, SendWindow};
+use crate::transport::rdma::ring::{imm_for, RingGeometry, RingLease, SendWindow, SlotCredits};
 use crate::transport::rdma::setup::{read_msg, write_msg, Msg, RingInfo};
 use crate::transport::device_memory::DevicePayload;
 use crate::transport::rdma::memory::RingRegion;
@@ -332,11 +332,8 @@ pub(crate) struct ReceiverRx {
     limits: FrameLimits,
     /// The next frame's sequence number (= frames taken out of the ring).
     seq: u64,
-    /// Frames whose slots were credited back to the sender, in order.
-    credited: u64,
-    /// Frames done with their slots but not credited yet (a later frame's slot can be free
-    /// before an earlier one's: credits are cumulative, so they wait for the gap).
-    released: std::collections::BTreeSet<u64>,
+    /// Which frames are done with their slots, and how many were credited back.
+    credits: SlotCredits,
     /// Where a dropped [`SlotHold`] says its frame is done with the slot.
     slot_done_tx: mpsc::UnboundedSender<u64>,
     slot_done: mpsc::UnboundedReceiver<u64>,
@@ -380,8 +377,7 @@ pub(crate) fn receiver_link(
             arena,
             limits,
             seq: 0,
-            credited: 0,
-            released: Default::default(),
+            credits: SlotCredits::default(),
             slot_done_tx,
             slot_done,
             ctrl,
@@ -447,7 +443,7 @@ impl ReceiverRx {
                 })
             }
         };
-        self.released.insert(self.seq);
+        self.credits.done(self.seq);
         Ok(frame)
     }
 
@@ -483,17 +479,14 @@ impl ReceiverRx {
     /// and one cumulative credit message for all of them.
     async fn credit_released(&mut self) -> Result<()> {
         while let Ok(seq) = self.slot_done.try_recv() {
-            self.released.insert(seq);
+            self.credits.done(seq);
         }
-        let before = self.credited;
-        while self.released.remove(&self.credited) {
-            self.credited += 1;
-            self.qp.post_recv_empty(self.credited)?;
+        let before = self.credits.credited();
+        let Some(consumed) = self.credits.advance() else { return Ok(()) };
+        for seq in before + 1..=consumed {
+            self.qp.post_recv_empty(seq)?;
         }
-        if self.credited == before {
-            return Ok(());
-        }
-        let credit = Msg::Credit { consumed: self.credited };
+        let credit = Msg::Credit { consumed };
         write_msg(&mut *self.ctrl.lock().await, &credit).await.map_err(|e| link_err(format!("returning a credit: {e}")))
     }
 

@@ -170,6 +170,41 @@ impl SendWindow {
     }
 }
 
+/// The receiver's view of one link's ring: which frames are done with their slots and how
+/// many of them the sender has been credited. Frames may be done out of order (a frame left
+/// in a device ring is done when the receiver drops it); credits are cumulative, so they
+/// only ever cover an unbroken run from the first frame.
+#[derive(Debug, Default)]
+pub struct SlotCredits {
+    /// Frames credited back (every frame below is done).
+    credited: u64,
+    /// Done frames at or above `credited`, waiting for the gap below them.
+    done: std::collections::BTreeSet<u64>,
+}
+
+impl SlotCredits {
+    /// Frame `seq` is done with its slot. A frame already credited changes nothing.
+    pub fn done(&mut self, seq: u64) {
+        if seq >= self.credited {
+            self.done.insert(seq);
+        }
+    }
+
+    /// Credits every frame done in an unbroken run from the last credit: the new cumulative
+    /// count, or `None` when nothing new can be credited.
+    pub fn advance(&mut self) -> Option<u64> {
+        let before = self.credited;
+        while self.done.remove(&self.credited) {
+            self.credited += 1;
+        }
+        (self.credited > before).then_some(self.credited)
+    }
+
+    pub fn credited(&self) -> u64 {
+        self.credited
+    }
+}
+
 /// Immediate data carried by the write of frame `seq` (big-endian on the wire, as verbs
 /// defines `imm_data`); the receiver checks it against the sequence it expects.
 pub fn imm_for(seq: u64) -> u32 {
@@ -231,6 +266,26 @@ mod tests {
         assert_eq!(w.next(), Some(3));
         assert!(w.credit(4).is_err(), "credit past what was sent");
         assert_eq!(w.in_flight(), 0);
+    }
+
+    #[test]
+    fn credits_cover_only_an_unbroken_run_of_done_frames() {
+        let mut c = SlotCredits::default();
+        assert_eq!(c.advance(), None);
+        c.done(0);
+        assert_eq!(c.advance(), Some(1));
+        // Frame 2 done before frame 1 (still held by the receiver): no credit past 1.
+        c.done(2);
+        assert_eq!(c.advance(), None);
+        assert_eq!(c.credited(), 1);
+        c.done(1);
+        assert_eq!(c.advance(), Some(3), "1 and 2 credited together");
+        // A frame already credited, or done twice, changes nothing.
+        c.done(0);
+        c.done(3);
+        c.done(3);
+        assert_eq!(c.advance(), Some(4));
+        assert_eq!(c.advance(), None);
     }
 
     #[test]

@@ -6,19 +6,7 @@ use baton_kernels::cuda::plan::{self, CRC_MAX_BLOCKS};
 use baton_kernels::emu;
 
 use super::launch;
-
-/// Pseudo-random bytes (xorshift): every byte value, no structure a table error could hide in.
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 32) as u8
-        })
-        .collect()
-}
+use crate::support::random_bytes;
 
 /// The two launches of `plan::crc32` over `data`, as the GPU runs them.
 fn emu_crc32(data: &[u8]) -> u32 {

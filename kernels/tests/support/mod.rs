@@ -1,19 +1,27 @@
 //! Inputs and comparisons shared by the backend test suites (the GPU's and the emulated kernels').
 
-/// Deterministic values in [-1, 1).
-pub fn values(n: usize, seed: u64) -> Vec<f32> {
+/// A deterministic xorshift stream of `n` words.
+fn xorshift(n: usize, seed: u64) -> impl Iterator<Item = u64> {
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    (0..n).map(move |_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    })
 }
 
-/// max |got - want| / max |want|.
+/// Deterministic values in [-1, 1).
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    xorshift(n, seed).map(|s| ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
+}
+
+/// Deterministic bytes: every byte value, no structure a table error could hide in.
+#[allow(dead_code)] // not every suite that includes this module checksums bytes
+pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    xorshift(n, seed).map(|s| (s >> 32) as u8).collect()
+}
+
 pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);

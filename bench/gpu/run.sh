@@ -120,7 +120,8 @@ done
 export BATON_CUDA_LIB_DIRS="${BATON_CUDA_LIB_DIRS:-}"
 export BATON_REQUIRE_GPU=1 BATON_REQUIRE_NVRTC=1
 
-step conformance 60 "$prebuilt/cuda_conformance" --test-threads=1
+# --nocapture: the frame-checksum timing (GPU vs host) goes to the log.
+step conformance 60 "$prebuilt/cuda_conformance" --test-threads=1 --nocapture
 # (the folder listing test reads the source tree at the path it was built in)
 step ptx 30 "$prebuilt/cuda_ptx" --nocapture --skip every_cu_file_in_the_folder
 BATON_MODEL="$PWD/$prebuilt/smollm2-2-layers.gguf" BATON_GEMMA_MODEL="$PWD/$prebuilt/gemma3-2-layers.gguf" \

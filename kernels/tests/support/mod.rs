@@ -17,7 +17,6 @@ pub fn values(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Deterministic bytes: every byte value, no structure a table error could hide in.
-#[allow(dead_code)] // not every suite that includes this module checksums bytes
 pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
     xorshift(n, seed).map(|s| (s >> 32) as u8).collect()
 }

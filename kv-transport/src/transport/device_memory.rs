@@ -149,14 +149,14 @@ impl DevicePayload {
         self.checksum
     }
 
-    /// `len` bytes from `at` bytes into the payload; `None` past its end.
-    pub fn bytes(&self, at: usize, len: usize) -> Option<DeviceBytes<'_>> {
-        (at.checked_add(len)? <= self.len).then_some(DeviceBytes { memory: &self.memory, offset: self.offset + at, len })
+    /// Where the payload is.
+    pub fn bytes(&self) -> DeviceBytes<'_> {
+        DeviceBytes { memory: &self.memory, offset: self.offset, len: self.len }
     }
 
     /// The whole payload, copied to the host.
     pub fn to_host(&self) -> Result<Vec<u8>, String> {
-        DeviceBytes { memory: &self.memory, offset: self.offset, len: self.len }.to_host()
+        self.bytes().to_host()
     }
 }
 

@@ -198,8 +198,7 @@ impl Inner {
     fn write_device(&self, blocks: &[BlockId], layer: u32, payload: &DevicePayload) -> Result<()> {
         let bl = self.layout.bytes_per_block_layer();
         let blocks = &blocks[..payload.len() / bl];
-        let bytes = payload.bytes(0, payload.len()).ok_or(Error::InvalidArgument { what: "device payload range" })?;
-        if self.sink.write_layers_device(blocks, layer, bytes)? {
+        if self.sink.write_layers_device(blocks, layer, payload.bytes())? {
             return Ok(());
         }
         let host = payload.to_host().map_err(|detail| Error::Link { transport: "device memory", detail: format!("copying a payload to the host: {detail}") })?;

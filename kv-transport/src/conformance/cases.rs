@@ -482,6 +482,62 @@ pub async fn pipelined_layer_runs_land_bit_exact(kind: Kind) {
     rig.finish(&src, &[]);
 }
 
+/// `bytes` on a stand-in device (host memory; see `host_device`), as the engine's packed
+/// layer would be on its GPU.
+fn on_device(bytes: &[u8]) -> (Arc<dyn crate::transport::device_memory::DeviceSource>, Arc<crate::transport::device_memory::host_device::HostDevice>) {
+    use crate::transport::device_memory::DeviceCopy;
+    let (_, dev) = crate::transport::device_memory::host_device::HostDevice::memory("cuda:0", bytes.len());
+    dev.write(0, bytes).unwrap();
+    (dev.clone(), dev)
+}
+
+/// A pipelined export from device memory ([`crate::Transfer::send_device_blocks`]): runs
+/// of more blocks than one frame holds (each frame a range of the run), sliding-window
+/// skips dropped, the same refusals as from host memory; everything lands bit-exact. A
+/// link with device send rings copies each range device to device; every other link
+/// brings it to the host first, which is what this checks on a machine without either.
+pub async fn pipelined_device_layer_runs_land_bit_exact(kind: Kind) {
+    let rig = Rig::new(kind, SMALL).await;
+    let n = 150;
+    let src = rig.source_blocks(n, 24);
+    let skip = vec![0, 90, 0, 3];
+    let res = rig.receiver.reserve_skipping(n, 0..SMALL.layers, skip.clone(), LONG).unwrap();
+    let mut t = within(Duration::from_secs(10), rig.sender.open(&rig.peer, res.grant())).await.unwrap();
+    let wanted = res.grant().block_layers();
+    let mut held = Vec::new();
+    for chunk in [0..70, 70..150] {
+        for layer in 0..SMALL.layers {
+            let (source, dev) = on_device(&layer_run(&rig, &src, layer, chunk.clone()));
+            t.send_device_blocks(layer, chunk.start as u32, source).await.unwrap();
+            held.push(dev);
+        }
+    }
+    let (again, _) = on_device(&layer_run(&rig, &src, 0, 1..2));
+    assert_eq!(kind_of(t.send_device_blocks(0, 1, again).await), "duplicate_block", "a block-layer twice");
+    assert_eq!(t.missing(), 0);
+    t.finish().await.unwrap();
+    let dst = res.finished().await.unwrap();
+    assert_landed_skipping(&rig, &src, &dst, &skip);
+    assert_eq!(rig.receiver.stats().snapshot().block_layers, wanted, "each wanted block-layer once, no skipped one");
+    // Whatever the link, nothing but the wanted block-layers came off the device.
+    let bl = SMALL.bytes_per_block_layer() as u64;
+    let read: u64 = held.iter().map(|d| d.host_reads.load(std::sync::atomic::Ordering::Relaxed)).sum();
+    if !rig.connector.sends_from_device() {
+        assert_eq!(read, wanted * bl, "skipped block-layers were read off the device");
+    }
+    rig.finish(&src, &dst);
+
+    let src = rig.source_blocks(2, 25);
+    let res = rig.receiver.reserve(2, LONG).unwrap();
+    let mut t = within(Duration::from_secs(10), rig.sender.open(&rig.peer, res.grant())).await.unwrap();
+    assert_eq!(kind_of(t.send_device_blocks(SMALL.layers, 0, on_device(&layer_run(&rig, &src, 0, 0..1)).0).await), "out_of_range");
+    assert_eq!(kind_of(t.send_device_blocks(0, 1, on_device(&layer_run(&rig, &src, 0, 0..2)).0).await), "out_of_range", "past the last block");
+    assert_eq!(kind_of(t.send_device_blocks(0, 0, on_device(&[0u8; 3]).0).await), "layout_mismatch", "not whole block-layers");
+    t.cancel().await;
+    assert!(res.finished().await.is_err());
+    rig.finish(&src, &[]);
+}
+
 /// A pipelined export whose last layer never came (the prefill died, or the engine
 /// dropped the export): `Done` is refused as incomplete, nothing is adopted and every
 /// reserved block goes back.

@@ -300,6 +300,7 @@ suite!(
     round_trip_bit_exact,
     layer_by_layer_arrival,
     pipelined_layer_runs_land_bit_exact,
+    pipelined_device_layer_runs_land_bit_exact,
     pipelined_missing_layer_is_never_adopted,
     partial_layer_range,
     skipped_block_layers_stay_off_the_wire,

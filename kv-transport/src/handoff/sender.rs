@@ -5,7 +5,9 @@
 //! watches the receiver's replies while it sends. A transfer is fed either from a
 //! [`BlockSource`] holding whole blocks ([`KvSender::start`], [`Transfer::send_layer`]) or,
 //! pipelined, with one layer of a run of blocks at a time as the engine writes them
-//! ([`KvSender::open`], [`Transfer::send_blocks`]); either way it keeps the receiver's own
+//! ([`KvSender::open`], [`Transfer::send_blocks`] from host memory,
+//! [`Transfer::send_device_blocks`] from the GPU, for a link that sends from device
+//! memory: [`KvSender::sends_from_device`]); either way it keeps the receiver's own
 //! bookkeeping of which (layer, block) went out, refuses to send one twice or outside the
 //! grant, and [`Transfer::missing`] says what is still owed. Completeness is the
 //! receiver's to judge: `Done` with anything missing fails the reservation there.
@@ -28,6 +30,7 @@ use crate::handoff::grant::Grant;
 use crate::handoff::progress::Progress;
 use crate::metrics::TransportStats;
 use crate::pool::BlockSource;
+use crate::transport::device_memory::{DeviceRange, DeviceSource};
 use crate::transport::{Connector, LinkTx, Peer};
 use crate::types::BlockId;
 
@@ -97,6 +100,12 @@ impl KvSender {
     /// Counters of this sender.
     pub fn stats(&self) -> &Arc<TransportStats> {
         &self.stats
+    }
+
+    /// Whether its links send a layer left in device memory without a copy to the host
+    /// ([`Transfer::send_device_blocks`]); a node keeps its exported KV on the GPU only then.
+    pub fn sends_from_device(&self) -> bool {
+        self.connector.sends_from_device()
     }
 
     /// Opens a link to `peer` for `grant`. `src_blocks[i]` (in `source`) fills the grant's
@@ -253,22 +262,10 @@ impl Transfer {
     }
 
     async fn send_blocks_inner(&mut self, layer: u32, first_block: u32, data: &[u8]) -> Result<()> {
-        let reservation = self.grant.reservation;
-        let bl = self.grant.layout.bytes_per_block_layer();
-        if bl == 0 || !data.len().is_multiple_of(bl) {
-            return Err(Error::LayoutMismatch { reservation, what: "exported bytes are not whole block-layers" });
-        }
-        let n = u32::try_from(data.len() / bl).map_err(|_| Error::OutOfRange { reservation, layer, block: first_block })?;
-        let end = first_block.checked_add(n).ok_or(Error::OutOfRange { reservation, layer, block: first_block })?;
-        if !self.grant.layers.contains(&layer) {
-            return Err(Error::OutOfRange { reservation, layer, block: first_block });
-        }
-        let first = first_block.max(self.grant.first_block(layer).min(end));
-        if first == end {
+        let Some((first, end)) = self.admit_run(layer, first_block, data.len())? else {
             return Ok(());
-        }
-        self.sent.admit(reservation, layer, first, end - first)?;
-        self.sent.record(layer, first, end - first);
+        };
+        let bl = self.grant.layout.bytes_per_block_layer();
         let base = first_block as usize;
         self.send_frames(layer, first as usize, end as usize, |block, out| {
             let at = (block - base) * bl;
@@ -276,6 +273,62 @@ impl Transfer {
             Ok(())
         })
         .await
+    }
+
+    /// [`Transfer::send_blocks`] for bytes in this node's device memory (`data`: `n`
+    /// block-layers, one after another): each frame's payload is a range of `data`, which
+    /// the link copies device to device into its send ring and checksums there
+    /// ([`LinkTx::send_device`]; a link without device send rings copies it to the host).
+    /// `data` is held until every frame from it went out.
+    pub async fn send_device_blocks(&mut self, layer: u32, first_block: u32, data: Arc<dyn DeviceSource>) -> Result<()> {
+        let r = self.send_device_blocks_inner(layer, first_block, data).await;
+        self.note(r)
+    }
+
+    async fn send_device_blocks_inner(&mut self, layer: u32, first_block: u32, data: Arc<dyn DeviceSource>) -> Result<()> {
+        let reservation = self.grant.reservation;
+        let Some((first, end)) = self.admit_run(layer, first_block, data.len())? else {
+            return Ok(());
+        };
+        let bl = self.grant.layout.bytes_per_block_layer();
+        let mut block = first as usize;
+        while block < end as usize {
+            let count = self.frame_blocks.min(end as usize - block);
+            let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);
+            h.layer = layer;
+            h.first_block = block as u32;
+            h.block_count = count as u32;
+            h.payload_len = (count * bl) as u32;
+            let offset = (block - first_block as usize) * bl;
+            let payload = DeviceRange::new(data.clone(), offset, count * bl).map_err(|_| Error::LayoutMismatch { reservation, what: "exported bytes" })?;
+            self.send_out(Outgoing::Device(h, payload), "sending data").await?;
+            self.stats.add(&self.stats.block_layers, count as u64);
+            block += count;
+        }
+        Ok(())
+    }
+
+    /// Checks a run of `len` bytes of layer `layer` from grant block `first_block` against
+    /// the grant and what went out, and records it as sent: the blocks to send,
+    /// `first..end` (those before the layer's skip dropped), or `None` when none are left.
+    fn admit_run(&mut self, layer: u32, first_block: u32, len: usize) -> Result<Option<(u32, u32)>> {
+        let reservation = self.grant.reservation;
+        let bl = self.grant.layout.bytes_per_block_layer();
+        if bl == 0 || !len.is_multiple_of(bl) {
+            return Err(Error::LayoutMismatch { reservation, what: "exported bytes are not whole block-layers" });
+        }
+        let n = u32::try_from(len / bl).map_err(|_| Error::OutOfRange { reservation, layer, block: first_block })?;
+        let end = first_block.checked_add(n).ok_or(Error::OutOfRange { reservation, layer, block: first_block })?;
+        if !self.grant.layers.contains(&layer) {
+            return Err(Error::OutOfRange { reservation, layer, block: first_block });
+        }
+        let first = first_block.max(self.grant.first_block(layer).min(end));
+        if first == end {
+            return Ok(None);
+        }
+        self.sent.admit(reservation, layer, first, end - first)?;
+        self.sent.record(layer, first, end - first);
+        Ok(Some((first, end)))
     }
 
     /// Frames of layer `layer` for grant blocks `first..end`, each block-layer filled by
@@ -382,8 +435,12 @@ impl Transfer {
         }
     }
 
-    /// Sends a frame unless the receiver already failed the transfer, bounded by the deadline.
     async fn send_frame(&mut self, frame: Frame, during: &'static str) -> Result<()> {
+        self.send_out(Outgoing::Frame(frame), during).await
+    }
+
+    /// Sends a frame unless the receiver already failed the transfer, bounded by the deadline.
+    async fn send_out(&mut self, out: Outgoing, during: &'static str) -> Result<()> {
         let state = *self.remote.borrow();
         if state != Remote::Pending {
             // Completed before we finished sending cannot happen with a correct receiver.
@@ -396,7 +453,7 @@ impl Transfer {
             };
         }
         let deadline = tokio::time::Instant::from_std(self.grant.deadline_at());
-        let len = frame.wire_len();
+        let len = out.wire_len();
         enum Sent {
             Link(std::result::Result<Result<()>, tokio::time::error::Elapsed>),
             Remote(Remote),
@@ -406,8 +463,12 @@ impl Transfer {
             let failed = self
                 .remote
                 .wait_for(|r| matches!(r, Remote::Failed(_) | Remote::Gone));
+            let send = match out {
+                Outgoing::Frame(frame) => tx.send(frame),
+                Outgoing::Device(header, payload) => tx.send_device(header, payload),
+            };
             tokio::select! {
-                r = tokio::time::timeout_at(deadline, tx.send(frame)) => Sent::Link(r),
+                r = tokio::time::timeout_at(deadline, send) => Sent::Link(r),
                 s = failed => Sent::Remote(s.map(|s| *s).unwrap_or(Remote::Gone)),
             }
         };
@@ -434,6 +495,22 @@ impl Transfer {
                 }
             }
             Err(_) => Err(self.deadline_error(during)),
+        }
+    }
+}
+
+/// What [`Transfer::send_out`] hands the link: a frame on the host, or a `Data` frame's
+/// header and its payload in device memory.
+enum Outgoing {
+    Frame(Frame),
+    Device(FrameHeader, DeviceRange),
+}
+
+impl Outgoing {
+    fn wire_len(&self) -> usize {
+        match self {
+            Outgoing::Frame(f) => f.wire_len(),
+            Outgoing::Device(_, p) => crate::handoff::frame::HEADER_LEN + p.len + crate::handoff::frame::TRAILER_LEN,
         }
     }
 }

@@ -3,8 +3,10 @@
 //!
 //! Owns: [`DeviceMemory`] (where the memory is, its dma-buf, what keeps it alive, how bytes
 //! get in and out), [`DeviceCopy`] (the copies and the checksum the owner's runtime
-//! performs), [`DeviceBytes`] (a range of it) and [`DevicePayload`] (a frame's payload left
-//! where the NIC wrote it).
+//! performs), [`DeviceBytes`] (a range of it), [`DevicePayload`] (a frame's payload left
+//! where the NIC wrote it) and, on the sending side, [`DeviceSource`] / [`DeviceRange`]
+//! (bytes the engine left on its GPU, which a link with send rings in device memory copies
+//! there device to device).
 //! Invariants: the dma-buf fd covers exactly `len` bytes from `device_addr` (dma-buf offset
 //! 0 is `device_addr`), and stays open and the memory allocated while any clone of the
 //! `keeper` lives; every registration of this memory holds a clone of the keeper, so it
@@ -42,6 +44,65 @@ pub trait DeviceCopy: Send + Sync {
     /// [`DeviceCopy::read`] does. A frame's payload (one layer of consecutive blocks) goes
     /// to consecutive blocks of a pool this way: block-layers `dst_pitch` apart.
     fn copy_rows_to_device(&self, offset: usize, row_bytes: usize, rows: usize, dst: u64, dst_pitch: usize) -> Result<(), String>;
+    /// Copies `len` bytes from the device address `src` of the same device (another
+    /// allocation of the owner's, e.g. a layer the engine packed) to `offset` bytes past the
+    /// start; returns once they landed. A send ring slot is filled this way.
+    fn copy_from_device(&self, offset: usize, src: u64, len: usize) -> Result<(), String>;
+}
+
+/// Bytes a sender's device holds (a layer the engine packed on its GPU), which a link may
+/// send without bringing them to the host first. The address comes from this node's own
+/// engine, never from a peer. Dropping the last reference gives the memory back.
+pub trait DeviceSource: Send + Sync {
+    /// The device address of the first byte, on the device the node's send rings are on.
+    fn device_addr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `dst.len()` bytes from `offset` to the host; returns once done.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String>;
+}
+
+/// `len` bytes at `offset` of a [`DeviceSource`]: one frame's payload to send.
+#[derive(Clone)]
+pub struct DeviceRange {
+    pub source: Arc<dyn DeviceSource>,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl DeviceRange {
+    /// The range, checked against the source's length.
+    pub fn new(source: Arc<dyn DeviceSource>, offset: usize, len: usize) -> Result<Self, String> {
+        match offset.checked_add(len) {
+            Some(end) if end <= source.len() => Ok(DeviceRange { source, offset, len }),
+            _ => Err(format!("{len} bytes at {offset} run past the {}-byte device source", source.len())),
+        }
+    }
+
+    /// The device address of the range's first byte.
+    pub fn device_addr(&self) -> u64 {
+        self.source.device_addr() + self.offset as u64
+    }
+
+    /// Copies the range into `dst` (exactly `len` bytes) on the host.
+    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), String> {
+        if dst.len() != self.len {
+            return Err(format!("a {}-byte device range read into {} bytes", self.len, dst.len()));
+        }
+        self.source.read(self.offset, dst)
+    }
+}
+
+impl fmt::Debug for DeviceRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceRange")
+            .field("device_addr", &format_args!("{:#x}", self.device_addr()))
+            .field("len", &self.len)
+            .finish()
+    }
 }
 
 /// Device memory exported as a dma-buf.
@@ -189,7 +250,7 @@ pub mod host_device {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, Mutex};
 
-    use super::{DeviceCopy, DeviceMemory};
+    use super::{DeviceCopy, DeviceMemory, DeviceSource};
 
     /// Every live allocation, so that a copy finds the one its address falls in.
     static ALL: Mutex<Vec<std::sync::Weak<HostDevice>>> = Mutex::new(Vec::new());
@@ -201,7 +262,8 @@ pub mod host_device {
         len: usize,
         /// Bytes copied out to the host by `read`.
         pub host_reads: AtomicU64,
-        /// Device-to-device copies made by `copy_rows_to_device`.
+        /// Device-to-device copies out of this allocation (`copy_rows_to_device`, or another
+        /// allocation's `copy_from_device` reading it).
         pub device_copies: AtomicU64,
     }
 
@@ -216,6 +278,12 @@ pub mod host_device {
             all.push(Arc::downgrade(&dev));
             let mem = DeviceMemory { device_addr: base, len, dmabuf_fd: -1, label: label.into(), copy: dev.clone(), keeper: dev.clone() as Arc<dyn Any + Send + Sync> };
             (mem, dev)
+        }
+
+        /// The live allocation holding `len` bytes from address `addr`.
+        fn holding(addr: u64, len: usize) -> Result<Arc<HostDevice>, String> {
+            let found = ALL.lock().unwrap().iter().filter_map(std::sync::Weak::upgrade).find(|d| addr >= d.base && addr + len as u64 <= d.base + d.len as u64);
+            found.ok_or_else(|| format!("{len} bytes at device address {addr:#x} are in no allocation"))
         }
 
         fn range(&self, offset: usize, n: usize) -> Result<std::ops::Range<usize>, String> {
@@ -249,8 +317,7 @@ pub mod host_device {
             let r = self.range(offset, row_bytes * rows)?;
             let bytes = self.bytes.lock().unwrap()[r].to_vec();
             let span = (dst_pitch * rows.saturating_sub(1) + row_bytes) as u64;
-            let target = ALL.lock().unwrap().iter().filter_map(std::sync::Weak::upgrade).find(|d| dst >= d.base && dst + span <= d.base + d.len as u64);
-            let target = target.ok_or_else(|| format!("{span} bytes at device address {dst:#x} are in no allocation"))?;
+            let target = Self::holding(dst, span as usize)?;
             let mut to = target.bytes.lock().unwrap();
             for (i, row) in bytes.chunks_exact(row_bytes.max(1)).enumerate() {
                 let at = (dst - target.base) as usize + i * dst_pitch;
@@ -258,6 +325,32 @@ pub mod host_device {
             }
             self.device_copies.fetch_add(1, Ordering::Relaxed);
             Ok(())
+        }
+
+        fn copy_from_device(&self, offset: usize, src: u64, len: usize) -> Result<(), String> {
+            let r = self.range(offset, len)?;
+            let from = Self::holding(src, len)?;
+            let at = (src - from.base) as usize;
+            // Copied out first: `from` may be this very allocation.
+            let bytes = from.bytes.lock().unwrap()[at..at + len].to_vec();
+            self.bytes.lock().unwrap()[r].copy_from_slice(&bytes);
+            from.device_copies.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+
+    /// The whole allocation as bytes to send from.
+    impl DeviceSource for HostDevice {
+        fn device_addr(&self) -> u64 {
+            self.base
+        }
+
+        fn len(&self) -> usize {
+            self.len
+        }
+
+        fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+            DeviceCopy::read(self, offset, dst)
         }
     }
 }

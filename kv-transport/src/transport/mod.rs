@@ -18,7 +18,8 @@ use std::sync::Arc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{Error, Result};
-use crate::handoff::frame::{Frame, FrameLimits};
+use crate::handoff::frame::{Frame, FrameHeader, FrameLimits};
+use crate::transport::device_memory::DeviceRange;
 use crate::types::ReservationId;
 
 pub mod device_memory;
@@ -36,6 +37,25 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub trait LinkTx: Send {
     /// Sends one frame. Returns once the transport has taken it (it may still be in flight).
     fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<()>>;
+
+    /// Sends a `Data` frame whose payload is in this node's device memory (`header` says
+    /// its coordinates; `payload_len` is set from `payload`). A link whose send rings are
+    /// in device memory (RDMA, [`Connector::sends_from_device`]) copies it there device to
+    /// device and checksums it on the device; this default copies it to the host first
+    /// (blocking the calling thread for that copy) and sends it as any frame.
+    fn send_device(&mut self, header: FrameHeader, payload: DeviceRange) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let frame = host_frame(header, &payload)?;
+            self.send(frame).await
+        })
+    }
+}
+
+/// The frame `header` + `payload` with its payload copied to the host.
+pub(crate) fn host_frame(header: FrameHeader, payload: &DeviceRange) -> Result<Frame> {
+    let mut bytes = vec![0u8; payload.len];
+    payload.read_into(&mut bytes).map_err(|detail| Error::Link { transport: "any", detail: format!("copying a frame's payload off the device: {detail}") })?;
+    Ok(Frame::new(header, bytes.into()))
 }
 
 /// Receiving half of a link.
@@ -182,6 +202,12 @@ pub trait Connector: Send + Sync {
     fn transport(&self) -> &'static str;
     /// Opens a new link to `peer`.
     fn open<'a>(&'a self, peer: &'a Peer) -> BoxFuture<'a, Result<Link>>;
+    /// Whether its links send a device payload ([`LinkTx::send_device`]) without bringing
+    /// it to the host (send rings in device memory): what makes a node keep its exported
+    /// KV on the GPU. False for every transport but RDMA with device send rings.
+    fn sends_from_device(&self) -> bool {
+        false
+    }
 }
 
 /// The receiver side of a transport: accepts links until shut down.

@@ -58,6 +58,11 @@ pub struct RdmaConfig {
     /// through its dma-buf (GPUDirect RDMA), which falls back to host memory with the
     /// reason in [`NodeTransport::ring_memory`] where it cannot be registered.
     pub ring_memory: RingMemory,
+    /// Where the connector's send rings live: host memory, or device memory registered
+    /// through its dma-buf for local access only, from which the NIC reads frames that were
+    /// copied there device to device (a layer the engine left on its GPU never reaches the
+    /// host); falls back to host memory with the reason in [`NodeTransport::send_ring_memory`].
+    pub send_ring_memory: RingMemory,
 }
 
 impl Default for RdmaConfig {
@@ -70,6 +75,7 @@ impl Default for RdmaConfig {
             slots: 8,
             rings: 16,
             ring_memory: RingMemory::Host,
+            send_ring_memory: RingMemory::Host,
         }
     }
 }
@@ -93,6 +99,14 @@ impl RdmaConfig {
         let ring = (slot as usize).checked_mul(self.slots as usize)?.checked_next_multiple_of(DEVICE_RING_ALIGN)?;
         ring.checked_mul(self.rings as usize)
     }
+
+    /// Device memory a connector needs for its send rings in device memory
+    /// ([`RdmaConfig::send_ring_memory`]): every ring back to back, in whole
+    /// [`DEVICE_RING_ALIGN`] units (they are one local registration). `None` on overflow.
+    pub fn device_send_ring_bytes(&self) -> Option<usize> {
+        let slot = self.slot_payload_bytes.checked_add((HEADER_LEN + TRAILER_LEN) as u32)?;
+        (slot as usize).checked_mul(self.slots as usize)?.checked_mul(self.rings as usize)?.checked_next_multiple_of(DEVICE_RING_ALIGN)
+    }
 }
 
 /// A node's bound transport.
@@ -106,11 +120,15 @@ pub struct NodeTransport {
     /// With RDMA: where the receive rings live, and why not in device memory if that was
     /// asked for and refused.
     pub ring_memory: Option<RingPlacement>,
+    /// With RDMA: the same for the send rings.
+    pub send_ring_memory: Option<RingPlacement>,
 }
 
-/// Where an RDMA listener's receive rings ended up.
+/// Where an RDMA listener's receive rings or a connector's send rings ended up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RingPlacement {
+    /// `receive` or `send`.
+    pub rings: &'static str,
     /// `host` or `device`.
     pub memory: &'static str,
     /// Why device memory was asked for and host memory is used instead.
@@ -121,8 +139,8 @@ impl RingPlacement {
     /// One line for a node's start-up log.
     pub fn describe(&self) -> String {
         match &self.fallback {
-            None => format!("receive rings in {} memory", self.memory),
-            Some(why) => format!("receive rings in host memory (device memory refused: {why})"),
+            None => format!("{} rings in {} memory", self.rings, self.memory),
+            Some(why) => format!("{} rings in host memory (device memory refused: {why})", self.rings),
         }
     }
 }
@@ -134,7 +152,7 @@ impl NodeTransport {
     }
 
     fn bound(local_addr: SocketAddr, listener: impl Listener + 'static, connector: impl Connector + 'static, fallback: Option<String>) -> Self {
-        NodeTransport { local_addr, connector: Arc::new(connector), listener: Box::new(listener), fallback, ring_memory: None }
+        NodeTransport { local_addr, connector: Arc::new(connector), listener: Box::new(listener), fallback, ring_memory: None, send_ring_memory: None }
     }
 }
 
@@ -184,8 +202,10 @@ fn bind_rdma(config: &RdmaConfig, at: &Endpoint<'_>, receiver: KvReceiver) -> Re
     let connector = RdmaConnector::new(config, at.tls, at.tuning)?;
     let listener = RdmaListener::bind(at.listen, at.server_name, at.tls, at.tuning, config, receiver)?;
     let placement = listener.placement().clone();
+    let send_placement = connector.placement().clone();
     let mut t = NodeTransport::bound(listener.local_addr(), listener, connector, None);
     t.ring_memory = Some(placement);
+    t.send_ring_memory = Some(send_placement);
     Ok(t)
 }
 

@@ -24,12 +24,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch, Mutex};
 
 use crate::error::{Error, Result};
-use crate::handoff::frame::{self, Frame, FrameKind, FrameLimits, HEADER_LEN, TRAILER_LEN};
+use crate::handoff::frame::{self, Frame, FrameHeader, FrameKind, FrameLimits, HEADER_LEN, TRAILER_LEN};
 use crate::transport::rdma::ring::{imm_for, RingGeometry, RingLease, SendWindow, SlotCredits};
 use crate::transport::rdma::setup::{read_msg, write_msg, Msg, RingInfo};
-use crate::transport::device_memory::DevicePayload;
+use crate::transport::device_memory::{DevicePayload, DeviceRange};
+use crate::transport::rdma::send_slot::{self, SlotFrame, SlotMemory};
 use crate::transport::rdma::memory::RingRegion;
-use crate::transport::rdma::verbs::{Completion, QueuePair, Region, WriteImm};
+use crate::transport::rdma::verbs::{Completion, QueuePair, WriteImm};
 use crate::transport::{BoxFuture, LinkRx, LinkTx};
 
 pub(crate) const NAME: &str = "rdma";
@@ -68,9 +69,10 @@ impl Drop for TaskGuard {
     }
 }
 
-/// A connector's registered send memory: `rings` rings cut by `geometry`, one lkey.
+/// A connector's registered send memory (host or device, local access only): `rings`
+/// rings cut by `geometry`, one lkey.
 pub(crate) struct SendArena {
-    pub region: Region,
+    pub region: RingRegion,
     pub lkey: u32,
     pub geometry: RingGeometry,
 }
@@ -196,7 +198,7 @@ impl SenderTx {
         Ok(c.closed)
     }
 
-    async fn send_frame(&mut self, frame: Frame) -> Result<()> {
+    async fn send_frame(&mut self, frame: SlotFrame<'_>) -> Result<()> {
         let len = frame.wire_len();
         let max = self.remote.slot_bytes.min(self.arena.geometry.slot_bytes) as usize;
         if len > max {
@@ -219,25 +221,27 @@ impl SenderTx {
         };
         let geometry = self.arena.geometry;
         let offset = geometry.ring_offset(self.lease.index) + geometry.slot_offset(seq);
-        // SAFETY: the slot lies inside the arena (geometry checked at creation) and belongs
-        // to this link's lease; the window guarantees the previous write from it completed,
-        // so the NIC is not reading it.
-        let slot = unsafe {
-            std::slice::from_raw_parts_mut(self.arena.region.base().add(offset), len)
+        let slot = match &self.arena.region {
+            // SAFETY: the slot lies inside the arena (geometry checked at creation) and
+            // belongs to this link's lease; the window guarantees the previous write from it
+            // completed, so the NIC is not reading it.
+            RingRegion::Host { region, .. } => SlotMemory::Host(unsafe { std::slice::from_raw_parts_mut(region.base().add(offset), len) }),
+            RingRegion::Device { region, .. } => SlotMemory::Device(region.memory(), offset),
         };
-        let (head, rest) = slot.split_at_mut(HEADER_LEN);
-        head.copy_from_slice(&frame.header.encode());
-        let (payload, trailer) = rest.split_at_mut(frame.payload.len());
-        payload.copy_from_slice(&frame.payload);
-        trailer.copy_from_slice(&frame.checksum.to_le_bytes());
+        send_slot::fill(slot, &frame)?;
+        let kind = match &frame {
+            SlotFrame::Host(f) => f.header.kind,
+            SlotFrame::Device(h, _) => h.kind,
+        };
         // The receiver finds frame `seq` at `seq % its slots`, whatever our ring looks like.
         let remote_addr = self.remote.addr + self.remote_geometry.slot_offset(seq) as u64;
-        // SAFETY: the slot is registered under `lkey` and stays untouched until the window
-        // sees this write complete; the arena outlives the QP (field order).
+        // SAFETY: the slot is registered under `lkey` (a host address, or the device address
+        // that is the dma-buf registration's I/O virtual address) and stays untouched until
+        // the window sees this write complete; the arena outlives the QP (field order).
         unsafe {
             self.qp.post_write_imm(&WriteImm {
                 wr_id: seq,
-                local: slot.as_ptr(),
+                local: self.arena.region.addr(offset),
                 len: len as u32,
                 lkey: self.arena.lkey,
                 remote_addr,
@@ -246,7 +250,7 @@ impl SenderTx {
             })?;
         }
         self.window.posted();
-        if frame.header.kind != FrameKind::Data {
+        if kind != FrameKind::Data {
             // Control frames are rare: wait until they landed, so a goodbye sent right
             // after counts them.
             let mut backoff = Backoff(0);
@@ -263,7 +267,13 @@ impl SenderTx {
 
 impl LinkTx for SenderTx {
     fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<()>> {
-        Box::pin(self.send_frame(frame))
+        Box::pin(async move { self.send_frame(SlotFrame::Host(&frame)).await })
+    }
+
+    /// Straight from the engine's device memory into the slot: device to device where the
+    /// send rings are in device memory, else one copy off the device into the host slot.
+    fn send_device(&mut self, header: FrameHeader, payload: DeviceRange) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { self.send_frame(SlotFrame::Device(header, &payload)).await })
     }
 }
 

@@ -35,9 +35,18 @@
 //! `Done`) are copied out and checked on the host. Where the registration is refused (no
 //! `ibv_reg_dmabuf_mr` in this libibverbs, `EOPNOTSUPP` from the driver, a bad fd, memory
 //! too small or unaligned) the rings go to host memory and [`RdmaListener::placement`] says
-//! why. Not built yet: sending from the packed layer's device buffer
-//! (`kernels/src/cuda/layer_out.rs`); the send rings are host memory, so a prefill node
-//! still stages each frame through the host.
+//! why.
+//!
+//! **Send rings in device memory** ([`RdmaConfig::send_ring_memory`]): the connector's
+//! rings may live in GPU memory too, registered through its dma-buf for local access only
+//! (their key never leaves the node). A layer the engine packed and kept on its GPU
+//! ([`Transfer::send_device_blocks`](crate::Transfer::send_device_blocks)) is copied
+//! device to device into a slot, behind a header written from the host; the GPU computes
+//! the trailer's checksum over the slot's header and payload, and the NIC reads the frame
+//! from the slot ([`send_slot`]): the payload never crosses to the host, on either end when
+//! both rings are on GPUs. With host send rings a device payload is copied once, off the
+//! device straight into its slot, and checksummed there; a host frame into a device slot is
+//! one copy in. [`RdmaConnector::placement`] says where the send rings went and why.
 //!
 //! The connector registers its send rings once too. Without an RDMA device (no kernel
 //! support, no device, port down) [`RdmaConnector::new`] and [`RdmaListener::bind`] fail
@@ -61,14 +70,15 @@ pub mod dmabuf;
 mod link;
 pub mod memory;
 pub mod ring;
+mod send_slot;
 pub mod setup;
 pub mod verbs;
 
 use link::{RecvArena, SendArena, NAME};
 use ring::{RingGeometry, RingPool};
 use setup::{read_msg, write_msg, Msg, RingInfo, SETUP_VERSION};
-use memory::RingRegion;
-use verbs::{Device, QueuePair, Region};
+use memory::{RingRegion, Rings};
+use verbs::{Device, QueuePair};
 
 /// How long either end waits for the other's half of the set-up.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -93,15 +103,17 @@ pub struct RdmaConnector {
     device: Arc<Device>,
     arena: Arc<SendArena>,
     rings: RingPool,
+    placement: RingPlacement,
 }
 
 impl RdmaConnector {
-    /// Opens the device and registers the send rings; the control channel is a QUIC
-    /// connector with `tls` and `tuning`. Needs a Tokio runtime.
+    /// Opens the device and registers the send rings (one local registration, in the
+    /// memory `config.send_ring_memory` names, else host memory); the control channel is a
+    /// QUIC connector with `tls` and `tuning`. Needs a Tokio runtime.
     pub fn new(config: &RdmaConfig, tls: &NodeTls, tuning: &QuicTuning) -> Result<Self> {
         let device = Device::open(config)?;
         let geometry = RingGeometry::new(config.rings, config.slots, slot_bytes(config.slot_payload_bytes)?)?;
-        let (region, keys) = Region::register(&device, 1, geometry.region_bytes().unwrap_or(0), false)?;
+        let (region, keys, placement) = RingRegion::register(&device, &config.send_ring_memory, Rings::Send, 1, geometry.region_bytes().unwrap_or(0))?;
         let arena = Arc::new(SendArena {
             region,
             lkey: keys[0].lkey,
@@ -112,7 +124,13 @@ impl RdmaConnector {
             device,
             arena,
             rings: RingPool::new(config.rings),
+            placement,
         })
+    }
+
+    /// Where the send rings live (and why not in device memory, if that was refused).
+    pub fn placement(&self) -> &RingPlacement {
+        &self.placement
     }
 
     async fn open_link(&self, peer: &Peer) -> Result<Link> {
@@ -166,6 +184,10 @@ impl Connector for RdmaConnector {
     fn open<'a>(&'a self, peer: &'a Peer) -> BoxFuture<'a, Result<Link>> {
         Box::pin(self.open_link(peer))
     }
+
+    fn sends_from_device(&self) -> bool {
+        matches!(self.arena.region, RingRegion::Device { .. })
+    }
 }
 
 /// Accepts RDMA links: a QUIC listener for the control channel, the device, and the rings
@@ -202,7 +224,7 @@ impl RdmaListener {
         })?;
         let payload = config.receive_slot_payload(block_layer);
         let geometry = RingGeometry::new(config.rings, config.slots, slot_bytes(payload)?)?;
-        let (region, keys, placement) = RingRegion::register(&device, &config.ring_memory, config.rings, geometry.ring_bytes())?;
+        let (region, keys, placement) = RingRegion::register(&device, &config.ring_memory, Rings::Receive, config.rings, geometry.ring_bytes())?;
         let per_peer = receiver.max_connections_per_peer();
         let shared = Arc::new(Shared {
             device,

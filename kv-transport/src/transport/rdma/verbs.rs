@@ -298,7 +298,8 @@ pub struct Completion {
 #[derive(Clone, Copy, Debug)]
 pub struct WriteImm {
     pub wr_id: u64,
-    pub local: *const u8,
+    /// The local address: a host pointer, or a dma-buf registration's I/O virtual address.
+    pub local: u64,
     pub len: u32,
     pub lkey: u32,
     pub remote_addr: u64,
@@ -461,7 +462,7 @@ impl QueuePair {
     /// was destroyed).
     pub unsafe fn post_write_imm(&self, w: &WriteImm) -> Result<()> {
         let mut sge = ffi::ibv_sge {
-            addr: w.local as u64,
+            addr: w.local,
             length: w.len,
             lkey: w.lkey,
         };

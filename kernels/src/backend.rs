@@ -301,6 +301,12 @@ pub trait Backend: Send + Sync {
         }
         KvBytes::Ready(out)
     }
+
+    /// Whether [`Backend::kv_blocks_layer_out`] leaves the packed layer in device memory
+    /// only (no copy to the host queued behind it) because its consumer sends it from
+    /// there ([`KvBytes::into_device`]); [`KvBytes::wait`] still works, copying on the
+    /// consumer's thread. A host backend has nothing to keep.
+    fn keep_layer_exports_on_device(&self, _keep: bool) {}
 }
 
 /// KV bytes leaving a backend's arena ([`Backend::kv_blocks_layer_out`]).
@@ -316,6 +322,27 @@ pub enum KvBytes {
 pub trait PendingKvBytes: Send {
     /// Blocks until the copy is done; the bytes.
     fn wait(self: Box<Self>) -> Vec<u8>;
+
+    /// Blocks until the bytes are complete in device memory (the device finished writing
+    /// them there) and returns them kept there, for a consumer that sends from the device;
+    /// `Err(self)` where they cannot stay on a device.
+    fn into_device(self: Box<Self>) -> Result<Box<dyn DeviceKvBytes>, Box<dyn PendingKvBytes>>;
+}
+
+/// KV bytes kept in a device's memory (a packed layer the transport sends from there).
+/// Dropping it gives the memory back to the backend: drop it only once every copy from
+/// [`DeviceKvBytes::device_addr`] is done.
+pub trait DeviceKvBytes: Send + Sync {
+    /// Device address of the first byte, on the backend's GPU (for device-to-device copies
+    /// in the same primary context).
+    fn device_addr(&self) -> u64;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `dst.len()` bytes from `offset` to the host; returns once done. An
+    /// out-of-range request is an error, never a panic.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String>;
 }
 
 impl KvBytes {
@@ -325,6 +352,17 @@ impl KvBytes {
         match self {
             KvBytes::Ready(v) => v,
             KvBytes::Pending(p) => p.wait(),
+        }
+    }
+
+    /// The bytes kept in device memory ([`PendingKvBytes::into_device`]), or `Err(self)`
+    /// where they are on the host already or cannot stay on the device (the caller then
+    /// [`KvBytes::wait`]s). Blocks until the device wrote them: call it off an async
+    /// runtime's worker threads.
+    pub fn into_device(self) -> Result<Box<dyn DeviceKvBytes>, KvBytes> {
+        match self {
+            KvBytes::Ready(_) => Err(self),
+            KvBytes::Pending(p) => p.into_device().map_err(KvBytes::Pending),
         }
     }
 
@@ -541,5 +579,39 @@ pub fn cuda_unavailable() -> KernelError {
     KernelError::BackendUnavailable {
         backend: "cuda",
         reason: "this binary was built without the `cuda` feature".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pending copy that cannot stay on a device (as a backend without device memory would
+    /// make one): `into_device` hands it back, still pending, and it still waits.
+    struct HostOnly(Vec<u8>);
+
+    impl PendingKvBytes for HostOnly {
+        fn wait(self: Box<Self>) -> Vec<u8> {
+            self.0
+        }
+        fn into_device(self: Box<Self>) -> Result<Box<dyn DeviceKvBytes>, Box<dyn PendingKvBytes>> {
+            Err(self)
+        }
+    }
+
+    #[test]
+    fn bytes_that_cannot_stay_on_a_device_come_back_unchanged() {
+        let ready = KvBytes::Ready(vec![1, 2, 3]).into_device().err().expect("bytes on the host are not on a device");
+        assert_eq!(ready.wait(), [1, 2, 3]);
+        let pending = KvBytes::Pending(Box::new(HostOnly(vec![4, 5]))).into_device().err().expect("refused by the pending copy");
+        assert!(!pending.is_ready(), "handed back still pending");
+        assert_eq!(pending.wait(), [4, 5]);
+        let cpu = CpuBackend::new(1).unwrap();
+        cpu.keep_layer_exports_on_device(true);
+        let layout = KvLayout { layers: 2, block_tokens: 4, kv_heads: 1, head_dim: 8, dtype: crate::kv::KvDtype::F32 };
+        let kv = cpu.kv(layout, 3).unwrap();
+        let lb = layout.block_layer_bytes();
+        let out = cpu.kv_blocks_layer_out(&kv, &[2, 0], 1, lb);
+        assert!(out.into_device().is_err_and(|b| b.wait().len() == 2 * lb), "a host backend's export stays on the host, whatever it was asked");
     }
 }

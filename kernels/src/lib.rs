@@ -33,7 +33,7 @@ pub mod run_ahead;
 pub mod step;
 
 pub use attention::AttnRow;
-pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, GreedyRow, KernelError, KvBytes, OptionalOp, PendingKvBytes};
+pub use backend::{cuda_unavailable, Backend, BackendKind, CpuBackend, DeviceKvBytes, GreedyRow, KernelError, KvBytes, OptionalOp, PendingKvBytes};
 pub use error::{Error, Result};
 pub use fused::{Glu, QkNorm};
 #[cfg(feature = "cuda")]

@@ -343,6 +343,102 @@ fn layer_copies_leave_beside_the_compute_and_equal_the_cpus() {
     assert!(again == c.kv_blocks_layer_out(&kc, &blocks, 29, lb).wait());
 }
 
+/// GPUDirect RDMA sending: a pipelined export's layer kept in device memory
+/// (`into_device`), whether or not its DMA to the host was queued
+/// (`keep_layer_exports_on_device`), reads back as the CPU backend's bytes, whole and in
+/// part, and refuses a read past its end; a device-to-device copy from its address into a
+/// dma-buf (what the transport's send ring is) carries the same bytes. With exports kept on
+/// the device `wait` still gives them, and a kept layer dropped gives its slot to the next
+/// export, which then holds that layer's bytes, not the earlier one's.
+#[test]
+fn layer_exports_kept_on_the_device_equal_the_cpus() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new(1).unwrap();
+    let layout = KvLayout { layers: 6, block_tokens: 16, kv_heads: 3, head_dim: 64, dtype: KvDtype::BF16 };
+    let (mut kc, mut kg) = (c.kv(layout, 9).unwrap(), g.kv(layout, 9).unwrap());
+    let te = layout.token_elems();
+    let blocks = [5usize, 1, 7];
+    let slots: Vec<(u32, u32)> = blocks.iter().flat_map(|&b| (0..16).map(move |s| (b as u32, s))).collect();
+    let lb = layout.block_layer_bytes();
+    let ring = dmabuf_or_skip(&g, blocks.len() * lb);
+    if ring.is_none() {
+        println!("no dma-buf on this GPU: the device address is checked only through read()");
+    }
+    for keep in [false, true] {
+        g.keep_layer_exports_on_device(keep);
+        // Other values in each round, written layer by layer with each layer's export queued
+        // right behind its write, as a forward pass does.
+        let mut exports = Vec::new();
+        for layer in 0..layout.layers {
+            let seed = 700 * keep as u64 + layer as u64;
+            let (k, v) = (values(slots.len() * te, 60 + seed), values(slots.len() * te, 6000 + seed));
+            c.kv_write(&mut kc, layer, &k, &v, &slots);
+            g.kv_write(&mut kg, layer, &g.upload(&k), &g.upload(&v), &slots);
+            let copy = g.kv_blocks_layer_out(&kg, &blocks, layer, lb);
+            assert!(!copy.is_ready(), "keep = {keep}: the GPU's export is queued, not done in the call");
+            exports.push(copy);
+        }
+        let want: Vec<Vec<u8>> = (0..layout.layers).map(|layer| c.kv_blocks_layer_out(&kc, &blocks, layer, lb).wait()).collect();
+        // All kept at once: each holds its own device buffer.
+        let kept: Vec<_> = exports.into_iter().map(|e| e.into_device().expect("the CUDA backend's export stays on the device")).collect();
+        let mut addrs: Vec<u64> = kept.iter().map(|d| d.device_addr()).collect();
+        addrs.sort_unstable();
+        addrs.dedup();
+        assert_eq!(addrs.len(), layout.layers, "keep = {keep}: two kept layers share a device buffer");
+        for (layer, dev) in kept.iter().enumerate() {
+            let want = &want[layer];
+            assert_eq!(dev.len(), want.len());
+            assert!(!dev.is_empty());
+            let mut all = vec![0u8; dev.len()];
+            dev.read(0, &mut all).unwrap();
+            assert!(all == *want, "keep = {keep}: layer {layer} kept on the device differs from the CPU's");
+            let mut part = vec![0u8; lb];
+            dev.read(lb + 3, &mut part[..lb - 5]).unwrap();
+            assert!(part[..lb - 5] == want[lb + 3..2 * lb - 2], "keep = {keep}: layer {layer} read in part");
+            dev.read(dev.len(), &mut []).unwrap();
+            assert!(dev.read(dev.len() - 3, &mut [0u8; 4]).is_err(), "a read past the end is refused");
+            assert!(dev.read(usize::MAX, &mut [0u8; 1]).is_err(), "an offset that overflows is refused");
+            if let Some(ring) = &ring {
+                ring.copy_from_device(0, dev.device_addr(), dev.len()).unwrap();
+                let mut back = vec![0u8; dev.len()];
+                ring.read(0, &mut back).unwrap();
+                assert!(back == *want, "keep = {keep}: layer {layer} copied device to device from its address differs");
+            }
+        }
+        drop(kept);
+
+        // The host path from the same exports.
+        for layer in (0..layout.layers).rev() {
+            assert!(g.kv_blocks_layer_out(&kg, &blocks, layer, lb).wait() == want[layer], "keep = {keep}: layer {layer} waited on differs");
+        }
+
+        // A kept layer dropped: its slot goes back to the free list, and an export that takes
+        // it (exports held until one does: which free slot comes first is the pool's choice)
+        // holds its own layer's bytes, not the dropped one's.
+        let first = g.kv_blocks_layer_out(&kg, &blocks, 2, lb).into_device().expect("kept on the device");
+        let addr = first.device_addr();
+        drop(first);
+        let mut held = Vec::new();
+        for i in 0..64 {
+            let layer = [4, 0, 5, 1, 3][i % 5];
+            let dev = g.kv_blocks_layer_out(&kg, &blocks, layer, lb).into_device().expect("kept on the device");
+            let mut all = vec![0u8; dev.len()];
+            dev.read(0, &mut all).unwrap();
+            assert!(all == want[layer], "keep = {keep}: export {i} (layer {layer}) differs from the CPU's");
+            let reused = dev.device_addr() == addr;
+            held.push(dev);
+            if reused {
+                break;
+            }
+        }
+        assert_eq!(held.last().map(|d| d.device_addr()), Some(addr), "keep = {keep}: the dropped layer's slot never came back");
+        println!("keep = {keep}: the dropped layer's slot was reused by export {}", held.len() - 1);
+    }
+    g.keep_layer_exports_on_device(false);
+    assert!(g.kv_blocks_layer_out(&kg, &blocks, 5, lb).wait() == c.kv_blocks_layer_out(&kc, &blocks, 5, lb).wait());
+    assert!(g.kv_blocks_layer_out(&kg, &[], 0, lb).into_device().is_err(), "nothing to keep: an empty export is on the host");
+}
+
 /// An export of many blocks in one call crosses several staging groups (a
 /// 16 MiB buffer holds 45 blocks of this layout: groups of 45, 45, 45 and 2).
 /// Every block's bytes arrive whole and in order, equal to the CPU arena's,

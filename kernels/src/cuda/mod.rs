@@ -13,7 +13,8 @@
 //!   Blocks leave and enter it in groups through page-locked host buffers
 //!   (`staging`), one DMA per group. A pipelined export's layer leaves during the
 //!   forward pass on a side stream, behind the layer's write and beside the compute
-//!   that follows (`layer_out`). The block ids a pack or unpack reads, and the index
+//!   that follows (`layer_out`), or stays in device memory for a transport that sends
+//!   it from there (GPUDirect RDMA). The block ids a pack or unpack reads, and the index
 //!   arrays a forward pass repeats at every layer, reach the device through page-locked
 //!   slots into reused device buffers (`id_upload`).
 //!
@@ -898,6 +899,10 @@ impl Backend for CudaBackend {
 
     fn kv_blocks_layer_out(&self, kv: &CudaKv, blocks: &[usize], layer: usize, block_layer_bytes: usize) -> crate::backend::KvBytes {
         self.launch_kv_blocks_layer_out(kv, blocks, layer, block_layer_bytes)
+    }
+
+    fn keep_layer_exports_on_device(&self, keep: bool) {
+        self.layer_out.keep_on_device.store(keep, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

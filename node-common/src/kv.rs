@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use baton_engine::kv::WindowRule;
 use baton_engine::{DeviceBlockHolder, DeviceBlocks, EngineInfo, ImportBlocks};
 use baton_kv_transport::transport::quic::QuicTuning;
-use baton_kv_transport::transport::device_memory::{DeviceMemory, RingMemory};
+use baton_kv_transport::transport::device_memory::{DeviceMemory, DeviceSource, RingMemory};
 use baton_kv_transport::transport::select::{bind_node_transport, RdmaConfig, RingPlacement, TransportChoice};
 use baton_kv_transport::{ArenaPool, BlockId, BlockSink, BlockSource, KvDtype, KvLayout, KvReceiver, KvSender, Listener, NodeTls, Peer, ReceiverConfig, Reservation};
 
@@ -36,7 +36,7 @@ pub enum KvTransportKind {
     Rdma,
 }
 
-/// Where a node's RDMA receive rings live (`--rdma-ring-memory`).
+/// Where a node's RDMA receive and send rings live (`--rdma-ring-memory`).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum RingMemoryKind {
     /// Page-locked host memory.
@@ -45,6 +45,17 @@ pub enum RingMemoryKind {
     /// The engine's GPU (GPUDirect RDMA through dma-buf); host memory, with a warning
     /// naming the reason, where that cannot be done.
     Device,
+}
+
+impl RingMemoryKind {
+    /// The request a transport config starts with: device memory is replaced by the GPU's
+    /// own at start (`supply_ring_memory`).
+    fn request(self) -> RingMemory {
+        match self {
+            RingMemoryKind::Host => RingMemory::Host,
+            RingMemoryKind::Device => RingMemory::Wanted("no device memory was supplied".into()),
+        }
+    }
 }
 
 /// The KV transport flags both node roles share.
@@ -70,11 +81,13 @@ pub struct KvTransportArgs {
     /// `--rdma-slots` slots, registered when the node starts.
     #[arg(long, env = "BATON_RDMA_RINGS", default_value_t = RdmaConfig::default().rings)]
     pub rdma_rings: u32,
-    /// Where the RDMA receive rings live: `host`, or `device` (the engine's GPU memory,
-    /// registered with the NIC through dma-buf so frames land without host staging; needs
-    /// a CUDA engine, a driver that exports dma-bufs and a NIC driver that imports them,
-    /// else host memory with a warning naming the reason). Each ring is still its own
-    /// registration: a peer's key reaches only its ring, never the KV arena.
+    /// Where the RDMA rings live: `host`, or `device` (the engine's GPU memory, registered
+    /// with the NIC through dma-buf: frames land in the receive rings without host staging,
+    /// and an exported layer goes from the GPU into a send ring and out without host
+    /// staging; needs a CUDA engine, a driver that exports dma-bufs and a NIC driver that
+    /// imports them, else host memory with a warning naming the reason). Each receive ring
+    /// is still its own registration: a peer's key reaches only its ring, never the KV
+    /// arena; send rings are registered for local access only.
     #[arg(long, env = "BATON_RDMA_RING_MEMORY", value_enum, default_value = "host")]
     pub rdma_ring_memory: RingMemoryKind,
 }
@@ -99,41 +112,40 @@ impl TryFrom<KvTransportArgs> for TransportChoice {
                 gid_index: a.rdma_gid_index,
                 slots: a.rdma_slots,
                 rings: a.rdma_rings,
-                ring_memory: match a.rdma_ring_memory {
-                    RingMemoryKind::Host => RingMemory::Host,
-                    // Replaced by the GPU's memory at start (`supply_ring_memory`).
-                    RingMemoryKind::Device => RingMemory::Wanted("no device memory was supplied".into()),
-                },
+                ring_memory: a.rdma_ring_memory.request(),
+                send_ring_memory: a.rdma_ring_memory.request(),
                 ..RdmaConfig::default()
             }),
         })
     }
 }
 
-/// Supplies the device memory `--rdma-ring-memory device` asked for: rings' worth of the
-/// GPU `gpu` the engine runs on (`backend` is the engine's description; `layout` sizes a
-/// slot). Where that cannot be, the request keeps the reason, and the listener reports the
-/// host-memory fallback with it. Does nothing for any other choice.
+/// Supplies the device memory `--rdma-ring-memory device` asked for: receive rings' and
+/// send rings' worth of the GPU `gpu` the engine runs on (`backend` is the engine's
+/// description; `layout` sizes a receive slot). Where that cannot be, each request keeps
+/// the reason, and the listener or connector reports its host-memory fallback with it.
+/// Does nothing for any other choice.
 pub fn supply_ring_memory(choice: &mut TransportChoice, backend: &str, gpu: usize, layout: KvLayout) {
     let TransportChoice::Rdma(config) = choice else { return };
-    if !matches!(config.ring_memory, RingMemory::Wanted(_)) {
-        return;
-    }
-    let supplied = if !cfg!(feature = "rdma") {
+    let usable = if !cfg!(feature = "rdma") {
         Err("this build has no RDMA support".to_string())
     } else if !backend.starts_with("cuda") {
         Err(format!("the engine does not run on CUDA ({})", backend.split(' ').next().unwrap_or(backend)))
     } else {
-        u32::try_from(layout.bytes_per_block_layer())
-            .ok()
-            .and_then(|block_layer| config.device_ring_bytes(block_layer))
-            .ok_or_else(|| "the rings' size overflows".to_string())
-            .and_then(|bytes| gpu_ring_memory(gpu, bytes))
+        Ok(())
     };
-    config.ring_memory = match supplied {
-        Ok(mem) => RingMemory::Device(mem),
-        Err(why) => RingMemory::Wanted(why),
-    };
+    let receive_bytes = u32::try_from(layout.bytes_per_block_layer()).ok().and_then(|block_layer| config.device_ring_bytes(block_layer));
+    let send_bytes = config.device_send_ring_bytes();
+    for (rings, bytes) in [(&mut config.ring_memory, receive_bytes), (&mut config.send_ring_memory, send_bytes)] {
+        if !matches!(rings, RingMemory::Wanted(_)) {
+            continue;
+        }
+        let supplied = usable.clone().and_then(|()| bytes.ok_or_else(|| "the rings' size overflows".to_string())).and_then(|bytes| gpu_ring_memory(gpu, bytes));
+        *rings = match supplied {
+            Ok(mem) => RingMemory::Device(mem),
+            Err(why) => RingMemory::Wanted(why),
+        };
+    }
 }
 
 /// Device memory for the staging pool, where the receive rings are in device memory
@@ -167,6 +179,9 @@ fn gpu_ring_memory(gpu: usize, bytes: usize) -> std::result::Result<DeviceMemory
         fn copy_rows_to_device(&self, offset: usize, row_bytes: usize, rows: usize, dst: u64, dst_pitch: usize) -> std::result::Result<(), String> {
             self.0.copy_rows_to_device(offset, row_bytes, rows, dst, dst_pitch)
         }
+        fn copy_from_device(&self, offset: usize, src: u64, len: usize) -> std::result::Result<(), String> {
+            self.0.copy_from_device(offset, src, len)
+        }
     }
     let buf = baton_kernels::cuda::dmabuf::DmaBuf::on_gpu(gpu, bytes).map_err(|e| e.to_string())?;
     let (device_addr, len, dmabuf_fd) = (buf.device_addr(), buf.len(), buf.fd());
@@ -177,6 +192,25 @@ fn gpu_ring_memory(gpu: usize, bytes: usize) -> std::result::Result<DeviceMemory
 #[cfg(not(feature = "cuda"))]
 fn gpu_ring_memory(_gpu: usize, _bytes: usize) -> std::result::Result<DeviceMemory, String> {
     Err("this build has no CUDA backend (cargo feature `cuda` is off)".into())
+}
+
+/// A layer the engine kept on its GPU ([`baton_kernels::KvBytes::into_device`]) as bytes
+/// the KV transport sends from there; the GPU memory goes back to the engine when the last
+/// frame made from it was sent.
+pub fn device_source(bytes: Box<dyn baton_kernels::DeviceKvBytes>) -> Arc<dyn DeviceSource> {
+    struct Kept(Box<dyn baton_kernels::DeviceKvBytes>);
+    impl DeviceSource for Kept {
+        fn device_addr(&self) -> u64 {
+            self.0.device_addr()
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn read(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
+            self.0.read(offset, dst)
+        }
+    }
+    Arc::new(Kept(bytes))
 }
 
 /// The transport's view of the engine's block layout.
@@ -236,6 +270,10 @@ pub struct KvNode {
     pub fallback: Option<String>,
     /// With RDMA: where the receive rings live (and why not in device memory, if asked).
     pub ring_memory: Option<RingPlacement>,
+    /// With RDMA: the same for the send rings. In device memory, an exported layer the
+    /// engine kept on its GPU goes out without a copy to the host
+    /// ([`KvSender::sends_from_device`]).
+    pub send_ring_memory: Option<RingPlacement>,
     /// The engine's sliding windows: what a reservation asks senders not to ship
     /// ([`KvNode::reserve_tail`]). Every layer global unless [`KvNode::with_windows`] said.
     pub window: WindowRule,
@@ -270,10 +308,10 @@ impl KvNode {
             .map_err(Error::transport(format!("starting the KV transport ({requested}) on {listen}")))?;
         let transport = t.transport();
         let endpoint = endpoint_string(name, t.local_addr);
-        match (&t.fallback, &t.ring_memory) {
-            (Some(reason), _) => tracing::info!(transport, requested, %endpoint, fallback = %reason, "KV transport started (QUIC instead of RDMA)"),
-            (None, Some(rings)) => tracing::info!(transport, requested, %endpoint, rings = %rings.describe(), "KV transport started"),
-            (None, None) => tracing::info!(transport, requested, %endpoint, "KV transport started"),
+        match (&t.fallback, &t.ring_memory, &t.send_ring_memory) {
+            (Some(reason), _, _) => tracing::info!(transport, requested, %endpoint, fallback = %reason, "KV transport started (QUIC instead of RDMA)"),
+            (None, Some(rings), Some(send)) => tracing::info!(transport, requested, %endpoint, rings = %rings.describe(), send_rings = %send.describe(), "KV transport started"),
+            (None, _, _) => tracing::info!(transport, requested, %endpoint, "KV transport started"),
         }
         Ok(KvNode {
             layout,
@@ -287,6 +325,7 @@ impl KvNode {
             transport,
             fallback: t.fallback,
             ring_memory: t.ring_memory,
+            send_ring_memory: t.send_ring_memory,
             window: WindowRule::new(layout.block_tokens as usize, vec![None; layout.layers as usize]),
         })
     }
@@ -310,14 +349,15 @@ impl KvNode {
     }
 
     /// Appends `baton_kv_transport_info` (Prometheus text): which transport runs, which
-    /// was asked for, and where RDMA's receive rings live (`none` without RDMA).
+    /// was asked for, and where RDMA's receive and send rings live (`none` without RDMA).
     pub fn render_info(&self, out: &mut String) {
         use std::fmt::Write;
         let name = KV_TRANSPORT_INFO;
         let rings = self.ring_memory.as_ref().map_or("none", |r| r.memory);
+        let send = self.send_ring_memory.as_ref().map_or("none", |r| r.memory);
         let _ = write!(
             out,
-            "# HELP {name} The KV transport this node runs (transport), the one asked for (requested) and where RDMA's receive rings live (ring_memory)\n# TYPE {name} gauge\n{name}{{transport=\"{}\",requested=\"{}\",ring_memory=\"{rings}\"}} 1\n\n",
+            "# HELP {name} The KV transport this node runs (transport), the one asked for (requested) and where RDMA's receive and send rings live (ring_memory, send_ring_memory)\n# TYPE {name} gauge\n{name}{{transport=\"{}\",requested=\"{}\",ring_memory=\"{rings}\",send_ring_memory=\"{send}\"}} 1\n\n",
             self.transport, self.requested
         );
     }
@@ -423,15 +463,22 @@ mod tests {
             TransportChoice::Rdma(c) => c.ring_memory.clone(),
             TransportChoice::Quic => panic!("RDMA was asked for"),
         };
+        let send_rings = |c: &TransportChoice| match c {
+            TransportChoice::Rdma(c) => c.send_ring_memory.clone(),
+            TransportChoice::Quic => panic!("RDMA was asked for"),
+        };
         assert!(matches!(rings(&wanted), RingMemory::Wanted(_)));
+        assert!(matches!(send_rings(&wanted), RingMemory::Wanted(_)), "one flag asks for both");
         assert_eq!(rings(&choice(&["--kv-transport", "rdma"]).unwrap()), RingMemory::Host);
         assert!(choice(&["--kv-transport", "rdma", "--rdma-ring-memory", "gpu"]).is_err());
 
         let mut on_cpu = wanted.clone();
         supply_ring_memory(&mut on_cpu, "cpu (2 threads, avx2)", 0, LAYOUT);
-        let RingMemory::Wanted(why) = rings(&on_cpu) else { panic!("device memory on a CPU engine") };
         let expect = if cfg!(feature = "rdma") { "the engine does not run on CUDA (cpu)" } else { "no RDMA support" };
-        assert!(why.contains(expect), "{why}");
+        for got in [rings(&on_cpu), send_rings(&on_cpu)] {
+            let RingMemory::Wanted(why) = got else { panic!("device memory on a CPU engine") };
+            assert!(why.contains(expect), "{why}");
+        }
 
         let mut on_cuda = wanted.clone();
         supply_ring_memory(&mut on_cuda, "cuda (NVIDIA H100, sm_90)", 0, LAYOUT);
@@ -445,9 +492,12 @@ mod tests {
                 let block_layer = LAYOUT.bytes_per_block_layer() as u32;
                 let TransportChoice::Rdma(c) = &on_cuda else { unreachable!() };
                 assert!(mem.len >= c.device_ring_bytes(block_layer).unwrap());
+                let RingMemory::Device(send) = send_rings(&on_cuda) else { panic!("receive rings on the GPU, send rings not") };
+                assert!(send.len >= c.device_send_ring_bytes().unwrap() && send.device_addr != mem.device_addr, "{send:?}");
             }
             RingMemory::Host => panic!("a request for device memory became host memory silently"),
         }
+        assert_eq!(std::mem::discriminant(&rings(&on_cuda)), std::mem::discriminant(&send_rings(&on_cuda)), "both or neither on the GPU");
 
         // Host rings and QUIC are left alone.
         let mut quic = TransportChoice::Quic;
@@ -455,7 +505,7 @@ mod tests {
         assert_eq!(quic, TransportChoice::Quic);
         let mut host = choice(&["--kv-transport", "rdma"]).unwrap();
         supply_ring_memory(&mut host, "cuda (x)", 0, LAYOUT);
-        assert_eq!(rings(&host), RingMemory::Host);
+        assert_eq!((rings(&host), send_rings(&host)), (RingMemory::Host, RingMemory::Host));
     }
 
     #[test]
@@ -511,7 +561,7 @@ mod tests {
             node.render_info(&mut info);
             let rings = node.ring_memory.as_ref().map_or("none", |r| r.memory);
             assert_eq!(rings == "none", node.transport == "quic", "rings {rings} on {}", node.transport);
-            assert!(info.contains(&format!("{KV_TRANSPORT_INFO}{{transport=\"{}\",requested=\"rdma\",ring_memory=\"{rings}\"}} 1", node.transport)), "{info}");
+            assert!(info.contains(&format!("{KV_TRANSPORT_INFO}{{transport=\"{}\",requested=\"rdma\",ring_memory=\"{rings}\",send_ring_memory=\"{rings}\"}} 1", node.transport)), "{info}");
         }
 
         // The prefill node ships two blocks into a reservation on the decode node.

@@ -5,7 +5,10 @@
 //!   forward pass completes right after writing it ([`baton_engine::LayerExport`]);
 //!   [`ship_layers`] opens the transfer at the first layer and sends each one as it comes,
 //!   so the transfer of layer `l` overlaps the compute of layer `l + 1` (and of later
-//!   chunks), and the handoff ends about one layer's transfer after the compute.
+//!   chunks), and the handoff ends about one layer's transfer after the compute. Where the
+//!   transport sends from device memory (RDMA with send rings on the GPU) a layer the
+//!   engine kept on its GPU goes out from there ([`baton_kv_transport::Transfer::send_device_blocks`]);
+//!   otherwise its bytes come to the host first.
 //! - `after-prefill`: the engine copies whole blocks out at the first token and
 //!   [`ship_whole`] sends them layer by layer (the handoff follows the compute; kept as the
 //!   baseline `baton bench cluster` measures the pipelined mode against).
@@ -21,8 +24,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_engine::{KvExport, LayerExport, LayerExportEvent};
+use baton_kernels::KvBytes;
+use baton_kv_transport::transport::device_memory::DeviceSource;
 use baton_kv_transport::{Grant, Peer, Transfer};
-use baton_node_common::kv::{ExportSource, KvNode};
+use baton_node_common::kv::{device_source, ExportSource, KvNode};
 use tonic::Status;
 
 /// How the prefill node ships a tail's KV (`--kv-export`).
@@ -49,21 +54,19 @@ pub async fn ship_layers(kv: Arc<KvNode>, peer: Peer, grant: Grant, start_block:
             match event {
                 LayerExportEvent::Layer(chunk) => {
                     let first = chunk.first_block.checked_sub(start_block).ok_or_else(|| Status::internal("the engine exported a block before the grant"))?;
-                    // A device backend's copy may still be in flight: wait for it off the
-                    // runtime's threads.
-                    let bytes = if chunk.bytes.is_ready() {
-                        chunk.bytes.wait()
-                    } else {
-                        let b = chunk.bytes;
-                        tokio::task::spawn_blocking(move || b.wait()).await.map_err(|_| Status::internal("waiting for exported KV"))?
-                    };
+                    let bytes = layer_bytes(chunk.bytes, kv.sender.sends_from_device()).await?;
                     let t = match &mut transfer {
                         Some(t) => t,
                         // Opened at the first layer, not before: a prefill that fails before
                         // computing anything never touched the grant.
                         None => transfer.insert(kv.sender.open(&peer, &grant).await.map_err(unavailable)?),
                     };
-                    t.send_blocks(chunk.layer as u32, first as u32, &bytes).await.map_err(unavailable)?;
+                    let (layer, first) = (chunk.layer as u32, first as u32);
+                    match bytes {
+                        Exported::Host(bytes) => t.send_blocks(layer, first, &bytes).await,
+                        Exported::Device(source) => t.send_device_blocks(layer, first, source).await,
+                    }
+                    .map_err(unavailable)?;
                     if let Some(d) = layer_delay {
                         tokio::time::sleep(d).await;
                     }
@@ -89,6 +92,31 @@ pub async fn ship_layers(kv: Arc<KvNode>, peer: Peer, grant: Grant, start_block:
         }
     }
     result
+}
+
+/// One exported layer's bytes, where they are sent from.
+enum Exported {
+    Host(Vec<u8>),
+    Device(Arc<dyn DeviceSource>),
+}
+
+/// The bytes of an exported layer: left on the device where the link sends from there
+/// (`from_device`) and the backend kept them there, else on the host. A device backend's
+/// copy may still be in flight: it is waited for off the runtime's threads.
+async fn layer_bytes(bytes: KvBytes, from_device: bool) -> Result<Exported, Status> {
+    if bytes.is_ready() {
+        return Ok(Exported::Host(bytes.wait()));
+    }
+    let waited = tokio::task::spawn_blocking(move || {
+        if from_device {
+            match bytes.into_device() {
+                Ok(on_device) => return Exported::Device(device_source(on_device)),
+                Err(bytes) => return Exported::Host(bytes.wait()),
+            }
+        }
+        Exported::Host(bytes.wait())
+    });
+    waited.await.map_err(|_| Status::internal("waiting for exported KV"))
 }
 
 /// Sends a whole export (all blocks, after the forward pass), layer by layer.

@@ -236,6 +236,8 @@ pub(crate) enum Command {
     Cancel(SeqId),
     EvictConversation(ConversationId, mpsc::Sender<usize>),
     EvictOwner(OwnerId, mpsc::Sender<usize>),
+    /// [`Engine::keep_layer_exports_on_device`].
+    KeepLayerExportsOnDevice(bool),
     Shutdown,
 }
 
@@ -576,6 +578,14 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         self.sender().send(Command::EvictOwner(user, tx)).map_err(|_| EngineError::Stopped)?;
         rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// Whether pipelined exports ([`Engine::submit_exporting_layers`]) leave each layer in
+    /// device memory only ([`baton_kernels::Backend::keep_layer_exports_on_device`]): for
+    /// a node whose KV transport sends from there. Applies to layers exported after it
+    /// (commands are applied in order); does nothing on a host backend.
+    pub fn keep_layer_exports_on_device(&self, keep: bool) -> Result<(), EngineError> {
+        self.sender().send(Command::KeepLayerExportsOnDevice(keep)).map_err(|_| EngineError::Stopped)
     }
 
     /// A snapshot of the engine's counters (as of the last step).

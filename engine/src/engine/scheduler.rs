@@ -265,6 +265,7 @@ impl<B: Backend> Worker<B> {
             Command::EvictOwner(user, reply) => {
                 let _ = reply.send(self.cache.evict_owner(&user));
             }
+            Command::KeepLayerExportsOnDevice(keep) => self.backend.keep_layer_exports_on_device(keep),
             Command::Shutdown => return false,
         }
         true

@@ -172,6 +172,12 @@ pub async fn serve<R: NodeRole>(
     let staging_memory = kv::device_staging_memory(&config.kv_transport, config.engine.gpu, staging_blocks * layout.bytes_per_block());
     let mut kv_node = KvNode::start_staging_in(&config.name, config.kv_listen, &tls, &config.kv_transport, layout, staging_blocks, staging_memory)?
         .with_windows(engine.info.layer_windows.clone());
+    // With the send rings on the GPU, an exported layer stays there until it is copied into
+    // a send slot: no copy to the host behind each layer.
+    if kv_node.sender.sends_from_device() {
+        engine.keep_layer_exports_on_device(true).map_err(|e| Error::Server { what: "engine", reason: e.to_string() })?;
+        tracing::info!("exported KV layers stay in GPU memory (RDMA send rings there)");
+    }
     let grpc_local = grpc.local_addr().map_err(Error::io("the gRPC listener's address"))?;
     let host = config.advertise_host.clone().unwrap_or_else(|| advertise_ip(grpc_local));
     let grpc_addr = format!("{host}:{}", grpc_local.port());

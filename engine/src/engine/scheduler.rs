@@ -599,14 +599,10 @@ impl<B: Backend> Worker<B> {
                             let ids: Vec<usize> = seq.blocks[first..end].iter().map(|b| b.index()).collect();
                             let range = first - import.start_block..end - import.start_block;
                             let copied = match &import.blocks {
-                                ImportBlocks::Host(blocks) => {
-                                    let data: Vec<&[u8]> = blocks[range].iter().map(Vec::as_slice).collect();
-                                    store.backend.kv_blocks_in(store.kv, &ids, &data);
-                                    Ok(())
-                                }
-                                // On the device: copied there, else through the host.
+                                // On the device: copied there where the backend can, else
+                                // through the host like a host import.
                                 ImportBlocks::Device(d) if store.backend.kv_blocks_in_device(store.kv, &ids, &d.addrs[range.clone()]) => Ok(()),
-                                ImportBlocks::Device(d) => d.to_host(range).map(|blocks| {
+                                blocks => blocks.host(range).map(|blocks| {
                                     let data: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
                                     store.backend.kv_blocks_in(store.kv, &ids, &data);
                                 }),

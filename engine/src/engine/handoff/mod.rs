@@ -62,6 +62,14 @@ pub enum ImportBlocks {
 }
 
 impl ImportBlocks {
+    /// Blocks `range` on the host: borrowed, or copied off the device.
+    pub fn host(&self, range: std::ops::Range<usize>) -> Result<std::borrow::Cow<'_, [Vec<u8>]>, String> {
+        match self {
+            ImportBlocks::Host(b) => Ok(std::borrow::Cow::Borrowed(&b[range])),
+            ImportBlocks::Device(d) => d.to_host(range).map(std::borrow::Cow::Owned),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             ImportBlocks::Host(b) => b.len(),

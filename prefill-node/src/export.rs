@@ -108,12 +108,13 @@ async fn layer_bytes(bytes: KvBytes, from_device: bool) -> Result<Exported, Stat
         return Ok(Exported::Host(bytes.wait()));
     }
     let waited = tokio::task::spawn_blocking(move || {
-        if from_device {
-            match bytes.into_device() {
+        let bytes = match from_device {
+            true => match bytes.into_device() {
                 Ok(on_device) => return Exported::Device(device_source(on_device)),
-                Err(bytes) => return Exported::Host(bytes.wait()),
-            }
-        }
+                Err(bytes) => bytes,
+            },
+            false => bytes,
+        };
         Exported::Host(bytes.wait())
     });
     waited.await.map_err(|_| Status::internal("waiting for exported KV"))

@@ -309,7 +309,7 @@ impl Frame {
 
     /// Bytes this frame takes on a byte-stream link.
     pub fn wire_len(&self) -> usize {
-        HEADER_LEN + self.payload_len() + TRAILER_LEN
+        wire_len(self.payload_len())
     }
 
     /// Appends the encoded frame to `out`.
@@ -320,6 +320,11 @@ impl Frame {
         out.put_slice(&self.payload);
         out.put_u32_le(self.checksum);
     }
+}
+
+/// Bytes a frame with `payload` bytes of payload takes on a link: header, payload, trailer.
+pub fn wire_len(payload: usize) -> usize {
+    HEADER_LEN + payload + TRAILER_LEN
 }
 
 /// CRC-32 of the encoded header and the payload.

@@ -294,11 +294,7 @@ impl Transfer {
         let mut block = first as usize;
         while block < end as usize {
             let count = self.frame_blocks.min(end as usize - block);
-            let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);
-            h.layer = layer;
-            h.first_block = block as u32;
-            h.block_count = count as u32;
-            h.payload_len = (count * bl) as u32;
+            let h = self.data_header(layer, block, count);
             let offset = (block - first_block as usize) * bl;
             let payload = DeviceRange::new(data.clone(), offset, count * bl).map_err(|_| Error::LayoutMismatch { reservation, what: "exported bytes" })?;
             self.send_out(Outgoing::Device(h, payload), "sending data").await?;
@@ -334,15 +330,10 @@ impl Transfer {
     /// Frames of layer `layer` for grant blocks `first..end`, each block-layer filled by
     /// `fill(block, out)`.
     async fn send_frames(&mut self, layer: u32, mut first: usize, end: usize, mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>) -> Result<()> {
-        let reservation = self.grant.reservation;
         let bl = self.grant.layout.bytes_per_block_layer();
         while first < end {
             let count = self.frame_blocks.min(end - first);
-            let mut h = FrameHeader::new(FrameKind::Data, reservation, self.grant.epoch);
-            h.layer = layer;
-            h.first_block = first as u32;
-            h.block_count = count as u32;
-            h.payload_len = (count * bl) as u32;
+            let h = self.data_header(layer, first, count);
             // Checksum each block-layer right after copying it, while it is in cache.
             let mut crc = crc32fast::Hasher::new();
             crc.update(&h.encode());
@@ -366,6 +357,17 @@ impl Transfer {
             first += count;
         }
         Ok(())
+    }
+
+    /// The header of a `Data` frame carrying layer `layer` of grant blocks
+    /// `first..first + count`.
+    fn data_header(&self, layer: u32, first: usize, count: usize) -> FrameHeader {
+        let mut h = FrameHeader::new(FrameKind::Data, self.grant.reservation, self.grant.epoch);
+        h.layer = layer;
+        h.first_block = first as u32;
+        h.block_count = count as u32;
+        h.payload_len = (count * self.grant.layout.bytes_per_block_layer()) as u32;
+        h
     }
 
     /// Block-layers the grant wants that were not sent yet.
@@ -510,7 +512,7 @@ impl Outgoing {
     fn wire_len(&self) -> usize {
         match self {
             Outgoing::Frame(f) => f.wire_len(),
-            Outgoing::Device(_, p) => crate::handoff::frame::HEADER_LEN + p.len + crate::handoff::frame::TRAILER_LEN,
+            Outgoing::Device(_, p) => crate::handoff::frame::wire_len(p.len),
         }
     }
 }

@@ -95,8 +95,7 @@ impl RdmaConfig {
     /// ([`RingMemory::Device`]) with block-layers of `block_layer` bytes: every ring rounded
     /// up to [`DEVICE_RING_ALIGN`]. `None` when it overflows.
     pub fn device_ring_bytes(&self, block_layer: u32) -> Option<usize> {
-        let slot = self.receive_slot_payload(block_layer).checked_add((HEADER_LEN + TRAILER_LEN) as u32)?;
-        let ring = (slot as usize).checked_mul(self.slots as usize)?.checked_next_multiple_of(DEVICE_RING_ALIGN)?;
+        let ring = self.ring_bytes(self.receive_slot_payload(block_layer))?.checked_next_multiple_of(DEVICE_RING_ALIGN)?;
         ring.checked_mul(self.rings as usize)
     }
 
@@ -104,8 +103,13 @@ impl RdmaConfig {
     /// ([`RdmaConfig::send_ring_memory`]): every ring back to back, in whole
     /// [`DEVICE_RING_ALIGN`] units (they are one local registration). `None` on overflow.
     pub fn device_send_ring_bytes(&self) -> Option<usize> {
-        let slot = self.slot_payload_bytes.checked_add((HEADER_LEN + TRAILER_LEN) as u32)?;
-        (slot as usize).checked_mul(self.slots as usize)?.checked_mul(self.rings as usize)?.checked_next_multiple_of(DEVICE_RING_ALIGN)
+        self.ring_bytes(self.slot_payload_bytes)?.checked_mul(self.rings as usize)?.checked_next_multiple_of(DEVICE_RING_ALIGN)
+    }
+
+    /// One ring of `slots` slots holding frames of up to `payload` bytes of payload.
+    fn ring_bytes(&self, payload: u32) -> Option<usize> {
+        let slot = (payload as usize).checked_add(HEADER_LEN + TRAILER_LEN)?;
+        slot.checked_mul(self.slots as usize)
     }
 }
 

@@ -12,7 +12,7 @@
 //! the owner's copies, never through a host pointer.
 
 use crate::error::{Error, Result};
-use crate::handoff::frame::{Frame, FrameHeader, HEADER_LEN, TRAILER_LEN};
+use crate::handoff::frame::{self, Frame, FrameHeader, HEADER_LEN};
 use crate::transport::device_memory::{DeviceMemory, DeviceRange};
 use crate::transport::rdma::link::NAME;
 
@@ -29,7 +29,7 @@ impl SlotFrame<'_> {
     pub fn wire_len(&self) -> usize {
         match self {
             SlotFrame::Host(f) => f.wire_len(),
-            SlotFrame::Device(_, p) => HEADER_LEN + p.len + TRAILER_LEN,
+            SlotFrame::Device(_, p) => frame::wire_len(p.len),
         }
     }
 }

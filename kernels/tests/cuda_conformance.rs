@@ -17,7 +17,7 @@
 
 use std::io::Write;
 
-use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, GreedyRow, KvDtype, KvLayout, QkNorm, RopeTable};
+use baton_kernels::{AttnRow, Backend, CpuBackend, CudaBackend, GreedyRow, KvBytes, KvDtype, KvLayout, QkNorm, RopeTable};
 use support::{random_bytes, rel_err, scattered_tables, sequence_kv, values};
 
 mod support;
@@ -309,6 +309,25 @@ fn blocks_move_between_the_cpu_and_the_gpu_unchanged() {
     assert!(one[..] == block[7 * lb..8 * lb]);
 }
 
+/// Writes every layer of every token of `blocks` (values from `seed` on) on both backends,
+/// queueing the GPU's export of each layer right behind its write, as a forward pass does;
+/// the exports, which must still be in flight when the call returns.
+fn write_and_export_layers(c: &CpuBackend, g: &CudaBackend, kc: &mut <CpuBackend as Backend>::Kv, kg: &mut <CudaBackend as Backend>::Kv, layout: KvLayout, blocks: &[usize], seed: u64) -> Vec<KvBytes> {
+    let te = layout.token_elems();
+    let bt = layout.block_tokens as u32;
+    let slots: Vec<(u32, u32)> = blocks.iter().flat_map(|&b| (0..bt).map(move |s| (b as u32, s))).collect();
+    (0..layout.layers)
+        .map(|layer| {
+            let (k, v) = (values(slots.len() * te, seed + layer as u64), values(slots.len() * te, seed + 5000 + layer as u64));
+            c.kv_write(kc, layer, &k, &v, &slots);
+            g.kv_write(kg, layer, &g.upload(&k), &g.upload(&v), &slots);
+            let copy = g.kv_blocks_layer_out(kg, blocks, layer, layout.block_layer_bytes());
+            assert!(!copy.is_ready(), "layer {layer}: the GPU's export is queued, not done in the call");
+            copy
+        })
+        .collect()
+}
+
 /// A pipelined export's layer copies (side stream, page-locked slots): queued after each
 /// layer's write while the compute stream goes on writing later layers, each arrives equal
 /// to the CPU backend's, whichever order they are waited in, and a copy dropped unwaited
@@ -319,19 +338,9 @@ fn layer_copies_leave_beside_the_compute_and_equal_the_cpus() {
     let c = CpuBackend::new(1).unwrap();
     let layout = KvLayout { layers: 30, block_tokens: 16, kv_heads: 3, head_dim: 64, dtype: KvDtype::BF16 };
     let (mut kc, mut kg) = (c.kv(layout, 9).unwrap(), g.kv(layout, 9).unwrap());
-    let te = layout.token_elems();
     let blocks = [5usize, 1, 7];
-    let slots: Vec<(u32, u32)> = blocks.iter().flat_map(|&b| (0..16).map(move |s| (b as u32, s))).collect();
     let lb = layout.block_layer_bytes();
-    let mut pending = Vec::new();
-    for layer in 0..layout.layers {
-        let (k, v) = (values(slots.len() * te, 50 + layer as u64), values(slots.len() * te, 5000 + layer as u64));
-        c.kv_write(&mut kc, layer, &k, &v, &slots);
-        g.kv_write(&mut kg, layer, &g.upload(&k), &g.upload(&v), &slots);
-        let copy = g.kv_blocks_layer_out(&kg, &blocks, layer, lb);
-        assert!(!copy.is_ready(), "the GPU's copy is queued, not done in the call");
-        pending.push(copy);
-    }
+    let pending = write_and_export_layers(&c, &g, &mut kc, &mut kg, layout, &blocks, 50);
     // Waited last first: each copy owns its buffers.
     for (layer, copy) in pending.into_iter().enumerate().rev() {
         let got = copy.wait();
@@ -356,9 +365,7 @@ fn layer_exports_kept_on_the_device_equal_the_cpus() {
     let c = CpuBackend::new(1).unwrap();
     let layout = KvLayout { layers: 6, block_tokens: 16, kv_heads: 3, head_dim: 64, dtype: KvDtype::BF16 };
     let (mut kc, mut kg) = (c.kv(layout, 9).unwrap(), g.kv(layout, 9).unwrap());
-    let te = layout.token_elems();
     let blocks = [5usize, 1, 7];
-    let slots: Vec<(u32, u32)> = blocks.iter().flat_map(|&b| (0..16).map(move |s| (b as u32, s))).collect();
     let lb = layout.block_layer_bytes();
     let ring = dmabuf_or_skip(&g, blocks.len() * lb);
     if ring.is_none() {
@@ -366,18 +373,8 @@ fn layer_exports_kept_on_the_device_equal_the_cpus() {
     }
     for keep in [false, true] {
         g.keep_layer_exports_on_device(keep);
-        // Other values in each round, written layer by layer with each layer's export queued
-        // right behind its write, as a forward pass does.
-        let mut exports = Vec::new();
-        for layer in 0..layout.layers {
-            let seed = 700 * keep as u64 + layer as u64;
-            let (k, v) = (values(slots.len() * te, 60 + seed), values(slots.len() * te, 6000 + seed));
-            c.kv_write(&mut kc, layer, &k, &v, &slots);
-            g.kv_write(&mut kg, layer, &g.upload(&k), &g.upload(&v), &slots);
-            let copy = g.kv_blocks_layer_out(&kg, &blocks, layer, lb);
-            assert!(!copy.is_ready(), "keep = {keep}: the GPU's export is queued, not done in the call");
-            exports.push(copy);
-        }
+        // Other values in each round.
+        let exports = write_and_export_layers(&c, &g, &mut kc, &mut kg, layout, &blocks, 60 + 700 * keep as u64);
         let want: Vec<Vec<u8>> = (0..layout.layers).map(|layer| c.kv_blocks_layer_out(&kc, &blocks, layer, lb).wait()).collect();
         // All kept at once: each holds its own device buffer.
         let kept: Vec<_> = exports.into_iter().map(|e| e.into_device().expect("the CUDA backend's export stays on the device")).collect();

@@ -21,6 +21,7 @@ pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
     xorshift(n, seed).map(|s| (s >> 32) as u8).collect()
 }
 
+/// max |got - want| / max |want|.
 pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
